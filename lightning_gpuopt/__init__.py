@@ -1,0 +1,12 @@
+"""lightning_gpuopt: train an unchanged LightningModule as fast as the GPU allows, without dying of OOM.
+
+The public names of the design's API table are re-exported here; see docs/index.md.
+"""
+
+__version__ = "0.1.0.dev0"
+
+from lightning_gpuopt._warnings import GPUOptWarning
+from lightning_gpuopt.cli import GPUOptCLI
+from lightning_gpuopt.data import GPUOptDataModule
+
+__all__ = ["GPUOptCLI", "GPUOptDataModule", "GPUOptWarning", "__version__"]
