@@ -1,0 +1,220 @@
+"""Split one batch into k micro-batches along dim 0, and put per-micro-batch results back together.
+
+Pure functions over any batch structure a DataLoader yields: tensors, tuples, lists, dicts (any
+mapping), namedtuples, dataclasses, and per-sample lists of non-tensor values (file names, strings,
+ids). Leaves without a batch dimension (0-d tensors, numbers, strings, ``None``) are copied into
+every micro-batch unchanged.
+
+Micro-batch sizes follow ``torch.tensor_split``: they differ by at most one, larger ones first
+(10 samples into 3 → 4, 3, 3). Tensor chunks are views, so splitting costs no memory.
+
+A batch whose parts disagree on the number of samples cannot be split; :class:`UnsplittableBatchError`
+says so and names the hook to override: a ``split_batch(self, batch, k)`` method on the
+LightningModule or on the :class:`~lightning_gpuopt.GPUOptDataModule` that returns ``k`` micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "SPLIT_HOOK",
+    "BatchSplit",
+    "UnsplittableBatchError",
+    "batch_size_of",
+    "split_batch",
+    "split_sizes",
+]
+
+#: Name of the method a LightningModule or GPUOptDataModule defines to split its own batches.
+SPLIT_HOOK = "split_batch"
+
+_SCALAR_LEAVES = (str, bytes, int, float, complex, bool, type(None))
+
+
+class UnsplittableBatchError(ValueError):
+    """Raised when a batch has no common leading dimension to split along."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"Cannot split the batch into micro-batches: {reason}. Expected every tensor in the batch to "
+            "share its first (sample) dimension. Define `split_batch(self, batch, k)` on your "
+            "LightningModule or GPUOptDataModule returning a list of k micro-batches, or declare the batch "
+            "unsplittable."
+        )
+
+
+class BatchSplit(NamedTuple):
+    """The micro-batches of one batch and the number of samples in each.
+
+    Example:
+        >>> split = split_batch(torch.arange(5), 2)
+        >>> split.sizes
+        [3, 2]
+        >>> split.total
+        5
+    """
+
+    chunks: list[Any]
+    sizes: list[int]
+
+    @property
+    def total(self) -> int:
+        """Samples in the whole batch."""
+        return sum(self.sizes)
+
+
+def split_sizes(n: int, k: int) -> list[int]:
+    """Sizes of ``k`` near-equal parts of ``n`` samples, larger parts first.
+
+    Example:
+        >>> split_sizes(10, 3)
+        [4, 3, 3]
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"`n` must be a positive int (samples in the batch), got {n!r}")
+    _check_k(k, n)
+    q, r = divmod(n, k)
+    return [q + 1] * r + [q] * (k - r)
+
+
+def batch_size_of(batch: Any) -> int:
+    """Number of samples in ``batch``: the common leading dimension of its tensors.
+
+    Per-sample lists of non-tensor values count when the batch holds no tensor.
+
+    Raises:
+        UnsplittableBatchError: the parts disagree, or nothing in the batch has a sample dimension.
+
+    Example:
+        >>> batch_size_of({"x": torch.zeros(8, 3), "y": torch.zeros(8), "names": ["a"] * 8})
+        8
+    """
+    tensor_sizes: dict[int, str] = {}
+    list_sizes: dict[int, str] = {}
+    _collect_sizes(batch, "batch", tensor_sizes, list_sizes)
+    if len(tensor_sizes) > 1:
+        found = ", ".join(f"{where} has {n}" for n, where in sorted(tensor_sizes.items()))
+        raise UnsplittableBatchError(f"tensors disagree on the number of samples ({found})")
+    if tensor_sizes:
+        (n,) = tensor_sizes
+        bad = {m: where for m, where in list_sizes.items() if m != n}
+        if bad:
+            found = ", ".join(f"{where} has {m} items" for m, where in sorted(bad.items()))
+            raise UnsplittableBatchError(f"tensors have {n} samples but {found}")
+        return n
+    if len(list_sizes) == 1:
+        (n,) = list_sizes
+        return n
+    if list_sizes:
+        found = ", ".join(f"{where} has {n}" for n, where in sorted(list_sizes.items()))
+        raise UnsplittableBatchError(f"per-sample lists disagree on the number of samples ({found})")
+    raise UnsplittableBatchError(f"found no tensor with a sample dimension in a batch of type {type(batch).__name__}")
+
+
+def split_batch(batch: Any, k: int) -> BatchSplit:
+    """Split ``batch`` along dim 0 into ``k`` micro-batches of near-equal size.
+
+    Args:
+        batch: what the DataLoader yielded for one step.
+        k: number of micro-batches, from 1 to the number of samples.
+
+    Returns:
+        The micro-batches (same structure and types as ``batch``; tensors are views) and their sizes.
+
+    Raises:
+        UnsplittableBatchError: the batch has no common sample dimension.
+        ValueError: ``k`` is not an int in [1, samples].
+
+    Example:
+        >>> x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
+        >>> chunks, sizes = split_batch((x, y), 2)
+        >>> sizes
+        [3, 2]
+        >>> chunks[1][1]
+        tensor([3, 4])
+    """
+    n = batch_size_of(batch)
+    sizes = split_sizes(n, k)
+    bounds = []
+    start = 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return BatchSplit([_slice(batch, n, lo, hi) for lo, hi in bounds], sizes)
+
+
+def _check_k(k: int, n: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"`k` (micro-batches) must be an int, got {k!r}")
+    if not 1 <= k <= n:
+        raise ValueError(f"`k` (micro-batches) must be in [1, {n}] for a batch of {n} samples, got {k}")
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def _is_per_sample_list(obj: Any) -> bool:
+    # A list/tuple of plain values (strings, ids, numbers) is one value per sample, as default_collate
+    # leaves strings. A list of tensors or containers is a structure and is recursed into instead.
+    return (
+        isinstance(obj, (list, tuple))
+        and not _is_namedtuple(obj)
+        and len(obj) > 0
+        and all(isinstance(v, _SCALAR_LEAVES) for v in obj)
+    )
+
+
+def _children(obj: Any) -> list[tuple[str, Any]] | None:
+    if isinstance(obj, Mapping):
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    if _is_namedtuple(obj):
+        return [(f".{name}", getattr(obj, name)) for name in obj._fields]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        return [(f"[{i}]", value) for i, value in enumerate(obj)]
+    return None
+
+
+def _collect_sizes(obj: Any, where: str, tensor_sizes: dict[int, str], list_sizes: dict[int, str]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() > 0:
+            tensor_sizes.setdefault(obj.shape[0], where)
+        return
+    if _is_per_sample_list(obj):
+        list_sizes.setdefault(len(obj), where)
+        return
+    children = _children(obj)
+    for name, child in children or []:
+        _collect_sizes(child, where + name, tensor_sizes, list_sizes)
+
+
+def _slice(obj: Any, n: int, lo: int, hi: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[lo:hi] if obj.dim() > 0 else obj
+    if _is_per_sample_list(obj):
+        return obj[lo:hi] if len(obj) == n else obj
+    if isinstance(obj, Mapping):
+        items = {key: _slice(value, n, lo, hi) for key, value in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:  # a mapping type without a dict constructor
+            return items
+    if _is_namedtuple(obj):
+        return type(obj)(*(_slice(v, n, lo, hi) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            # object.__setattr__ also works for frozen dataclasses.
+            object.__setattr__(new, field.name, _slice(getattr(obj, field.name), n, lo, hi))
+        return new
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_slice(v, n, lo, hi) for v in obj)
+    return obj
