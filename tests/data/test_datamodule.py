@@ -1,0 +1,216 @@
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
+from torch.utils.data import DataLoader
+
+from lightning_gpuopt import GPUOptDataModule
+from lightning_gpuopt.data import auto_num_workers
+from lightning_gpuopt.data import datamodule as datamodule_mod
+
+
+class TrainVal(GPUOptDataModule):
+    def __init__(self, n_train: int = 50, n_val: int = 20, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.n_train, self.n_val = n_train, n_val
+
+    def train_dataset(self):
+        return IndexedRegression(self.n_train)
+
+    def val_dataset(self):
+        return IndexedRegression(self.n_val, seed=1)
+
+
+class TrainOnly(GPUOptDataModule):
+    def train_dataset(self):
+        return IndexedRegression(30)
+
+
+def _ids(loader: DataLoader) -> list[int]:
+    return [int(i) for ids, _, _ in loader for i in ids]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["in-process", "two-workers"])
+def test_every_sample_exactly_once_per_epoch_through_fit(num_workers):
+    dm = TrainVal(n_train=50, n_val=20, batch_size=8, num_workers=num_workers)
+    model = RecordingRegressor()
+    pl.Trainer(max_epochs=2, **TRAINER_QUIET).fit(model, dm)
+    # 50 samples, batch 8, drop_last=False: 7 batches an epoch, the last one of 2.
+    assert [len(b) for b in model.train_ids] == ([8] * 6 + [2]) * 2
+    for epoch in range(2):
+        seen = [i for b in model.train_ids[epoch * 7 : (epoch + 1) * 7] for i in b]
+        assert collections.Counter(seen) == collections.Counter(range(50))
+    # Shuffled: the two epochs see different orders.
+    assert model.train_ids[:7] != model.train_ids[7:]
+    val_seen = [i for b in model.val_ids for i in b]
+    assert sorted(val_seen) == sorted(list(range(20)) * 2)  # validated after each epoch, in order
+    assert model.val_ids[0] == list(range(8))
+
+
+def test_batch_size_is_read_each_time_a_loader_is_built():
+    dm = TrainVal(batch_size=10, num_workers=0)
+    assert len(next(iter(dm.train_dataloader()))[0]) == 10
+    dm.batch_size = 25
+    assert [len(ids) for ids, _, _ in dm.train_dataloader()] == [25, 25]
+
+
+def test_dataset_is_built_once_and_reused():
+    calls = []
+
+    class Counting(GPUOptDataModule):
+        def train_dataset(self):
+            calls.append(1)
+            return IndexedRegression(10)
+
+    dm = Counting(batch_size=5, num_workers=0)
+    dm.train_dataloader()
+    dm.train_dataloader()
+    assert len(calls) == 1
+
+
+def test_eval_batch_size_and_order_of_eval_loaders():
+    dm = TrainVal(n_val=20, batch_size=4, eval_batch_size=16, num_workers=0)
+    loader = dm.val_dataloader()
+    assert loader.batch_size == 16
+    assert _ids(loader) == list(range(20))  # evaluation is not shuffled
+
+
+def test_drop_last_and_shuffle_are_honoured():
+    dm = TrainVal(n_train=50, batch_size=8, num_workers=0, drop_last=True, shuffle=False)
+    ids = _ids(dm.train_dataloader())
+    assert ids == list(range(48))
+
+
+def test_loader_settings_with_workers():
+    dm = TrainVal(batch_size=8, num_workers=3, persistent_workers=True, prefetch_factor=5, pin_memory=False)
+    loader = dm.train_dataloader()
+    assert loader.num_workers == 3 and loader.persistent_workers and loader.prefetch_factor == 5
+    assert loader.pin_memory is False
+
+
+def test_no_val_dataset_means_no_validation_loop_and_no_warning(recwarn):
+    model = RecordingRegressor()
+    trainer = pl.Trainer(max_epochs=1, **TRAINER_QUIET)
+    trainer.fit(model, TrainOnly(batch_size=10, num_workers=0))
+    assert model.val_ids == []
+    assert len(model.train_ids) == 3
+    assert not [w for w in recwarn if "length" in str(w.message).lower() and "zero" in str(w.message).lower()]
+
+
+def test_user_written_loader_is_kept():
+    class OwnVal(TrainOnly):
+        def val_dataloader(self):
+            return DataLoader(IndexedRegression(6), batch_size=3)
+
+    model = RecordingRegressor()
+    pl.Trainer(max_epochs=1, **TRAINER_QUIET).fit(model, OwnVal(batch_size=10, num_workers=0))
+    assert model.val_ids == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_subclass_of_subclass_keeps_stages():
+    class More(TrainVal):
+        pass
+
+    model = RecordingRegressor()
+    pl.Trainer(max_epochs=1, **TRAINER_QUIET).fit(model, More(n_val=5, batch_size=5, num_workers=0))
+    assert model.val_ids == [[0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, r"`batch_size` must be a positive int, got 0"),
+        ({"batch_size": -4}, r"`batch_size` must be a positive int, got -4"),
+        ({"batch_size": 2.5}, r"`batch_size` must be a positive int, got 2.5"),
+        ({"batch_size": True}, r"`batch_size` must be a positive int, got True"),
+        ({"eval_batch_size": 0}, r"`eval_batch_size` must be a positive int or None, got 0"),
+        ({"num_workers": -1}, r"`num_workers` must be 'auto' or an int >= 0, got -1"),
+        ({"num_workers": "many"}, r"`num_workers` must be 'auto' or an int >= 0, got 'many'"),
+        ({"pin_memory": "yes"}, r"`pin_memory` must be 'auto', True or False, got 'yes'"),
+        ({"prefetch_factor": 0}, r"`prefetch_factor` must be a positive int, got 0"),
+    ],
+    ids=["bs-zero", "bs-negative", "bs-float", "bs-bool", "eval-bs", "workers-negative", "workers-str", "pin", "prefetch"],
+)
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainVal(**kwargs)
+
+
+def test_batch_size_set_to_a_bad_value_later_fails_when_the_loader_is_built():
+    dm = TrainVal(batch_size=4, num_workers=0)
+    dm.batch_size = 0
+    with pytest.raises(ValueError, match=r"`batch_size` must be a positive int, got 0"):
+        dm.train_dataloader()
+
+
+def test_missing_train_dataset_names_the_fix():
+    class NoTrain(GPUOptDataModule):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"NoTrain must override `train_dataset\(self\)`"):
+        pl.Trainer(max_epochs=1, **TRAINER_QUIET).fit(RecordingRegressor(), NoTrain(num_workers=0))
+
+
+def test_dataset_method_returning_none_or_junk_is_a_clear_error():
+    class NoneTrain(GPUOptDataModule):
+        def train_dataset(self):
+            return None
+
+    class JunkTrain(GPUOptDataModule):
+        def train_dataset(self):
+            return 42
+
+    with pytest.raises(ValueError, match=r"NoneTrain.train_dataset\(\) returned None"):
+        NoneTrain(num_workers=0).train_dataloader()
+    with pytest.raises(TypeError, match=r"JunkTrain.train_dataset\(\) must return a torch Dataset, got int"):
+        JunkTrain(num_workers=0).train_dataloader()
+
+
+@pytest.mark.parametrize(
+    ("cpus", "devices", "expected"),
+    [(1, 1, 0), (2, 1, 1), (8, 1, 7), (64, 1, 8), (16, 2, 7), (64, 8, 7), (4, 8, 0)],
+)
+def test_auto_num_workers_rule(cpus, devices, expected):
+    assert auto_num_workers(cpus, devices) == expected
+
+
+def test_auto_workers_use_process_affinity_and_are_announced_once(monkeypatch, caplog):
+    monkeypatch.setattr(datamodule_mod.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    dm = TrainVal(batch_size=4)
+    with caplog.at_level(logging.INFO):
+        assert dm.train_dataloader().num_workers == 4
+        assert dm.val_dataloader().num_workers == 4
+    announced = [r.getMessage() for r in caplog.records if "num_workers='auto' -> 4" in r.getMessage()]
+    assert len(announced) == 1 and "5 CPUs for 1 local device(s)" in announced[0]
+
+
+def test_pin_memory_auto_is_off_on_cpu():
+    dm = TrainVal(batch_size=4, num_workers=0)
+    assert dm.resolved_pin_memory() is torch.cuda.is_available()
+    assert dm.train_dataloader().pin_memory is torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+def test_pin_memory_auto_is_on_when_training_on_cuda():
+    model = RecordingRegressor()
+    dm = TrainVal(batch_size=4, num_workers=0)
+    trainer = pl.Trainer(max_steps=1, **{**TRAINER_QUIET, "accelerator": "cuda"})
+    trainer.fit(model, dm)
+    assert dm.resolved_pin_memory() is True
+
+
+def test_datamodule_pickles_with_its_settings():
+    dm = TrainVal(batch_size=7, num_workers=0)
+    dm.train_dataloader()
+    clone = pickle.loads(pickle.dumps(dm))
+    assert clone.batch_size == 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(next(iter(clone.train_dataloader()))[0]) == 7
