@@ -1,0 +1,83 @@
+"""The ``gpuopt`` command: a LightningCLI for any LightningModule and LightningDataModule, by class path.
+
+Examples:
+    gpuopt fit --config examples/configs/default.yaml
+    gpuopt fit --model lightning.pytorch.demos.boring_classes.DemoModel \\
+               --data lightning.pytorch.demos.boring_classes.BoringDataModule --trainer.max_steps 5
+    python -m lightning_gpuopt fit --help
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_gpuopt._summary import RunSummary
+
+__all__ = ["GPUOptCLI", "main"]
+
+_DESCRIPTION = (
+    "gpuopt: train any LightningModule with lightning_gpuopt's memory, precision and data tuning. "
+    "Pick the model and data by class path (--model, --data) or in a config file (--config)."
+)
+
+
+class GPUOptCLI(LightningCLI):
+    """LightningCLI with the pack's defaults: ``fit``, ``validate``, ``test`` and ``predict``.
+
+    Any LightningModule (``--model``) and LightningDataModule (``--data``) can be given by class
+    path, not only the pack's own. Options of the pack are under ``--gpuopt.*``:
+
+    * ``--gpuopt.summary`` (default true): after ``fit``, print one summary line with the final
+      validation metrics, training samples/s and peak memory.
+
+    Args:
+        *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
+        **kwargs: passed to :class:`~lightning.pytorch.cli.LightningCLI`; ``model_class`` and
+            ``datamodule_class`` default to any subclass, and the saved ``config.yaml`` is overwritten.
+
+    Example:
+        >>> from lightning_gpuopt.cli import GPUOptCLI
+        >>> cli = GPUOptCLI(run=False, args=["--model", "lightning.pytorch.demos.boring_classes.BoringModel",
+        ...     "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"])
+        >>> type(cli.model).__name__
+        'BoringModel'
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        parser_kwargs = dict(kwargs.pop("parser_kwargs", None) or {})
+        parser_kwargs.setdefault("description", _DESCRIPTION)
+        kwargs["parser_kwargs"] = parser_kwargs
+        self.summary: RunSummary | None = None
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--gpuopt.summary",
+            type=bool,
+            default=True,
+            help="After fit, print one line with the final validation metrics, training samples/s and peak memory.",
+        )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        if self.subcommand in (None, "fit") and self._gpuopt_option("summary"):
+            self.summary = RunSummary()
+            user_callbacks = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+            if not isinstance(user_callbacks, list):
+                user_callbacks = [user_callbacks]
+            kwargs["callbacks"] = [*user_callbacks, self.summary, *kwargs.get("callbacks", [])]
+        return super().instantiate_trainer(**kwargs)
+
+    def _gpuopt_option(self, name: str) -> Any:
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        return config.get(f"gpuopt.{name}")
+
+
+def main(args: list[str] | None = None) -> GPUOptCLI:
+    """Entry point of the ``gpuopt`` console script and of ``python -m lightning_gpuopt``."""
+    return GPUOptCLI(args=args)
