@@ -6,7 +6,16 @@ The public names of the design's API table are re-exported here; see docs/index.
 __version__ = "0.1.0.dev0"
 
 from lightning_gpuopt._warnings import GPUOptWarning
+from lightning_gpuopt.callbacks import MicroBatchOOMError, OOMRecovery, TokenCount
 from lightning_gpuopt.cli import GPUOptCLI
 from lightning_gpuopt.data import GPUOptDataModule
 
-__all__ = ["GPUOptCLI", "GPUOptDataModule", "GPUOptWarning", "__version__"]
+__all__ = [
+    "GPUOptCLI",
+    "GPUOptDataModule",
+    "GPUOptWarning",
+    "MicroBatchOOMError",
+    "OOMRecovery",
+    "TokenCount",
+    "__version__",
+]

@@ -13,8 +13,11 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
+from lightning_gpuopt.callbacks import OOMRecovery
 
 __all__ = ["GPUOptCLI", "main"]
 
@@ -32,6 +35,8 @@ class GPUOptCLI(LightningCLI):
 
     * ``--gpuopt.summary`` (default true): after ``fit``, print one summary line with the final
       validation metrics, training samples/s and peak memory.
+    * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
+      on a single device, unless ``--trainer.callbacks`` already has one.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -63,6 +68,13 @@ class GPUOptCLI(LightningCLI):
             default=True,
             help="After fit, print one line with the final validation metrics, training samples/s and peak memory.",
         )
+        parser.add_argument(
+            "--gpuopt.oom_recovery",
+            type=bool,
+            default=True,
+            help="Add OOMRecovery to fit on a single device (re-split a batch that runs out of memory and retry), "
+            "unless trainer.callbacks has one.",
+        )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self.subcommand in (None, "fit") and self._gpuopt_option("summary"):
@@ -71,7 +83,22 @@ class GPUOptCLI(LightningCLI):
             if not isinstance(user_callbacks, list):
                 user_callbacks = [user_callbacks]
             kwargs["callbacks"] = [*user_callbacks, self.summary, *kwargs.get("callbacks", [])]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):
+            self._add_oom_recovery(trainer)
+        return trainer
+
+    @staticmethod
+    def _add_oom_recovery(trainer: Trainer) -> None:
+        if any(isinstance(cb, OOMRecovery) for cb in trainer.callbacks):
+            return
+        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+            rank_zero_info(
+                f"gpuopt: OOMRecovery not added: it supports single-device training in this version "
+                f"(strategy {type(trainer.strategy).__name__})."
+            )
+            return
+        trainer.callbacks.append(OOMRecovery())
 
     def _gpuopt_option(self, name: str) -> Any:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config

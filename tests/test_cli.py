@@ -49,6 +49,21 @@ def test_fit_any_module_and_datamodule_by_class_path(tmp_path, caplog):
     assert cli.summary.values["peak_memory_bytes"] > 0
 
 
+def test_fit_adds_oom_recovery_on_a_single_device(tmp_path):
+    from lightning_gpuopt import OOMRecovery
+
+    cli = main(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
+    assert sum(isinstance(cb, OOMRecovery) for cb in cli.trainer.callbacks) == 1
+    off = main(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.oom_recovery", "false", *_quiet(tmp_path)])
+    assert not any(isinstance(cb, OOMRecovery) for cb in off.trainer.callbacks)
+    own = main(
+        ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.callbacks+=lightning_gpuopt.OOMRecovery",
+         "--trainer.callbacks.max_micro_batches=4", *_quiet(tmp_path)]
+    )
+    (cb,) = [cb for cb in own.trainer.callbacks if isinstance(cb, OOMRecovery)]
+    assert cb.max_micro_batches == 4
+
+
 def test_summary_can_be_turned_off(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         cli = main(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.summary", "false", *_quiet(tmp_path)])
@@ -81,7 +96,7 @@ def test_help_lists_subcommands_and_pack_options(capsys):
         main(["fit", "--help"])
     assert fit.value.code == 0
     text = capsys.readouterr().out
-    assert "--gpuopt.summary" in text and "--model" in text and "--data" in text
+    assert "--gpuopt.summary" in text and "--gpuopt.oom_recovery" in text and "--model" in text and "--data" in text
 
 
 def test_bad_config_key_is_jsonargparse_error(tmp_path, capsys):

@@ -1,0 +1,309 @@
+"""OOMRecovery: on CUDA out-of-memory in a training step, split the same batch into more micro-batches and retry."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from lightning_gpuopt.microbatch import KChange, MicroBatchEngine, WeightFn
+from lightning_gpuopt.oom_policy import OOMFailure, format_bytes, next_micro_batch_count
+
+__all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
+
+_REDUCTIONS = ("mean", "sum", "tokens")
+
+
+class MicroBatchOOMError(torch.OutOfMemoryError):
+    """Out of memory and nothing left to split: the message carries a memory breakdown and next steps."""
+
+
+class TokenCount:
+    """Counts the tokens of a micro-batch that a token-mean loss averages over.
+
+    Counts the elements of ``batch[key]`` that are not ``ignore_index`` (labels with ``-100`` padding,
+    the default), or with ``ignore_index=0`` the ones of an attention mask. Picklable, unlike a lambda.
+
+    Args:
+        key: the batch entry to count in (a mapping key, or an index for tuple/list batches).
+        ignore_index: the value that marks padding.
+
+    Example:
+        >>> TokenCount("labels")({"labels": torch.tensor([[5, 7, -100], [1, -100, -100]])})
+        3
+    """
+
+    def __init__(self, key: str | int = "labels", ignore_index: int = -100) -> None:
+        self.key = key
+        self.ignore_index = ignore_index
+
+    def __call__(self, batch: Any) -> int:
+        try:
+            values = batch[self.key]
+        except (KeyError, IndexError, TypeError) as err:
+            raise ValueError(
+                f"loss_reduction='tokens' counts tokens in batch[{self.key!r}], but the batch has no such entry "
+                f"({type(batch).__name__}). Pass `token_key` naming the labels or attention mask, or a `weight_fn`."
+            ) from err
+        if not isinstance(values, Tensor):
+            raise ValueError(f"batch[{self.key!r}] must be a tensor to count tokens in, got {type(values).__name__}")
+        return int((values != self.ignore_index).sum())
+
+    def __repr__(self) -> str:
+        return f"TokenCount(key={self.key!r}, ignore_index={self.ignore_index})"
+
+
+class OOMRecovery(Callback):
+    """Recovers from out-of-memory errors in training steps by splitting the batch into more micro-batches.
+
+    On an OOM anywhere in a training step (forward, backward, the last micro-batch's backward), the
+    partial gradients and outputs of the attempt are dropped, memory is freed, a larger number of
+    micro-batches k is chosen from what the failure tells (the failing size, the memory it held and
+    tried to allocate, the limit; never a size that already failed) and **the same batch** runs
+    again. The optimizer batch (batch_size × accumulate_grad_batches × world size), the samples seen,
+    ``batch_idx`` and ``global_step`` are those of a run that never ran out of memory; parameters match
+    it to floating-point rounding.
+
+    Each micro-batch's loss is weighted by its share of the batch: its samples (``"mean"``), its
+    tokens (``"tokens"``, for token-mean losses over padded sequences), or what ``weight_fn`` counts;
+    with ``"sum"`` the micro-batch losses are added unweighted. Values logged with ``self.log`` in
+    ``training_step`` are combined into one value per batch with the same shares (keys in
+    ``sum_log_keys`` are summed), torchmetrics states and BatchNorm statistics touched by a failed
+    attempt are restored, so a retry leaves no trace.
+
+    Args:
+        loss_reduction: ``"mean"`` (the loss is a mean over samples), ``"tokens"`` (a mean over the
+            tokens counted by ``token_key``/``ignore_index``) or ``"sum"``.
+        weight_fn: counts what a micro-batch contributes to the batch's loss (overrides ``loss_reduction``'s
+            count); the shares are the counts normalised to sum to one.
+        token_key: the batch entry holding labels (or an attention mask) for ``"tokens"``.
+        ignore_index: the padding value in ``token_key`` (``-100`` for labels, ``0`` for a mask).
+        unsplittable: ``True`` when no batch may be split (losses that couple samples, such as in-batch
+            negatives), or a predicate on the batch; an OOM on such a batch raises a clear error.
+        sum_log_keys: logged keys to sum over micro-batches instead of averaging.
+        max_micro_batches: the largest k to try; ``None``: up to one sample per micro-batch.
+        headroom: the fraction of the memory limit a new micro-batch size aims for, in (0, 1].
+        verbose: print one line per change of k on rank zero.
+
+    Raises:
+        ValueError: an argument is out of range.
+        TypeError: ``weight_fn`` or ``unsplittable`` has the wrong type.
+        RuntimeError: in ``setup``/``on_fit_start``, for setups it cannot run (manual optimization,
+            several optimizers, LBFGS, a compiled module, BatchSizeFinder in the same Trainer, strategies
+            other than a single device), naming the alternative.
+        MicroBatchOOMError: out of memory at one sample per micro-batch, or on an unsplittable batch.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> from lightning_gpuopt import OOMRecovery
+        >>> trainer = pl.Trainer(max_steps=2, callbacks=[OOMRecovery()], logger=False,
+        ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(BoringModel())
+        >>> trainer.global_step
+        2
+    """
+
+    def __init__(
+        self,
+        loss_reduction: str = "mean",
+        weight_fn: WeightFn | None = None,
+        token_key: str | int = "labels",
+        ignore_index: int = -100,
+        unsplittable: bool | Callable[[Any], bool] = False,
+        sum_log_keys: Iterable[str] = (),
+        max_micro_batches: int | None = None,
+        headroom: float = 0.9,
+        verbose: bool = True,
+    ) -> None:
+        if loss_reduction not in _REDUCTIONS:
+            raise ValueError(f"`loss_reduction` must be one of {_REDUCTIONS}, got {loss_reduction!r}")
+        if weight_fn is not None and not callable(weight_fn):
+            raise TypeError(f"`weight_fn` must be a callable(micro_batch) -> count, got {type(weight_fn).__name__}")
+        if weight_fn is not None and loss_reduction == "sum":
+            raise ValueError("`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'")
+        if not isinstance(unsplittable, bool) and not callable(unsplittable):
+            raise TypeError(f"`unsplittable` must be a bool or a callable(batch) -> bool, got {type(unsplittable).__name__}")
+        if isinstance(sum_log_keys, str):
+            raise TypeError(f"`sum_log_keys` must be a collection of names, got the string {sum_log_keys!r}")
+        if max_micro_batches is not None and (
+            isinstance(max_micro_batches, bool) or not isinstance(max_micro_batches, int) or max_micro_batches < 1
+        ):
+            raise ValueError(f"`max_micro_batches` must be a positive int or None, got {max_micro_batches!r}")
+        if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+            raise ValueError(f"`headroom` must be in (0, 1], got {headroom!r}")
+        self.loss_reduction = loss_reduction
+        self.weight_fn = weight_fn
+        self.token_key = token_key
+        self.ignore_index = ignore_index
+        self.unsplittable = unsplittable
+        self.sum_log_keys = frozenset(sum_log_keys)
+        self.max_micro_batches = max_micro_batches
+        self.headroom = float(headroom)
+        self.verbose = verbose
+        #: Every failed attempt of this fit, in order.
+        self.failures: list[OOMFailure] = []
+        self._k = 1
+        self._engine: MicroBatchEngine | None = None
+        self._logged_size: int | None = None
+
+    # ------------------------------------------------------------------ what users read
+
+    @property
+    def k(self) -> int:
+        """Micro-batches per training batch now in force."""
+        return self._engine.k if self._engine is not None else self._k
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(loss_reduction=self.loss_reduction)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"k": self.k, "oom_count": len(self.failures) + self._restored_oom_count}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._k = int(state_dict.get("k", 1))
+        self._restored_oom_count = int(state_dict.get("oom_count", 0))
+
+    _restored_oom_count = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+            raise RuntimeError(
+                f"OOMRecovery supports single-device training in this version, got {type(trainer.strategy).__name__}. "
+                "Train on one device (devices=1), or remove OOMRecovery for multi-device runs."
+            )
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "OOMRecovery needs automatic optimization, but the LightningModule sets `automatic_optimization = "
+                "False`. Split the batch yourself inside `training_step`, or use automatic optimization."
+            )
+        if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):
+            raise RuntimeError(
+                "OOMRecovery cannot run beside Lightning's BatchSizeFinder (both change how a batch runs, and the "
+                "finder's trial steps would be retried). Remove BatchSizeFinder: OOMRecovery already fits the "
+                "micro-batch to memory without changing the optimizer batch."
+            )
+        if getattr(pl_module, "_compiler_ctx", None) is not None:
+            raise RuntimeError(
+                "OOMRecovery does not support a torch.compile'd LightningModule: new micro-batch shapes would "
+                "recompile the model mid-run. Compile submodules with `torch.compile(..., dynamic=True)` inside "
+                "your module instead, or train without OOMRecovery."
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            engine = MicroBatchEngine.attach(trainer, self)
+        except RuntimeError as err:
+            raise RuntimeError(f"OOMRecovery: {err}") from None
+        engine.oom_handler = self._on_oom
+        engine.loss_reduction = "sum" if self.loss_reduction == "sum" else "mean"
+        if self.weight_fn is not None:
+            engine.weight_fn = self.weight_fn
+        elif self.loss_reduction == "tokens":
+            engine.weight_fn = TokenCount(self.token_key, self.ignore_index)
+        engine.sum_log_keys = self.sum_log_keys
+        if self.unsplittable is True:
+            engine.splittable = lambda batch: False
+        elif callable(self.unsplittable):
+            predicate = self.unsplittable
+            engine.splittable = lambda batch: not predicate(batch)
+        engine.listeners.append(self._on_change)
+        self._engine = engine
+        self.failures = []
+        self._logged_size = None
+        if self._k != engine.k:
+            engine.propose(self._k, "resume", "restored from checkpoint")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        size = math.ceil(engine._batch_size(batch) / engine._effective_k(engine._batch_size(batch), batch))
+        if size != self._logged_size:
+            self._logged_size = size
+            self._log_metric(trainer, size)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._engine is not None:
+            self._k = self._engine.k
+            if self._on_change in self._engine.listeners:
+                self._engine.listeners.remove(self._on_change)
+            self._engine.release(self)
+            self._engine = None
+
+    # ------------------------------------------------------------------ decisions
+
+    def _on_oom(self, failure: OOMFailure, smallest_failed: int, splittable: bool) -> int:
+        self.failures.append(failure)
+        if not splittable:
+            raise MicroBatchOOMError(
+                f"Out of memory at step {failure.step} ({failure.phase}) on a batch of {failure.batch_size} samples "
+                "declared unsplittable (`unsplittable` of OOMRecovery), so it cannot be split into micro-batches. "
+                "Lower `batch_size`, use a lower-memory precision or activation checkpointing, or allow splitting. "
+                f"Original error: {failure.message}"
+            )
+        k = next_micro_batch_count(failure, smallest_failed, self.headroom)
+        if k is not None and self.max_micro_batches is not None:
+            k = min(k, self.max_micro_batches) if failure.k < self.max_micro_batches else None
+        if k is None:
+            raise MicroBatchOOMError(self._exhausted_message(failure))
+        return k
+
+    def _on_change(self, change: KChange) -> None:
+        if change.source == "oom" and self.verbose and change.batch_size:
+            trainer = self._engine.trainer if self._engine else None
+            n = change.batch_size
+            world = trainer.world_size if trainer else 1
+            accumulate = trainer.accumulate_grad_batches if trainer else 1
+            rank_zero_info(
+                f"{change.reason}: micro-batch {math.ceil(n / change.k_before)} -> {math.ceil(n / change.k_after)} "
+                f"(k {change.k_before} -> {change.k_after}); optimizer batch {n * accumulate * world} kept"
+            )
+
+    def _log_metric(self, trainer: pl.Trainer, size: int) -> None:
+        if trainer.global_rank != 0:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics({"gpuopt/micro_batch_size": float(size)}, step=trainer.global_step)
+
+    def _exhausted_message(self, failure: OOMFailure) -> str:
+        trainer = self._engine.trainer
+        module = trainer.lightning_module
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        state = 0
+        for optimizer in trainer.optimizers:
+            for per_param in optimizer.state.values():
+                state += sum(v.numel() * v.element_size() for v in per_param.values() if isinstance(v, Tensor))
+        parts = [
+            f"parameters {format_bytes(params)}",
+            f"gradients {format_bytes(grads)}",
+            f"optimizer state {format_bytes(state)}",
+        ]
+        if failure.demand_bytes is not None:
+            parts.append(f"activations >= {format_bytes(failure.demand_bytes / failure.micro_batch_size)} per sample")
+        if failure.limit_bytes is not None:
+            parts.append(f"limit {format_bytes(failure.limit_bytes)}")
+        limit = "" if self.max_micro_batches is None or failure.micro_batch_size <= 1 else (
+            f" (max_micro_batches={self.max_micro_batches} reached)"
+        )
+        return (
+            f"Out of memory at step {failure.step} ({failure.phase}) even with micro-batches of "
+            f"{failure.micro_batch_size} sample(s) (k {failure.k} for a batch of {failure.batch_size}){limit}. "
+            f"Memory: {'; '.join(parts)}. Next steps: a lower-memory precision (precision='bf16-mixed' or "
+            "'16-mixed'), activation checkpointing of the largest blocks, a sharded strategy "
+            "(FSDP, DeepSpeed ZeRO) or CPU offload, or a smaller model. "
+            f"Original error: {failure.message}"
+        )
