@@ -1,0 +1,176 @@
+"""Step-time overhead of SimulatedMemory on a ResNet-18 training step (32×32 images, Adam).
+
+    python benchmarks/simulated_memory.py [--out DIR] [--batch-size 32] [--repeats 7] [--steps 3]
+
+Each repeat times one block of ``--steps`` training steps per configuration -- plain, plain again
+(an A/A control that shows the machine's noise), and SimulatedMemory with each backend -- in an order
+that rotates from repeat to repeat, so drifts in machine load hit every configuration alike. A block
+starts with one untimed step; its time is the median step. The ratio of a configuration is computed
+per repeat against that repeat's plain block; the table shows the median ratio and its spread
+(min–max and interquartile range). Writes ``simulated_memory.json`` to ``--out``.
+The target is a median ratio ≤ 1.1 for the default (allocator) backend; ``--check`` exits 1 if not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torchvision
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_gpuopt.testing import SimulatedMemory
+from lightning_gpuopt.testing.simulated_memory import native_status
+
+TARGET = 1.1
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _quantiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"directory for the JSON result (default: {DEFAULT_OUT})")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
+    parser.add_argument(
+        "--backends", default="allocator,dispatch", help="comma-separated SimulatedMemory backends to time"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if the allocator's median ratio > {TARGET}")
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "repeats", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in ("allocator", "dispatch")]
+    if unknown:
+        parser.error(f"--backends: unknown {unknown}; choose from allocator, dispatch")
+    if "allocator" in backends and native_status() is not None:
+        print(f"allocator backend unavailable here ({native_status()}); timing the others", file=sys.stderr)
+        backends.remove("allocator")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(args.batch_size, 3, 32, 32)
+    y = torch.randint(0, 10, (args.batch_size,))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    peaks: dict[str, int] = {}
+
+    def block(name: str) -> float:
+        backend = name.split(":", 1)[1] if name.startswith("simulated:") else None
+        ctx = SimulatedMemory(backend=backend) if backend else contextlib.nullcontext()
+        with ctx as mem:
+            step()  # untimed: counts what existed before entering, settles caches
+            if mem is not None:
+                mem.reset_peak()
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+        if mem is not None:
+            peaks[name] = mem.peak_bytes
+        return statistics.median(times)
+
+    configs = ["plain", "plain (A/A)"] + [f"simulated:{b}" for b in backends]
+    for _ in range(2):  # warm-up: first-touch page faults, oneDNN primitive caches, the allocator build
+        for name in configs:
+            block(name)
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    started = time.perf_counter()
+    for r in range(args.repeats):
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
+        times = {name: block(name) for name in order}
+        for name in configs:
+            samples[name].append(times[name])
+    elapsed = time.perf_counter() - started
+
+    rows = []
+    for name in configs:
+        ratios = [t / p for t, p in zip(samples[name], samples["plain"])]
+        q1, q3 = _quantiles(ratios)
+        rows.append(
+            {
+                "config": name,
+                "step_ms_median": 1e3 * statistics.median(samples[name]),
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "ratio_q1": q1,
+                "ratio_q3": q3,
+                "peak_bytes": peaks.get(name),
+                "step_ms": [1e3 * t for t in samples[name]],
+            }
+        )
+
+    print(
+        f"ResNet-18, 32x32, batch {args.batch_size}, Adam; {args.repeats} interleaved repeats x {args.steps} steps; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    header = f"{'config':<22}{'step ms':>9}{'ratio':>8}{'min':>8}{'max':>8}{'IQR':>16}{'peak MiB':>10}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        peak = f"{row['peak_bytes'] / 2**20:.1f}" if row["peak_bytes"] else "-"
+        iqr = f"{row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}"
+        print(
+            f"{row['config']:<22}{row['step_ms_median']:>9.1f}{row['ratio_median']:>8.3f}{row['ratio_min']:>8.3f}"
+            f"{row['ratio_max']:>8.3f}{iqr:>16}{peak:>10}"
+        )
+    allocator = next((r for r in rows if r["config"] == "simulated:allocator"), None)
+    verdict = None
+    if allocator is not None:
+        verdict = allocator["ratio_median"] <= TARGET
+        print(f"allocator backend: median ratio {allocator['ratio_median']:.3f} (target <= {TARGET}): {'ok' if verdict else 'OVER'}")
+
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "simulated_memory.json")
+    result = {
+        "benchmark": "simulated_memory_overhead",
+        "model": "resnet18",
+        "image_size": 32,
+        "batch_size": args.batch_size,
+        "repeats": args.repeats,
+        "steps_per_block": args.steps,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "timed_seconds": elapsed,
+        "target_ratio": TARGET,
+        "allocator_within_target": verdict,
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+    return 1 if args.check and verdict is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

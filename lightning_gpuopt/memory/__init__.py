@@ -1,0 +1,29 @@
+"""Reading device memory and recognising out-of-memory errors, the same way on CUDA and under SimulatedMemory.
+
+Callbacks never call ``torch.cuda.*`` memory functions directly: they read a :class:`MemoryProbe`
+from :func:`get_probe`, so every algorithm runs in CI on CPU under
+:class:`lightning_gpuopt.testing.SimulatedMemory` and on a GPU unchanged. Imports torch only.
+"""
+
+from lightning_gpuopt.memory.oom import (
+    MAYBE_SIZE_MESSAGES,
+    OOM_MESSAGES,
+    free_memory,
+    is_maybe_size_error,
+    is_oom_error,
+)
+from lightning_gpuopt.memory.probe import CpuMemoryProbe, CudaMemoryProbe, MemoryProbe, get_probe
+from lightning_gpuopt.memory.units import format_bytes
+
+__all__ = [
+    "MAYBE_SIZE_MESSAGES",
+    "OOM_MESSAGES",
+    "CpuMemoryProbe",
+    "CudaMemoryProbe",
+    "MemoryProbe",
+    "format_bytes",
+    "free_memory",
+    "get_probe",
+    "is_maybe_size_error",
+    "is_oom_error",
+]
