@@ -10,24 +10,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
-from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt.memory import format_bytes, get_probe
 
-__all__ = ["RunSummary", "format_bytes"]
+__all__ = ["RunSummary"]
 
-
-def format_bytes(n: float) -> str:
-    """Human-readable bytes in binary units.
-
-    Example:
-        >>> format_bytes(3 * 2**30)
-        '3.00 GiB'
-        >>> format_bytes(512)
-        '512 B'
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 

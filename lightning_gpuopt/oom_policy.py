@@ -10,25 +10,11 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["OOMFailure", "format_bytes", "next_micro_batch_count", "parse_tried_bytes"]
+__all__ = ["OOMFailure", "next_micro_batch_count", "parse_tried_bytes"]
 
 _UNITS = {"B": 1, "BYTES": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 _TRIED = re.compile(r"Tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B|bytes)\b", re.IGNORECASE)
 
-
-def format_bytes(n: float) -> str:
-    """Human-readable bytes in binary units.
-
-    Example:
-        >>> format_bytes(3 * 2**30)
-        '3.00 GiB'
-        >>> format_bytes(512)
-        '512 B'
-    """
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def parse_tried_bytes(message: str) -> int | None:

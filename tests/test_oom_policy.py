@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from lightning_gpuopt.oom_policy import OOMFailure, format_bytes, next_micro_batch_count, parse_tried_bytes
+from lightning_gpuopt.memory import format_bytes
+from lightning_gpuopt.oom_policy import OOMFailure, next_micro_batch_count, parse_tried_bytes
 
 
 def _failure(**overrides) -> OOMFailure:

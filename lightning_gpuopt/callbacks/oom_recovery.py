@@ -13,8 +13,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from lightning_gpuopt.memory import format_bytes
 from lightning_gpuopt.microbatch import KChange, MicroBatchEngine, WeightFn
-from lightning_gpuopt.oom_policy import OOMFailure, format_bytes, next_micro_batch_count
+from lightning_gpuopt.oom_policy import OOMFailure, next_micro_batch_count
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
 
