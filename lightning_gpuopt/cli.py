@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt._summary import RunSummary
 from lightning_gpuopt.callbacks import OOMRecovery
 
-__all__ = ["GPUOptCLI", "main"]
+__all__ = ["GPUOptCLI", "main", "run"]
 
 _DESCRIPTION = (
     "gpuopt: train any LightningModule with lightning_gpuopt's memory, precision and data tuning. "
@@ -105,6 +105,14 @@ class GPUOptCLI(LightningCLI):
         return config.get(f"gpuopt.{name}")
 
 
-def main(args: list[str] | None = None) -> GPUOptCLI:
-    """Entry point of the ``gpuopt`` console script and of ``python -m lightning_gpuopt``."""
+def run(args: list[str] | None = None) -> GPUOptCLI:
+    """Run the command line ``args`` (default: ``sys.argv[1:]``) and return the CLI, for use from Python."""
     return GPUOptCLI(args=args)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``gpuopt`` console script and of ``python -m lightning_gpuopt``.
+
+    Returns nothing, so the console script's exit status is 0 after a successful run.
+    """
+    run(args)

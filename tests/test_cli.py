@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_gpuopt.cli import GPUOptCLI, main
+from lightning_gpuopt.cli import GPUOptCLI, main, run
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "examples" / "configs" / "default.yaml"
@@ -39,7 +39,7 @@ def _summary_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_fit_any_module_and_datamodule_by_class_path(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
-        cli = main(["fit", *BORING, "--trainer.max_steps", "5", *_quiet(tmp_path)])
+        cli = run(["fit", *BORING, "--trainer.max_steps", "5", *_quiet(tmp_path)])
     assert type(cli.model).__name__ == "DemoModel"
     assert cli.trainer.global_step == 5
     (line,) = _summary_lines(caplog)
@@ -52,11 +52,11 @@ def test_fit_any_module_and_datamodule_by_class_path(tmp_path, caplog):
 def test_fit_adds_oom_recovery_on_a_single_device(tmp_path):
     from lightning_gpuopt import OOMRecovery
 
-    cli = main(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
+    cli = run(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
     assert sum(isinstance(cb, OOMRecovery) for cb in cli.trainer.callbacks) == 1
-    off = main(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.oom_recovery", "false", *_quiet(tmp_path)])
+    off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.oom_recovery", "false", *_quiet(tmp_path)])
     assert not any(isinstance(cb, OOMRecovery) for cb in off.trainer.callbacks)
-    own = main(
+    own = run(
         ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.callbacks+=lightning_gpuopt.OOMRecovery",
          "--trainer.callbacks.max_micro_batches=4", *_quiet(tmp_path)]
     )
@@ -66,14 +66,14 @@ def test_fit_adds_oom_recovery_on_a_single_device(tmp_path):
 
 def test_summary_can_be_turned_off(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
-        cli = main(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.summary", "false", *_quiet(tmp_path)])
+        cli = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.summary", "false", *_quiet(tmp_path)])
     assert cli.summary is None
     assert _summary_lines(caplog) == []
 
 
 def test_validate_runs_without_summary(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
-        cli = main(
+        cli = run(
             [
                 "validate", "--model", "lightning.pytorch.demos.boring_classes.BoringModel",
                 "--data", "lightning.pytorch.demos.boring_classes.BoringDataModule",
@@ -140,6 +140,15 @@ def test_console_script_help():
     proc = _run([str(script), "fit", "--help"], cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--gpuopt.summary" in proc.stdout
+
+
+def test_console_script_exits_zero_after_fit_and_prints_nothing_extra(tmp_path):
+    script = Path(sys.executable).with_name("gpuopt")
+    if not script.exists():
+        pytest.skip(f"the package is not installed in this environment ({script} missing); `make test` installs it")
+    proc = _run([str(script), "fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "GPUOptCLI object" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
