@@ -164,7 +164,11 @@ class OOMRecovery(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(loss_reduction=self.loss_reduction)
+        # Lightning reads it several times per step (it names every hook call): build it once.
+        key = self.__dict__.get("_state_key")
+        if key is None:
+            key = self.__dict__["_state_key"] = self._generate_state_key(loss_reduction=self.loss_reduction)
+        return key
 
     def state_dict(self) -> dict[str, Any]:
         return {"k": self.k, "oom_count": len(self.failures) + self._restored_oom_count}
@@ -231,7 +235,8 @@ class OOMRecovery(Callback):
         engine = self._engine
         if engine is None:
             return
-        size = math.ceil(engine._batch_size(batch) / engine._effective_k(engine._batch_size(batch), batch))
+        n = engine._batch_size(batch)
+        size = math.ceil(n / engine._effective_k(n, batch))
         if size != self._logged_size:
             self._logged_size = size
             self._log_metric(trainer, size)
