@@ -107,10 +107,12 @@ def test_peak_matches_the_profiler(backend, model_name, first_step, profiler_pea
     for upto in PHASES:
         peak, ref = simulated[upto], reference[upto][0]
         print(f"{model_name} {backend} first_step={first_step} {upto}: simulated {peak} / profiler {ref} = {peak / ref:.5f}")
-        if backend == "dispatch" and upto == "forward":
-            # Op outputs only: the buffers conv kernels allocate internally (oneDNN) are invisible
-            # to it (ResNet-18's forward peak reads 40 % low). It reads low, never high.
-            assert peak <= ref
+        if backend == "dispatch" and model_name == "resnet18":
+            # Op outputs only: the buffers conv kernels allocate internally (oneDNN im2col and
+            # workspaces, in forward and backward) are invisible to it. How much depends on the
+            # CPU's conv algorithm: ResNet-18 reads 40 % low in forward and 31 % low in backward on
+            # an AVX2 machine, within 3 % where convs run as dispatched ops. It reads low, never high.
+            assert peak <= ref * (1 + TOLERANCE), upto
         else:
             assert abs(peak - ref) <= TOLERANCE * ref, upto
     reference_end = reference["step"][1]
