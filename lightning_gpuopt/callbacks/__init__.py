@@ -1,5 +1,6 @@
 """The pack's Lightning callbacks."""
 
+from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
 from lightning_gpuopt.callbacks.oom_recovery import MicroBatchOOMError, OOMRecovery, TokenCount
 
-__all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
+__all__ = ["DataStallMonitor", "MicroBatchOOMError", "OOMRecovery", "TokenCount"]

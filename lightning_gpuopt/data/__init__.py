@@ -1,5 +1,49 @@
-"""Data loading: the DataModule base and its loader tuning."""
+"""Data loading: the DataModule base, its loader tuning, device prefetch, stall rules and memory-mapped data."""
 
-from lightning_gpuopt.data.datamodule import GPUOptDataModule, auto_num_workers
+from lightning_gpuopt.data.datamodule import GPUOptDataModule, auto_num_workers, available_cpus
+from lightning_gpuopt.data.memmap import MemmapDataset
+from lightning_gpuopt.data.prefetch import (
+    BatchTransfer,
+    CudaStreamTransfer,
+    DevicePrefetcher,
+    DevicePrefetchLoader,
+    InFlight,
+    PrefetchStats,
+    batch_nbytes,
+)
+from lightning_gpuopt.data.stall import (
+    Advice,
+    AutotuneStep,
+    LoaderSettings,
+    StallMeasurement,
+    autotune_num_workers,
+    data_wait_fraction,
+    is_data_stalled,
+    max_useful_workers,
+    stall_advice,
+    stall_message,
+)
 
-__all__ = ["GPUOptDataModule", "auto_num_workers"]
+__all__ = [
+    "Advice",
+    "AutotuneStep",
+    "BatchTransfer",
+    "CudaStreamTransfer",
+    "DevicePrefetchLoader",
+    "DevicePrefetcher",
+    "GPUOptDataModule",
+    "InFlight",
+    "LoaderSettings",
+    "MemmapDataset",
+    "PrefetchStats",
+    "StallMeasurement",
+    "auto_num_workers",
+    "autotune_num_workers",
+    "available_cpus",
+    "batch_nbytes",
+    "data_wait_fraction",
+    "is_data_stalled",
+    "max_useful_workers",
+    "stall_advice",
+    "stall_message",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any, Literal
@@ -9,19 +10,101 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-__all__ = ["GPUOptDataModule", "auto_num_workers"]
+from lightning_gpuopt.data.prefetch import (
+    BatchTransfer,
+    CudaStreamTransfer,
+    DevicePrefetchLoader,
+    PrefetchStats,
+)
+
+__all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
 
 _STAGES = ("train", "val", "test", "predict")
 _MAX_AUTO_WORKERS = 8
+# Hooks that see a batch before Lightning moves it: with device prefetch they would get it on the device.
+_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device")
 
 
-def _available_cpus() -> int:
+def _cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """CPUs a cgroup CPU quota allows this process (a container's ``--cpus``), rounded up; None without a quota.
+
+    Reads cgroup v2 ``cpu.max`` and v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` in this process's
+    cgroup folder and each folder above it up to the mount; the tightest quota wins.
+    """
+    mounts: list[tuple[str, str, str]] = []  # (mount folder, cgroup path inside it, version)
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            mounts += [(root, path, "v2"), (os.path.join(root, "unified"), path, "v2")]
+        elif "cpu" in controllers.split(","):
+            mounts += [(os.path.join(root, name), path, "v1") for name in ("cpu", "cpu,cpuacct")]
+    if not mounts:
+        mounts = [(root, "", "v2"), (os.path.join(root, "cpu"), "", "v1")]
+    limits = []
+    for mount, path, version in mounts:
+        names = [name for name in path.split("/") if name]
+        for depth in range(len(names), -1, -1):  # this cgroup, then each parent up to the mount
+            limit = _read_quota(os.path.join(mount, *names[:depth]), version)
+            if limit is not None:
+                limits.append(limit)
+    return min(limits) if limits else None
+
+
+def _read_quota(folder: str, version: str) -> int | None:
+    try:
+        if version == "v2":
+            with open(os.path.join(folder, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            if quota == "max":
+                return None
+        else:
+            with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        quota_us, period_us = int(quota), int(period)
+    except (OSError, ValueError):
+        return None
+    if quota_us <= 0 or period_us <= 0:
+        return None
+    return max(1, math.ceil(quota_us / period_us))
+
+
+def _affinity_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))  # the CPUs this process may run on, not the machine's
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: its affinity, capped by a cgroup CPU quota (containers) when there is one.
+
+    Example:
+        >>> available_cpus() >= 1
+        True
+    """
+    cpus = _affinity_cpus()
+    quota = _cgroup_cpu_limit()
+    return max(1, min(cpus, quota) if quota is not None else cpus)
+
+
+def _cpus_reason() -> str:
+    affinity, quota = _affinity_cpus(), _cgroup_cpu_limit()
+    if quota is not None and quota < affinity:
+        return f"{quota} CPUs (cgroup quota; affinity allows {affinity})"
+    return f"{affinity} CPUs"
 
 
 def auto_num_workers(cpus: int, local_devices: int, cap: int = _MAX_AUTO_WORKERS) -> int:
@@ -60,17 +143,27 @@ class GPUOptDataModule(pl.LightningDataModule):
     (``drop_last=False`` by default; shuffled for training). Under DDP, Lightning's distributed
     sampler pads the last round so each rank gets as many samples.
 
+    On CUDA the loaders also prefetch to the device: the next batch is copied on a side CUDA stream
+    while the current step computes, and handed out already on the device (whole: the micro-batch
+    engine splits it inside the training step). :attr:`device_prefetch_bytes` is the device memory
+    this holds, for memory budgets. Every ``"auto"`` is logged once with its value and reason.
+
     Args:
         batch_size: samples per device per step (what the DataLoader yields).
         eval_batch_size: batch size of validation/test/predict loaders; defaults to ``batch_size``.
         num_workers: loader worker processes per device, or ``"auto"``: the CPUs this process may use
-            divided by the local devices, minus one for the main process, at most 8.
-        pin_memory: page-locked host batches for fast copies to the GPU, or ``"auto"``: on when training
-            runs on CUDA.
+            (its affinity, capped by a cgroup CPU quota) divided by the local devices, minus one for the
+            main process, at most 8.
+        pin_memory: page-locked host batches for fast, asynchronous copies to the GPU, or ``"auto"``: on
+            when training runs on CUDA.
         persistent_workers: keep workers alive between epochs (only with ``num_workers > 0``).
         prefetch_factor: batches each worker loads ahead (only with ``num_workers > 0``).
         shuffle: shuffle the training data each epoch.
         drop_last: drop the last, smaller training batch.
+        device_prefetch: copy the next batch to the device while the current step computes, or
+            ``"auto"``: on when training runs on CUDA, unless the LightningModule or this datamodule
+            overrides ``on_before_batch_transfer``/``transfer_batch_to_device`` (those hooks would get
+            device batches). Has no effect off CUDA.
 
     Raises:
         ValueError: an argument is out of range.
@@ -97,6 +190,7 @@ class GPUOptDataModule(pl.LightningDataModule):
         prefetch_factor: int = 2,
         shuffle: bool = True,
         drop_last: bool = False,
+        device_prefetch: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         _check_positive_int("batch_size", batch_size)
@@ -106,6 +200,8 @@ class GPUOptDataModule(pl.LightningDataModule):
             raise ValueError(f"`num_workers` must be 'auto' or an int >= 0, got {num_workers!r}")
         if pin_memory != "auto" and not isinstance(pin_memory, bool):
             raise ValueError(f"`pin_memory` must be 'auto', True or False, got {pin_memory!r}")
+        if device_prefetch != "auto" and not isinstance(device_prefetch, bool):
+            raise ValueError(f"`device_prefetch` must be 'auto', True or False, got {device_prefetch!r}")
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
@@ -114,8 +210,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         self.prefetch_factor = prefetch_factor
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.device_prefetch = device_prefetch
         self._datasets: dict[str, Dataset] = {}
         self._announced: set[str] = set()
+        self._prefetch_stats: dict[str, PrefetchStats] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -176,10 +274,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         if self.num_workers != "auto":
             return self.num_workers
         devices = self._local_devices()
-        value = auto_num_workers(_available_cpus(), devices)
+        value = auto_num_workers(available_cpus(), devices)
         self._announce(
-            "num_workers",
-            f"GPUOptDataModule: num_workers='auto' -> {value} ({_available_cpus()} CPUs for {devices} local "
+            f"num_workers={value}",
+            f"GPUOptDataModule: num_workers='auto' -> {value} ({_cpus_reason()} for {devices} local "
             f"device(s), one kept for the main process, at most {_MAX_AUTO_WORKERS}); set `num_workers` to override.",
         )
         return value
@@ -189,8 +287,56 @@ class GPUOptDataModule(pl.LightningDataModule):
         if self.pin_memory != "auto":
             return self.pin_memory
         value = self._on_cuda()
-        self._announce("pin_memory", f"GPUOptDataModule: pin_memory='auto' -> {value} (training on {'CUDA' if value else 'CPU'}).")
+        self._announce(
+            f"pin_memory={value}",
+            f"GPUOptDataModule: pin_memory='auto' -> {value} (training on {'CUDA' if value else 'CPU'}); "
+            "set `pin_memory` to override.",
+        )
         return value
+
+    def resolved_device_prefetch(self) -> bool:
+        """Whether loaders copy batches to the device ahead of use now (``device_prefetch`` with ``"auto"`` resolved).
+
+        ``True`` only where there is something to do: a Trainer attached that trains on CUDA.
+        """
+        device = self._root_device()
+        on_cuda = device is not None and device.type == "cuda"
+        if self.device_prefetch != "auto":
+            return self.device_prefetch and on_cuda
+        if device is None:
+            value, why = False, "no Trainer attached: loaders yield host batches"
+        elif not on_cuda:
+            value, why = False, f"training on {device.type}"
+        elif hook := self._transfer_hook_overridden():
+            value, why = False, f"`{hook}` is overridden and would see device batches; batches are moved when used"
+        else:
+            value, why = True, (
+                f"training on {device}: the next batch is copied on a side CUDA stream while the current step "
+                "computes; `device_prefetch_bytes` tells the device memory it holds"
+            )
+        self._announce(
+            f"device_prefetch={value}",
+            f"GPUOptDataModule: device_prefetch='auto' -> {value} ({why}); set `device_prefetch` to override.",
+        )
+        return value
+
+    @property
+    def prefetched_batch_bytes(self) -> int:
+        """Device bytes of the largest training batch device prefetch has copied (0 before any, or when off)."""
+        stats = self._prefetch_stats.get("train")
+        return 0 if stats is None or stats.disabled else stats.max_batch_bytes
+
+    @property
+    def device_prefetch_bytes(self) -> int:
+        """Device memory training-batch prefetch holds beyond the batch in the training step, in bytes.
+
+        ``batches ahead × prefetched_batch_bytes``: one batch in flight (two for a loader without a
+        length, which Lightning reads one ahead). It scales with ``batch_size``; a memory budget
+        reserves it (bytes per sample: ``device_prefetch_bytes / batch_size``). 0 when device prefetch
+        is off, has copied nothing yet, or was turned off by an out-of-memory error.
+        """
+        stats = self._prefetch_stats.get("train")
+        return 0 if stats is None else stats.reserved_bytes
 
     def _loader(self, stage: str) -> DataLoader:
         dataset = self._dataset(stage)
@@ -201,16 +347,27 @@ class GPUOptDataModule(pl.LightningDataModule):
         kwargs: dict[str, Any] = {}
         if workers > 0:
             kwargs.update(persistent_workers=self.persistent_workers, prefetch_factor=self.prefetch_factor)
-        return DataLoader(
-            dataset,
+        kwargs.update(
             batch_size=batch_size,
             shuffle=train and self.shuffle and not isinstance(dataset, IterableDataset),
             drop_last=train and self.drop_last,
             num_workers=workers,
             pin_memory=self.resolved_pin_memory(),
             collate_fn=self.collate_fn(),
-            **kwargs,
         )
+        transfer = self._batch_transfer(stage)
+        if transfer is None:
+            # Lightning moves each batch when it is used, non-blocking on CUDA (its `move_data_to_device`).
+            return DataLoader(dataset, **kwargs)
+        stats = self._prefetch_stats.setdefault(stage, PrefetchStats())
+        stats.disabled = False  # a new loader gets a new chance after an out-of-memory fallback
+        return DevicePrefetchLoader(dataset, transfer=transfer, prefetch_stats=stats, **kwargs)
+
+    def _batch_transfer(self, stage: str) -> BatchTransfer | None:
+        """How batches of ``stage`` reach the device ahead of use; ``None``: Lightning moves each when used."""
+        if not self.resolved_device_prefetch():
+            return None
+        return CudaStreamTransfer(self._root_device())
 
     def _dataset(self, stage: str) -> Dataset:
         if stage not in self._datasets:
@@ -226,6 +383,19 @@ class GPUOptDataModule(pl.LightningDataModule):
                 )
             self._datasets[stage] = dataset
         return self._datasets[stage]
+
+    def _root_device(self) -> torch.device | None:
+        trainer = self.trainer
+        return None if trainer is None else trainer.strategy.root_device
+
+    def _transfer_hook_overridden(self) -> str | None:
+        module = getattr(self.trainer, "lightning_module", None)
+        for hook in _TRANSFER_HOOKS:
+            if module is not None and is_overridden(hook, module, parent=pl.LightningModule):
+                return f"{type(module).__name__}.{hook}"
+            if is_overridden(hook, self, parent=pl.LightningDataModule):
+                return f"{type(self).__name__}.{hook}"
+        return None
 
     def _local_devices(self) -> int:
         trainer = self.trainer

@@ -4,6 +4,7 @@ import collections
 import logging
 import pickle
 import warnings
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -12,7 +13,7 @@ from helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import GPUOptDataModule
-from lightning_gpuopt.data import auto_num_workers
+from lightning_gpuopt.data import CudaStreamTransfer, DevicePrefetchLoader, auto_num_workers, available_cpus
 from lightning_gpuopt.data import datamodule as datamodule_mod
 
 
@@ -135,8 +136,12 @@ def test_subclass_of_subclass_keeps_stages():
         ({"num_workers": "many"}, r"`num_workers` must be 'auto' or an int >= 0, got 'many'"),
         ({"pin_memory": "yes"}, r"`pin_memory` must be 'auto', True or False, got 'yes'"),
         ({"prefetch_factor": 0}, r"`prefetch_factor` must be a positive int, got 0"),
+        ({"device_prefetch": "on"}, r"`device_prefetch` must be 'auto', True or False, got 'on'"),
     ],
-    ids=["bs-zero", "bs-negative", "bs-float", "bs-bool", "eval-bs", "workers-negative", "workers-str", "pin", "prefetch"],
+    ids=[
+        "bs-zero", "bs-negative", "bs-float", "bs-bool", "eval-bs", "workers-negative", "workers-str", "pin", "prefetch",
+        "device-prefetch",
+    ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -183,6 +188,7 @@ def test_auto_num_workers_rule(cpus, devices, expected):
 
 def test_auto_workers_use_process_affinity_and_are_announced_once(monkeypatch, caplog):
     monkeypatch.setattr(datamodule_mod.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    monkeypatch.setattr(datamodule_mod, "_cgroup_cpu_limit", lambda: None)
     dm = TrainVal(batch_size=4)
     with caplog.at_level(logging.INFO):
         assert dm.train_dataloader().num_workers == 4
@@ -214,3 +220,137 @@ def test_datamodule_pickles_with_its_settings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(next(iter(clone.train_dataloader()))[0]) == 7
+
+
+# ---------------------------------------------------------------------------- machine defaults
+
+
+def _fake_trainer(device: str = "cpu", num_devices: int = 1, module=None) -> SimpleNamespace:
+    """What the datamodule reads from its Trainer, without a Trainer (and without a GPU for "cuda")."""
+    return SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=num_devices, lightning_module=module
+    )
+
+
+@pytest.mark.parametrize(
+    ("affinity", "quota", "devices", "expected"),
+    [(16, None, 1, 8), (16, None, 4, 3), (16, 4, 1, 3), (64, None, 8, 7), (2, 8, 1, 1), (3, None, 4, 0)],
+    ids=["16cpu-1dev", "16cpu-4dev", "quota-4", "64cpu-8dev", "quota-above-affinity", "fewer-cpus-than-devices"],
+)
+def test_auto_workers_from_mocked_cpus_quota_and_trainer_devices(monkeypatch, affinity, quota, devices, expected):
+    monkeypatch.setattr(datamodule_mod.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    monkeypatch.setattr(datamodule_mod, "_cgroup_cpu_limit", lambda: quota)
+    dm = TrainVal(batch_size=4)
+    dm.trainer = _fake_trainer(num_devices=devices)
+    assert dm.resolved_num_workers() == expected
+    assert dm.train_dataloader().num_workers == expected
+
+
+def test_auto_workers_without_a_trainer_count_visible_gpus_and_fall_back_to_cpu_count(monkeypatch, caplog):
+    monkeypatch.setattr(datamodule_mod.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delattr(datamodule_mod.os, "sched_getaffinity", raising=False)  # not Linux
+    monkeypatch.setattr(datamodule_mod.os, "cpu_count", lambda: 12)
+    monkeypatch.setattr(datamodule_mod, "_cgroup_cpu_limit", lambda: 10)
+    dm = TrainVal(batch_size=4)
+    with caplog.at_level(logging.INFO):
+        assert dm.resolved_num_workers() == 4  # min(12, quota 10) CPUs // 2 devices - 1
+    assert "10 CPUs (cgroup quota; affinity allows 12) for 2 local device(s)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"cpu.max": "max 100000"}, None),
+        ({"cpu.max": "150000 100000"}, 2),
+        ({"cpu.max": "400000 100000", "job/cpu.max": "200000 100000"}, 2),  # the tighter quota, here the child's
+        ({"cpu.max": "100000 100000", "job/cpu.max": "max 100000"}, 1),  # a parent's quota binds its children
+        ({"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"}, 3),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+        ({}, None),
+    ],
+    ids=["v2-max", "v2-1.5cpu", "v2-nested-child", "v2-nested-parent", "v1", "v1-unlimited", "none"],
+)
+def test_cgroup_cpu_quota(tmp_path, files, expected):
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text("0::/job\n1:cpu,cpuacct:/\n")
+    (root / "cpu,cpuacct").mkdir(parents=True, exist_ok=True)
+    assert datamodule_mod._cgroup_cpu_limit(str(root), str(proc)) == expected
+
+
+def test_available_cpus_is_at_least_one_and_at_most_the_affinity():
+    assert 1 <= available_cpus() <= len(datamodule_mod.os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("pin_memory", "device", "expected"),
+    [("auto", "cpu", False), ("auto", "cuda", True), (True, "cpu", True), (False, "cuda", False)],
+    ids=["auto-cpu", "auto-cuda", "forced-on", "forced-off"],
+)
+def test_pinning_decisions(pin_memory, device, expected):
+    dm = TrainVal(batch_size=4, num_workers=0, pin_memory=pin_memory)
+    dm.trainer = _fake_trainer(device)
+    assert dm.resolved_pin_memory() is expected
+    assert dm.train_dataloader().pin_memory is expected
+
+
+class MovesItself(RecordingRegressor):
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+
+class AugmentsOnHost(TrainVal):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "module", "datamodule", "expected", "reason"),
+    [
+        ("auto", None, None, TrainVal, False, "no Trainer attached"),
+        ("auto", "cpu", None, TrainVal, False, "training on cpu"),
+        ("auto", "cuda", RecordingRegressor(), TrainVal, True, "copied on a side CUDA stream"),
+        ("auto", "cuda", MovesItself(), TrainVal, False, "`MovesItself.transfer_batch_to_device` is overridden"),
+        ("auto", "cuda", None, AugmentsOnHost, False, "`AugmentsOnHost.on_before_batch_transfer` is overridden"),
+        (True, "cuda", MovesItself(), TrainVal, True, None),
+        (True, "cpu", None, TrainVal, False, None),  # nothing to do off CUDA
+        (False, "cuda", None, TrainVal, False, None),
+    ],
+    ids=["no-trainer", "cpu", "gpu", "module-moves-itself", "host-hook", "forced-on", "forced-on-cpu", "forced-off"],
+)
+def test_device_prefetch_decisions(caplog, setting, device, module, datamodule, expected, reason):
+    dm = datamodule(batch_size=4, num_workers=0, device_prefetch=setting)
+    if device is not None:
+        dm.trainer = _fake_trainer(device, module=module)
+    with caplog.at_level(logging.INFO):
+        assert dm.resolved_device_prefetch() is expected
+        loader = dm.train_dataloader()  # built without iterating: needs no GPU
+    if expected:
+        assert isinstance(loader, DevicePrefetchLoader) and isinstance(loader.transfer, CudaStreamTransfer)
+        assert loader.transfer.device == torch.device("cuda")
+    else:
+        assert type(loader) is DataLoader
+    assert dm.device_prefetch_bytes == 0 and dm.prefetched_batch_bytes == 0  # nothing copied yet
+    announced = [r.getMessage() for r in caplog.records if "device_prefetch='auto'" in r.getMessage()]
+    if reason is None:
+        assert announced == []
+    else:
+        assert len(announced) == 1 and f"-> {expected} (" in announced[0] and reason in announced[0]
+
+
+def test_each_auto_value_is_announced_once_and_again_when_it_changes(caplog):
+    dm = TrainVal(batch_size=4, num_workers=0)
+    with caplog.at_level(logging.INFO):
+        dm.train_dataloader()
+        dm.val_dataloader()  # no Trainer: host batches, announced once
+        dm.trainer = _fake_trainer("cuda", module=RecordingRegressor())
+        dm.resolved_device_prefetch()
+        dm.resolved_device_prefetch()
+    messages = [r.getMessage() for r in caplog.records if "device_prefetch='auto'" in r.getMessage()]
+    assert [m.split(" (")[0] for m in messages] == [
+        "GPUOptDataModule: device_prefetch='auto' -> False",
+        "GPUOptDataModule: device_prefetch='auto' -> True",
+    ]
