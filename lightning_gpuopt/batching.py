@@ -27,6 +27,7 @@ __all__ = [
     "BatchSplit",
     "UnsplittableBatchError",
     "batch_size_of",
+    "merge_outputs",
     "split_batch",
     "split_sizes",
 ]
@@ -218,3 +219,69 @@ def _slice(obj: Any, n: int, lo: int, hi: int) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_slice(v, n, lo, hi) for v in obj)
     return obj
+
+
+def merge_outputs(outputs: Sequence[Any], weights: Sequence[float] | None = None) -> Any:
+    """Put the outputs of k micro-batches back together as the output of the whole batch.
+
+    The inverse of :func:`split_batch` for what a step returns: tensors with a sample dimension and
+    per-sample lists are concatenated in order; 0-d floating tensors and floats are combined as a
+    weighted mean with ``weights`` (the micro-batches' shares of the batch, summing to one: a mean
+    over samples stays a mean over samples); mappings, namedtuples, tuples and dataclasses are merged
+    field by field; anything else (``None``, ints, strings, other objects) is the last micro-batch's.
+
+    Args:
+        outputs: one output per micro-batch, of the same structure.
+        weights: the micro-batches' shares; ``None``: equal shares.
+
+    Raises:
+        ValueError: no outputs, or a different number of weights.
+
+    Example:
+        >>> merge_outputs([torch.tensor([1, 2]), torch.tensor([3])])
+        tensor([1, 2, 3])
+        >>> merge_outputs([{"loss": torch.tensor(2.0), "ids": [0, 1]}, {"loss": torch.tensor(5.0), "ids": [2]}],
+        ...               weights=[2 / 3, 1 / 3])
+        {'loss': tensor(3.), 'ids': [0, 1, 2]}
+    """
+    if not outputs:
+        raise ValueError("`outputs` must hold at least one micro-batch output, got none")
+    if weights is None:
+        weights = [1.0 / len(outputs)] * len(outputs)
+    if len(weights) != len(outputs):
+        raise ValueError(f"`weights` must have one share per output ({len(outputs)}), got {len(weights)}")
+    if len(outputs) == 1:
+        return outputs[0]
+    return _merge(list(outputs), list(weights))
+
+
+def _merge(values: list[Any], weights: list[float]) -> Any:
+    first, last = values[0], values[-1]
+    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) for v in values):
+        if first.dim() > 0:
+            return torch.cat([v.detach() if v.requires_grad else v for v in values])
+        if first.is_floating_point():
+            total = sum(v.detach().double() * w for v, w in zip(values, weights))
+            return total.to(first.dtype)
+        return last
+    if isinstance(first, float) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return float(sum(v * w for v, w in zip(values, weights)))
+    if isinstance(first, Mapping) and all(isinstance(v, Mapping) for v in values):
+        merged = {key: _merge([v[key] for v in values], weights) if all(key in v for v in values) else last[key]
+                  for key in last}
+        try:
+            return type(last)(merged)
+        except TypeError:
+            return merged
+    if _is_namedtuple(first) and all(type(v) is type(first) for v in values):
+        return type(first)(*(_merge(list(parts), weights) for parts in zip(*values)))
+    if dataclasses.is_dataclass(first) and not isinstance(first, type) and all(type(v) is type(first) for v in values):
+        new = copy.copy(last)
+        for field in dataclasses.fields(first):
+            object.__setattr__(new, field.name, _merge([getattr(v, field.name) for v in values], weights))
+        return new
+    if isinstance(first, list) and all(isinstance(v, list) for v in values):
+        return [item for v in values for item in v]
+    if isinstance(first, tuple) and all(isinstance(v, tuple) and len(v) == len(first) for v in values):
+        return tuple(_merge(list(parts), weights) for parts in zip(*values))
+    return last

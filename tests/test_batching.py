@@ -132,3 +132,55 @@ def test_unsplittable_batch_error_names_the_hook(batch, message):
 def test_invalid_k_is_a_clear_error(k, message):
     with pytest.raises(ValueError, match=message):
         split_batch(torch.zeros(4), k)
+
+
+# ---------------------------------------------------------------------------- putting outputs back together
+
+
+def test_merge_outputs_is_the_inverse_of_the_split_for_what_steps_return():
+    from lightning_gpuopt.batching import merge_outputs
+
+    batch = {"ids": torch.arange(10), "names": [f"s{i}" for i in range(10)], "scale": torch.tensor(2.0)}
+    chunks = split_batch(batch, 3)
+    weights = [size / 10 for size in chunks.sizes]
+    outputs = [
+        {"ids": c["ids"], "names": c["names"], "loss": c["ids"].double().mean(), "count": len(c["ids"]), "tag": "x"}
+        for c in chunks.chunks
+    ]
+    merged = merge_outputs(outputs, weights)
+    assert torch.equal(merged["ids"], batch["ids"]) and merged["names"] == batch["names"]
+    assert merged["loss"].item() == pytest.approx(4.5)  # a sample-weighted mean is the whole batch's mean
+    assert merged["count"] == 3 and merged["tag"] == "x"  # other values: the last micro-batch's
+
+
+def test_merge_outputs_keeps_tuples_namedtuples_and_dataclasses():
+    import dataclasses
+    from typing import NamedTuple
+
+    from lightning_gpuopt.batching import merge_outputs
+
+    class Pair(NamedTuple):
+        pred: torch.Tensor
+        target: torch.Tensor
+
+    @dataclasses.dataclass
+    class Out:
+        pred: torch.Tensor
+        score: float
+
+    pairs = merge_outputs([Pair(torch.ones(2), torch.zeros(2)), Pair(torch.ones(1), torch.zeros(1))])
+    assert type(pairs) is Pair and pairs.pred.shape == (3,)
+    plain = merge_outputs([(torch.ones(2), 1.0), (torch.ones(1), 3.0)], [0.5, 0.5])
+    assert isinstance(plain, tuple) and plain[1] == 2.0
+    out = merge_outputs([Out(torch.ones(2), 1.0), Out(torch.ones(2), 2.0)], [0.25, 0.75])
+    assert type(out) is Out and out.pred.shape == (4,) and out.score == 1.75
+    assert merge_outputs([None, None]) is None
+
+
+def test_merge_outputs_bad_input():
+    from lightning_gpuopt.batching import merge_outputs
+
+    with pytest.raises(ValueError, match="at least one micro-batch output"):
+        merge_outputs([])
+    with pytest.raises(ValueError, match=r"one share per output \(2\), got 1"):
+        merge_outputs([1, 2], [1.0])
