@@ -10,11 +10,25 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["OOMFailure", "next_micro_batch_count", "parse_tried_bytes"]
+__all__ = [
+    "STATUS_CHECKPOINT",
+    "STATUS_FATAL",
+    "STATUS_GROW",
+    "STATUS_OOM",
+    "STATUS_THRASH",
+    "Agreement",
+    "OOMFailure",
+    "Recovery",
+    "Vote",
+    "agree",
+    "grow_back_micro_batch_count",
+    "next_micro_batch_count",
+    "parse_tried_bytes",
+    "smaller_micro_batch_count",
+]
 
 _UNITS = {"B": 1, "BYTES": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 _TRIED = re.compile(r"Tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B|bytes)\b", re.IGNORECASE)
-
 
 
 def parse_tried_bytes(message: str) -> int | None:
@@ -88,8 +102,8 @@ def next_micro_batch_count(failure: OOMFailure, smallest_failed_size: int, headr
     Example:
         >>> f = OOMFailure(step=3, batch_idx=3, phase="forward", batch_size=64, k=1, micro_batch_size=64,
         ...     baseline_bytes=100, allocated_bytes=500, tried_bytes=300, limit_bytes=500, message="")
-        >>> next_micro_batch_count(f, smallest_failed_size=64)  # 11 B/sample, 350 B free -> 31 samples
-        3
+        >>> next_micro_batch_count(f, smallest_failed_size=64)  # 700/64 B per sample, 350 B free -> 32 samples
+        2
     """
     n, size = failure.batch_size, failure.micro_batch_size
     if size <= 1 or smallest_failed_size <= 1:
@@ -107,3 +121,148 @@ def next_micro_batch_count(failure: OOMFailure, smallest_failed_size: int, headr
     while k < n and math.ceil(n / k) > target:
         k += 1
     return min(k, n)
+
+
+def smaller_micro_batch_count(k: int, batch_size: int) -> int:
+    """The smallest k' > k whose micro-batches are smaller than k's (at most ``batch_size``).
+
+    Example:
+        >>> smaller_micro_batch_count(3, 10)  # 4 samples per micro-batch -> 3
+        4
+        >>> smaller_micro_batch_count(2, 5)  # 3 -> 2 (k=3 gives 2, 2, 1)
+        3
+    """
+    size = math.ceil(batch_size / k)
+    k2 = k + 1
+    while k2 < batch_size and math.ceil(batch_size / k2) >= size:
+        k2 += 1
+    return min(k2, batch_size)
+
+
+def grow_back_micro_batch_count(
+    k: int,
+    batch_size: int,
+    baseline_bytes: int,
+    peak_bytes: int,
+    limit_bytes: int,
+    headroom: float = 0.9,
+    below_size: int | None = None,
+    max_micro_batch_size: int | None = None,
+) -> int | None:
+    """A smaller k that the measured step predicts to fit under ``headroom`` × limit; ``None`` when none does.
+
+    The step's cost above what it started with (``peak − baseline``), divided by the micro-batch
+    size, is an upper bound on the cost per sample (the optimizer phase and anything else that does
+    not grow with the micro-batch are counted as if they did), so the prediction errs on the safe
+    side. The new micro-batch stays below ``below_size`` (a size that failed recently) and at most
+    ``max_micro_batch_size`` (a measured budget).
+
+    Args:
+        k: micro-batches per batch now.
+        batch_size: samples per batch.
+        baseline_bytes: memory allocated when the step started.
+        peak_bytes: the step's peak.
+        limit_bytes: memory this process may use.
+        headroom: fraction of the limit to aim for.
+        below_size: the new micro-batch must be smaller than this (``None``: no bound).
+        max_micro_batch_size: the new micro-batch must be at most this (``None``: no bound).
+
+    Example:
+        >>> # 128 samples as 4 x 32; the step peaked 320 B above its 100 B start: 10 B per sample.
+        >>> grow_back_micro_batch_count(4, 128, baseline_bytes=100, peak_bytes=420, limit_bytes=1000)
+        2
+        >>> grow_back_micro_batch_count(4, 128, 100, 420, 1000, below_size=64)  # 64 failed recently
+        3
+    """
+    if k <= 1:
+        return None
+    size = math.ceil(batch_size / k)
+    per_sample = max(0, peak_bytes - baseline_bytes) / size
+    budget = headroom * limit_bytes - baseline_bytes
+    target = batch_size if per_sample == 0 else int(budget // per_sample)
+    if below_size is not None:
+        target = min(target, below_size - 1)
+    if max_micro_batch_size is not None:
+        target = min(target, max_micro_batch_size)
+    target = min(target, batch_size)
+    if target <= size:
+        return None
+    new_k = math.ceil(batch_size / target)
+    return new_k if new_k < k else None
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What OOM recovery does next for a failed attempt: retry with ``k`` micro-batches (``None``: the
+    k the batch started with), after turning on activation checkpointing when ``checkpoint`` is set."""
+
+    k: int | None
+    checkpoint: bool = False
+
+
+#: Status bits of a rank's :class:`Vote`.
+STATUS_OOM = 1  # the attempt ran out of memory: the batch is retried
+STATUS_FATAL = 2  # out of memory with nothing left to try: every rank stops
+STATUS_CHECKPOINT = 4  # turn on activation checkpointing before the retry
+STATUS_GROW = 8  # the k proposed for the next batch is smaller: memory to spare
+STATUS_THRASH = 16  # the k proposed for the next batch is larger: the allocator is thrashing
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One rank's say on a batch: its status bits and the k it proposes (for the retry, or the next batch)."""
+
+    status: int
+    k: int
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank does after a batch's votes.
+
+    Attributes:
+        fatal_ranks: ranks that ran out of memory with nothing left to try (every rank stops).
+        retry: some rank ran out of memory: every rank runs the batch again with ``k``.
+        k: the k for the retry, or for the next batch.
+        checkpoint: turn on activation checkpointing before the retry.
+        source: why k changes: ``"oom"``, ``"grow back"``, ``"thrash"``, or ``""`` when it does not.
+        ranks: the ranks that asked for the change.
+    """
+
+    fatal_ranks: tuple[int, ...]
+    retry: bool
+    k: int
+    checkpoint: bool
+    source: str
+    ranks: tuple[int, ...]
+
+
+def agree(votes: list[Vote], k: int) -> Agreement:
+    """The decision every rank takes from the same votes, so that ranks stay in step.
+
+    Any fatal vote stops every rank. Else any OOM makes every rank retry the batch with the largest k
+    an OOM-ing rank proposed (the most cautious split wins). Else each rank's proposal for the next
+    batch counts, the current ``k`` for a rank without one: the largest wins, so k shrinks (grows
+    back) only when every rank can afford it, and grows when any rank thrashes.
+
+    Example:
+        >>> agree([Vote(0, 2), Vote(1, 4)], k=2)  # rank 1 ran out of memory and asks for 4
+        Agreement(fatal_ranks=(), retry=True, k=4, checkpoint=False, source='oom', ranks=(1,))
+        >>> agree([Vote(8, 1), Vote(0, 2)], k=2).k  # rank 0 could grow back, rank 1 cannot
+        2
+    """
+    fatal = tuple(r for r, v in enumerate(votes) if v.status & STATUS_FATAL)
+    oom = [(r, v) for r, v in enumerate(votes) if v.status & STATUS_OOM and not v.status & STATUS_FATAL]
+    if fatal:
+        return Agreement(fatal, False, k, False, "oom", fatal)
+    if oom:
+        new_k = max(v.k for _, v in oom)
+        checkpoint = any(v.status & STATUS_CHECKPOINT for _, v in oom)
+        return Agreement((), True, new_k, checkpoint, "oom", tuple(r for r, _ in oom))
+    proposals = [v.k if v.status & (STATUS_GROW | STATUS_THRASH) else k for v in votes]
+    new_k = max(proposals)
+    if new_k == k:
+        return Agreement((), False, k, False, "", ())
+    bit = STATUS_THRASH if new_k > k else STATUS_GROW
+    asked = tuple(r for r, v in enumerate(votes) if v.status & bit)
+    return Agreement((), False, new_k, False, "thrash" if new_k > k else "grow back", asked)

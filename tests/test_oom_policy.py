@@ -69,3 +69,82 @@ def test_k_never_exceeds_the_batch():
 def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(5 * 2**40) == "5.00 TiB"
+
+
+# ---------------------------------------------------------------------------- ranks agree
+
+
+def test_agreement_everyone_fine_keeps_k():
+    from lightning_gpuopt.oom_policy import Vote, agree
+
+    assert agree([Vote(0, 3), Vote(0, 3)], k=3) == agree([Vote(0, 3)], k=3)
+    assert not agree([Vote(0, 3), Vote(0, 3)], k=3).retry and agree([Vote(0, 3)], k=3).source == ""
+
+
+def test_agreement_one_oom_makes_every_rank_retry_with_the_most_cautious_k():
+    from lightning_gpuopt.oom_policy import STATUS_CHECKPOINT, STATUS_OOM, Vote, agree
+
+    a = agree([Vote(0, 2), Vote(STATUS_OOM, 5), Vote(STATUS_OOM, 4)], k=2)
+    assert (a.retry, a.k, a.ranks, a.source, a.checkpoint) == (True, 5, (1, 2), "oom", False)
+    assert agree([Vote(STATUS_OOM | STATUS_CHECKPOINT, 1), Vote(0, 8)], k=8).checkpoint
+
+
+def test_agreement_fatal_anywhere_stops_everyone():
+    from lightning_gpuopt.oom_policy import STATUS_FATAL, STATUS_OOM, Vote, agree
+
+    a = agree([Vote(STATUS_OOM, 4), Vote(STATUS_FATAL, 64)], k=2)
+    assert a.fatal_ranks == (1,) and not a.retry
+
+
+@pytest.mark.parametrize(
+    ("votes", "k", "expected"),
+    [
+        ([(8, 1), (8, 2)], 4, (2, "grow back", (0, 1))),  # both can grow: the larger proposal (smaller step) wins
+        ([(8, 1), (0, 4)], 4, (4, "", ())),  # rank 1 cannot grow: nobody does
+        ([(16, 5), (8, 1)], 4, (5, "thrash", (0,))),  # thrashing anywhere splits everywhere
+    ],
+    ids=["all-grow", "one-cannot", "thrash-wins"],
+)
+def test_agreement_on_the_next_k(votes, k, expected):
+    from lightning_gpuopt.oom_policy import Vote, agree
+
+    a = agree([Vote(*v) for v in votes], k=k)
+    assert (a.k, a.source, a.ranks) == expected and not a.retry
+
+
+# ---------------------------------------------------------------------------- growing back
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "peak", "limit", "below", "cap", "expected"),
+    [
+        (4, 128, 420, 1000, None, None, 2),  # 10 B/sample, 800 B budget above the 100 B start -> 80 samples
+        (4, 128, 420, 10_000, None, None, 1),  # plenty: the whole batch
+        (4, 128, 420, 500, None, None, None),  # 350 B budget: 35 samples, not more than 32 now
+        (4, 128, 420, 1000, 64, None, 3),  # 64 failed recently: at most 63 -> k 3 (43 samples)
+        (4, 128, 420, 10_000, None, 48, 3),  # a measured budget caps at 48 -> k 3
+        (1, 128, 420, 10_000, None, None, None),  # nothing smaller than 1
+        (4, 128, 100, 1000, None, None, 1),  # the step added nothing: the whole batch
+    ],
+    ids=["room", "plenty", "no-room", "failed-recently", "budget-cap", "k1", "flat"],
+)
+def test_grow_back_prediction(k, n, peak, limit, below, cap, expected):
+    from lightning_gpuopt.oom_policy import grow_back_micro_batch_count
+
+    got = grow_back_micro_batch_count(k, n, 100, peak, limit, 0.9, below, cap)
+    assert got == expected
+    if got is not None:  # never a size at or above one that failed, never above the cap
+        size = math.ceil(n / got)
+        assert below is None or size < below
+        assert cap is None or size <= cap
+
+
+@pytest.mark.parametrize(("k", "n"), [(1, 10), (3, 10), (2, 5), (9, 10), (10, 10)])
+def test_smaller_micro_batch_count_always_shrinks_the_micro_batch(k, n):
+    from lightning_gpuopt.oom_policy import smaller_micro_batch_count
+
+    new = smaller_micro_batch_count(k, n)
+    assert new <= n
+    assert new > k or k == n
+    if k < n:
+        assert math.ceil(n / new) < math.ceil(n / k)
