@@ -13,11 +13,11 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
 from lightning_gpuopt.callbacks import OOMRecovery
+from lightning_gpuopt.microbatch import unsupported_strategy
 
 __all__ = ["GPUOptCLI", "main", "run"]
 
@@ -36,7 +36,7 @@ class GPUOptCLI(LightningCLI):
     * ``--gpuopt.summary`` (default true): after ``fit``, print one summary line with the final
       validation metrics, training samples/s and peak memory.
     * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
-      on a single device, unless ``--trainer.callbacks`` already has one.
+      on a single device or under DDP, unless ``--trainer.callbacks`` already has one.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -72,7 +72,8 @@ class GPUOptCLI(LightningCLI):
             "--gpuopt.oom_recovery",
             type=bool,
             default=True,
-            help="Add OOMRecovery to fit on a single device (re-split a batch that runs out of memory and retry), "
+            help="Add OOMRecovery to fit on a single device or under DDP (re-split a batch that runs out of memory "
+            "and retry on every rank), "
             "unless trainer.callbacks has one.",
         )
 
@@ -92,11 +93,9 @@ class GPUOptCLI(LightningCLI):
     def _add_oom_recovery(trainer: Trainer) -> None:
         if any(isinstance(cb, OOMRecovery) for cb in trainer.callbacks):
             return
-        if not isinstance(trainer.strategy, SingleDeviceStrategy):
-            rank_zero_info(
-                f"gpuopt: OOMRecovery not added: it supports single-device training in this version "
-                f"(strategy {type(trainer.strategy).__name__})."
-            )
+        reason = unsupported_strategy(trainer.strategy)
+        if reason is not None:
+            rank_zero_info(f"gpuopt: OOMRecovery not added: {reason}")
             return
         trainer.callbacks.append(OOMRecovery())
 

@@ -12,14 +12,24 @@ backward run as usual, once per batch.
 When an attempt raises an out-of-memory error, the engine drops the attempt's partial gradients and
 outputs, restores what the attempt touched (torchmetrics states, BatchNorm statistics, captured
 ``self.log`` calls), frees memory outside the ``except`` block and asks its OOM handler (OOMRecovery)
-for a new k, then runs the same batch again. Without a handler the error propagates.
+what to do, then runs the same batch again. Without a handler the error propagates.
 
-Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`
-and the ``oom_handler`` attribute; the rest is private.
+After every attempt the ranks agree (:func:`~lightning_gpuopt.oom_policy.agree` over one vote per
+rank, see ``_exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
+and proposals for the next batch (grow back, allocator thrashing) apply only when the ranks agree.
+Under DDP every micro-batch runs under ``no_sync`` and the engine averages the gradients itself at the
+optimizer-step boundary. On a single device the vote is local and costs nothing.
+
+Evaluation steps (validation, test, predict) are wrapped too: an OOM there splits that batch into
+chunks, runs them, and puts their outputs back together in order.
+
+Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`,
+``next_proposal``, ``oom_handler``, ``enable_checkpointing`` and ``listeners``; the rest is private.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,14 +37,34 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, split_batch
+from lightning_gpuopt._exchange import DDPExchange, LocalExchange
+from lightning_gpuopt.batching import (
+    SPLIT_HOOK,
+    UnsplittableBatchError,
+    batch_size_of,
+    merge_outputs,
+    split_batch,
+)
 from lightning_gpuopt.memory import free_memory, get_probe, is_oom_error
-from lightning_gpuopt.oom_policy import OOMFailure, parse_tried_bytes
+from lightning_gpuopt.oom_policy import (
+    STATUS_CHECKPOINT,
+    STATUS_FATAL,
+    STATUS_OOM,
+    Agreement,
+    OOMFailure,
+    Recovery,
+    agree,
+    parse_tried_bytes,
+)
 
-__all__ = ["KChange", "MicroBatchEngine", "WeightFn"]
+__all__ = ["EVAL_STAGES", "KChange", "MicroBatchEngine", "RankOutOfMemoryError", "WeightFn", "unsupported_strategy"]
+
+#: The evaluation steps the engine wraps, by the name of the strategy method.
+EVAL_STAGES = ("validation", "test", "predict")
 
 #: Counts what a micro-batch contributes to the batch's loss (samples, tokens, ...); normalised per batch.
 WeightFn = Callable[[Any], "int | float | Tensor"]
@@ -49,7 +79,11 @@ except ImportError:  # pragma: no cover
 
 @dataclass(frozen=True)
 class KChange:
-    """One change of k, as callbacks and the report see it."""
+    """One change of k, as callbacks and the report see it.
+
+    ``stage`` is ``"train"`` for the training k, or the evaluation stage (``"validation"``, ``"test"``,
+    ``"predict"``) whose batches are split from now on.
+    """
 
     step: int
     k_before: int
@@ -57,6 +91,7 @@ class KChange:
     batch_size: int
     source: str
     reason: str
+    stage: str = "train"
 
 
 @dataclass
@@ -72,6 +107,10 @@ class _Refused(RuntimeError):
     """A training setup the engine cannot run; raised with the alternative named."""
 
 
+class RankOutOfMemoryError(torch.OutOfMemoryError):
+    """Another rank ran out of memory with nothing left to split: every rank stops with this error."""
+
+
 class MicroBatchEngine:
     """Runs each training batch as k micro-batches; the only owner of k for one Trainer.
 
@@ -84,9 +123,15 @@ class MicroBatchEngine:
         self.k = 1
         #: The largest micro-batch size allowed (MemoryAwareBatchSize's budget); ``None``: no cap.
         self.max_micro_batch_size: int | None = None
-        #: ``handler(failure, smallest_failed_size, splittable) -> k`` for the retry, or raises.
-        #: ``None``: an OOM propagates unchanged.
-        self.oom_handler: Callable[[OOMFailure, int, bool], int] | None = None
+        #: ``handler(failure, smallest_failed_size, splittable) -> Recovery`` (or a k) for the retry, or
+        #: raises. ``None``: an OOM propagates unchanged.
+        self.oom_handler: Callable[[OOMFailure, int, bool], Recovery | int] | None = None
+        #: Turns activation checkpointing on (for a :class:`Recovery` that asks for it); returns whether
+        #: anything changed.
+        self.enable_checkpointing: Callable[[], bool] | None = None
+        #: ``(k, status bit, reason)`` a callback proposes for the batch after the next vote (grow back,
+        #: thrashing); consumed by that vote. The ranks' proposals are agreed with :func:`agree`.
+        self.next_proposal: tuple[int, int, str] | None = None
         #: Counts a micro-batch's share of the loss; ``None``: samples (``batch_size_of``).
         self.weight_fn: WeightFn | None = None
         #: ``"mean"``: losses weighted by their share; ``"sum"``: summed unweighted.
@@ -95,26 +140,37 @@ class MicroBatchEngine:
         self.sum_log_keys: frozenset[str] = frozenset()
         #: Whether the current batch may be split; a predicate on the batch.
         self.splittable: Callable[[Any], bool] = lambda batch: True
+        #: Chunks per evaluation batch, per stage, after an OOM there.
+        self.eval_k: dict[str, int] = {}
         self.history: list[KChange] = []
         self.listeners: list[Callable[[KChange], None]] = []
         self._users: set[int] = set()
-        self._installed = False
+        self._installed: set[str] = set()
         self._attempt: _Attempt | None = None
         self._skip_backward = False
         self._skip_zero_grad = False
         self._phase = "forward"
+        self.exchange: LocalExchange | DDPExchange = LocalExchange()
 
     # ------------------------------------------------------------------ public interface
 
     @classmethod
-    def attach(cls, trainer: pl.Trainer, user: object) -> MicroBatchEngine:
-        """The Trainer's engine, created and installed on first use; ``user`` holds it until :meth:`release`."""
+    def attach(cls, trainer: pl.Trainer, user: object, training: bool = True) -> MicroBatchEngine:
+        """The Trainer's engine, created and installed on first use; ``user`` holds it until :meth:`release`.
+
+        With ``training=False`` only the evaluation steps are wrapped (``validate``, ``test`` and
+        ``predict`` outside of ``fit``); ``fit`` wraps both.
+        """
         engine = getattr(trainer, _ENGINE_ATTR, None)
         if engine is None:
             engine = cls(trainer)
             setattr(trainer, _ENGINE_ATTR, engine)
         engine._users.add(id(user))
-        engine._install()
+        try:
+            engine._install(training)
+        except BaseException:
+            engine.release(user)
+            raise
         return engine
 
     @classmethod
@@ -143,43 +199,67 @@ class MicroBatchEngine:
         if k != self.k:
             change = KChange(self.trainer.global_step, self.k, k, batch_size or 0, source, reason)
             self.k = k
-            self.history.append(change)
-            for listener in self.listeners:
-                listener(change)
+            self._notify(change)
         return self.k
+
+    def _notify(self, change: KChange) -> None:
+        self.history.append(change)
+        for listener in self.listeners:
+            listener(change)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that vote on every batch (1 on a single device)."""
+        return self.exchange.world_size
 
     # ------------------------------------------------------------------ installation
 
-    def _install(self) -> None:
-        if self._installed:
-            return
+    def _install(self, training: bool) -> None:
         trainer, module = self.trainer, self.trainer.lightning_module
-        self._check_supported(trainer, module)
-        self._module = module
-        self._orig_training_step = trainer.strategy.training_step
-        self._orig_backward = module.backward
-        self._orig_zero_grad = module.optimizer_zero_grad
-        self._orig_log = module.log
-        trainer.strategy.training_step = self._training_step
-        module.backward = self._backward
-        module.optimizer_zero_grad = self._optimizer_zero_grad
-        module.log = self._log
-        self._metrics = [m for m in module.modules() if _Metric is not None and isinstance(m, _Metric)]
-        self._norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
-        self._installed = True
+        strategy = trainer.strategy
+        if not self._installed:
+            self._module = module
+            self._orig_log = module.log
+            module.log = self._log
+            self._orig_eval = {}
+            for stage in EVAL_STAGES:
+                name = f"{stage}_step"
+                self._orig_eval[stage] = getattr(strategy, name)
+                setattr(strategy, name, self._eval_step_for(stage))
+            self._metrics = [m for m in module.modules() if _Metric is not None and isinstance(m, _Metric)]
+            self._norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+            self._installed.add("eval")
+        if training and "train" not in self._installed:
+            self._check_supported(trainer, module)
+            self.exchange = _make_exchange(strategy)
+            self._orig_training_step = strategy.training_step
+            self._orig_backward = module.backward
+            self._orig_zero_grad = module.optimizer_zero_grad
+            strategy.training_step = self._training_step
+            module.backward = self._backward
+            module.optimizer_zero_grad = self._optimizer_zero_grad
+            ddp = strategy.model if isinstance(self.exchange, DDPExchange) else None
+            # DDP would broadcast buffers at the start of a forward after a synced backward; the engine
+            # never lets DDP sync and hands out rank 0's buffers itself at the optimizer-step boundary.
+            self._ddp_forward_sync = getattr(ddp, "require_forward_param_sync", None)
+            if ddp is not None:
+                ddp.require_forward_param_sync = False
+            self._installed.add("train")
 
     def _uninstall(self) -> None:
         if not self._installed:
             return
-        for obj, name in (
-            (self.trainer.strategy, "training_step"),
-            (self._module, "backward"),
-            (self._module, "optimizer_zero_grad"),
-            (self._module, "log"),
-        ):
+        strategy, module = self.trainer.strategy, self._module
+        names = [(strategy, f"{stage}_step") for stage in EVAL_STAGES] + [(module, "log")]
+        if "train" in self._installed:
+            names += [(strategy, "training_step"), (module, "backward"), (module, "optimizer_zero_grad")]
+            if self._ddp_forward_sync is not None:
+                strategy.model.require_forward_param_sync = self._ddp_forward_sync
+        for obj, name in names:
             if name in vars(obj):
                 delattr(obj, name)
-        self._installed = False
+        self.exchange = LocalExchange()
+        self._installed = set()
 
     @staticmethod
     def _check_supported(trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -200,6 +280,7 @@ class MicroBatchEngine:
                 "Micro-batching cannot run closure optimizers such as LBFGS (they re-evaluate the closure "
                 "several times per step). Use a first-order optimizer such as SGD or AdamW."
             )
+        _check_strategy(trainer.strategy, module)
 
     # ------------------------------------------------------------------ patched hooks
 
@@ -234,6 +315,7 @@ class MicroBatchEngine:
         optimizer = trainer.optimizers[0]
         accumulate = trainer.accumulate_grad_batches
         first_in_window = batch_idx % accumulate == 0  # Lightning's own rule for zeroing
+        boundary = not trainer.fit_loop._should_accumulate()  # the optimizer steps after this batch
         n = self._batch_size(batch)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if first_in_window:
@@ -247,31 +329,146 @@ class MicroBatchEngine:
         probe = get_probe(trainer.strategy.root_device)
         measured = probe.kind != "cpu"  # host RSS says nothing about one step; read device figures only
         smallest_failed = n + 1
+        start_k = self.k
+        proposal, self.next_proposal = self.next_proposal, None
         while True:
             k = self._effective_k(n, batch)
             baseline = probe.allocated if measured else None
             failure: OOMFailure | None = None
+            output = None
             try:
-                output = self._run(batch, args[1:], kwargs, n, k, accumulate)
+                with self._no_sync():
+                    output = self._run(batch, args[1:], kwargs, n, k, accumulate)
+                self.exchange.prepare()
             except Exception as err:
                 if self.oom_handler is None or not is_oom_error(err):
                     self._restore_grads(params, stash)
                     raise
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
+            fatal: BaseException | None = None
             if failure is None:
+                status, voted_k = (proposal[1], proposal[0]) if proposal is not None else (0, k)
+            else:
+                # Outside the except block: the traceback and the activations it pinned are gone.
+                output = None
+                self._drop_attempt(params, snapshot)
+                free_memory()
+                smallest_failed = min(smallest_failed, failure.micro_batch_size)
+                status, voted_k = STATUS_OOM, k
+                try:
+                    recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
+                except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
+                    fatal, status = err, STATUS_FATAL
+                else:
+                    if isinstance(recovery, int):
+                        recovery = Recovery(recovery)
+                    voted_k = recovery.k or start_k
+                    if recovery.checkpoint:
+                        status |= STATUS_CHECKPOINT
+            agreement = agree(self.exchange.vote(status, voted_k), k)
+            if agreement.fatal_ranks:
+                self._restore_grads(params, stash)
+                if fatal is not None:
+                    raise fatal
+                raise RankOutOfMemoryError(
+                    f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory at step "
+                    f"{trainer.global_step} with nothing left to split; every rank stops (the error on "
+                    "those ranks has the memory breakdown and next steps)."
+                )
+            if not agreement.retry:
                 break
-            # Outside the except block: the traceback and the activations it pinned are gone.
-            for p in params:
-                p.grad = None
-            self._restore(snapshot)
-            free_memory()
-            smallest_failed = min(smallest_failed, failure.micro_batch_size)
-            new_k = self.oom_handler(failure, smallest_failed, self.splittable(batch))
-            self.propose(new_k, "oom", f"OOM at step {failure.step} ({failure.phase})", batch_size=n)
+            if failure is None:  # another rank ran out of memory: this attempt is dropped too, and redone
+                output = None
+                self._drop_attempt(params, snapshot)
+            if agreement.checkpoint and self.enable_checkpointing is not None and self.enable_checkpointing():
+                smallest_failed = n + 1  # activations are cheaper now: sizes that failed may fit
+            self.propose(agreement.k, "oom", self._reason(agreement, failure), batch_size=n)
         self._merge_grads(params, stash)
+        if boundary:
+            self.exchange.reduce()
+        if agreement.source:
+            self.propose(agreement.k, agreement.source, self._reason(agreement, None, proposal), batch_size=n)
         self._skip_backward = True
         self._skip_zero_grad = first_in_window
         return output
+
+    def _reason(self, agreement: Agreement, failure: OOMFailure | None, proposal: tuple[int, int, str] | None = None) -> str:
+        step = self.trainer.global_step
+        if agreement.source == "oom":
+            if failure is not None:
+                return f"OOM at step {failure.step} ({failure.phase})"
+            ranks = ", ".join(map(str, agreement.ranks))
+            return f"OOM on rank {ranks} at step {step}"
+        if proposal is not None and agreement.k == proposal[0]:
+            return proposal[2]
+        return f"{agreement.source} (agreed by every rank) at step {step}"
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        if isinstance(self.exchange, DDPExchange):
+            return self.trainer.strategy.block_backward_sync()
+        return contextlib.nullcontext()
+
+    def _drop_attempt(self, params: list[Tensor], snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
+        for p in params:
+            p.grad = None
+        self._restore(snapshot)
+
+    # ------------------------------------------------------------------ evaluation steps
+
+    def _eval_step_for(self, stage: str) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self._eval_step(stage, args, kwargs)
+
+        return step
+
+    def _eval_step(self, stage: str, args: tuple, kwargs: dict) -> Any:
+        original = self._orig_eval[stage]
+        k = self.eval_k.get(stage, 1)
+        if k == 1 and self.oom_handler is None:
+            return original(*args, **kwargs)
+        batch = args[0] if args else kwargs["batch"]
+        n = self._batch_size(batch)
+        snapshot = self._snapshot() if self.oom_handler is not None else []
+        probe = get_probe(self.trainer.strategy.root_device)
+        measured = probe.kind != "cpu"
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        smallest_failed = n + 1
+        while True:
+            k = max(1, min(self.eval_k.get(stage, 1), n)) if self.splittable(batch) else 1
+            baseline = probe.allocated if measured else None
+            failure: OOMFailure | None = None
+            try:
+                if k == 1:
+                    return original(*args, **kwargs)
+                return self._run_eval(original, batch, args[1:], kwargs, n, k)
+            except Exception as err:
+                if self.oom_handler is None or not is_oom_error(err):
+                    raise
+                self._phase = stage
+                failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
+            self._restore(snapshot)
+            free_memory()
+            smallest_failed = min(smallest_failed, failure.micro_batch_size)
+            recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
+            new_k = recovery.k if isinstance(recovery, Recovery) else recovery
+            new_k = max(new_k or k + 1, k + 1)
+            self.eval_k[stage] = new_k
+            self._notify(KChange(self.trainer.global_step, k, new_k, n, "oom", f"OOM in {stage} at batch {batch_idx}", stage))
+
+    def _run_eval(self, original: Callable[..., Any], batch: Any, rest: tuple, kwargs: dict, n: int, k: int) -> Any:
+        chunks = self._micro_batches(batch, k)
+        weights = self._weights(chunks)
+        attempt = _Attempt()
+        outputs = []
+        self._attempt = attempt
+        try:
+            for chunk, weight in zip(chunks, weights):
+                attempt.weight = weight
+                outputs.append(original(chunk, *rest, **kwargs))
+        finally:
+            self._attempt = None
+        self._emit_logs(attempt.logs, weights, n)
+        return None if all(o is None for o in outputs) else merge_outputs(outputs, weights)
 
     def _effective_k(self, n: int, batch: Any) -> int:
         if not self.splittable(batch):
@@ -350,7 +547,7 @@ class MicroBatchEngine:
         self._emit_logs(attempt.logs, weights, n)
         loss_out = total.clone().requires_grad_(True)  # a leaf: Lightning's own backward on it is skipped
         if attempt.extras and attempt.extras[0] is not None:
-            return {"loss": loss_out, **_merge_extras(attempt.extras, k)}
+            return {"loss": loss_out, **merge_outputs(attempt.extras, weights)}
         return loss_out
 
     def _emit_logs(self, logs: list[tuple[str, Any, tuple, dict, float]], weights: list[float], n: int) -> None:
@@ -446,23 +643,60 @@ def _split_output(out: Any) -> tuple[Tensor | None, dict[str, Any] | None]:
     return out, None
 
 
-def _merge_extras(extras: list[dict[str, Any]], k: int) -> dict[str, Any]:
-    """Tensors with a sample dimension are concatenated in order; anything else is the last micro-batch's."""
-    if len(extras) == 1:
-        return extras[0]
-    merged: dict[str, Any] = {}
-    for key, last in extras[-1].items():
-        values = [e.get(key) for e in extras]
-        if all(isinstance(v, Tensor) and v.dim() > 0 for v in values):
-            merged[key] = torch.cat([v.detach() for v in values])
-        else:
-            merged[key] = last.detach() if isinstance(last, Tensor) else last
-    return merged
-
-
 def _copy_state(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.clone()
     if isinstance(value, list):
         return list(value)
     return value
+
+
+def unsupported_strategy(strategy: Any) -> str | None:
+    """Why the engine cannot run under ``strategy``, naming the alternative; ``None`` when it can.
+
+    It runs on a single device and under DDP (``ddp``, ``ddp_spawn``, ``ddp_fork``), not under
+    sharded strategies (FSDP, DeepSpeed, ModelParallel), which fix how a batch runs when they wrap the model.
+    """
+    if isinstance(strategy, SingleDeviceStrategy):
+        return None
+    name = type(strategy).__name__
+    if isinstance(strategy, DDPStrategy) and "DeepSpeed" not in name:
+        return None
+    return (
+        f"micro-batching supports single-device and DDP training, got {name}. Use strategy='ddp' (or one "
+        "device), or train without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
+    )
+
+
+def _check_strategy(strategy: Any, module: pl.LightningModule) -> None:
+    """Refuse the strategies and DDP settings under which the engine cannot keep ranks in step."""
+    if isinstance(strategy, SingleDeviceStrategy):
+        return
+    reason = unsupported_strategy(strategy)
+    if reason is not None:
+        raise _Refused(reason[0].upper() + reason[1:])
+    sync_norms = [type(m).__name__ for m in module.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    if sync_norms:
+        raise _Refused(
+            "Micro-batching under DDP cannot run SyncBatchNorm: it communicates inside the forward, so a rank "
+            "that runs out of memory mid-forward would leave the other ranks waiting. Use plain BatchNorm "
+            "(Trainer(sync_batchnorm=False)), or remove OOMRecovery for this run."
+        )
+    ddp = strategy.model
+    if getattr(strategy, "_ddp_comm_hook", None) is not None or getattr(ddp, "_comm_hooks", None):
+        raise _Refused(
+            "Micro-batching under DDP averages the gradients itself at the optimizer step, so a DDP "
+            "communication hook (`ddp_comm_hook`) would never run. Remove the hook, or remove OOMRecovery."
+        )
+    if getattr(ddp, "static_graph", False):
+        raise _Refused(
+            "Micro-batching under DDP cannot run with `static_graph=True`: DDP would all-reduce inside the "
+            "first backward, which the engine keeps free of collectives. Use DDPStrategy(static_graph=False)."
+        )
+
+
+def _make_exchange(strategy: Any) -> LocalExchange | DDPExchange:
+    if isinstance(strategy, DDPStrategy):
+        bucket_mb = strategy._ddp_kwargs.get("bucket_cap_mb", 25) or 25
+        return DDPExchange(strategy.model, bucket_bytes=int(bucket_mb * 2**20))
+    return LocalExchange()

@@ -64,6 +64,26 @@ def test_fit_adds_oom_recovery_on_a_single_device(tmp_path):
     assert cb.max_micro_batches == 4
 
 
+@pytest.mark.parametrize(
+    ("strategy", "added"),
+    [("ddp", True), ("ddp_spawn", True), ("model_parallel", False)],
+    ids=["ddp", "ddp-spawn", "sharded"],
+)
+def test_oom_recovery_is_added_under_ddp_but_not_under_sharded_strategies(strategy, added, caplog):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_gpuopt import OOMRecovery
+
+    chosen = ModelParallelStrategy() if strategy == "model_parallel" else strategy
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, logger=False)
+    with caplog.at_level(logging.INFO):
+        GPUOptCLI._add_oom_recovery(trainer)
+    assert any(isinstance(cb, OOMRecovery) for cb in trainer.callbacks) is added
+    if not added:
+        assert "OOMRecovery not added: micro-batching supports single-device and DDP training" in caplog.text
+
+
 def test_summary_can_be_turned_off(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         cli = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.summary", "false", *_quiet(tmp_path)])

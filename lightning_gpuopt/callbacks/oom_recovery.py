@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_gpuopt.memory import format_bytes
-from lightning_gpuopt.microbatch import KChange, MicroBatchEngine, WeightFn
-from lightning_gpuopt.oom_policy import OOMFailure, next_micro_batch_count
+from lightning_gpuopt.activation_checkpointing import (
+    checkpoint_modules,
+    describe_module_types,
+    matching_modules,
+    uncheckpoint_modules,
+)
+from lightning_gpuopt.memory import format_bytes, get_probe
+from lightning_gpuopt.microbatch import KChange, MicroBatchEngine, WeightFn, unsupported_strategy
+from lightning_gpuopt.oom_policy import (
+    STATUS_GROW,
+    STATUS_THRASH,
+    OOMFailure,
+    Recovery,
+    grow_back_micro_batch_count,
+    next_micro_batch_count,
+    smaller_micro_batch_count,
+)
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
 
@@ -62,7 +75,7 @@ class TokenCount:
 
 
 class OOMRecovery(Callback):
-    """Recovers from out-of-memory errors in training steps by splitting the batch into more micro-batches.
+    """Recovers from out-of-memory errors by splitting the batch into more micro-batches, on every rank alike.
 
     On an OOM anywhere in a training step (forward, backward, the last micro-batch's backward), the
     partial gradients and outputs of the attempt are dropped, memory is freed, a larger number of
@@ -71,6 +84,13 @@ class OOMRecovery(Callback):
     again. The optimizer batch (batch_size × accumulate_grad_batches × world size), the samples seen,
     ``batch_idx`` and ``global_step`` are those of a run that never ran out of memory; parameters match
     it to floating-point rounding.
+
+    Under DDP an OOM on any rank makes every rank retry the batch with the same k (one small vote per
+    batch; gradients are averaged by the pack at the optimizer step, so no rank is left inside a
+    collective). With ``grow_back`` the micro-batch grows again once memory allows. An OOM in a
+    validation, test or predict step splits that batch into chunks whose outputs are put back
+    together in order. Before giving up at one sample per micro-batch, activation checkpointing of
+    ``checkpoint_modules`` is tried (opt-in).
 
     Each micro-batch's loss is weighted by its share of the batch: its samples (``"mean"``), its
     tokens (``"tokens"``, for token-mean losses over padded sequences), or what ``weight_fn`` counts;
@@ -91,15 +111,26 @@ class OOMRecovery(Callback):
         sum_log_keys: logged keys to sum over micro-batches instead of averaging.
         max_micro_batches: the largest k to try; ``None``: up to one sample per micro-batch.
         headroom: the fraction of the memory limit a new micro-batch size aims for, in (0, 1].
+        grow_back: after ``grow_back_after`` clean steps whose peak leaves room under ``headroom`` × the
+            limit, use fewer, larger micro-batches again (never a size that failed recently, never above
+            MemoryAwareBatchSize's measured budget); on CUDA, also split more before an OOM when the
+            allocator thrashes (its retries rise two steps in a row).
+        grow_back_after: clean steps before growing back; doubles each time a grown micro-batch runs
+            out of memory again, so growing back never turns into an OOM loop.
+        checkpoint_modules: module types (classes, class names or qualified names) whose activations
+            are recomputed in the backward (``torch.utils.checkpoint``) when even one sample per
+            micro-batch does not fit; tried once, before the error. Empty: no checkpointing.
         verbose: print one line per change of k on rank zero.
 
     Raises:
-        ValueError: an argument is out of range.
-        TypeError: ``weight_fn`` or ``unsplittable`` has the wrong type.
+        ValueError: an argument is out of range, or ``checkpoint_modules`` names no submodule of the model.
+        TypeError: ``weight_fn``, ``unsplittable`` or ``checkpoint_modules`` has the wrong type.
         RuntimeError: in ``setup``/``on_fit_start``, for setups it cannot run (manual optimization,
-            several optimizers, LBFGS, a compiled module, BatchSizeFinder in the same Trainer, strategies
-            other than a single device), naming the alternative.
-        MicroBatchOOMError: out of memory at one sample per micro-batch, or on an unsplittable batch.
+            several optimizers, LBFGS, a compiled module, BatchSizeFinder in the same Trainer, sharded
+            strategies, SyncBatchNorm or a DDP communication hook under DDP), naming the alternative.
+        MicroBatchOOMError: out of memory at one sample per micro-batch (after checkpointing, when
+            asked for), or on an unsplittable batch; under DDP every other rank stops with an error
+            naming that rank.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -122,6 +153,9 @@ class OOMRecovery(Callback):
         sum_log_keys: Iterable[str] = (),
         max_micro_batches: int | None = None,
         headroom: float = 0.9,
+        grow_back: bool = True,
+        grow_back_after: int = 50,
+        checkpoint_modules: Sequence[str | type[nn.Module]] = (),
         verbose: bool = True,
     ) -> None:
         if loss_reduction not in _REDUCTIONS:
@@ -140,6 +174,17 @@ class OOMRecovery(Callback):
             raise ValueError(f"`max_micro_batches` must be a positive int or None, got {max_micro_batches!r}")
         if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
             raise ValueError(f"`headroom` must be in (0, 1], got {headroom!r}")
+        if not isinstance(grow_back, bool):
+            raise ValueError(f"`grow_back` must be True or False, got {grow_back!r}")
+        if isinstance(grow_back_after, bool) or not isinstance(grow_back_after, int) or grow_back_after < 1:
+            raise ValueError(f"`grow_back_after` must be a positive int (steps), got {grow_back_after!r}")
+        if isinstance(checkpoint_modules, (str, type)) or not all(
+            isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module)) for t in checkpoint_modules
+        ):
+            raise TypeError(
+                "`checkpoint_modules` must be a list of module classes or class names (e.g. "
+                f"['TransformerBlock', torch.nn.TransformerEncoderLayer]), got {checkpoint_modules!r}"
+            )
         self.loss_reduction = loss_reduction
         self.weight_fn = weight_fn
         self.token_key = token_key
@@ -148,12 +193,27 @@ class OOMRecovery(Callback):
         self.sum_log_keys = frozenset(sum_log_keys)
         self.max_micro_batches = max_micro_batches
         self.headroom = float(headroom)
+        self.grow_back = grow_back
+        self.grow_back_after = grow_back_after
+        self.checkpoint_modules = list(checkpoint_modules)
         self.verbose = verbose
-        #: Every failed attempt of this fit, in order.
+        #: Every failed attempt of this fit, in order (training and evaluation).
         self.failures: list[OOMFailure] = []
         self._k = 1
+        self._eval_k: dict[str, int] = {}
+        self._checkpointing = False
+        self._checkpointed: list[nn.Module] = []
+        self._wait = grow_back_after
         self._engine: MicroBatchEngine | None = None
         self._logged_size: int | None = None
+        self._reset_watch()
+
+    def _reset_watch(self) -> None:
+        self._clean_steps = 0
+        self._step_start: int | None = None
+        self._recent_failures: dict[int, int] = {}  # micro-batch size -> global step of its last OOM
+        self._grown_at: int | None = None  # the step of the last grow-back, to notice it failing
+        self._retries: list[int] = []
 
     # ------------------------------------------------------------------ what users read
 
@@ -161,6 +221,16 @@ class OOMRecovery(Callback):
     def k(self) -> int:
         """Micro-batches per training batch now in force."""
         return self._engine.k if self._engine is not None else self._k
+
+    @property
+    def eval_k(self) -> dict[str, int]:
+        """Chunks per evaluation batch, by stage (``"validation"``, ``"test"``, ``"predict"``), after an OOM there."""
+        return dict(self._engine.eval_k) if self._engine is not None else dict(self._eval_k)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether activation checkpointing of ``checkpoint_modules`` was turned on (it stays on for the run)."""
+        return self._checkpointing
 
     @property
     def state_key(self) -> str:
@@ -171,24 +241,41 @@ class OOMRecovery(Callback):
         return key
 
     def state_dict(self) -> dict[str, Any]:
-        return {"k": self.k, "oom_count": len(self.failures) + self._restored_oom_count}
+        return {
+            "k": self.k,
+            "oom_count": len(self.failures) + self._restored_oom_count,
+            "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
+            "checkpointing": self._checkpointing,
+            "grow_back_wait": self._wait,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._k = int(state_dict.get("k", 1))
         self._restored_oom_count = int(state_dict.get("oom_count", 0))
+        self._eval_k = {str(stage): int(k) for stage, k in state_dict.get("eval_k", [])}
+        self._checkpointing = bool(state_dict.get("checkpointing", False))
+        self._wait = int(state_dict.get("grow_back_wait", self.grow_back_after))
 
     _restored_oom_count = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_engine"], state["_checkpointed"] = None, []
+        return state
 
     # ------------------------------------------------------------------ lifecycle
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.checkpoint_modules and not matching_modules(pl_module, self.checkpoint_modules):
+            raise ValueError(
+                f"`checkpoint_modules` names {self.checkpoint_modules}, but {type(pl_module).__name__} has no such "
+                f"submodule; its module types are: {describe_module_types(pl_module)}."
+            )
         if stage != "fit":
             return
-        if not isinstance(trainer.strategy, SingleDeviceStrategy):
-            raise RuntimeError(
-                f"OOMRecovery supports single-device training in this version, got {type(trainer.strategy).__name__}. "
-                "Train on one device (devices=1), or remove OOMRecovery for multi-device runs."
-            )
+        reason = unsupported_strategy(trainer.strategy)
+        if reason is not None:
+            raise RuntimeError(f"OOMRecovery: {reason}")
         if not pl_module.automatic_optimization:
             raise RuntimeError(
                 "OOMRecovery needs automatic optimization, but the LightningModule sets `automatic_optimization = "
@@ -208,8 +295,29 @@ class OOMRecovery(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attach(trainer, training=True)
+        self.failures = []
+        self._logged_size = None
+        self._reset_watch()
+        engine = self._engine
+        if self._k != engine.k:
+            engine.propose(self._k, "resume", "restored from checkpoint")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._engine is None:  # `validate` outside of `fit`
+            self._attach(trainer, training=False)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._engine is None:
+            self._attach(trainer, training=False)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._engine is None:
+            self._attach(trainer, training=False)
+
+    def _attach(self, trainer: pl.Trainer, training: bool) -> None:
         try:
-            engine = MicroBatchEngine.attach(trainer, self)
+            engine = MicroBatchEngine.attach(trainer, self, training=training)
         except RuntimeError as err:
             raise RuntimeError(f"OOMRecovery: {err}") from None
         engine.oom_handler = self._on_oom
@@ -224,12 +332,15 @@ class OOMRecovery(Callback):
         elif callable(self.unsplittable):
             predicate = self.unsplittable
             engine.splittable = lambda batch: not predicate(batch)
+        if self.checkpoint_modules:
+            engine.enable_checkpointing = self._enable_checkpointing
+        for stage, k in self._eval_k.items():
+            engine.eval_k.setdefault(stage, k)
         engine.listeners.append(self._on_change)
         self._engine = engine
-        self.failures = []
-        self._logged_size = None
-        if self._k != engine.k:
-            engine.propose(self._k, "resume", "restored from checkpoint")
+        if self._checkpointing:  # restored from a checkpoint: the run had turned it on
+            self._checkpointing = False
+            self._enable_checkpointing(announce="restored from checkpoint")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         engine = self._engine
@@ -240,19 +351,65 @@ class OOMRecovery(Callback):
         if size != self._logged_size:
             self._logged_size = size
             self._log_metric(trainer, size)
+        if self.grow_back:
+            probe = get_probe(trainer.strategy.root_device)
+            if probe.kind != "cpu":
+                probe.reset_peak()
+                self._step_start = probe.allocated
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = self._engine
+        if engine is None or not self.grow_back:
+            return
+        step_start, self._step_start = self._step_start, None
+        probe = get_probe(trainer.strategy.root_device)
+        if step_start is None or probe.kind == "cpu":
+            return
+        n = engine._batch_size(batch)
+        self._clean_steps += 1
+        self._retries = [*self._retries[-2:], probe.alloc_retries]
+        step = trainer.global_step
+        rising = len(self._retries) == 3 and self._retries[0] < self._retries[1] < self._retries[2]
+        if rising and engine.k < n:
+            self._retries = []
+            k = smaller_micro_batch_count(engine.k, n)
+            engine.next_proposal = (k, STATUS_THRASH, f"allocator thrashing at step {step} (retries rising)")
+            return
+        if self._clean_steps < self._wait or not engine.splittable(batch):
+            return
+        failed = [size for size, at in self._recent_failures.items() if step - at <= self._wait]
+        k = grow_back_micro_batch_count(
+            engine.k, n, step_start, probe.peak, probe.total, self.headroom,
+            below_size=min(failed) if failed else None, max_micro_batch_size=engine.max_micro_batch_size,
+        )
+        if k is not None:
+            engine.next_proposal = (k, STATUS_GROW, f"grow back at step {step} (peak {format_bytes(probe.peak)} "
+                                    f"of {format_bytes(probe.total)})")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._engine is not None:
             self._k = self._engine.k
+            self._eval_k = dict(self._engine.eval_k)
             if self._on_change in self._engine.listeners:
                 self._engine.listeners.remove(self._on_change)
             self._engine.release(self)
             self._engine = None
+        uncheckpoint_modules(self._checkpointed)
+        self._checkpointed = []
 
     # ------------------------------------------------------------------ decisions
 
-    def _on_oom(self, failure: OOMFailure, smallest_failed: int, splittable: bool) -> int:
+    def _on_oom(self, failure: OOMFailure, smallest_failed: int, splittable: bool) -> Recovery:
         self.failures.append(failure)
+        if failure.phase in ("forward", "backward"):
+            step = failure.step
+            self._recent_failures[failure.micro_batch_size] = step
+            if self._grown_at is not None and step - self._grown_at <= self._wait:
+                self._wait *= 2  # the grown micro-batch did not hold: wait longer before the next try
+            self._grown_at = None
+            self._clean_steps = 0
         if not splittable:
             raise MicroBatchOOMError(
                 f"Out of memory at step {failure.step} ({failure.phase}) on a batch of {failure.batch_size} samples "
@@ -263,20 +420,47 @@ class OOMRecovery(Callback):
         k = next_micro_batch_count(failure, smallest_failed, self.headroom)
         if k is not None and self.max_micro_batches is not None:
             k = min(k, self.max_micro_batches) if failure.k < self.max_micro_batches else None
-        if k is None:
-            raise MicroBatchOOMError(self._exhausted_message(failure))
-        return k
+        if k is not None:
+            return Recovery(k)
+        if self.checkpoint_modules and not self._checkpointing and failure.phase in ("forward", "backward"):
+            return Recovery(None, checkpoint=True)
+        raise MicroBatchOOMError(self._exhausted_message(failure))
+
+    def _enable_checkpointing(self, announce: str | None = None) -> bool:
+        if self._checkpointing or self._engine is None:
+            return False
+        module = self._engine.trainer.lightning_module
+        self._checkpointed = checkpoint_modules(matching_modules(module, self.checkpoint_modules))
+        self._checkpointing = True
+        if self.verbose:
+            names = sorted({type(m).__name__ for m in self._checkpointed})
+            why = announce or "out of memory at one sample per micro-batch"
+            rank_zero_info(
+                f"OOMRecovery: activation checkpointing on for {len(self._checkpointed)} module(s) "
+                f"({', '.join(names)}): {why}; retrying the batch."
+            )
+        return True
 
     def _on_change(self, change: KChange) -> None:
-        if change.source == "oom" and self.verbose and change.batch_size:
-            trainer = self._engine.trainer if self._engine else None
-            n = change.batch_size
-            world = trainer.world_size if trainer else 1
-            accumulate = trainer.accumulate_grad_batches if trainer else 1
-            rank_zero_info(
-                f"{change.reason}: micro-batch {math.ceil(n / change.k_before)} -> {math.ceil(n / change.k_after)} "
-                f"(k {change.k_before} -> {change.k_after}); optimizer batch {n * accumulate * world} kept"
-            )
+        if change.source == "grow back":
+            self._grown_at = change.step
+            self._clean_steps = 0
+        elif change.source in ("oom", "thrash"):
+            self._clean_steps = 0
+        if not self.verbose or not change.batch_size or change.source == "resume":
+            return
+        trainer = self._engine.trainer if self._engine else None
+        n = change.batch_size
+        before, after = math.ceil(n / change.k_before), math.ceil(n / change.k_after)
+        if change.stage != "train":
+            rank_zero_info(f"{change.reason}: {change.stage} batches of {n} run as {change.k_after} chunks of {after}")
+            return
+        world = trainer.world_size if trainer else 1
+        accumulate = trainer.accumulate_grad_batches if trainer else 1
+        rank_zero_info(
+            f"{change.reason}: micro-batch {before} -> {after} (k {change.k_before} -> {change.k_after}); "
+            f"optimizer batch {n * accumulate * world} kept"
+        )
 
     def _log_metric(self, trainer: pl.Trainer, size: int) -> None:
         if trainer.global_rank != 0:
@@ -305,11 +489,20 @@ class OOMRecovery(Callback):
         limit = "" if self.max_micro_batches is None or failure.micro_batch_size <= 1 else (
             f" (max_micro_batches={self.max_micro_batches} reached)"
         )
+        if self._checkpointing:
+            tried = " Activation checkpointing of `checkpoint_modules` was on."
+        elif failure.phase in ("forward", "backward"):
+            tried = " `OOMRecovery(checkpoint_modules=[...])` can recompute the largest blocks' activations instead."
+        else:
+            tried = ""
+        where = f"step {failure.step} ({failure.phase})" if failure.phase in ("forward", "backward") else (
+            f"{failure.phase} batch {failure.batch_idx}")
         return (
-            f"Out of memory at step {failure.step} ({failure.phase}) even with micro-batches of "
+            f"Out of memory at {where} even with micro-batches of "
             f"{failure.micro_batch_size} sample(s) (k {failure.k} for a batch of {failure.batch_size}){limit}. "
-            f"Memory: {'; '.join(parts)}. Next steps: a lower-memory precision (precision='bf16-mixed' or "
+            f"Memory: {'; '.join(parts)}.{tried} Next steps: a lower-memory precision (precision='bf16-mixed' or "
             "'16-mixed'), activation checkpointing of the largest blocks, a sharded strategy "
-            "(FSDP, DeepSpeed ZeRO) or CPU offload, or a smaller model. "
+            "(FSDP, DeepSpeed ZeRO) or CPU offload, or a smaller model; for evaluation, a smaller `eval_batch_size`. "
+            "PyTorch's allocator setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation. "
             f"Original error: {failure.message}"
         )

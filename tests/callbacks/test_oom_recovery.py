@@ -399,12 +399,12 @@ def test_compiled_module_is_refused():
         fit(model, [OOMRecovery()], steps=1)
 
 
-def test_multi_device_strategy_is_refused():
-    from lightning.pytorch.strategies import DDPStrategy
+def test_sharded_strategy_is_refused_naming_the_alternative():
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     cb = OOMRecovery()
-    trainer = pl.Trainer(max_steps=1, strategy=DDPStrategy(), **TRAINER_QUIET)
-    with pytest.raises(RuntimeError, match=r"single-device training in this version, got DDPStrategy"):
+    trainer = pl.Trainer(max_steps=1, strategy=ModelParallelStrategy(), **TRAINER_QUIET)
+    with pytest.raises(RuntimeError, match=r"OOMRecovery: micro-batching supports single-device and DDP training, got ModelParallelStrategy. Use strategy=.ddp."):
         cb.setup(trainer, WideRegressor(), "fit")
 
 
@@ -419,6 +419,10 @@ def test_multi_device_strategy_is_refused():
         ({"max_micro_batches": 0}, ValueError, r"`max_micro_batches` must be a positive int or None, got 0"),
         ({"headroom": 0}, ValueError, r"`headroom` must be in \(0, 1\], got 0"),
         ({"headroom": 1.5}, ValueError, r"`headroom` must be in \(0, 1\], got 1.5"),
+        ({"grow_back": "yes"}, ValueError, r"`grow_back` must be True or False, got 'yes'"),
+        ({"grow_back_after": 0}, ValueError, r"`grow_back_after` must be a positive int \(steps\), got 0"),
+        ({"checkpoint_modules": "Linear"}, TypeError, r"`checkpoint_modules` must be a list of module classes"),
+        ({"checkpoint_modules": [3]}, TypeError, r"`checkpoint_modules` must be a list of module classes"),
     ],
 )
 def test_bad_arguments_fail_in_init(kwargs, error, message):

@@ -1,0 +1,193 @@
+"""OOMRecovery under DDP: two CPU processes over gloo, out of memory on rank 1 only.
+
+Each rank runs under its own SimulatedMemory. Rank 1's limit is set from its own measurement after
+two unlimited steps (the full batch then cannot finish its forward, or its backward), so the OOM is
+real, happens on one rank only, and mid-run. The run must neither hang nor abort, every rank must
+retry with the same k, and the result must be the plain DDP run's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from oom_models import Waves, WideRegressor
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
+from lightning_gpuopt.microbatch import MicroBatchEngine, RankOutOfMemoryError, _check_strategy, _Refused
+from lightning_gpuopt.testing import SimulatedMemory
+
+pytestmark = pytest.mark.slow
+
+LIMITED_RANK = 1
+LIMIT_AFTER = 2  # batches 0 and 1 run without a limit on every rank
+
+
+class RankMemory(pl.Callback):
+    """Rank r trains under its own SimulatedMemory; rank 1 gets a limit after LIMIT_AFTER batches.
+
+    ``rule``: ``"forward"`` (the full batch cannot finish its forward), ``"backward"`` (its forward fits,
+    its backward does not), ``"tiny"`` (not even one sample fits) or ``None``. Writes what the rank ended with to
+    ``out_dir/rank{r}.pt``, also when the fit raises.
+    """
+
+    def __init__(self, out_dir: str, rule: str | None) -> None:
+        self.out_dir, self.rule = out_dir, rule
+        self.mem: SimulatedMemory | None = None
+
+    def setup(self, trainer, pl_module, stage):
+        self.mem = SimulatedMemory()
+        self.mem.__enter__()
+        # A spawned rank's exception skips `on_exception` (only the launching process calls it), so
+        # catch it around the fit loop to write down what this rank raised.
+        run = trainer.fit_loop.run
+
+        def run_and_record():
+            try:
+                return run()
+            except BaseException as error:
+                self._save(trainer, pl_module, error)
+                if trainer.global_rank == LIMITED_RANK:
+                    # The launcher terminates the other processes once one has failed: give rank 0
+                    # time to reach its own error and write it down.
+                    time.sleep(3)
+                raise
+
+        trainer.fit_loop.run = run_and_record
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.rule is None or trainer.global_rank != LIMITED_RANK or trainer.global_step != LIMIT_AFTER:
+            return
+        _, start, kept, peak = pl_module.marks[-1]  # the last full-batch step, measured on this rank
+        self.mem.limit_bytes = {
+            "forward": start + int(0.7 * (peak - start)),
+            "backward": peak + int(0.25 * kept),
+            # Room for the next batch (10 KiB) and Lightning's own small tensors, not for the 16 KiB
+            # activation of even one sample: an OOM outside the training step would be no test of this pack.
+            "tiny": self.mem.allocated_bytes + 24 * 1024,
+        }[self.rule]
+
+    def _save(self, trainer, pl_module, error: BaseException | None = None) -> None:
+        engine = MicroBatchEngine.get(trainer)
+        oom = next((c for c in trainer.callbacks if isinstance(c, OOMRecovery)), None)
+        result = {
+            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            "buffers": {n: b.detach().clone() for n, b in pl_module.named_buffers()},
+            "history": [(c.step, c.k_before, c.k_after, c.source) for c in engine.history] if engine else [],
+            "failures": len(oom.failures) if oom else 0,
+            "steps": trainer.global_step,
+            "pid": os.getpid(),
+            "error": None if error is None else (type(error).__name__, str(error)),
+        }
+        torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+        self.mem.__exit__(None, None, None)
+        self.mem = None
+
+    def on_fit_end(self, trainer, pl_module):
+        self._save(trainer, pl_module)
+
+
+
+
+class NormRegressor(WideRegressor):
+    """WideRegressor with BatchNorm after the wide layer: running statistics that ranks must agree on."""
+
+    def __init__(self, optimizer: str = "adam") -> None:
+        super().__init__(optimizer)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 2048), nn.BatchNorm1d(2048), nn.Tanh(), nn.Linear(2048, 1))
+
+
+def ddp_fit(tmp_path, name, model, callbacks, rule=None, steps=8, accumulate=1, **ddp_kwargs) -> list[dict]:
+    out = tmp_path / name
+    out.mkdir()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        strategy=DDPStrategy(start_method="spawn", **ddp_kwargs), accelerator="cpu", devices=2, max_steps=steps,
+        precision="64-true", accumulate_grad_batches=accumulate, callbacks=[RankMemory(str(out), rule), *callbacks],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    try:
+        trainer.fit(model, DataLoader(Waves(length=128 * 2 * steps * accumulate), batch_size=128, shuffle=False))
+    finally:
+        results = [torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else None
+                   for r in (0, 1)]
+    return results
+
+
+def _assert_same(a: dict, b: dict, exact: bool) -> None:
+    for name in a:
+        if exact:
+            assert torch.equal(a[name], b[name]), name
+        else:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-9, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Plain DDP, no callback, no limit."""
+    return ddp_fit(tmp_path_factory.mktemp("reference"), "plain", WideRegressor("adam"), [])
+
+
+@pytest.mark.parametrize(
+    ("rule", "ddp_kwargs"),
+    [("forward", {}), ("backward", {"gradient_as_bucket_view": True})],
+    ids=["forward", "mid-backward-bucket-view"],
+)
+def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(tmp_path, reference, rule, ddp_kwargs):
+    ranks = ddp_fit(tmp_path, rule, WideRegressor("adam"), [OOMRecovery()], rule=rule, **ddp_kwargs)
+    zero, one = ranks
+    assert one["failures"] >= 1 and zero["failures"] == 0, "only rank 1 ran out of memory"
+    assert one["history"] and [h[:3] for h in zero["history"]] == [h[:3] for h in one["history"]]
+    assert all(source == "oom" and step == LIMIT_AFTER for step, _, _, source in one["history"])
+    assert zero["steps"] == one["steps"] == 8 and zero["pid"] != one["pid"]
+    _assert_same(zero["params"], one["params"], exact=True)
+    _assert_same(one["params"], reference[0]["params"], exact=False)
+
+
+def test_batchnorm_statistics_stay_identical_across_ranks_after_recovery(tmp_path):
+    zero, one = ddp_fit(tmp_path, "norm", NormRegressor("adam"), [OOMRecovery()], rule="forward", accumulate=2)
+    assert one["failures"] >= 1 and zero["history"] == one["history"]
+    _assert_same(zero["params"], one["params"], exact=True)
+    _assert_same(zero["buffers"], one["buffers"], exact=True)
+    assert int(one["buffers"]["net.1.num_batches_tracked"]) > 8  # the statistics did move, micro-batch by micro-batch
+
+
+def test_nothing_left_to_split_on_one_rank_stops_every_rank_without_hanging(tmp_path):
+    with pytest.raises(Exception, match=r"ran out of memory|Out of memory"):
+        ddp_fit(tmp_path, "fatal", WideRegressor("adam"), [OOMRecovery()], rule="tiny")
+    zero, one = (torch.load(tmp_path / "fatal" / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert one["error"][0] == MicroBatchOOMError.__name__ and "even with micro-batches of 1 sample" in one["error"][1]
+    assert zero["error"][0] == RankOutOfMemoryError.__name__ and "Rank(s) 1 ran out of memory" in zero["error"][1]
+
+
+# ---------------------------------------------------------------------------- what is refused (no processes)
+
+
+def _ddp_strategy(model_attrs: dict, **kwargs) -> DDPStrategy:
+    strategy = DDPStrategy(**kwargs)
+    strategy.model = SimpleNamespace(**{"_comm_hooks": [], "static_graph": False, **model_attrs})
+    return strategy
+
+
+@pytest.mark.parametrize(
+    ("module", "strategy", "message"),
+    [
+        (nn.SyncBatchNorm(4), _ddp_strategy({}), r"cannot run SyncBatchNorm.*Use plain BatchNorm"),
+        (nn.Linear(2, 2), _ddp_strategy({"_comm_hooks": [("hook", None)]}), r"communication hook .* would never run"),
+        (nn.Linear(2, 2), _ddp_strategy({}, ddp_comm_hook=lambda *a: None), r"communication hook .* would never run"),
+        (nn.Linear(2, 2), _ddp_strategy({"static_graph": True}), r"static_graph=True"),
+    ],
+    ids=["sync-batchnorm", "registered-hook", "strategy-hook", "static-graph"],
+)
+def test_ddp_settings_that_break_the_step_are_refused(module, strategy, message):
+    with pytest.raises(_Refused, match=message):
+        _check_strategy(strategy, module)
