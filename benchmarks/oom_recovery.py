@@ -10,7 +10,12 @@ so short that the callback's fixed cost per step shows):
 1. **Overhead**: steady-state step time with ``OOMRecovery()`` installed (k=1, no OOM, no limit)
    over plain Lightning (no callback). Target: median ratio <= 1.02 (DESIGN.md, "Silent when healthy").
 2. **Forced k=2** (no OOM) over plain Lightning, for information: the price of micro-batching itself.
-3. **Recovery** under :class:`~lightning_gpuopt.testing.SimulatedMemory`: after a few unlimited
+3. **DDP overhead** (``--no-ddp`` skips it): two CPU processes over gloo (``ddp_spawn``), the MLP,
+   plain DDP vs DDP with ``OOMRecovery()`` (k=1, no OOM): the pack runs every backward under
+   ``no_sync``, votes once per batch and averages gradients itself at the optimizer step, where plain
+   DDP overlaps its all-reduce with the backward. Rank 0's step times, interleaved repeats. Target:
+   median ratio <= 1.05.
+4. **Recovery** under :class:`~lightning_gpuopt.testing.SimulatedMemory`: after a few unlimited
    warm-up steps the limit drops below the full batch's peak, so the next step runs out of memory and
    is retried with more micro-batches. Reported: that step's time over a steady k=1 step's and over a
    step at the final k, the failed attempts (``len(cb.failures)``) and the final k.
@@ -65,6 +70,7 @@ from lightning_gpuopt.oom_policy import OOMFailure
 from lightning_gpuopt.testing import SimulatedMemory
 
 OVERHEAD_TARGET = 1.02
+DDP_OVERHEAD_TARGET = 1.05
 CALIBRATION_K = 8
 VARIANTS = ("plain", "k=1", "k=2")
 FORCED_K = {"plain": None, "k=1": 1, "k=2": 2}
@@ -325,6 +331,55 @@ def measure_overhead(workload: Workload, repeats: int, warmup: int, steps: int) 
     }
 
 
+class RankZeroTimes(StepTimer):
+    """A StepTimer that, in a spawned DDP process, writes rank 0's periods to ``path`` (the parent reads them)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            Path(self.path).write_text(json.dumps({"periods": self.periods, "cpu_periods": self.cpu_periods}))
+
+
+def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: int, folder: Path) -> dict[str, Any]:
+    """Interleaved 2-process DDP fits (gloo, spawn): plain vs OOMRecovery() at k=1; rank 0's steady step times."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    loader = workload.loader(workload.batch_size, 2 * (warmup + steps))  # each rank gets half
+    variants = ("plain", "k=1")
+    median_ms: dict[str, list[float]] = {v: [] for v in variants}
+    folder.mkdir(parents=True, exist_ok=True)
+    for repeat in range(repeats):
+        for variant in variants if repeat % 2 == 0 else variants[::-1]:
+            path = folder / f"ddp_{repeat}_{variant}.json"
+            pl.seed_everything(0, verbose=False)
+            trainer = pl.Trainer(
+                max_steps=warmup + steps, callbacks=[RankZeroTimes(str(path)), *_recovery(FORCED_K[variant])],
+                **{**TRAINER_QUIET, "devices": 2, "strategy": DDPStrategy(start_method="spawn")},
+            )
+            trainer.fit(Classifier(workload.build), loader)
+            periods = json.loads(path.read_text())["periods"]
+            median_ms[variant].append(1e3 * statistics.median(periods[warmup - 1:]))
+    ratios = [a / b for a, b in zip(median_ms["k=1"], median_ms["plain"])]
+    s = summary(ratios)
+    return {
+        "workload": workload.name,
+        "processes": 2,
+        "backend": "gloo",
+        "batch_size_per_rank": workload.batch_size,
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "step_ms_median_per_fit": median_ms,
+        "step_ms": {v: statistics.median(median_ms[v]) for v in variants},
+        "ratio_k1": ratios,
+        "ratio_k1_summary": s,
+        "target": {"metric": "median over repeats of rank 0's step-time ratio DDP+OOMRecovery() k=1 / plain DDP",
+                   "threshold": DDP_OVERHEAD_TARGET, "value": s["median"], "met": s["median"] <= DDP_OVERHEAD_TARGET},
+    }
+
+
 def _steady_peak(workload: Workload, k: int, batch_size: int, steps: int) -> tuple[int, int]:
     """(peak of the whole step, bytes at its start) of the last step of an unlimited run at k."""
     memory = SimulatedMemory()
@@ -432,6 +487,16 @@ def print_table(results: dict[str, Any]) -> None:
     print("k=1/plain: median over repeats of the ratio of per-fit median step times; 'of min steps': of per-fit "
           "fastest steps; 'of CPU time': of per-fit median process CPU time per step (all medians over repeats)")
     print()
+    if "ddp" in results:
+        d = results["ddp"]
+        met = "met" if d["target"]["met"] else "NOT met"
+        _print_rows([
+            ("DDP (2 processes, gloo)", "batch per rank", "plain DDP ms", "DDP + OOMRecovery ms",
+             "ratio median [min-max; IQR]", "target"),
+            (d["workload"], str(d["batch_size_per_rank"]), f"{d['step_ms']['plain']:.2f}", f"{d['step_ms']['k=1']:.2f}",
+             _spread(d["ratio_k1_summary"]), f"<= {DDP_OVERHEAD_TARGET} {met}"),
+        ])
+        print()
     rows = [("model", "batch", "limit (of k=1 peak)", "status", "retries", "final k", "steady ms",
              "recovering ms", "ratio", "final-k step ms", "ratio to it", "gc.collect ms")]
     notes = []
@@ -477,6 +542,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None,
                         help="interleaved repeats of the overhead fits (default 7; --quick: 2)")
     parser.add_argument("--quick", action="store_true", help="smoke mode, few repeats and steps (CI, < 60 s)")
+    parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process DDP overhead measurement")
     parser.add_argument("--mlp-recovery-batch-size", type=int, default=2048,
                         help="the MLP's batch size in the recovery run (default 2048; at 256 its memory is "
                              "dominated by parameters, gradients and optimizer state)")
@@ -526,9 +592,17 @@ def main(argv: list[str] | None = None) -> int:
             entry["recovery"] = measure_recovery(workload, recovery_warmup, recovery_after)
             entry["recovery"]["wall_s"] = time.perf_counter() - phase_started
         results["models"][workload.name] = entry
+    if not args.no_ddp:
+        mlp = next(w for w in workloads(args.mlp_recovery_batch_size) if w.name == "mlp")
+        print(f"mlp: DDP overhead, 2 processes, {repeats} interleaved repeats ...", flush=True)
+        phase_started = time.perf_counter()
+        results["ddp"] = measure_ddp_overhead(mlp, repeats, warmup, steps, args.out / "ddp_times")
+        results["ddp"]["wall_s"] = time.perf_counter() - phase_started
     results["targets"] = [
         {"model": name, **r["overhead"]["target"]} for name, r in results["models"].items() if r["targeted"]
     ]
+    if "ddp" in results:
+        results["targets"].append({"model": "mlp, DDP x2", **results["ddp"]["target"]})
     results["targets"] += [
         {"model": name, "metric": "the run recovers from the OOM and completes", "threshold": "recovered",
          "value": r["recovery"]["status"], "met": r["recovery"]["recovered"]}
