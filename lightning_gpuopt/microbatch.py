@@ -383,6 +383,7 @@ class MicroBatchEngine:
             if agreement.checkpoint and self.enable_checkpointing is not None and self.enable_checkpointing():
                 smallest_failed = n + 1  # activations are cheaper now: sizes that failed may fit
             self.propose(agreement.k, "oom", self._reason(agreement, failure), batch_size=n)
+        self._emit_logs(*self._pending_logs)
         self._merge_grads(params, stash)
         if boundary:
             self.exchange.reduce()
@@ -544,7 +545,7 @@ class MicroBatchEngine:
                 del out, loss, scaled
         finally:
             self._attempt = None
-        self._emit_logs(attempt.logs, weights, n)
+        self._pending_logs = (attempt.logs, weights, n)  # emitted once every rank keeps the attempt
         loss_out = total.clone().requires_grad_(True)  # a leaf: Lightning's own backward on it is skipped
         if attempt.extras and attempt.extras[0] is not None:
             return {"loss": loss_out, **merge_outputs(attempt.extras, weights)}

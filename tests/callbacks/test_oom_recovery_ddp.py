@@ -24,8 +24,6 @@ from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine, RankOutOfMemoryError, _check_strategy, _Refused
 from lightning_gpuopt.testing import SimulatedMemory
 
-pytestmark = pytest.mark.slow
-
 LIMITED_RANK = 1
 LIMIT_AFTER = 2  # batches 0 and 1 run without a limit on every rank
 
@@ -137,6 +135,7 @@ def reference(tmp_path_factory):
     return ddp_fit(tmp_path_factory.mktemp("reference"), "plain", WideRegressor("adam"), [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("rule", "ddp_kwargs"),
     [("forward", {}), ("backward", {"gradient_as_bucket_view": True})],
@@ -153,6 +152,7 @@ def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(t
     _assert_same(one["params"], reference[0]["params"], exact=False)
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_stay_identical_across_ranks_after_recovery(tmp_path):
     zero, one = ddp_fit(tmp_path, "norm", NormRegressor("adam"), [OOMRecovery()], rule="forward", accumulate=2)
     assert one["failures"] >= 1 and zero["history"] == one["history"]
@@ -161,6 +161,7 @@ def test_batchnorm_statistics_stay_identical_across_ranks_after_recovery(tmp_pat
     assert int(one["buffers"]["net.1.num_batches_tracked"]) > 8  # the statistics did move, micro-batch by micro-batch
 
 
+@pytest.mark.slow
 def test_nothing_left_to_split_on_one_rank_stops_every_rank_without_hanging(tmp_path):
     with pytest.raises(Exception, match=r"ran out of memory|Out of memory"):
         ddp_fit(tmp_path, "fatal", WideRegressor("adam"), [OOMRecovery()], rule="tiny")
@@ -191,3 +192,53 @@ def _ddp_strategy(model_attrs: dict, **kwargs) -> DDPStrategy:
 def test_ddp_settings_that_break_the_step_are_refused(module, strategy, message):
     with pytest.raises(_Refused, match=message):
         _check_strategy(strategy, module)
+
+
+# ---------------------------------------------------------------------------- a remote OOM, in one process
+
+
+class RemoteOOM(pl.Callback):
+    """Makes the engine's vote report an OOM from a second rank at one step: this rank's good attempt is dropped."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def on_fit_start(self, trainer, pl_module):
+        from lightning_gpuopt._exchange import LocalExchange
+        from lightning_gpuopt.oom_policy import STATUS_OOM, Vote
+
+        callback = self
+
+        class TwoRanks(LocalExchange):
+            world_size = 2
+
+            def vote(self, status, k):
+                if trainer.global_step == callback.step and not callback.done:
+                    callback.done = True
+                    return [Vote(status, k), Vote(STATUS_OOM, 4)]
+                return [Vote(status, k), Vote(0, k)]
+
+        MicroBatchEngine.get(trainer).exchange = TwoRanks()
+
+
+class EpochLogged(WideRegressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_good_attempt_dropped_for_another_rank_leaves_no_trace(accumulate):
+    from oom_models import fit, optimizer_step_ids
+
+    ref = fit(EpochLogged("adam"), [], steps=6, accumulate=accumulate, limit_train_batches=6 * accumulate, max_epochs=1)
+    cb, remote = OOMRecovery(), RemoteOOM(step=2)
+    run = fit(EpochLogged("adam"), [cb, remote], steps=6, accumulate=accumulate, limit_train_batches=6 * accumulate,
+              max_epochs=1)
+    assert remote.done and not cb.failures and cb.k == 4  # retried with the other rank's k, no OOM here
+    for got, want in zip(run.params(), ref.params()):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert optimizer_step_ids(run.model, accumulate) == optimizer_step_ids(ref.model, accumulate)  # metric: once
+    logged, expected = run.trainer.callback_metrics["epoch_loss"], ref.trainer.callback_metrics["epoch_loss"]
+    torch.testing.assert_close(logged, expected, rtol=1e-9, atol=0)  # the dropped attempt logged nothing
