@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean report-image
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,14 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The README's picture: the default job's GPUOptReport, drawn again into docs/images/.
+report-image: install
+	rm -rf build/report-image
+	$(VENV)/bin/gpuopt fit --config examples/configs/default.yaml --trainer.logger.init_args.save_dir build/report-image \
+		--trainer.enable_progress_bar false
+	mkdir -p docs/images
+	cp build/report-image/default/version_0/gpuopt_report.png docs/images/gpuopt_report.png
 
 lint: install
 	$(VENV)/bin/ruff check lightning_gpuopt tests benchmarks examples

@@ -4,11 +4,14 @@ Examples:
     gpuopt fit --config examples/configs/default.yaml
     gpuopt fit --model lightning.pytorch.demos.boring_classes.DemoModel \\
                --data lightning.pytorch.demos.boring_classes.BoringDataModule --trainer.max_steps 5
+    gpuopt report lightning_logs/version_0       # the run's report table and picture, again
     python -m lightning_gpuopt fit --help
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -16,14 +19,15 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
-from lightning_gpuopt.callbacks import OOMRecovery
+from lightning_gpuopt.callbacks import GPUOptReport, OOMRecovery
 from lightning_gpuopt.microbatch import unsupported_strategy
 
-__all__ = ["GPUOptCLI", "main", "run"]
+__all__ = ["GPUOptCLI", "main", "report_command", "run"]
 
 _DESCRIPTION = (
     "gpuopt: train any LightningModule with lightning_gpuopt's memory, precision and data tuning. "
-    "Pick the model and data by class path (--model, --data) or in a config file (--config)."
+    "Pick the model and data by class path (--model, --data) or in a config file (--config). "
+    "`gpuopt report RUN_DIR` prints a finished run's report table and draws its picture again."
 )
 
 
@@ -37,6 +41,9 @@ class GPUOptCLI(LightningCLI):
       validation metrics, training samples/s and peak memory.
     * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
       on a single device or under DDP, unless ``--trainer.callbacks`` already has one.
+    * ``--gpuopt.report`` (default true): add :class:`~lightning_gpuopt.GPUOptReport` to ``fit``
+      (table, ``gpuopt_report.json`` and ``.png`` in the run's log directory), unless
+      ``--trainer.callbacks`` already has one.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -76,6 +83,13 @@ class GPUOptCLI(LightningCLI):
             "and retry on every rank), "
             "unless trainer.callbacks has one.",
         )
+        parser.add_argument(
+            "--gpuopt.report",
+            type=bool,
+            default=True,
+            help="Add GPUOptReport to fit (summary table, gpuopt_report.json and gpuopt_report.png in the run's log "
+            "directory), unless trainer.callbacks has one.",
+        )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self.subcommand in (None, "fit") and self._gpuopt_option("summary"):
@@ -87,6 +101,9 @@ class GPUOptCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):
             self._add_oom_recovery(trainer)
+        if self.subcommand in (None, "fit") and self._gpuopt_option("report"):
+            if not any(isinstance(cb, GPUOptReport) for cb in trainer.callbacks):
+                trainer.callbacks.append(GPUOptReport())
         return trainer
 
     @staticmethod
@@ -109,9 +126,48 @@ def run(args: list[str] | None = None) -> GPUOptCLI:
     return GPUOptCLI(args=args)
 
 
+def report_command(args: list[str]) -> int:
+    """``gpuopt report RUN_DIR``: print the report table of a finished run and draw its picture again.
+
+    Returns the exit status: 0, or 2 for a directory without a report (the message says what to pass).
+    """
+    from lightning_gpuopt.report import PNG_NAME, load_report, print_table, render_png
+
+    parser = argparse.ArgumentParser(
+        prog="gpuopt report", description="Print a finished run's GPUOptReport table and draw gpuopt_report.png again.")
+    parser.add_argument("run_dir", help="the run's log directory (holding gpuopt_report.json), or the JSON file")
+    parser.add_argument("--out", default=None, help="folder for the picture (default: next to the JSON)")
+    parser.add_argument("--no-plot", action="store_true", help="print the table only")
+    options = parser.parse_args(args)
+    try:
+        report = load_report(options.run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"gpuopt report: {err}", file=sys.stderr)
+        return 2
+    print_table(report, title=f"gpuopt report: {options.run_dir}")
+    if not options.no_plot:
+        from pathlib import Path
+
+        folder = Path(options.out) if options.out else Path(options.run_dir if Path(options.run_dir).is_dir()
+                                                             else Path(options.run_dir).parent)
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            print(f"wrote {render_png(report, folder / PNG_NAME)}")
+        except ImportError as err:
+            print(f"gpuopt report: {err}", file=sys.stderr)
+    return 0
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``gpuopt`` console script and of ``python -m lightning_gpuopt``.
 
-    Returns nothing, so the console script's exit status is 0 after a successful run.
+    ``report`` is handled here; every other subcommand goes to :class:`GPUOptCLI`. Returns nothing
+    after a successful run, so the console script's exit status is 0.
     """
+    args = sys.argv[1:] if args is None else list(args)
+    if args[:1] == ["report"]:
+        status = report_command(args[1:])
+        if status:
+            sys.exit(status)
+        return
     run(args)

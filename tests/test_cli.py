@@ -84,6 +84,16 @@ def test_oom_recovery_is_added_under_ddp_but_not_under_sharded_strategies(strate
         assert "OOMRecovery not added: micro-batching supports single-device and DDP training" in caplog.text
 
 
+def test_fit_adds_the_report_unless_turned_off(tmp_path):
+    from lightning_gpuopt import GPUOptReport
+
+    cli = run(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
+    (report,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, GPUOptReport)]
+    assert report.paths["json"] == str(tmp_path / "gpuopt_report.json") and len(report.report["steps"]) == 2
+    off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.report", "false", *_quiet(tmp_path)])
+    assert not any(isinstance(cb, GPUOptReport) for cb in off.trainer.callbacks)
+
+
 def test_summary_can_be_turned_off(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         cli = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.summary", "false", *_quiet(tmp_path)])
@@ -110,13 +120,14 @@ def test_help_lists_subcommands_and_pack_options(capsys):
     assert top.value.code == 0
     text = capsys.readouterr().out
     assert "gpuopt: train any LightningModule" in text
-    for sub in ("fit", "validate", "test", "predict"):
+    for sub in ("fit", "validate", "test", "predict", "gpuopt report RUN_DIR"):
         assert sub in text
     with pytest.raises(SystemExit) as fit:
         main(["fit", "--help"])
     assert fit.value.code == 0
     text = capsys.readouterr().out
     assert "--gpuopt.summary" in text and "--gpuopt.oom_recovery" in text and "--model" in text and "--data" in text
+    assert "--gpuopt.report" in text
 
 
 def test_bad_config_key_is_jsonargparse_error(tmp_path, capsys):
@@ -186,6 +197,9 @@ def test_default_job_reaches_its_accuracy(tmp_path):
     line = next(li for li in (proc.stdout + proc.stderr).splitlines() if "gpuopt summary:" in li)
     acc = float(line.split("val_acc ")[1].split()[0])
     assert acc >= 0.80, line
+    # The default job includes GPUOptReport: its table, JSON and picture in the run's log directory.
+    (report,) = tmp_path.glob("default/version_*/gpuopt_report.json")
+    assert (report.parent / "gpuopt_report.png").is_file() and "peak memory" in proc.stdout + proc.stderr
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ from lightning_gpuopt.data.stall import (
     stall_advice,
     stall_message,
 )
+from lightning_gpuopt.decisions import record_decision
 
 __all__ = ["DataStallMonitor"]
 
@@ -296,6 +297,7 @@ class DataStallMonitor(Callback):
         message = stall_message(measured, self.threshold, advice, where)
         if settings.owner == "GPUOptDataModule" and not self.autotune:
             message += " `DataStallMonitor(autotune=True)` tunes num_workers by measurement."
+        record_decision(trainer, "data stall", "DataStallMonitor", message, wait_fraction=measured.fraction)
         warn(message)
 
     def _autotune_step(self, trainer: pl.Trainer, measured: StallMeasurement) -> None:
@@ -313,9 +315,9 @@ class DataStallMonitor(Callback):
             if hasattr(fit_loop, "_combined_loader"):
                 fit_loop._combined_loader = None  # Lightning rebuilds the train loader at the next epoch's start
         change = f"num_workers {measured.num_workers} -> {workers}" if workers != measured.num_workers else f"keeping num_workers={workers}"
-        rank_zero_info(
-            f"DataStallMonitor: {change} after epoch {measured.epoch} ({step.reason}){'; autotune settled' if converged else ''}."
-        )
+        message = f"DataStallMonitor: {change} after epoch {measured.epoch} ({step.reason}){'; autotune settled' if converged else ''}."
+        record_decision(trainer, "workers", "DataStallMonitor", message, before=measured.num_workers, after=int(workers))
+        rank_zero_info(message)
 
 
 def _train_loader(trainer: pl.Trainer) -> Any:

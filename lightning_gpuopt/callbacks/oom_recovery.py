@@ -18,6 +18,7 @@ from lightning_gpuopt.activation_checkpointing import (
     matching_modules,
     uncheckpoint_modules,
 )
+from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.microbatch import KChange, MicroBatchEngine, WeightFn, unsupported_strategy
 from lightning_gpuopt.oom_policy import (
@@ -403,6 +404,14 @@ class OOMRecovery(Callback):
 
     def _on_oom(self, failure: OOMFailure, smallest_failed: int, splittable: bool) -> Recovery:
         self.failures.append(failure)
+        if self._engine is not None:
+            record_decision(
+                self._engine.trainer, "oom", "OOMRecovery",
+                f"OOM in {failure.phase} with micro-batch {failure.micro_batch_size} (k {failure.k}) of a batch of "
+                f"{failure.batch_size}: the attempt is dropped and the batch retried",
+                phase=failure.phase, k=failure.k, micro_batch_size=failure.micro_batch_size,
+                batch_size=failure.batch_size, allocated_bytes=failure.allocated_bytes, limit_bytes=failure.limit_bytes,
+            )
         if failure.phase in ("forward", "backward"):
             step = failure.step
             self._recent_failures[failure.micro_batch_size] = step
@@ -432,13 +441,13 @@ class OOMRecovery(Callback):
         module = self._engine.trainer.lightning_module
         self._checkpointed = checkpoint_modules(matching_modules(module, self.checkpoint_modules))
         self._checkpointing = True
+        names = sorted({type(m).__name__ for m in self._checkpointed})
+        why = announce or "out of memory at one sample per micro-batch"
+        message = (f"OOMRecovery: activation checkpointing on for {len(self._checkpointed)} module(s) "
+                   f"({', '.join(names)}): {why}; retrying the batch.")
+        record_decision(self._engine.trainer, "checkpointing", "OOMRecovery", message, modules=len(self._checkpointed))
         if self.verbose:
-            names = sorted({type(m).__name__ for m in self._checkpointed})
-            why = announce or "out of memory at one sample per micro-batch"
-            rank_zero_info(
-                f"OOMRecovery: activation checkpointing on for {len(self._checkpointed)} module(s) "
-                f"({', '.join(names)}): {why}; retrying the batch."
-            )
+            rank_zero_info(message)
         return True
 
     def _on_change(self, change: KChange) -> None:
@@ -447,20 +456,22 @@ class OOMRecovery(Callback):
             self._clean_steps = 0
         elif change.source in ("oom", "thrash"):
             self._clean_steps = 0
-        if not self.verbose or not change.batch_size or change.source == "resume":
+        if change.source not in ("oom", "grow back", "thrash", "resume") or self._engine is None:
             return
-        trainer = self._engine.trainer if self._engine else None
-        n = change.batch_size
+        trainer = self._engine.trainer
+        n = change.batch_size or 0
         before, after = math.ceil(n / change.k_before), math.ceil(n / change.k_after)
         if change.stage != "train":
-            rank_zero_info(f"{change.reason}: {change.stage} batches of {n} run as {change.k_after} chunks of {after}")
-            return
-        world = trainer.world_size if trainer else 1
-        accumulate = trainer.accumulate_grad_batches if trainer else 1
-        rank_zero_info(
-            f"{change.reason}: micro-batch {before} -> {after} (k {change.k_before} -> {change.k_after}); "
-            f"optimizer batch {n * accumulate * world} kept"
-        )
+            message = f"{change.reason}: {change.stage} batches of {n} run as {change.k_after} chunks of {after}"
+        elif n:
+            message = (f"{change.reason}: micro-batch {before} -> {after} (k {change.k_before} -> {change.k_after}); "
+                       f"optimizer batch {n * trainer.accumulate_grad_batches * trainer.world_size} kept")
+        else:
+            message = f"{change.reason}: k {change.k_before} -> {change.k_after}"
+        record_decision(trainer, "micro-batches", "OOMRecovery", message, k_before=change.k_before,
+                        k_after=change.k_after, batch_size=n, cause=change.source, stage=change.stage)
+        if self.verbose and n and change.source != "resume":
+            rank_zero_info(message)
 
     def _log_metric(self, trainer: pl.Trainer, size: int) -> None:
         if trainer.global_rank != 0:

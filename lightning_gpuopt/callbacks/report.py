@@ -1,0 +1,270 @@
+"""GPUOptReport: a per-step record of memory, split, precision and throughput, with every decision of the pack."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gpuopt._warnings import warn
+from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
+from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
+from lightning_gpuopt.decisions import decisions
+from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.report import FORMAT, mfu, print_table, windowed_samples_per_s, write_report
+
+__all__ = ["GPUOptReport"]
+
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matmuls run in under a Lightning precision string (for the device's peak FLOP/s)."""
+    for prefix, dtype in _COMPUTE_DTYPES.items():
+        if str(precision).startswith(prefix):
+            return dtype
+    return torch.float32
+
+
+class GPUOptReport(Callback):
+    """Records every training step and every decision of the pack; at the end of ``fit``, a table, a JSON and a picture.
+
+    Per recorded step (``step``: the global step the batch belongs to, as decisions record it):
+    memory allocated after the step and the step's peak (from the memory probe:
+    the CUDA caching allocator, SimulatedMemory, or the host's RSS on CPU), the memory limit, k and the
+    micro-batch size (from the micro-batch engine when OOMRecovery or MemoryAwareBatchSize run), the
+    Trainer's precision, the data-wait fraction (DataStallMonitor's when it runs, else the host's
+    wait before each step), samples and wall time per step, and on CUDA the model FLOPs utilisation
+    (FLOPs of one training step counted once with ``torch.utils.flop_counter``, over Lightning's table
+    of the device's peak FLOP/s). Every decision the pack's callbacks record
+    (:mod:`lightning_gpuopt.decisions`: OOM retries, changes of k, growing back, precision switches,
+    batch-size searches, worker changes) is kept with its step and reason.
+
+    At the end of ``fit``, rank zero prints a summary table (rich when installed), writes
+    ``gpuopt_report.json`` and ``gpuopt_report.png`` (memory over steps with the decisions marked,
+    throughput over steps) into ``dirpath`` (default: the run's log directory, ``trainer.log_dir``), and
+    :attr:`report` holds the record. ``gpuopt report DIR`` draws the table and the picture again from
+    the JSON. Memory and throughput also go to the Trainer's loggers every ``log_every_n_steps``
+    (``gpuopt/memory_allocated``, ``gpuopt/memory_peak``, ``gpuopt/samples_per_s``, ``gpuopt/mfu`` on CUDA).
+
+    Args:
+        dirpath: folder for the JSON and the PNG; ``None``: ``trainer.log_dir``.
+        plot: draw the PNG: ``True`` (matplotlib required, checked at setup), ``False``, or ``"auto"``
+            (draw when matplotlib is installed, else say once how to get it).
+        table: print the summary table at the end of ``fit``.
+        every_n_steps: record every n-th training step (1: all).
+
+    Raises:
+        ValueError: an argument is out of range.
+        ImportError: at setup, ``plot=True`` and matplotlib is not installed (names the extra).
+
+    Example:
+        >>> import tempfile
+        >>> import lightning.pytorch as pl
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> report = GPUOptReport(dirpath=tempfile.mkdtemp(), plot=False, table=False)
+        >>> trainer = pl.Trainer(max_steps=3, callbacks=[report], logger=False, enable_checkpointing=False,
+        ...     enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(BoringModel())
+        >>> [s["step"] for s in report.report["steps"]], report.report["steps"][0]["k"]
+        ([0, 1, 2], 1)
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        plot: bool | Literal["auto"] = "auto",
+        table: bool = True,
+        every_n_steps: int = 1,
+    ) -> None:
+        if plot != "auto" and not isinstance(plot, bool):
+            raise ValueError(f"`plot` must be True, False or 'auto', got {plot!r}")
+        if not isinstance(table, bool):
+            raise ValueError(f"`table` must be True or False, got {table!r}")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}")
+        self.dirpath = dirpath
+        self.plot = plot
+        self.table = table
+        self.every_n_steps = every_n_steps
+        #: The record of the last ``fit`` (what ``gpuopt_report.json`` holds); empty before.
+        self.report: dict[str, Any] = {}
+        #: Where the last ``fit`` wrote its JSON and PNG (``None`` for a picture not drawn).
+        self.paths: dict[str, str | None] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._steps: list[dict[str, Any]] = []
+        self._started = 0.0
+        self._last_end: float | None = None
+        self._batch_start: float | None = None
+        self._flops: float | None = None
+        self._counter: Any = None
+        self._peak_flops: float | None = None
+        self._step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_counter"] = None
+        return state
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.plot is True and stage == "fit":
+            from lightning_gpuopt.report import _plt
+
+            _plt()  # fail now, not after a long run
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset()
+        self.report, self.paths = {}, {}
+        self._started = time.perf_counter()
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            from lightning.fabric.utilities.throughput import get_available_flops
+
+            self._peak_flops = get_available_flops(device, _compute_dtype(trainer.precision))
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_end = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_end = time.perf_counter()  # validation time is neither a step nor waiting for data
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+        self._step = trainer.global_step  # the step this batch belongs to, as decisions taken in it record
+        get_probe(trainer.strategy.root_device).reset_peak()
+        if self._flops is None and self._counter is None and batch_idx == 1 and self._peak_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._counter = FlopCounterMode(display=False)  # one step, once: FLOPs per batch for the MFU
+            self._counter.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._flops, self._counter = float(self._counter.get_total_flops()), None
+        start, last_end = self._batch_start, self._last_end
+        self._last_end = now
+        step = self._step
+        if step % self.every_n_steps:
+            return
+        probe = get_probe(trainer.strategy.root_device)
+        engine = MicroBatchEngine.get(trainer)
+        try:
+            n = batch_size_of(batch)
+        except UnsplittableBatchError:
+            n = 1
+        k = engine._effective_k(n, batch) if engine is not None and "train" in engine._installed else 1
+        step_time = now - last_end if last_end is not None and batch_idx > 0 else None
+        monitor = next((c for c in trainer.callbacks if isinstance(c, DataStallMonitor)), None)
+        if monitor is not None:
+            wait = monitor.wait_fraction if monitor.history or monitor._recent else None
+        elif step_time and start is not None and last_end is not None:
+            wait = max(0.0, start - last_end) / step_time
+        else:
+            wait = None
+        record = {
+            "step": step,
+            "epoch": trainer.current_epoch,
+            "batch_idx": batch_idx,
+            "time_s": now - self._started,
+            "allocated_bytes": probe.allocated,
+            "peak_bytes": probe.peak,
+            "reserved_bytes": probe.reserved,
+            "limit_bytes": _limit(probe),
+            "alloc_retries": probe.alloc_retries,
+            "k": k,
+            "batch_size": n,
+            "micro_batch_size": -(-n // k),
+            "precision": str(trainer.precision),
+            "data_wait_fraction": wait,
+            "samples": n,
+            "step_time_s": step_time,
+            "mfu": mfu(self._flops, step_time, self._peak_flops),
+        }
+        self._steps.append(record)
+        self._log(trainer, record)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+        probe = get_probe(trainer.strategy.root_device)
+        self.report = {
+            "format": FORMAT,
+            "run": {
+                "device": _device_name(trainer.strategy.root_device),
+                "memory_kind": probe.kind,
+                "strategy": type(trainer.strategy).__name__,
+                "world_size": trainer.world_size,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "precision_at_end": str(trainer.precision),
+                "flops_per_batch": self._flops,
+                "peak_flops": self._peak_flops,
+                "wall_s": time.perf_counter() - self._started,
+                "torch": torch.__version__,
+            },
+            "steps": self._steps,
+            "decisions": [d.as_dict() for d in decisions(trainer)],
+        }
+        if not trainer.is_global_zero:
+            return
+        folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
+        draw = self.plot is True or (self.plot == "auto" and _has_matplotlib())
+        json_path, png_path = write_report(self.report, folder, png=draw)
+        self.paths = {"json": str(json_path), "png": str(png_path) if png_path else None}
+        if self.plot == "auto" and not draw:
+            warn("GPUOptReport: matplotlib is not installed, so no gpuopt_report.png was drawn; install the plot "
+                 "extra (pip install 'lightning_gpuopt[plot]') and run `gpuopt report "
+                 f"{folder}` to draw it from the JSON.")
+        if self.table:
+            print_table(self.report)
+        rank_zero_info(f"GPUOptReport: wrote {json_path}" + (f" and {png_path}" if png_path else ""))
+
+    def _log(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+        if trainer.global_rank != 0 or not trainer.loggers or trainer.global_step % max(1, trainer.log_every_n_steps):
+            return
+        rates = windowed_samples_per_s(self._steps[-10:])
+        metrics = {"gpuopt/memory_allocated": float(record["allocated_bytes"]), "gpuopt/memory_peak": float(record["peak_bytes"])}
+        if rates and rates[-1] is not None:
+            metrics["gpuopt/samples_per_s"] = float(rates[-1])
+        if record["mfu"] is not None:
+            metrics["gpuopt/mfu"] = float(record["mfu"])
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _limit(probe: Any) -> int | None:
+    """The memory this process may use, where there is one: the CUDA budget, or SimulatedMemory's limit."""
+    if probe.kind == "simulated":
+        return probe.limit_bytes
+    return probe.total if probe.kind == "cuda" else None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    return str(device)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

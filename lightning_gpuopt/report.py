@@ -1,0 +1,254 @@
+"""What GPUOptReport writes and how it is shown: the JSON record, the summary table and the picture.
+
+Pure functions over the plain record (a dict, as stored in ``gpuopt_report.json``), so the callback
+at the end of ``fit`` and ``gpuopt report RUN_DIR`` afterwards render the same table and picture.
+
+The record::
+
+    {"format": "lightning_gpuopt.report/1", "run": {...}, "steps": [{...}, ...], "decisions": [{...}, ...]}
+
+Every field is explained in docs/report.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_gpuopt.memory import format_bytes
+
+__all__ = [
+    "FORMAT",
+    "JSON_NAME",
+    "PNG_NAME",
+    "format_table",
+    "load_report",
+    "mfu",
+    "render_png",
+    "summary_rows",
+    "windowed_samples_per_s",
+    "write_report",
+]
+
+FORMAT = "lightning_gpuopt.report/1"
+JSON_NAME = "gpuopt_report.json"
+PNG_NAME = "gpuopt_report.png"
+#: Picture size in inches at PNG_DPI dots per inch: 1200 x 800 pixels.
+PNG_SIZE = (12.0, 8.0)
+PNG_DPI = 100
+#: Steps in the moving window of the throughput curve.
+THROUGHPUT_WINDOW = 10
+
+
+def mfu(flops_per_batch: float | None, seconds_per_batch: float | None, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over the device's peak; ``None`` when a figure is missing.
+
+    Example:
+        >>> mfu(flops_per_batch=4e12, seconds_per_batch=0.01, peak_flops=989e12)  # 400 TFLOP/s achieved
+        0.4044...
+    """
+    if not flops_per_batch or not seconds_per_batch or not peak_flops:
+        return None
+    return flops_per_batch / seconds_per_batch / peak_flops
+
+
+def windowed_samples_per_s(steps: Sequence[dict[str, Any]], window: int = THROUGHPUT_WINDOW) -> list[float | None]:
+    """Samples/s over the last ``window`` steps at each step (``None`` where no time was measured yet).
+
+    A window smooths the per-step wall time, which on a GPU is the host's, not the device's: the host
+    may queue a few steps ahead and then wait.
+
+    Example:
+        >>> windowed_samples_per_s([{"samples": 10, "step_time_s": None}, {"samples": 10, "step_time_s": 0.5},
+        ...                         {"samples": 10, "step_time_s": 1.5}], window=2)
+        [None, 20.0, 10.0]
+    """
+    out: list[float | None] = []
+    for i in range(len(steps)):
+        recent = [s for s in steps[max(0, i - window + 1) : i + 1] if s.get("step_time_s")]
+        seconds = sum(s["step_time_s"] for s in recent)
+        out.append(sum(s["samples"] for s in recent) / seconds if seconds > 0 else None)
+    return out
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(present) if present else None
+
+
+def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary table as (what, value) rows.
+
+    Example:
+        >>> rows = summary_rows({"run": {"device": "cpu"}, "steps": [], "decisions": []})
+        >>> rows[0]
+        ('device', 'cpu')
+    """
+    run, steps, made = report.get("run", {}), report.get("steps", []), report.get("decisions", [])
+    rows: list[tuple[str, str]] = [("device", str(run.get("device", "?")))]
+    if steps:
+        first, last = steps[0], steps[-1]
+        rows.append(("steps", f"{len(steps)} recorded (global step {first['step']} to {last['step']})"))
+        rate = _median(windowed_samples_per_s(steps)[1:])
+        if rate is not None:
+            rows.append(("throughput", f"{rate:.1f} samples/s (median)"))
+        utilisation = _median([s.get("mfu") for s in steps])
+        if utilisation is not None:
+            rows.append(("model FLOPs utilisation", f"{utilisation:.1%} (median)"))
+        peak = max(s["peak_bytes"] for s in steps)
+        limit = last.get("limit_bytes")
+        share = f" ({peak / limit:.0%} of {format_bytes(limit)})" if limit else ""
+        rows.append((f"peak memory ({run.get('memory_kind', 'device')})", f"{format_bytes(peak)}{share}"))
+        rows.append(("memory at the last step", format_bytes(last["allocated_bytes"])))
+        ks = [s["k"] for s in steps]
+        rows.append(("micro-batches k", f"{ks[0]} -> {ks[-1]} (max {max(ks)}); micro-batch {first['micro_batch_size']} -> "
+                     f"{last['micro_batch_size']} of batch {last['batch_size']}"))
+        precisions = [s["precision"] for s in steps]
+        changes = [p for i, p in enumerate(precisions) if i == 0 or p != precisions[i - 1]]
+        rows.append(("precision", " -> ".join(changes)))
+        wait = _median([s.get("data_wait_fraction") for s in steps[1:]])
+        if wait is not None:
+            rows.append(("data-wait fraction", f"{wait:.0%} (median)"))
+    kinds = Counter(d["kind"] for d in made)
+    rows.append(("decisions", ", ".join(f"{n} {kind}" for kind, n in kinds.items()) if kinds else "none"))
+    for d in made[-5:]:
+        rows.append((f"  step {d['step']}", d["message"]))
+    return rows
+
+
+def format_table(report: dict[str, Any], title: str = "gpuopt report") -> str:
+    """The summary table as plain text (what ``gpuopt report`` prints, and the callback without rich)."""
+    rows = summary_rows(report)
+    width = max(len(what) for what, _ in rows)
+    lines = [title, "-" * len(title)]
+    lines += [f"{what.ljust(width)}  {value}" for what, value in rows]
+    return "\n".join(lines)
+
+
+def print_table(report: dict[str, Any], title: str = "gpuopt report") -> None:
+    """Print the summary table, with rich when it is installed."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(format_table(report, title))
+        return
+    table = Table(title=title, show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for what, value in summary_rows(report):
+        table.add_row(what, value)
+    Console().print(table)
+
+
+def write_report(report: dict[str, Any], folder: str | os.PathLike[str], png: bool = True) -> tuple[Path, Path | None]:
+    """Write ``gpuopt_report.json`` (and the picture, when ``png`` and matplotlib is installed) into ``folder``.
+
+    Returns:
+        The JSON path, and the PNG path or ``None`` when no picture was drawn.
+
+    Raises:
+        ImportError: ``png`` is ``True`` and matplotlib is missing (the message names the extra).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path = folder / JSON_NAME
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    png_path = render_png(report, folder / PNG_NAME) if png else None
+    return json_path, png_path
+
+
+def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a report from a run directory (or the JSON file itself).
+
+    Raises:
+        FileNotFoundError: no ``gpuopt_report.json`` there.
+        ValueError: the file is not a report this version reads.
+    """
+    path = Path(path)
+    file = path / JSON_NAME if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"No {JSON_NAME} in {str(path)!r}: GPUOptReport writes it into the run's log directory at the end of "
+            "fit (e.g. lightning_logs/version_0). Pass that directory."
+        )
+    report = json.loads(file.read_text())
+    if report.get("format") != FORMAT:
+        raise ValueError(f"{str(file)!r} has format {report.get('format')!r}; this version reads {FORMAT!r}")
+    return report
+
+
+def _plt() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(
+            "Drawing gpuopt_report.png needs matplotlib, which is not installed: pip install 'lightning_gpuopt[plot]' "
+            "(the JSON report and the table do not need it)."
+        ) from err
+    return plt
+
+
+def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Draw memory over steps (with a marker at each decision) above throughput over steps, as a PNG.
+
+    Raises:
+        ImportError: matplotlib is missing (the message names the extra to install).
+    """
+    plt = _plt()
+    steps, made = report.get("steps", []), report.get("decisions", [])
+    x = [s["step"] for s in steps]
+    fig, (mem, speed) = plt.subplots(2, 1, figsize=PNG_SIZE, dpi=PNG_DPI, sharex=True, height_ratios=(3, 2))
+    try:
+        gib = 2**30 if steps and max(s["peak_bytes"] for s in steps) >= 2**30 else 2**20
+        unit = "GiB" if gib == 2**30 else "MiB"
+        mem.plot(x, [s["peak_bytes"] / gib for s in steps], label="peak in step", color="tab:red", lw=1.5)
+        mem.plot(x, [s["allocated_bytes"] / gib for s in steps], label="allocated after step", color="tab:blue", lw=1.2)
+        limits = [s.get("limit_bytes") for s in steps]
+        if any(limits):
+            mem.plot(x, [(v or float("nan")) / gib for v in limits], label="limit", color="black", ls="--", lw=1)
+        top = max((s["peak_bytes"] for s in steps), default=0)
+        shown = [v for v in limits if v and v <= 3 * top]  # a limit far above the run would flatten the curves
+        if top:
+            mem.set_ylim(0, 1.1 * max([top, *shown]) / gib)
+        colors = {"oom": "tab:red", "micro-batches": "tab:orange", "precision": "tab:purple", "batch size": "tab:green"}
+        seen: set[str] = set()
+        for d in made:
+            color = colors.get(d["kind"], "tab:gray")
+            mem.axvline(d["step"], color=color, alpha=0.6, lw=1, ls=":",
+                        label=None if d["kind"] in seen else f"decision: {d['kind']}")
+            seen.add(d["kind"])
+        mem.set_ylabel(f"memory ({unit})")
+        mem.set_title(f"gpuopt report: {report.get('run', {}).get('device', '')}")
+        mem.legend(loc="upper right", fontsize=8)
+        mem.grid(alpha=0.3)
+        rate = windowed_samples_per_s(steps)
+        speed.plot(x, [r if r is not None else float("nan") for r in rate], color="tab:green",
+                   label=f"samples/s ({THROUGHPUT_WINDOW}-step window)")
+        speed.set_ylabel("samples/s")
+        speed.set_xlabel("global step")
+        speed.grid(alpha=0.3)
+        waits = [s.get("data_wait_fraction") for s in steps]
+        if any(w is not None for w in waits):
+            twin = speed.twinx()
+            twin.plot(x, [100 * w if w is not None else float("nan") for w in waits], color="tab:gray", lw=0.8,
+                      alpha=0.7, label="data wait (%)")
+            twin.set_ylabel("data wait (%)")
+            twin.set_ylim(0, 100)
+            twin.legend(loc="upper right", fontsize=8)
+        speed.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=PNG_DPI)
+    finally:
+        plt.close(fig)
+    return path

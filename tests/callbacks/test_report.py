@@ -1,0 +1,158 @@
+"""GPUOptReport: the per-step record, the decisions at their steps, the JSON, the picture, `gpuopt report`."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import TRAINER_QUIET
+from lightning.pytorch.loggers import Logger
+from oom_models import WideRegressor, fit, step_marks
+
+from lightning_gpuopt import GPUOptReport, GPUOptWarning, OOMRecovery
+from lightning_gpuopt.cli import main
+from lightning_gpuopt.report import PNG_DPI, PNG_SIZE, load_report, summary_rows
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+class Recorder(Logger):
+    name, version = "recorder", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+@pytest.fixture(scope="module")
+def oom_run(tmp_path_factory):
+    """A short fit under SimulatedMemory whose limit forces an OOM at step 3 (OOMRecovery splits the batch)."""
+    calibration = fit(WideRegressor("adam"), [OOMRecovery()], steps=3)
+    start, _, forward_peak = step_marks(calibration.model)
+    limit = start + int(0.7 * (forward_peak - start))
+
+    class LimitAt(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            from lightning_gpuopt.memory import get_probe
+
+            if trainer.global_step == 3:
+                get_probe().limit_bytes = limit
+
+    folder = tmp_path_factory.mktemp("run")
+    report, logger = GPUOptReport(dirpath=str(folder)), Recorder()
+    run = fit(WideRegressor("adam"), [LimitAt(), OOMRecovery(), report], steps=8, logger=logger, log_every_n_steps=2)
+    return run, report, folder, limit, logger
+
+
+def test_json_holds_every_step_the_memory_series_and_the_oom_at_its_step(oom_run):
+    run, report, folder, limit, _ = oom_run
+    saved = json.loads((folder / "gpuopt_report.json").read_text())
+    assert saved == json.loads(json.dumps(report.report))  # what the callback holds is what it wrote
+    steps = saved["steps"]
+    assert [s["step"] for s in steps] == list(range(8))
+    assert all(s["allocated_bytes"] > 0 and s["peak_bytes"] >= s["allocated_bytes"] for s in steps)
+    assert all(s["peak_bytes"] <= limit for s in steps[3:])  # from the limit on, every step fits under it
+    assert [s["k"] for s in steps[:3]] == [1, 1, 1] and all(s["k"] > 1 for s in steps[3:])
+    assert [s["limit_bytes"] for s in steps[:3]] == [None] * 3  # no limit yet (SimulatedMemory without one)
+    assert steps[-1]["micro_batch_size"] == -(-128 // steps[-1]["k"]) and steps[-1]["precision"] == "64-true"
+    assert steps[3]["limit_bytes"] == limit
+    ooms = [d for d in saved["decisions"] if d["kind"] == "oom"]
+    changes = [d for d in saved["decisions"] if d["kind"] == "micro-batches"]
+    assert ooms and {d["step"] for d in ooms} == {3} and ooms[0]["data"]["phase"] == "forward"
+    assert changes and changes[-1]["data"]["k_after"] == steps[-1]["k"] and "optimizer batch 128 kept" in changes[-1]["message"]
+    assert saved["run"]["memory_kind"] == "simulated" and saved["run"]["device"] == "cpu"
+
+
+def test_png_is_a_valid_picture_of_the_expected_size(oom_run):
+    _, report, folder, _, _ = oom_run
+    assert report.paths["png"] == str(folder / "gpuopt_report.png")
+    assert _png_size(folder / "gpuopt_report.png") == (int(PNG_SIZE[0] * PNG_DPI), int(PNG_SIZE[1] * PNG_DPI))
+
+
+def test_memory_and_throughput_go_to_the_logger(oom_run):
+    *_, logger = oom_run
+    logged = {step: m for step, m in logger.metrics if "gpuopt/memory_peak" in m}
+    assert sorted(logged) == [2, 4, 6, 8]  # every log_every_n_steps
+    assert all(isinstance(m["gpuopt/memory_allocated"], float) for m in logged.values())
+    assert all(m["gpuopt/samples_per_s"] > 0 for step, m in logged.items() if step > 2)
+    assert not any("gpuopt/mfu" in m for m in logged.values())  # MFU only on CUDA
+
+
+def test_gpuopt_report_reproduces_the_table_and_redraws_the_picture(oom_run, tmp_path, capsys):
+    _, report, folder, _, _ = oom_run
+    main(["report", str(folder), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = summary_rows(load_report(folder))
+    assert rows == summary_rows(report.report)
+    assert any(what == "decisions" and "oom" in value for what, value in rows)
+    for what, value in rows:
+        assert what.strip() in out and value.split(" (")[0] in out, (what, value)
+    assert _png_size(tmp_path / "gpuopt_report.png") == _png_size(folder / "gpuopt_report.png")
+
+
+def test_gpuopt_report_on_a_folder_without_a_report_says_what_to_pass(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "No gpuopt_report.json in" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_json_and_table_are_written_and_the_extra_is_named(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    report = GPUOptReport(dirpath=str(tmp_path), table=False)
+    with pytest.warns(GPUOptWarning, match=r"pip install 'lightning_gpuopt\[plot\]'"):
+        pl.Trainer(max_steps=2, callbacks=[report], **TRAINER_QUIET).fit(WideRegressor("adam", hidden=16), _tiny_loader())
+    assert (tmp_path / "gpuopt_report.json").is_file() and not (tmp_path / "gpuopt_report.png").exists()
+    with pytest.raises(ImportError, match=r"pip install 'lightning_gpuopt\[plot\]'"):
+        pl.Trainer(max_steps=2, callbacks=[GPUOptReport(dirpath=str(tmp_path), plot=True)], **TRAINER_QUIET).fit(
+            WideRegressor("adam", hidden=16), _tiny_loader())
+
+
+def test_plot_and_table_can_be_turned_off_and_every_n_steps_thins_the_record(tmp_path, capsys):
+    report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False, every_n_steps=2)
+    pl.Trainer(max_steps=6, callbacks=[report], **TRAINER_QUIET).fit(WideRegressor("adam", hidden=16), _tiny_loader())
+    assert [s["step"] for s in report.report["steps"]] == [0, 2, 4]
+    assert not (tmp_path / "gpuopt_report.png").exists() and report.paths["png"] is None
+    assert "gpuopt report" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"plot": "yes"}, r"`plot` must be True, False or 'auto', got 'yes'"),
+     ({"table": 1}, r"`table` must be True or False, got 1"),
+     ({"every_n_steps": 0}, r"`every_n_steps` must be a positive int, got 0")],
+    ids=["plot", "table", "every-n"],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPUOptReport(**kwargs)
+
+
+def test_mfu_uses_the_compute_dtype_of_the_precision():
+    from lightning_gpuopt.callbacks.report import _compute_dtype
+    from lightning_gpuopt.report import mfu
+
+    assert [_compute_dtype(p) for p in ("bf16-mixed", "16-mixed", "32-true", "64-true", "transformer-engine")] == [
+        torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float32]
+    assert mfu(1e12, 0.01, 1e15) == pytest.approx(0.1) and mfu(None, 0.01, 1e15) is None
+
+
+def _tiny_loader():
+    from oom_models import Waves
+    from torch.utils.data import DataLoader
+
+    return DataLoader(Waves(length=256), batch_size=32)
