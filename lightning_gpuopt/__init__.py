@@ -15,9 +15,11 @@ from lightning_gpuopt.callbacks import (
 )
 from lightning_gpuopt.cli import GPUOptCLI
 from lightning_gpuopt.data import GPUOptDataModule, MemmapDataset
+from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlan, StrategyPlanError, select_strategy
 
 __all__ = [
     "DataStallMonitor",
+    "FSDP2Strategy",
     "GPUOptCLI",
     "GPUOptDataModule",
     "GPUOptReport",
@@ -25,6 +27,9 @@ __all__ = [
     "MemmapDataset",
     "MicroBatchOOMError",
     "OOMRecovery",
+    "StrategyPlan",
+    "StrategyPlanError",
     "TokenCount",
     "__version__",
+    "select_strategy",
 ]

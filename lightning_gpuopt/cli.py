@@ -4,6 +4,7 @@ Examples:
     gpuopt fit --config examples/configs/default.yaml
     gpuopt fit --model lightning.pytorch.demos.boring_classes.DemoModel \\
                --data lightning.pytorch.demos.boring_classes.BoringDataModule --trainer.max_steps 5
+    gpuopt plan --config examples/configs/default.yaml --trainer.devices 8   # the memory plan, no training
     gpuopt report lightning_logs/version_0       # the run's report table and picture, again
     python -m lightning_gpuopt fit --help
 """
@@ -21,13 +22,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt._summary import RunSummary
 from lightning_gpuopt.callbacks import GPUOptReport, OOMRecovery
 from lightning_gpuopt.microbatch import unsupported_strategy
+from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
 
-__all__ = ["GPUOptCLI", "main", "report_command", "run"]
+__all__ = ["GPUOptCLI", "main", "plan_command", "report_command", "run"]
 
 _DESCRIPTION = (
     "gpuopt: train any LightningModule with lightning_gpuopt's memory, precision and data tuning. "
     "Pick the model and data by class path (--model, --data) or in a config file (--config). "
-    "`gpuopt report RUN_DIR` prints a finished run's report table and draws its picture again."
+    "`gpuopt plan --config X.yaml [--trainer.devices N]` prints the memory plan (which strategy, why) without "
+    "training; `gpuopt report RUN_DIR` prints a finished run's report table and draws its picture again."
 )
 
 
@@ -44,6 +47,9 @@ class GPUOptCLI(LightningCLI):
     * ``--gpuopt.report`` (default true): add :class:`~lightning_gpuopt.GPUOptReport` to ``fit``
       (table, ``gpuopt_report.json`` and ``.png`` in the run's log directory), unless
       ``--trainer.callbacks`` already has one.
+    * ``--gpuopt.select_strategy`` (default true): on several devices with ``--trainer.strategy auto``,
+      the strategy comes from :func:`~lightning_gpuopt.select_strategy` (memory plan printed first);
+      ``--gpuopt.device_memory BYTES`` plans against another device size.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -66,6 +72,8 @@ class GPUOptCLI(LightningCLI):
         parser_kwargs.setdefault("description", _DESCRIPTION)
         kwargs["parser_kwargs"] = parser_kwargs
         self.summary: RunSummary | None = None
+        #: The memory plan behind the strategy (``gpuopt fit`` on several devices, ``gpuopt plan``); ``None`` otherwise.
+        self.plan: StrategyPlan | None = None
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -90,6 +98,19 @@ class GPUOptCLI(LightningCLI):
             help="Add GPUOptReport to fit (summary table, gpuopt_report.json and gpuopt_report.png in the run's log "
             "directory), unless trainer.callbacks has one.",
         )
+        parser.add_argument(
+            "--gpuopt.select_strategy",
+            type=bool,
+            default=True,
+            help="On several devices with trainer.strategy 'auto', pick the strategy from memory needs "
+            "(select_strategy: DDP, FSDP sharding, offload) and print the plan.",
+        )
+        parser.add_argument(
+            "--gpuopt.device_memory",
+            type=int | None,
+            default=None,
+            help="Bytes per device to plan against instead of the device's own (to plan for another machine).",
+        )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self.subcommand in (None, "fit") and self._gpuopt_option("summary"):
@@ -98,6 +119,14 @@ class GPUOptCLI(LightningCLI):
             if not isinstance(user_callbacks, list):
                 user_callbacks = [user_callbacks]
             kwargs["callbacks"] = [*user_callbacks, self.summary, *kwargs.get("callbacks", [])]
+        if self.subcommand in (None, "fit") and self._gpuopt_option("select_strategy"):
+            trainer_config = self._get(self.config_init, "trainer", default={})
+            world = _world_size(trainer_config)
+            if trainer_config.get("strategy", "auto") == "auto" and "strategy" not in kwargs and world > 1:
+                self.plan = self.strategy_plan(trainer_config)
+                kwargs["strategy"] = self.plan.strategy
+                if self.subcommand == "fit":
+                    rank_zero_info(self.plan.table())
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):
             self._add_oom_recovery(trainer)
@@ -105,6 +134,27 @@ class GPUOptCLI(LightningCLI):
             if not any(isinstance(cb, GPUOptReport) for cb in trainer.callbacks):
                 trainer.callbacks.append(GPUOptReport())
         return trainer
+
+    def strategy_plan(self, trainer_config: dict[str, Any] | None = None) -> StrategyPlan:
+        """The memory plan for this command line's model, data, devices and precision (:func:`select_strategy`).
+
+        Raises:
+            StrategyPlanError: nothing fits; the error carries the plan.
+        """
+        config = trainer_config if trainer_config is not None else self._get(self.config_init, "trainer", default={})
+        devices, nodes = _world_size(config, per_node=True), int(config.get("num_nodes") or 1)
+        memory = self._gpuopt_option("device_memory")
+        device = None
+        if memory is None and not _on_cuda(config):
+            from lightning_gpuopt.memory import get_probe
+
+            memory = get_probe("cpu").total // devices  # the processes of one node share its RAM
+            device = "cpu"
+        return select_strategy(
+            self.model, devices=devices, num_nodes=nodes, precision=str(config.get("precision") or "32-true"),
+            optimizer=optimizer_of(self.model), sample_batch=sample_batch_of(self.datamodule),
+            micro_batch_size=int(getattr(self.datamodule, "batch_size", 1) or 1), device_memory=memory, device=device,
+        )
 
     @staticmethod
     def _add_oom_recovery(trainer: Trainer) -> None:
@@ -119,6 +169,49 @@ class GPUOptCLI(LightningCLI):
     def _gpuopt_option(self, name: str) -> Any:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         return config.get(f"gpuopt.{name}")
+
+
+def _on_cuda(config: dict[str, Any]) -> bool:
+    import torch
+
+    accelerator = str(config.get("accelerator") or "auto")
+    return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+
+
+def _world_size(config: dict[str, Any], per_node: bool = False) -> int:
+    """Processes a trainer config asks for (devices × nodes), from the raw config values."""
+    devices = config.get("devices", "auto")
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        count = int(devices)
+    elif isinstance(devices, int):
+        count = devices
+    else:
+        count = -1
+    if count == -1:  # "auto" or -1: every visible GPU, else one process
+        import torch
+
+        count = torch.cuda.device_count() if _on_cuda(config) else 1
+    count = max(1, count)
+    return count if per_node else count * int(config.get("num_nodes") or 1)
+
+
+def plan_command(args: list[str]) -> int:
+    """``gpuopt plan [fit options]``: print the memory plan (strategy and why) for a config, without training.
+
+    Returns the exit status: 0, or 1 when nothing fits (the table is printed all the same).
+    """
+    from lightning_gpuopt.strategy import StrategyPlanError
+
+    try:
+        cli = GPUOptCLI(args=args, run=False)  # on several devices, instantiating the Trainer plans already
+        plan = cli.plan or cli.strategy_plan()
+    except StrategyPlanError as err:
+        print(f"gpuopt plan: {err}")
+        return 1
+    print(plan.table())
+    return 0
 
 
 def run(args: list[str] | None = None) -> GPUOptCLI:
@@ -161,12 +254,13 @@ def report_command(args: list[str]) -> int:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``gpuopt`` console script and of ``python -m lightning_gpuopt``.
 
-    ``report`` is handled here; every other subcommand goes to :class:`GPUOptCLI`. Returns nothing
+    ``report`` and ``plan`` are handled here; every other subcommand goes to :class:`GPUOptCLI`. Returns nothing
     after a successful run, so the console script's exit status is 0.
     """
     args = sys.argv[1:] if args is None else list(args)
-    if args[:1] == ["report"]:
-        status = report_command(args[1:])
+    commands = {"report": report_command, "plan": plan_command}
+    if args[:1] and args[0] in commands:
+        status = commands[args[0]](args[1:])
         if status:
             sys.exit(status)
         return

@@ -222,9 +222,10 @@ class GPUOptReport(Callback):
             "steps": self._steps,
             "decisions": [d.as_dict() for d in decisions(trainer)],
         }
+        # `trainer.log_dir` broadcasts from rank 0: every rank asks, or rank 0 would wait for the others.
+        folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
         if not trainer.is_global_zero:
             return
-        folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
         draw = self.plot is True or (self.plot == "auto" and _has_matplotlib())
         json_path, png_path = write_report(self.report, folder, png=draw)
         self.paths = {"json": str(json_path), "png": str(png_path) if png_path else None}

@@ -1,0 +1,494 @@
+"""Choose how to spread training over devices from memory needs: :func:`select_strategy`, and FSDP2 for unchanged modules.
+
+:func:`select_strategy` estimates, per device, the bytes of parameters, gradients, optimizer state,
+gathered units and activations under each candidate (single device, DDP, FSDP sharding gradients and
+optimizer state, full sharding, full sharding with CPU offload, DeepSpeed ZeRO stages) with
+:mod:`lightning_gpuopt.memory.estimate`, compares them with the device's memory, and picks the
+candidate with the least communication that fits. The returned :class:`StrategyPlan` prints as a
+table and carries the Lightning strategy to pass to the Trainer.
+
+:class:`FSDP2Strategy` is Lightning's ``ModelParallelStrategy`` (FSDP2, ``fully_shard``; it also runs
+on CPU over gloo) for a LightningModule that does not define ``configure_model``: the pack applies
+``fully_shard`` to the repeated blocks it finds (or the module types named) and to each child holding
+parameters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
+from lightning_gpuopt.memory import format_bytes, get_probe
+from lightning_gpuopt.memory.estimate import (
+    CANDIDATES,
+    Candidate,
+    MemoryEstimate,
+    activation_bytes_per_sample,
+    count_parameters,
+    estimate,
+)
+
+__all__ = [
+    "FSDP2Strategy",
+    "PlanRow",
+    "StrategyPlan",
+    "StrategyPlanError",
+    "optimizer_of",
+    "sample_batch_of",
+    "select_strategy",
+    "shard_module",
+    "shard_units",
+]
+
+#: Fraction of device memory the plan fills at most (the rest: allocator fragmentation, the CUDA context).
+DEFAULT_HEADROOM = 0.9
+#: A module type is a repeated block when it appears this often and each instance holds this share of the parameters.
+_MIN_REPEATS = 2
+_MIN_BLOCK_SHARE = 0.01
+
+
+def shard_units(module: nn.Module, types: list[str | type[nn.Module]] | None = None) -> list[nn.Module]:
+    """The submodules a fully sharded strategy gathers one at a time (the units of ``fully_shard``).
+
+    With ``types``, every submodule of those types (class, class name or qualified name). Without, the
+    repeated blocks: the module type that appears at least twice with at least 1 % of the parameters in
+    each instance and holds the most parameters in total (transformer layers, ResNet stages' blocks).
+    Units never nest: only the outermost matches count.
+
+    Example:
+        >>> net = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)), nn.Linear(64, 1))
+        >>> [type(u).__name__ for u in shard_units(net)]
+        ['Sequential', 'Sequential', 'Sequential', 'Sequential']
+    """
+    if types:
+        found = matching_modules(module, types)
+    else:
+        total = sum(p.numel() for p in module.parameters()) or 1
+        sizes = {id(m): sum(p.numel() for p in m.parameters()) for _, m in module.named_modules()}
+        counts = Counter(type(m) for name, m in module.named_modules() if name and sizes[id(m)] >= _MIN_BLOCK_SHARE * total)
+        repeated = [cls for cls, n in counts.items() if n >= _MIN_REPEATS]
+        if not repeated:
+            return []
+        weight = {cls: sum(sizes[id(m)] for _, m in module.named_modules() if type(m) is cls) for cls in repeated}
+        # The outermost type that covers (nearly) as many parameters as any: blocks rather than their layers.
+        heaviest = max(weight.values())
+        best = max((cls for cls in repeated if weight[cls] >= 0.9 * heaviest), key=lambda cls: weight[cls] / counts[cls])
+        found = [m for name, m in module.named_modules() if name and type(m) is best and sizes[id(m)] >= _MIN_BLOCK_SHARE * total]
+    outer: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in found:
+        if id(m) in inside:
+            continue
+        outer.append(m)
+        inside.update(id(sub) for sub in m.modules())
+    return outer
+
+
+def _fully_shard() -> Any:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def _sharded_by_the_pack() -> None:
+    """Stands in for ``configure_model`` while Lightning checks that one exists: the pack already sharded."""
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) data parallelism over every process, for an unchanged LightningModule.
+
+    Lightning's ``ModelParallelStrategy`` requires the LightningModule to apply ``fully_shard`` in its
+    own ``configure_model``. This strategy does it for a module that does not: ``fully_shard`` on each
+    unit (:func:`shard_units`: the repeated blocks, or the types in ``shard_modules``), then on each
+    child of the LightningModule that holds parameters, over a one-dimensional data-parallel mesh of
+    all processes. A module with its own ``configure_model`` is left to it. Runs on CUDA (NCCL) and on
+    CPU (gloo).
+
+    Args:
+        shard_modules: module types to shard as units; ``None``: the repeated blocks.
+        reshard_after_forward: free each unit's gathered parameters after its forward (full sharding);
+            ``False`` keeps them until the backward (sharding gradients and optimizer state only).
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
+        **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``, ...).
+
+    Raises:
+        ValueError: at setup, the LightningModule holds parameters itself (not in a child module), or
+            ``shard_modules`` names no submodule; the message names what to do.
+
+    Example:
+        >>> FSDP2Strategy(shard_modules=["TransformerBlock"], cpu_offload=False).reshard_after_forward
+        True
+    """
+
+    def __init__(
+        self,
+        shard_modules: list[str | type[nn.Module]] | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(**kwargs)
+        self.shard_modules = list(shard_modules) if shard_modules else None
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if is_overridden("configure_model", module):
+            return super().setup(trainer)
+        self.shard(module)
+        module.configure_model = _sharded_by_the_pack
+        try:
+            super().setup(trainer)
+        finally:
+            vars(module).pop("configure_model", None)
+        return None
+
+    def shard(self, module: nn.Module) -> list[nn.Module]:
+        """Apply ``fully_shard`` to ``module``'s units and parameter-holding children; returns what was sharded."""
+        return shard_module(module, self.device_mesh["data_parallel"], self.shard_modules,
+                            self.reshard_after_forward, self.cpu_offload)
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: Any,
+    types: list[str | type[nn.Module]] | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> list[nn.Module]:
+    """``fully_shard`` every unit of ``module`` (:func:`shard_units`), then every child holding parameters, over ``mesh``.
+
+    Returns the modules sharded, units first.
+
+    Raises:
+        ValueError: ``module`` holds parameters itself, or ``types`` names no submodule.
+    """
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"FSDP2Strategy shards the children of {type(module).__name__}, but it holds parameters itself "
+            f"({', '.join(own)}). Move them into a submodule, or define `configure_model` and apply `fully_shard` there."
+        )
+    if types and not matching_modules(module, types):
+        raise ValueError(
+            f"`shard_modules` names {types}, but {type(module).__name__} has no such submodule; its module types are: "
+            f"{describe_module_types(module)}."
+        )
+    fully_shard = _fully_shard()
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    sharded = []
+    for unit in shard_units(module, types):
+        fully_shard(unit, **kwargs)
+        sharded.append(unit)
+    for child in module.children():
+        if all(child is not unit for unit in sharded) and any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+            sharded.append(child)
+    return sharded
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate of a plan: its estimate, whether it fits, whether it can run here."""
+
+    estimate: MemoryEstimate
+    fits: bool
+    available: bool
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.estimate.candidate.name
+
+
+class StrategyPlanError(RuntimeError):
+    """No candidate fits the device memory; :attr:`plan` holds the table."""
+
+    def __init__(self, message: str, plan: StrategyPlan) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+@dataclass
+class StrategyPlan:
+    """What :func:`select_strategy` estimated and chose.
+
+    Attributes:
+        rows: one per candidate considered, cheapest communication first.
+        pick: the chosen candidate's name (``None``: nothing fits).
+        reason: why, in one sentence.
+        strategy: the Lightning strategy to pass to ``Trainer(strategy=...)`` (``None`` when nothing fits).
+        device_memory: bytes per device planned against; ``budget`` = ``headroom`` × that.
+        world_size: devices × nodes.
+    """
+
+    rows: list[PlanRow]
+    pick: str | None
+    reason: str
+    strategy: Strategy | str | None
+    device_memory: int
+    budget: int
+    world_size: int
+    precision: str
+    optimizer: str
+    activation_note: str
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """The plan as a text table: bytes per device per component per candidate, the pick and why."""
+        head = ("candidate", "parameters", "gradients", "optimizer", "gathered", "activations", "total", "fits", "")
+        lines = [head]
+        for row in self.rows:
+            e = row.estimate
+            mark = "<- pick" if row.name == self.pick else row.note
+            lines.append((
+                row.name, format_bytes(e.parameters), format_bytes(e.gradients), format_bytes(e.optimizer),
+                format_bytes(e.gathered), format_bytes(e.activations), format_bytes(e.total),
+                "yes" if row.fits else "no", mark,
+            ))
+        widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+        text = [
+            f"gpuopt plan: {self.world_size} device(s), {format_bytes(self.device_memory)} each (budget "
+            f"{format_bytes(self.budget)}), precision {self.precision}, optimizer {self.optimizer}; activations: "
+            f"{self.activation_note}",
+        ]
+        for i, line in enumerate(lines):
+            text.append("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip())
+            if i == 0:
+                text.append("  ".join("-" * w for w in widths))
+        text.append(f"pick: {self.pick or 'none'}: {self.reason}")
+        text += [f"note: {n}" for n in self.notes]
+        return "\n".join(text)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _activations_per_sample(model: nn.Module, batch: Any) -> int:
+    """A LightningModule's activations per sample through its own ``training_step``, on a copy (its metrics stay as they are)."""
+    import copy
+    import warnings
+
+    import lightning.pytorch as pl
+
+    if not isinstance(model, pl.LightningModule):
+        return activation_bytes_per_sample(model, batch)
+    on_meta = any(p.is_meta for p in model.parameters())
+    clone = model if on_meta else copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # `self.log` without a Trainer warns and does nothing
+        return activation_bytes_per_sample(clone, batch, forward=lambda m, b: m.training_step(b, 0))
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    if isinstance(optimizer, str):
+        return optimizer
+    return optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
+
+
+def _make_strategy(candidate: Candidate, device_type: str, units: list[nn.Module], static_graph: bool) -> Strategy | str:
+    name = candidate.name
+    if name == "single device":
+        return "auto"
+    if name == "ddp":
+        # Gradients as views into DDP's buckets save a copy of them; static_graph only when asked for (it is
+        # not safe with OOMRecovery, which refuses it).
+        return DDPStrategy(gradient_as_bucket_view=True, static_graph=static_graph)
+    if name.startswith("deepspeed"):
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(stage=int(name[-1]))
+    types = sorted({type(u) for u in units}, key=lambda t: t.__name__)
+    if device_type == "cuda":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return FSDPStrategy(
+            sharding_strategy="FULL_SHARD" if candidate.shard_params else "SHARD_GRAD_OP",
+            auto_wrap_policy=set(types) or None,
+            cpu_offload=candidate.offload,
+        )
+    return FSDP2Strategy(shard_modules=types or None, reshard_after_forward=candidate.shard_params, cpu_offload=candidate.offload)
+
+
+def select_strategy(
+    model: nn.Module,
+    devices: int = 1,
+    num_nodes: int = 1,
+    precision: str | None = "32-true",
+    optimizer: Any = "adam",
+    *,
+    activation_bytes: int | None = None,
+    sample_batch: Any = None,
+    micro_batch_size: int = 1,
+    device_memory: int | None = None,
+    device: torch.device | str | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    shard_modules: list[str | type[nn.Module]] | None = None,
+    static_graph: bool = False,
+) -> StrategyPlan:
+    """Pick single device / DDP / FSDP (sharding, offload) / DeepSpeed from a per-device memory estimate.
+
+    The estimate per device: parameters, gradients (DDP's bucket copy included), optimizer state (by
+    optimizer type and precision, DeepSpeed's fp32 master weights), the largest unit gathered whole
+    under full sharding (twice: prefetch), buffers, and activations for ``micro_batch_size`` samples
+    (``activation_bytes`` when measured, e.g. by MemoryAwareBatchSize; else estimated from
+    ``sample_batch`` with autograd's saved-tensor hooks; else 0, said in the plan). Among the
+    candidates whose total stays under ``headroom`` × the device memory, the one with the least
+    communication is picked: single device < DDP < sharding gradients and optimizer state < full
+    sharding < full sharding with CPU offload. DeepSpeed candidates are estimated always but picked
+    only when deepspeed is installed. The model may live on the ``meta`` device: nothing is read.
+
+    Args:
+        model: the model (a LightningModule or any ``nn.Module``).
+        devices: devices per node.
+        num_nodes: nodes.
+        precision: the Lightning precision.
+        optimizer: an optimizer, its class or name.
+        activation_bytes: activations of one micro-batch, measured.
+        sample_batch: a batch to estimate activations per sample from (``model(sample_batch)`` must run).
+        micro_batch_size: samples per micro-batch to plan activations for.
+        device_memory: bytes per device to plan against; ``None``: the memory probe's ``total`` for
+            ``device`` (honouring a per-process fraction; SimulatedMemory's limit under it).
+        device: the device to read memory from (``None``: the current CUDA device, else the CPU).
+        headroom: the fraction of device memory the plan may fill, in (0, 1].
+        shard_modules: the units for full sharding; ``None``: the repeated blocks (:func:`shard_units`).
+        static_graph: pass ``static_graph=True`` to DDP (only without OOMRecovery).
+
+    Returns:
+        A :class:`StrategyPlan`; ``plan.strategy`` goes to ``Trainer(strategy=...)``.
+
+    Raises:
+        ValueError: an argument is out of range.
+        StrategyPlanError: no candidate fits; the error carries the plan table.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     big = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(8)))   # 134 M parameters
+        >>> plan = select_strategy(big, devices=4, optimizer="adam", device_memory=768 * 2**20)
+        >>> plan.pick
+        'fsdp: full shard'
+        >>> select_strategy(big, devices=4, device_memory=80 * 2**30).pick
+        'ddp'
+    """
+    for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+        raise ValueError(f"`headroom` must be in (0, 1], got {headroom!r}")
+    if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1):
+        raise ValueError(f"`device_memory` must be a positive int (bytes) or None, got {device_memory!r}")
+    world = devices * num_nodes
+    probe_device = torch.device(device) if device is not None else None
+    if device_memory is None:
+        device_memory = get_probe(probe_device).total
+    budget = int(headroom * device_memory)
+    units = shard_units(model, shard_modules)
+    counts = count_parameters(model, units or None)
+    if activation_bytes is not None:
+        activations, note = int(activation_bytes), f"{format_bytes(activation_bytes)} measured"
+    elif sample_batch is not None:
+        try:
+            per_sample = _activations_per_sample(model, sample_batch)
+        except Exception as err:  # planning must not stop a run: say why and leave activations to the headroom
+            activations, note = 0, f"not estimated ({type(err).__name__}: {err}); left to the headroom"
+        else:
+            activations = per_sample * micro_batch_size
+            note = f"{format_bytes(per_sample)} per sample estimated (saved for backward) x {micro_batch_size}"
+    else:
+        activations, note = 0, "not estimated (no sample batch): plan leaves them to the headroom"
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
+    candidates = [c for c in CANDIDATES if (c.multi_device or world == 1) and (world > 1 or c.offload or not c.multi_device)]
+    rows = []
+    for candidate in candidates:
+        e = estimate(counts, candidate, world, precision, optimizer, activations)
+        available, why = True, ""
+        if candidate.deepspeed and not has_deepspeed:
+            available, why = False, "estimate only (deepspeed not installed)"
+        rows.append(PlanRow(e, e.total <= budget, available, why))
+    optimizer_name = _optimizer_name(optimizer)
+    plan_args = dict(device_memory=device_memory, budget=budget, world_size=world, precision=str(precision),
+                     optimizer=optimizer_name, activation_note=note)
+    notes = []
+    if units:
+        notes.append(f"full sharding gathers one {type(units[0]).__name__} at a time ({len(units)} units)")
+    fitting = [r for r in rows if r.fits and r.available]
+    if not fitting:
+        plan = StrategyPlan(rows, None, "no candidate fits", None, notes=notes, **plan_args)
+        smallest = min(rows, key=lambda r: r.estimate.total)
+        raise StrategyPlanError(
+            f"No way of training this model fits {world} device(s) of {format_bytes(device_memory)} (budget "
+            f"{format_bytes(budget)}): the smallest, {smallest.name}, needs {format_bytes(smallest.estimate.total)} per "
+            "device. Use more devices, a lower-memory precision (bf16), a smaller optimizer state (SGD), "
+            f"or a smaller model.\n{plan.table()}",
+            plan,
+        )
+    best = min(fitting, key=lambda r: r.estimate.candidate.cost)
+    cheaper = [r for r in rows if r.estimate.candidate.cost < best.estimate.candidate.cost and r.available]
+    if cheaper:
+        last = max(cheaper, key=lambda r: r.estimate.candidate.cost)
+        reason = (f"{last.name} would need {format_bytes(last.estimate.total)} per device, over the budget; "
+                  f"{best.name} needs {format_bytes(best.estimate.total)}")
+    else:
+        reason = f"fits with the least communication: {format_bytes(best.estimate.total)} of {format_bytes(budget)} per device"
+    device_type = probe_device.type if probe_device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    strategy = _make_strategy(best.estimate.candidate, device_type, units, static_graph)
+    return StrategyPlan(rows, best.name, reason, strategy, notes=notes, **plan_args)
+
+
+def optimizer_of(module: nn.Module) -> Any:
+    """The optimizer a LightningModule configures (for the estimate), or ``"adam"`` when it cannot be read without a Trainer."""
+    configure = getattr(module, "configure_optimizers", None)
+    if not callable(configure):
+        return "adam"
+    try:
+        out = configure()
+    except Exception:  # it may need the Trainer (estimated_stepping_batches, ...)
+        return "adam"
+    for _ in range(3):
+        if isinstance(out, torch.optim.Optimizer):
+            return out
+        if isinstance(out, dict):
+            out = out.get("optimizer")
+        elif isinstance(out, (list, tuple)) and out:
+            out = out[0]
+        else:
+            break
+    return out if isinstance(out, torch.optim.Optimizer) else "adam"
+
+
+def sample_batch_of(datamodule: Any, samples: int = 2) -> Any:
+    """A small batch (``samples`` samples, collated as the loaders do) from a GPUOptDataModule's training data; else ``None``.
+
+    Only the pack's datamodule is read: it gives its dataset without building loaders (no worker processes).
+    """
+    from lightning_gpuopt.data import GPUOptDataModule
+
+    if not isinstance(datamodule, GPUOptDataModule):
+        return None
+    try:
+        dataset = datamodule._dataset("train")
+        collate = datamodule.collate_fn() or torch.utils.data.default_collate
+        return collate([dataset[i] for i in range(min(samples, len(dataset)))])
+    except Exception:  # an iterable dataset, or one that cannot be indexed: plan without activations
+        return None

@@ -1,0 +1,138 @@
+"""select_strategy's decisions against a given device memory, on models built on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+from lightning_gpuopt import select_strategy
+from lightning_gpuopt.memory.estimate import CANDIDATES, count_parameters, estimate
+from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlanError, shard_units
+
+GiB = 2**30
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _model(width: int = 2048, depth: int = 8) -> nn.Module:
+    with torch.device("meta"):  # 268 M parameters, no memory
+        return nn.Sequential(*(Block(width) for _ in range(depth)), nn.Linear(width, 1))
+
+
+def _total(name: str, world: int, **kw) -> int:
+    model = _model()
+    candidate = next(c for c in CANDIDATES if c.name == name)
+    return estimate(count_parameters(model, shard_units(model)), candidate, world, **kw).total
+
+
+# 268.5 M parameters, fp32, Adam, 4 devices, per device: DDP 20 B/parameter (5.00 GiB); sharding gradients and
+# optimizer state 7 B (1.75 GiB); full sharding 4 B + two gathered blocks (1.25 GiB); offload: the blocks (0.25 GiB).
+@pytest.mark.parametrize(
+    ("memory_mib", "expected", "strategy_type"),
+    [(80 * 1024, "ddp", DDPStrategy), (4096, "fsdp: shard grads+optimizer", FSDP2Strategy),
+     (1638, "fsdp: full shard", FSDP2Strategy), (512, "fsdp: full shard + cpu offload", FSDP2Strategy)],
+    ids=["fits-ddp", "shard-grads-optimizer", "full-shard", "offload"],
+)
+def test_the_cheapest_way_that_fits_is_picked(memory_mib, expected, strategy_type):
+    plan = select_strategy(_model(), devices=4, optimizer="adam", device_memory=memory_mib * 2**20, device="cpu")
+    assert plan.pick == expected and isinstance(plan.strategy, strategy_type)
+    picked = next(r for r in plan.rows if r.name == expected)
+    assert picked.fits and picked.estimate.total <= plan.budget
+    cheaper = [r for r in plan.rows if r.estimate.candidate.cost < picked.estimate.candidate.cost and r.available]
+    assert all(not r.fits for r in cheaper)  # nothing with less communication would have fitted
+    if expected == "ddp":
+        assert plan.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
+    else:
+        assert plan.strategy.reshard_after_forward is (expected != "fsdp: shard grads+optimizer")
+        assert plan.strategy.cpu_offload is ("offload" in expected)
+        assert plan.strategy.shard_modules == [Block]
+
+
+def test_one_device_that_fits_trains_there_and_one_that_does_not_offloads():
+    assert select_strategy(_model(), devices=1, device_memory=80 * GiB).strategy == "auto"
+    assert select_strategy(_model(), devices=1, device_memory=4 * GiB, device="cpu").pick == "fsdp: full shard + cpu offload"
+
+
+def test_fits_nowhere_is_a_clear_error_carrying_the_plan():
+    with pytest.raises(StrategyPlanError, match=r"No way of training this model fits 2 device\(s\) of 64.00 MiB") as info:
+        select_strategy(_model(), devices=2, device_memory=64 * 2**20)
+    plan = info.value.plan
+    assert plan.pick is None and not any(r.fits for r in plan.rows)
+    assert "candidate" in str(info.value) and "fsdp: full shard + cpu offload" in str(info.value)
+
+
+def test_precision_optimizer_and_activations_change_the_estimate():
+    assert _total("ddp", 4, precision="bf16-true", optimizer="sgd") < _total("ddp", 4, precision="32-true", optimizer="adam")
+    with torch.device("meta"):
+        sample = torch.empty(16, 2048)
+    plan = select_strategy(_model(), devices=4, device_memory=80 * GiB, sample_batch=sample, micro_batch_size=32)
+    activations = {r.estimate.activations for r in plan.rows}
+    assert len(activations) == 1 and activations.pop() > 32 * 8 * 4 * 2048 * 4  # 8 blocks x the 4x-wide hidden layer
+    assert "per sample estimated" in plan.activation_note
+    measured = select_strategy(_model(), devices=4, device_memory=80 * GiB, activation_bytes=123_456_789)
+    assert all(r.estimate.activations == 123_456_789 for r in measured.rows) and "measured" in measured.activation_note
+
+
+def test_deepspeed_is_estimated_but_not_picked_without_the_package():
+    plan = select_strategy(_model(), devices=4, device_memory=4 * GiB, device="cpu")
+    zero2 = next(r for r in plan.rows if r.name == "deepspeed zero-2")
+    assert not zero2.available and "deepspeed not installed" in zero2.note and not plan.pick.startswith("deepspeed")
+
+
+def test_plan_table_has_a_row_per_candidate_the_pick_and_the_reason():
+    text = select_strategy(_model(), devices=4, device_memory=4 * GiB, device="cpu").table()
+    lines = text.splitlines()
+    assert lines[1].split() == ["candidate", "parameters", "gradients", "optimizer", "gathered", "activations", "total", "fits"]
+    assert sum("<- pick" in line for line in lines) == 1
+    assert "pick: fsdp: shard grads+optimizer: ddp would need" in text and "over the budget" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"devices": 0}, r"`devices` must be a positive int, got 0"), ({"headroom": 1.5}, r"`headroom` must be in \(0, 1\]"),
+     ({"device_memory": -1}, r"`device_memory` must be a positive int \(bytes\) or None")],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        select_strategy(_model(), **kwargs)
+
+
+def test_shard_units_finds_repeated_blocks_or_the_named_types():
+    model = _model(64, 4)
+    assert [type(u).__name__ for u in shard_units(model)] == ["Block"] * 4
+    assert [type(u).__name__ for u in shard_units(model, ["Linear"])] == ["Linear"] * 9
+    assert shard_units(nn.Linear(3, 3)) == []
+
+
+def test_oom_recovery_refuses_fsdp2_with_the_reason():
+    import lightning.pytorch as pl
+
+    from lightning_gpuopt import FSDP2Strategy, OOMRecovery
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)
+    with pytest.raises(RuntimeError, match=r"OOMRecovery: micro-batching supports single-device and DDP training, got FSDP2Strategy"):
+        OOMRecovery().setup(trainer, pl.LightningModule(), "fit")
+
+
+def test_fsdp2_strategy_refuses_a_module_holding_parameters_itself():
+    from lightning_gpuopt.strategy import shard_module
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+            self.body = nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"holds parameters itself \(scale\). Move them into a submodule"):
+        shard_module(Flat(), mesh=None)
+    with pytest.raises(ValueError, match=r"`shard_modules` names \['Block'\], but Sequential has no such submodule; its module types are: Linear"):
+        shard_module(nn.Sequential(nn.Linear(2, 2)), mesh=None, types=["Block"])
