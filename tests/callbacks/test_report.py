@@ -59,7 +59,7 @@ def oom_run(tmp_path_factory):
 
 
 def test_json_holds_every_step_the_memory_series_and_the_oom_at_its_step(oom_run):
-    run, report, folder, limit, _ = oom_run
+    _, report, folder, limit, _ = oom_run
     saved = json.loads((folder / "gpuopt_report.json").read_text())
     assert saved == json.loads(json.dumps(report.report))  # what the callback holds is what it wrote
     steps = saved["steps"]
