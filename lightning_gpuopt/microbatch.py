@@ -12,10 +12,12 @@ backward run as usual, once per batch.
 When an attempt raises an out-of-memory error, the engine drops the attempt's partial gradients and
 outputs, restores what the attempt touched (torchmetrics states, BatchNorm statistics, captured
 ``self.log`` calls), frees memory outside the ``except`` block and asks its OOM handler (OOMRecovery)
-for a new k, then runs the same batch again. Without a handler the error propagates.
+for a new k, then runs the same batch again. Without a handler the error propagates. An attempt that
+succeeded can be dropped and run again the same way when one of its ``attempt_checks`` asks
+(PrecisionSwitch, after switching the precision on non-finite values).
 
 Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`
-and the ``oom_handler`` attribute; the rest is private.
+and the ``oom_handler`` and ``attempt_checks`` attributes; the rest is private.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ __all__ = ["KChange", "MicroBatchEngine", "WeightFn"]
 WeightFn = Callable[[Any], "int | float | Tensor"]
 
 _ENGINE_ATTR = "_gpuopt_microbatch_engine"
+#: How often the attempt checks may send one batch back before the engine gives up (each re-run
+#: follows a change the check made, such as one precision switch).
+_MAX_RECHECKS = 8
 
 try:  # torchmetrics is a dependency, but the engine must not break if a user removed it
     from torchmetrics import Metric as _Metric
@@ -95,6 +100,11 @@ class MicroBatchEngine:
         self.sum_log_keys: frozenset[str] = frozenset()
         #: Whether the current batch may be split; a predicate on the batch.
         self.splittable: Callable[[Any], bool] = lambda batch: True
+        #: ``check(batch_idx, loss) -> bool``, asked in order after every attempt that succeeded (``loss``: the
+        #: attempt's detached loss for the whole batch, gradients in place); ``True`` drops the attempt like a
+        #: failed one and runs the batch again, after the check changed what it runs under. Checks must answer
+        #: alike on every rank.
+        self.attempt_checks: list[Callable[[int, Tensor], bool]] = []
         self.history: list[KChange] = []
         self.listeners: list[Callable[[KChange], None]] = []
         self._users: set[int] = set()
@@ -247,6 +257,7 @@ class MicroBatchEngine:
         probe = get_probe(trainer.strategy.root_device)
         measured = probe.kind != "cpu"  # host RSS says nothing about one step; read device figures only
         smallest_failed = n + 1
+        rechecks = 0
         while True:
             k = self._effective_k(n, batch)
             baseline = probe.allocated if measured else None
@@ -259,7 +270,18 @@ class MicroBatchEngine:
                     raise
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
             if failure is None:
-                break
+                if not self._recheck_asked(batch_idx, output):
+                    break
+                rechecks += 1
+                if rechecks > _MAX_RECHECKS:
+                    raise RuntimeError(
+                        f"The micro-batch engine's attempt checks sent batch {batch_idx} back {_MAX_RECHECKS} times; "
+                        "a check must change what the batch runs under before it asks again."
+                    )
+                for p in params:
+                    p.grad = None
+                self._restore(snapshot)
+                continue
             # Outside the except block: the traceback and the activations it pinned are gone.
             for p in params:
                 p.grad = None
@@ -268,10 +290,17 @@ class MicroBatchEngine:
             smallest_failed = min(smallest_failed, failure.micro_batch_size)
             new_k = self.oom_handler(failure, smallest_failed, self.splittable(batch))
             self.propose(new_k, "oom", f"OOM at step {failure.step} ({failure.phase})", batch_size=n)
+        self._emit_logs(*self._pending_logs)
         self._merge_grads(params, stash)
         self._skip_backward = True
         self._skip_zero_grad = first_in_window
         return output
+
+    def _recheck_asked(self, batch_idx: int, output: Any) -> bool:
+        if not self.attempt_checks:
+            return False
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        return any(check(batch_idx, loss) for check in list(self.attempt_checks))
 
     def _effective_k(self, n: int, batch: Any) -> int:
         if not self.splittable(batch):
@@ -332,7 +361,8 @@ class MicroBatchEngine:
                 if loss is None:
                     raise _Refused(
                         "training_step returned None (skipping the batch) or no 'loss', which micro-batching "
-                        "cannot split. Return the loss for every batch, or remove OOMRecovery."
+                        "cannot split. Return the loss for every batch, or remove OOMRecovery (and pass "
+                        "PrecisionSwitch(rerun=False))."
                     )
                 attempt.extras.append(extra)
                 self._phase = "backward"
@@ -347,7 +377,7 @@ class MicroBatchEngine:
                 del out, loss, scaled
         finally:
             self._attempt = None
-        self._emit_logs(attempt.logs, weights, n)
+        self._pending_logs = (attempt.logs, weights, n)  # emitted once the attempt is kept
         loss_out = total.clone().requires_grad_(True)  # a leaf: Lightning's own backward on it is skipped
         if attempt.extras and attempt.extras[0] is not None:
             return {"loss": loss_out, **_merge_extras(attempt.extras, k)}
