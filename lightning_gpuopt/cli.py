@@ -13,11 +13,12 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
-from lightning_gpuopt.callbacks import OOMRecovery
+from lightning_gpuopt.callbacks import OOMRecovery, PrecisionSwitch
 
 __all__ = ["GPUOptCLI", "main", "run"]
 
@@ -37,6 +38,10 @@ class GPUOptCLI(LightningCLI):
       validation metrics, training samples/s and peak memory.
     * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
       on a single device, unless ``--trainer.callbacks`` already has one.
+    * ``--gpuopt.precision_switch`` (default true): add :class:`~lightning_gpuopt.PrecisionSwitch` to
+      ``fit``, unless ``--trainer.callbacks`` already has one: ``initial="auto"`` (the fastest precision
+      the hardware runs natively), or ``initial="keep"`` when ``--trainer.precision`` (or a precision
+      plugin in ``--trainer.plugins``) is given.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -75,6 +80,13 @@ class GPUOptCLI(LightningCLI):
             help="Add OOMRecovery to fit on a single device (re-split a batch that runs out of memory and retry), "
             "unless trainer.callbacks has one.",
         )
+        parser.add_argument(
+            "--gpuopt.precision_switch",
+            type=bool,
+            default=True,
+            help="Add PrecisionSwitch to fit (the fastest precision the hardware runs natively, a more stable one on "
+            "non-finite values), unless trainer.callbacks has one; it keeps --trainer.precision when that is given.",
+        )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self.subcommand in (None, "fit") and self._gpuopt_option("summary"):
@@ -86,7 +98,18 @@ class GPUOptCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):
             self._add_oom_recovery(trainer)
+        if self.subcommand in (None, "fit") and self._gpuopt_option("precision_switch"):
+            self._add_precision_switch(trainer)
         return trainer
+
+    def _add_precision_switch(self, trainer: Trainer) -> None:
+        if any(isinstance(cb, PrecisionSwitch) for cb in trainer.callbacks):
+            return
+        config = self._get(self.config_init, "trainer", default={})
+        plugins = config.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        given = config.get("precision") is not None or any(isinstance(p, Precision) for p in plugins)
+        trainer.callbacks.append(PrecisionSwitch(initial="keep" if given else "auto"))
 
     @staticmethod
     def _add_oom_recovery(trainer: Trainer) -> None:
