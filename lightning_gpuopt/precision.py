@@ -3,7 +3,7 @@
 No Lightning here. :func:`device_info` is the one function that asks torch about the device (so
 the selection table is unit-tested with mocked queries); :func:`choose_precision`,
 :func:`fallback_ladder` and :class:`StabilityWatch` decide from plain values; :func:`enable_tf32` /
-:func:`restore_tf32`, :func:`nonfinite` and :func:`grads_nonfinite` are the few torch-global and tensor operations
+:func:`restore_tf32`, :func:`grad_norms` and :func:`any_nonfinite` are the few torch-global and tensor operations
 the callback needs.
 """
 
@@ -23,6 +23,7 @@ __all__ = [
     "DeviceInfo",
     "StabilityWatch",
     "StepOutcome",
+    "any_nonfinite",
     "check_ladder",
     "choose_precision",
     "device_info",
@@ -30,8 +31,8 @@ __all__ = [
     "fallback_ladder",
     "faster_rung",
     "fp8_available",
+    "grad_norms",
     "grads_nonfinite",
-    "nonfinite",
     "precision_index",
     "restore_tf32",
     "tf32_wanted",
@@ -374,18 +375,8 @@ class StabilityWatch:
 # ----------------------------------------------------------------------------- torch-level helpers
 
 
-def nonfinite(tensor: Tensor) -> Tensor:
-    """1.0 when ``tensor`` has an inf or NaN element, else 0.0, as a 0-dim float tensor: no host sync."""
-    return (~torch.isfinite(tensor.detach())).any().float()
-
-
-def grads_nonfinite(grads: Iterable[Tensor | None], device: torch.device) -> Tensor:
-    """1.0 when a gradient is not finite, else 0.0, on ``device``: no host sync.
-
-    From one fused norm per device and dtype (``torch._foreach_norm``, in float32): an inf or NaN
-    element makes the sum of the norms inf or NaN. Gradients so large that their norm overflows
-    float32 (elements beyond about 1e19) count as not finite too: never a false "finite".
-    """
+def grad_norms(grads: Iterable[Tensor | None]) -> list[Tensor]:
+    """The float32 L2 norm of each gradient, one fused kernel per device and dtype (``torch._foreach_norm``)."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for g in grads:
         if g is not None and not g.is_sparse:
@@ -396,9 +387,32 @@ def grads_nonfinite(grads: Iterable[Tensor | None], device: torch.device) -> Ten
             norms.extend(torch._foreach_norm(tensors, 2, dtype=torch.float32))
         except (AttributeError, TypeError, RuntimeError):  # a torch without the fused norm for this group
             norms.extend(torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors)
-    if not norms:
+    return norms
+
+
+def any_nonfinite(scalars: Sequence[Tensor], device: torch.device) -> Tensor:
+    """1.0 when one of the 0-dim ``scalars`` (losses, norms) is inf or NaN, else 0.0, on ``device``: no host sync.
+
+    Their float32 sum is inf or NaN exactly then (or when it overflows float32, beyond 3.4e38).
+    """
+    if not scalars:
         return torch.zeros((), device=device)
-    return (~torch.isfinite(torch.stack([n.to(device) for n in norms]).sum())).float()
+    parts = [
+        t if t.dtype == torch.float32 and t.device == device and t.dim() == 0
+        else t.detach().to(device=device, dtype=torch.float32).reshape(())
+        for t in scalars
+    ]
+    return (~torch.isfinite(torch.stack(parts).sum())).float()
+
+
+def grads_nonfinite(grads: Iterable[Tensor | None], device: torch.device) -> Tensor:
+    """1.0 when a gradient is not finite, else 0.0, on ``device``: no host sync.
+
+    An inf or NaN element makes its norm, and so the sum of the norms, inf or NaN. Gradients so large
+    that their norm overflows float32 (elements beyond about 1e19) count as not finite too: never a
+    false "finite".
+    """
+    return any_nonfinite(grad_norms(grads), device)
 
 
 def _new_tf32_api() -> bool:

@@ -13,6 +13,7 @@ from lightning_gpuopt.precision import (
     DeviceInfo,
     StabilityWatch,
     StepOutcome,
+    any_nonfinite,
     check_ladder,
     choose_precision,
     device_info,
@@ -20,7 +21,6 @@ from lightning_gpuopt.precision import (
     fallback_ladder,
     faster_rung,
     grads_nonfinite,
-    nonfinite,
     precision_index,
     restore_tf32,
     tf32_wanted,
@@ -276,7 +276,10 @@ def test_grads_nonfinite_finds_every_inf_and_nan_and_leaves_gradients_alone():
     # documented: a norm beyond float32 counts as not finite (never a false "finite")
     assert grads_nonfinite([torch.full((3,), 1e30)], torch.device("cpu")).item() == 1.0
     assert grads_nonfinite([], torch.device("cpu")).item() == 0.0
-    assert nonfinite(torch.tensor(float("nan"))).item() == 1.0 and nonfinite(torch.tensor(3.0)).item() == 0.0
+    cpu = torch.device("cpu")
+    assert any_nonfinite([torch.tensor(1.0), torch.tensor(float("nan"))], cpu).item() == 1.0
+    assert any_nonfinite([torch.tensor(1.0), torch.tensor(2.0, dtype=torch.float16)], cpu).item() == 0.0
+    assert any_nonfinite([], cpu).item() == 0.0
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ from lightning_gpuopt.precision import (
     DeviceInfo,
     StabilityWatch,
     StepOutcome,
+    any_nonfinite,
     check_ladder,
     choose_precision,
     device_info,
@@ -43,8 +44,7 @@ from lightning_gpuopt.precision import (
     fallback_ladder,
     faster_rung,
     fp8_available,
-    grads_nonfinite,
-    nonfinite,
+    grad_norms,
     precision_index,
     restore_tf32,
     tf32_wanted,
@@ -235,7 +235,7 @@ class PrecisionSwitch(Callback):
         self._applied = False
         self._found_inf: Tensor | None = None
         self._verdict: bool | None = None
-        self._loss_bad: Tensor | None = None
+        self._losses: list[Tensor] = []  # this window's losses, detached: read only when needed
         self._logged: str | None = None
 
     # ------------------------------------------------------------------ what users read
@@ -290,7 +290,7 @@ class PrecisionSwitch(Callback):
                     )
         before = trainer.precision
         if self.initial == "keep":
-            target, reason = before, "initial='keep'"
+            target, reason = before, f"initial='keep' on {info.label}"
         elif self.initial == "auto":
             choice = choose_precision(info, cpu_bf16=self.cpu_bf16, fp8=self.fp8, fp8_installed=fp8_available())
             target, reason = choice.precision, f"auto: {choice.reason}"
@@ -301,7 +301,7 @@ class PrecisionSwitch(Callback):
                     f"`initial={self.initial!r}`: this device cannot run it ({why}). Use initial='auto' to pick "
                     "the fastest precision the device runs natively."
                 )
-            target, reason = self.initial, f"initial={self.initial!r}"
+            target, reason = self.initial, f"initial={self.initial!r} on {info.label}"
         if target != before:
             plugin = _plugin_for(target, strategy)
             if plugin is None:
@@ -315,9 +315,9 @@ class PrecisionSwitch(Callback):
         if tf32_wanted(info, self._precision, self.tf32):
             self._tf32_previous = enable_tf32()
         self._why_fixed = _why_fixed(strategy, pl_module)
+        change = f"{before} → {self._precision}" if self._precision != before else self._precision
         self._say(
-            f"PrecisionSwitch: precision {before} → {self._precision} ({reason}; {info.label})"
-            if self._precision != before else f"PrecisionSwitch: precision {self._precision} ({reason}; {info.label})",
+            f"PrecisionSwitch: precision {change} ({reason})",
             self._tf32_note(),
             self._fallback_note(),
         )
@@ -356,8 +356,7 @@ class PrecisionSwitch(Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._watching:
-            bad = nonfinite(loss)
-            self._loss_bad = bad if self._loss_bad is None else torch.maximum(self._loss_bad, bad)
+            self._losses.append(loss.detach())
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -373,7 +372,7 @@ class PrecisionSwitch(Callback):
         applied = self._applied
         if self._found_inf is not None:  # a fused optimizer skipped by itself or not: read once, after its step
             applied = not bool(self._found_inf.item())
-        loss_bad, self._loss_bad = self._loss_bad, None
+        losses, self._losses = self._losses, []
         self._step_attempted = self._applied = False
         self._found_inf = self._verdict = None
         if applied:
@@ -382,7 +381,7 @@ class PrecisionSwitch(Callback):
             return
         # A step not applied is the same event on every rank (all-reduced gradients): read what is known once.
         scaler = self._scaler()
-        loss_finite = not self._any(loss_bad)
+        loss_finite = not self._agreed(any_nonfinite(losses, trainer.strategy.root_device))[0]
         scale = float(scaler.get_scale()) if scaler is not None else None
         self.skipped_steps += 1
         if scaler is None:
@@ -465,7 +464,7 @@ class PrecisionSwitch(Callback):
             return original(**kwargs)
         bad = self._verdict
         if bad is None:
-            bad = any(self._flags(self._loss_bad, optimizer))
+            bad = self._agreed(self._nonfinite(self._losses, optimizer))[0]
         self._verdict = None
         if bad:
             return loss
@@ -481,9 +480,14 @@ class PrecisionSwitch(Callback):
         scaler = self._scaler()
         if scaler is not None and not self._watch.armed(scaler.get_backoff_factor()):
             return False  # the GradScaler will tell after the step, for free; nothing to pre-empt yet
-        loss_bad, grads_bad = self._flags(nonfinite(loss), trainer.optimizers[0])
-        if scaler is None:
-            self._verdict = loss_bad or grads_bad
+        optimizer, device = trainer.optimizers[0], trainer.strategy.root_device
+        if scaler is None:  # the check the step needs anyway; told apart below only when it fails
+            self._verdict = self._agreed(self._nonfinite([loss], optimizer))[0]
+            if not self._verdict:
+                return False
+        loss_bad, grads_bad = self._agreed(
+            torch.stack([any_nonfinite([loss], device), any_nonfinite(grad_norms(self._grads(optimizer)), device)])
+        )
         if not (loss_bad or grads_bad):
             return False
         predicted = None
@@ -570,25 +574,20 @@ class PrecisionSwitch(Callback):
     def _scaler(self) -> Any:
         return getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
 
-    def _flags(self, loss_bad: Tensor | None, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
-        """(loss not finite, gradients not finite), all-reduced over ranks: one host sync."""
-        trainer = self._trainer
-        device = trainer.strategy.root_device
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        loss_flag = loss_bad.to(device) if loss_bad is not None else torch.zeros((), device=device)
-        flags = torch.stack([loss_flag, grads_nonfinite(grads, device)])
-        if trainer.world_size > 1:
-            flags = trainer.strategy.reduce(flags, reduce_op="sum")
-        loss_bad_, grads_bad = (bool(v > 0) for v in flags.tolist())
-        return loss_bad_, grads_bad
+    @staticmethod
+    def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor | None]:
+        return [p.grad for group in optimizer.param_groups for p in group["params"]]
 
-    def _any(self, flag: Tensor | None) -> bool:
-        """A device flag, all-reduced over ranks (only read on steps every rank sees alike)."""
+    def _nonfinite(self, losses: list[Tensor], optimizer: torch.optim.Optimizer) -> Tensor:
+        """One device flag: a loss or a gradient is not finite (no host sync yet)."""
+        return any_nonfinite([*losses, *grad_norms(self._grads(optimizer))], self._trainer.strategy.root_device)
+
+    def _agreed(self, flags: Tensor) -> list[bool]:
+        """Device flags, all-reduced over ranks, read with one host sync."""
         trainer = self._trainer
-        value = flag if flag is not None else torch.zeros((), device=trainer.strategy.root_device)
         if trainer.world_size > 1:
-            value = trainer.strategy.reduce(value.clone(), reduce_op="sum")
-        return bool(value.item() > 0)
+            flags = trainer.strategy.reduce(flags.clone(), reduce_op="sum")
+        return [value > 0 for value in flags.reshape(-1).tolist()]
 
     def _tf32_note(self) -> str:
         if self._tf32_previous is not None:

@@ -103,8 +103,8 @@ def test_fp16_overflow_switches_down_and_the_batch_that_triggered_it_runs_again(
     assert trainer.global_step == 12 and log.steps == [(i, i + 1) for i in range(12)]
     assert torch.isfinite(torch.tensor(log.losses[6:])).all()  # the failed attempt's log is gone
     said = lines(caplog)
-    assert said[0] == "PrecisionSwitch: precision 16-mixed (initial='keep'; CPU); falls back to bf16-mixed → 32-true " \
-                      "on persistent non-finite values"
+    assert said[0] == ("PrecisionSwitch: precision 16-mixed (initial='keep' on CPU); falls back to bf16-mixed → "
+                       "32-true on persistent non-finite values")
     assert said[1] == ("PrecisionSwitch: precision 16-mixed → bf16-mixed at step 6: the loss was not finite in 2 "
                        "steps in a row; batch 6 runs again in bf16-mixed")
     assert said[2].startswith("PrecisionSwitch: fit ended in bf16-mixed after 1 switch; 1 optimizer step(s) not applied")
@@ -153,6 +153,18 @@ def test_with_oom_recovery_the_engine_is_shared():
     assert hook.nonfinite_applied == 0 and oom.k == 1
 
 
+def test_an_optimizer_that_unscales_in_its_own_step_is_watched_too():
+    class Fused(Troubled):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)  # GradScaler passes found_inf to it
+
+    model = Fused(overflow=(5, None))
+    switch = PrecisionSwitch(initial="keep")
+    fit(model, switch)
+    assert changes(switch) == [(6, "16-mixed", "bf16-mixed")] and finite(model)
+    assert switch.skipped_steps == 1 and switch.rerun_batches == 1
+
+
 # ----------------------------------------------------------------------------- bf16 and fp32: held back
 
 
@@ -166,7 +178,7 @@ def test_bf16_trouble_falls_back_to_fp32_and_no_nonfinite_step_is_applied(caplog
     assert hook.steps() == [0, 1, 2, 3, *range(5, 12)] and hook.nonfinite_applied == 0 and finite(model)
     assert (switch.skipped_steps, switch.nonfinite_steps, switch.rerun_batches) == (1, 1, 1)
     said = lines(caplog)
-    assert said[0].startswith("PrecisionSwitch: precision 32-true → bf16-mixed (initial='bf16-mixed'; CPU)")
+    assert said[0].startswith("PrecisionSwitch: precision 32-true → bf16-mixed (initial='bf16-mixed' on CPU)")
     assert "step 4 not applied: non-finite loss in bf16-mixed (1 in a row; patience 2)" in said[1]
     assert "bf16-mixed → 32-true at step 5" in said[2]
 
@@ -436,7 +448,7 @@ def test_under_fsdp_only_the_setup_time_choice_applies(on_device, caplog):
         switch.on_fit_start(trainer, BoringModel())
     assert isinstance(strategy.precision_plugin, FSDPPrecision) and strategy.precision_plugin.precision == "bf16-mixed"
     assert lines(caplog) == [
-        "PrecisionSwitch: precision 32-true → bf16-mixed (auto: A100 (sm_80) runs bfloat16 natively; A100 (sm_80)); "
+        "PrecisionSwitch: precision 32-true → bf16-mixed (auto: A100 (sm_80) runs bfloat16 natively); "
         "no runtime fallback: FSDPStrategy fixes the precision when it wraps the model, so only the setup-time choice applies"
     ]
     assert not switch._watching
