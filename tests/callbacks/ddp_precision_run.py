@@ -15,7 +15,8 @@ import lightning.pytorch as pl
 import torch
 from helpers import TRAINER_QUIET
 from lightning.pytorch.plugins import MixedPrecision
-from precision_models import AppliedSteps, Ids, Troubled, finite
+from oom_models import Waves
+from precision_models import AppliedSteps, Troubled, finite
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import PrecisionSwitch
@@ -28,7 +29,7 @@ def main(out: Path, accumulate: int) -> None:
     quiet = {k: v for k, v in TRAINER_QUIET.items() if k != "devices"}
     trainer = pl.Trainer(max_steps=8, devices=2, strategy="ddp", accumulate_grad_batches=accumulate, precision=None,
                          plugins=[MixedPrecision("16-mixed", "cpu")], callbacks=[switch, hook], **quiet)
-    trainer.fit(model, DataLoader(Ids(), batch_size=16))
+    trainer.fit(model, DataLoader(Waves(length=1024), batch_size=16))
     result = {
         "state": switch.state_dict(),
         "precision": trainer.precision,

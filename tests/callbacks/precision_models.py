@@ -1,4 +1,4 @@
-"""Modules, data and instruments for the PrecisionSwitch tests: real CPU autocast, chosen trouble."""
+"""Modules and instruments for the PrecisionSwitch tests: real CPU autocast, chosen trouble (data: oom_models.Waves)."""
 
 from __future__ import annotations
 
@@ -6,25 +6,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
 
 #: Multiplying the input by this overflows float16 (max 65504) but neither bfloat16 nor float32.
 HUGE = 1e5
-
-
-class Ids(Dataset):
-    """Sample i is (i, x_i, y_i), y a smooth function of x: learnable, and ids count deliveries."""
-
-    def __init__(self, length: int = 1024, dim: int = 8) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(length, dim, generator=g)
-        self.y = torch.sin(self.x.sum(1, keepdim=True))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return i, self.x[i], self.y[i]
 
 
 class Troubled(pl.LightningModule):

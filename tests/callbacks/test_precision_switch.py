@@ -12,15 +12,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET
+from helpers import TRAINER_QUIET, MetricsLogger
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from oom_models import StepLog
-from precision_models import AppliedSteps, Ids, Troubled, finite
+from oom_models import StepLog, Waves
+from precision_models import AppliedSteps, Troubled, finite
 from torch.utils.data import DataLoader
 
 import lightning_gpuopt.callbacks.precision_switch as precision_switch_module
@@ -44,7 +43,7 @@ def fit(model, switch, steps=12, accumulate=1, fp16=True, callbacks=(), ckpt_pat
         callbacks=[c for c in (switch, hook, *callbacks) if c is not None],
         **{**TRAINER_QUIET, **trainer_kwargs},
     )
-    trainer.fit(model, DataLoader(Ids(), batch_size=BATCH), ckpt_path=ckpt_path)
+    trainer.fit(model, DataLoader(Waves(length=1024), batch_size=BATCH), ckpt_path=ckpt_path)
     return trainer, hook
 
 
@@ -252,24 +251,7 @@ def test_verbose_false_says_nothing(caplog):
 
 
 def test_the_logger_gets_the_precision_index():
-    class Collect(Logger):
-        name, version = "collect", 0
-
-        def __init__(self):
-            super().__init__()
-            self.rows = []
-
-        @property
-        def experiment(self):
-            return None
-
-        def log_hyperparams(self, params, *args, **kwargs):
-            pass
-
-        def log_metrics(self, metrics, step=None):
-            self.rows.append((step, dict(metrics)))
-
-    logger = Collect()
+    logger = MetricsLogger()
     fit(Troubled(overflow=(5, None)), PrecisionSwitch(initial="keep"), logger=logger)
     logged = [(step, m["gpuopt/precision"]) for step, m in logger.rows if "gpuopt/precision" in m]
     assert logged == [(0, PRECISION_INDEX["16-mixed"]), (7, PRECISION_INDEX["bf16-mixed"])]
@@ -521,7 +503,7 @@ def test_auto_matches_the_real_device_table():
     switch = PrecisionSwitch()
     trainer = pl.Trainer(max_steps=2, accelerator="cuda", devices=1, callbacks=[switch],
                          **{k: v for k, v in TRAINER_QUIET.items() if k not in ("accelerator", "devices")})
-    trainer.fit(Troubled(overflow=NEVER), DataLoader(Ids(), batch_size=BATCH))
+    trainer.fit(Troubled(overflow=NEVER), DataLoader(Waves(length=1024), batch_size=BATCH))
     major, _ = torch.cuda.get_device_capability(0)
     assert trainer.precision == expected == ("bf16-mixed" if major >= 8 else "16-mixed" if major >= 7 else "32-true")
 
@@ -532,5 +514,5 @@ def test_fp16_overflow_on_cuda_switches_and_never_applies_a_nonfinite_step():
     trainer = pl.Trainer(max_steps=12, accelerator="cuda", devices=1, callbacks=[switch, hook],
                          **{k: v for k, v in TRAINER_QUIET.items() if k not in ("accelerator", "devices")})
     model = Troubled(overflow=(5, None))
-    trainer.fit(model, DataLoader(Ids(), batch_size=BATCH))
+    trainer.fit(model, DataLoader(Waves(length=1024), batch_size=BATCH))
     assert changes(switch)[0][:2] == (6, "16-mixed") and hook.nonfinite_applied == 0 and finite(model)
