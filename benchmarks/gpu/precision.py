@@ -23,7 +23,7 @@ over rounds of the mean step time from the end of the last warm-up batch to the 
 timed batch (``torch.cuda.synchronize`` at both ends only).
 
 Writes ``precision.json`` to ``--out``; exits 1 when a check fails and when no CUDA device is present
-(a skipped check must not pass). About 2-3 minutes on an H200 (budget: 5).
+(a skipped check must not pass). Estimated 2-3 minutes on an H200 (28 short fits; budget: 5); not yet run.
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="directory for precision.json")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per fit (default 15)")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per fit (default 5)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per fit (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per fit (default 3)")
     return parser.parse_args(argv)
 
 
