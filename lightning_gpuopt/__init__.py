@@ -11,6 +11,7 @@ from lightning_gpuopt.callbacks import (
     GPUOptReport,
     MicroBatchOOMError,
     OOMRecovery,
+    PrecisionSwitch,
     TokenCount,
 )
 from lightning_gpuopt.cli import GPUOptCLI
@@ -27,6 +28,7 @@ __all__ = [
     "MemmapDataset",
     "MicroBatchOOMError",
     "OOMRecovery",
+    "PrecisionSwitch",
     "StrategyPlan",
     "StrategyPlanError",
     "TokenCount",

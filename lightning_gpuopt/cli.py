@@ -17,10 +17,11 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
-from lightning_gpuopt.callbacks import GPUOptReport, OOMRecovery
+from lightning_gpuopt.callbacks import GPUOptReport, OOMRecovery, PrecisionSwitch
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
 
@@ -44,6 +45,10 @@ class GPUOptCLI(LightningCLI):
       validation metrics, training samples/s and peak memory.
     * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
       on a single device or under DDP, unless ``--trainer.callbacks`` already has one.
+    * ``--gpuopt.precision_switch`` (default true): add :class:`~lightning_gpuopt.PrecisionSwitch` to
+      ``fit``, unless ``--trainer.callbacks`` already has one: ``initial="auto"`` (the fastest precision
+      the hardware runs natively), or ``initial="keep"`` when ``--trainer.precision`` (or a precision
+      plugin in ``--trainer.plugins``) is given.
     * ``--gpuopt.report`` (default true): add :class:`~lightning_gpuopt.GPUOptReport` to ``fit``
       (table, ``gpuopt_report.json`` and ``.png`` in the run's log directory), unless
       ``--trainer.callbacks`` already has one.
@@ -92,6 +97,13 @@ class GPUOptCLI(LightningCLI):
             "unless trainer.callbacks has one.",
         )
         parser.add_argument(
+            "--gpuopt.precision_switch",
+            type=bool,
+            default=True,
+            help="Add PrecisionSwitch to fit (the fastest precision the hardware runs natively, a more stable one on "
+            "non-finite values), unless trainer.callbacks has one; it keeps --trainer.precision when that is given.",
+        )
+        parser.add_argument(
             "--gpuopt.report",
             type=bool,
             default=True,
@@ -130,10 +142,21 @@ class GPUOptCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):
             self._add_oom_recovery(trainer)
+        if self.subcommand in (None, "fit") and self._gpuopt_option("precision_switch"):
+            self._add_precision_switch(trainer)
         if self.subcommand in (None, "fit") and self._gpuopt_option("report"):
             if not any(isinstance(cb, GPUOptReport) for cb in trainer.callbacks):
                 trainer.callbacks.append(GPUOptReport())
         return trainer
+
+    def _add_precision_switch(self, trainer: Trainer) -> None:
+        if any(isinstance(cb, PrecisionSwitch) for cb in trainer.callbacks):
+            return
+        config = self._get(self.config_init, "trainer", default={})
+        plugins = config.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        given = config.get("precision") is not None or any(isinstance(p, Precision) for p in plugins)
+        trainer.callbacks.append(PrecisionSwitch(initial="keep" if given else "auto"))
 
     def strategy_plan(self, trainer_config: dict[str, Any] | None = None) -> StrategyPlan:
         """The memory plan for this command line's model, data, devices and precision (:func:`select_strategy`).

@@ -12,7 +12,9 @@ backward run as usual, once per batch.
 When an attempt raises an out-of-memory error, the engine drops the attempt's partial gradients and
 outputs, restores what the attempt touched (torchmetrics states, BatchNorm statistics, captured
 ``self.log`` calls), frees memory outside the ``except`` block and asks its OOM handler (OOMRecovery)
-what to do, then runs the same batch again. Without a handler the error propagates.
+what to do, then runs the same batch again. Without a handler the error propagates. An attempt that
+succeeded everywhere can be dropped and run again the same way when one of its ``attempt_checks`` asks
+(PrecisionSwitch, after switching the precision on non-finite values).
 
 After every attempt the ranks agree (:func:`~lightning_gpuopt.oom_policy.agree` over one vote per
 rank, see ``_exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
@@ -24,7 +26,8 @@ Evaluation steps (validation, test, predict) are wrapped too: an OOM there split
 chunks, runs them, and puts their outputs back together in order.
 
 Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`,
-``next_proposal``, ``oom_handler``, ``enable_checkpointing`` and ``listeners``; the rest is private.
+``next_proposal``, ``oom_handler``, ``attempt_checks``, ``enable_checkpointing`` and ``listeners``; the
+rest is private.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ EVAL_STAGES = ("validation", "test", "predict")
 WeightFn = Callable[[Any], "int | float | Tensor"]
 
 _ENGINE_ATTR = "_gpuopt_microbatch_engine"
+#: How often the attempt checks may send one batch back before the engine gives up (each re-run
+#: follows a change the check made, such as one precision switch).
+_MAX_RECHECKS = 8
 
 try:  # torchmetrics is a dependency, but the engine must not break if a user removed it
     from torchmetrics import Metric as _Metric
@@ -142,6 +148,11 @@ class MicroBatchEngine:
         self.splittable: Callable[[Any], bool] = lambda batch: True
         #: Chunks per evaluation batch, per stage, after an OOM there.
         self.eval_k: dict[str, int] = {}
+        #: ``check(batch_idx, loss) -> bool``, asked in order after every attempt that succeeded (``loss``: the
+        #: attempt's detached loss for the whole batch, gradients in place); ``True`` drops the attempt like a
+        #: failed one and runs the batch again, after the check changed what it runs under. Checks must answer
+        #: alike on every rank.
+        self.attempt_checks: list[Callable[[int, Tensor], bool]] = []
         self.history: list[KChange] = []
         self.listeners: list[Callable[[KChange], None]] = []
         self._users: set[int] = set()
@@ -331,6 +342,7 @@ class MicroBatchEngine:
         smallest_failed = n + 1
         start_k = self.k
         proposal, self.next_proposal = self.next_proposal, None
+        rechecks = 0
         while True:
             k = self._effective_k(n, batch)
             baseline = probe.allocated if measured else None
@@ -376,7 +388,20 @@ class MicroBatchEngine:
                     "those ranks has the memory breakdown and next steps)."
                 )
             if not agreement.retry:
-                break
+                # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
+                # may all-reduce its own flags, and answers alike on every rank).
+                if not self._recheck_asked(batch_idx, output):
+                    break
+                rechecks += 1
+                if rechecks > _MAX_RECHECKS:
+                    self._restore_grads(params, stash)
+                    raise RuntimeError(
+                        f"The micro-batch engine's attempt checks sent batch {batch_idx} back {_MAX_RECHECKS} times; "
+                        "a check must change what the batch runs under before it asks again."
+                    )
+                output = None
+                self._drop_attempt(params, snapshot)
+                continue
             if failure is None:  # another rank ran out of memory: this attempt is dropped too, and redone
                 output = None
                 self._drop_attempt(params, snapshot)
@@ -470,6 +495,11 @@ class MicroBatchEngine:
             self._attempt = None
         self._emit_logs(attempt.logs, weights, n)
         return None if all(o is None for o in outputs) else merge_outputs(outputs, weights)
+    def _recheck_asked(self, batch_idx: int, output: Any) -> bool:
+        if not self.attempt_checks:
+            return False
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        return any(check(batch_idx, loss) for check in list(self.attempt_checks))
 
     def _effective_k(self, n: int, batch: Any) -> int:
         if not self.splittable(batch):
@@ -530,7 +560,8 @@ class MicroBatchEngine:
                 if loss is None:
                     raise _Refused(
                         "training_step returned None (skipping the batch) or no 'loss', which micro-batching "
-                        "cannot split. Return the loss for every batch, or remove OOMRecovery."
+                        "cannot split. Return the loss for every batch, or remove OOMRecovery (and pass "
+                        "PrecisionSwitch(rerun=False))."
                     )
                 attempt.extras.append(extra)
                 self._phase = "backward"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
@@ -57,3 +58,23 @@ class RecordingRegressor(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class MetricsLogger(Logger):
+    """Keeps every ``log_metrics`` call as ``(step, metrics)`` in ``rows``."""
+
+    name, version = "collect", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def experiment(self) -> None:
+        return None
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, dict(metrics)))

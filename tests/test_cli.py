@@ -92,6 +92,26 @@ def test_fit_adds_the_report_unless_turned_off(tmp_path):
     assert report.paths["json"] == str(tmp_path / "gpuopt_report.json") and len(report.report["steps"]) == 2
     off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.report", "false", *_quiet(tmp_path)])
     assert not any(isinstance(cb, GPUOptReport) for cb in off.trainer.callbacks)
+def test_fit_adds_precision_switch_auto_or_keep(tmp_path):
+    from lightning_gpuopt import PrecisionSwitch
+
+    def switches(cli):
+        return [cb for cb in cli.trainer.callbacks if isinstance(cb, PrecisionSwitch)]
+
+    auto = run(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
+    (cb,) = switches(auto)
+    assert cb.initial == "auto" and auto.trainer.precision == "32-true"  # a CPU: bf16 is opt-in
+    kept = run(["fit", *BORING, "--trainer.max_steps", "2", "--trainer.precision", "bf16-mixed", *_quiet(tmp_path)])
+    (cb,) = switches(kept)
+    assert cb.initial == "keep" and kept.trainer.precision == "bf16-mixed"
+    off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.precision_switch", "false", *_quiet(tmp_path)])
+    assert switches(off) == []
+    own = run(
+        ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.callbacks+=lightning_gpuopt.PrecisionSwitch",
+         "--trainer.callbacks.patience=5", *_quiet(tmp_path)]
+    )
+    (cb,) = switches(own)
+    assert cb.patience == 5
 
 
 def test_summary_can_be_turned_off(tmp_path, caplog):
@@ -127,7 +147,7 @@ def test_help_lists_subcommands_and_pack_options(capsys):
     assert fit.value.code == 0
     text = capsys.readouterr().out
     assert "--gpuopt.summary" in text and "--gpuopt.oom_recovery" in text and "--model" in text and "--data" in text
-    assert "--gpuopt.report" in text
+    assert "--gpuopt.report" in text and "--gpuopt.precision_switch" in text
 
 
 def test_bad_config_key_is_jsonargparse_error(tmp_path, capsys):

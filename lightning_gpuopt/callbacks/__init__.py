@@ -2,6 +2,7 @@
 
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
 from lightning_gpuopt.callbacks.oom_recovery import MicroBatchOOMError, OOMRecovery, TokenCount
+from lightning_gpuopt.callbacks.precision_switch import PrecisionSwitch
 from lightning_gpuopt.callbacks.report import GPUOptReport
 
-__all__ = ["DataStallMonitor", "GPUOptReport", "MicroBatchOOMError", "OOMRecovery", "TokenCount"]
+__all__ = ["DataStallMonitor", "GPUOptReport", "MicroBatchOOMError", "OOMRecovery", "PrecisionSwitch", "TokenCount"]

@@ -133,7 +133,10 @@ class GPUOptReport(Callback):
         if device.type == "cuda":
             from lightning.fabric.utilities.throughput import get_available_flops
 
-            self._peak_flops = get_available_flops(device, _compute_dtype(trainer.precision))
+            try:
+                self._peak_flops = get_available_flops(device, _compute_dtype(trainer.precision))
+            except RuntimeError:  # torch refuses its legacy TF32 getter once the new API set it: no MFU then
+                self._peak_flops = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_end = time.perf_counter()

@@ -1,0 +1,648 @@
+"""PrecisionSwitch: the fastest precision the hardware does well, and a safe fallback on numerical trouble."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import (
+    DeepSpeedPrecision,
+    FSDPPrecision,
+    MixedPrecision,
+    Precision,
+    TransformerEnginePrecision,
+)
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    SingleDeviceXLAStrategy,
+    Strategy,
+    XLAStrategy,
+)
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from lightning_gpuopt.decisions import record_decision
+from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.precision import (
+    LADDER,
+    DeviceInfo,
+    StabilityWatch,
+    StepOutcome,
+    any_nonfinite,
+    check_ladder,
+    choose_precision,
+    device_info,
+    enable_tf32,
+    fallback_ladder,
+    faster_rung,
+    fp8_available,
+    grad_norms,
+    precision_index,
+    restore_tf32,
+    tf32_wanted,
+    unsupported_reason,
+)
+
+__all__ = ["PrecisionChange", "PrecisionSwitch"]
+
+_INITIAL = ("auto", "keep", *LADDER)
+_METRIC = "gpuopt/precision"
+
+
+@dataclass(frozen=True)
+class PrecisionChange:
+    """One change of precision during a fit, as :attr:`PrecisionSwitch.switches` lists it."""
+
+    step: int
+    before: str
+    after: str
+    reason: str
+
+
+class _SpentScaler:
+    """Takes the place of the GradScaler of a plugin replaced in the middle of its own optimizer step.
+
+    The batch already ran again in the new precision inside the closure; the old plugin's remaining
+    calls (``unscale_``, ``step``, ``update``) must neither unscale the new gradients nor skip the
+    step on the old scaler's state.
+    """
+
+    def scale(self, outputs: Any) -> Any:
+        return outputs
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        return None
+
+    def is_enabled(self) -> bool:
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return None
+
+
+class PrecisionSwitch(Callback):
+    """Trains in the fastest precision the hardware does well; falls back to a more stable one on trouble.
+
+    **At setup** (before the strategy wraps the model and optimizers), ``initial="auto"`` picks by
+    compute capability, never by emulation: sm >= 8.0 → ``bf16-mixed``; sm 7.x → ``16-mixed`` with a
+    GradScaler; older GPUs → ``32-true``; CPU → ``32-true`` (``bf16-mixed`` with ``cpu_bf16=True``);
+    MPS → ``16-mixed``; ``transformer-engine`` (fp8) only with ``fp8=True``, Transformer Engine
+    installed and sm >= 8.9. A run in ``32-true`` on sm >= 8.0 gets TF32 matmuls (``tf32``), the
+    global setting restored at teardown. ``initial="keep"`` keeps the Trainer's precision; a
+    precision name forces that one.
+
+    **While training** (single device and DDP, automatic optimization), every optimizer step is
+    watched without a host sync where the GradScaler already knows: a step it skipped is seen from
+    the host, and only then is anything read back. A step with a non-finite loss, or (without a
+    GradScaler: ``bf16-mixed``, ``32-true``) non-finite gradients, is never applied. ``patience``
+    such steps in a row, or a GradScaler scale below ``min_scale``, switch down the ladder
+    (``16-mixed`` → ``bf16-mixed`` where the device runs it natively → ``32-true``) at the window
+    boundary; the GradScaler's normal skips (overflowing gradients, finite loss) are not trouble.
+    With ``accumulate_grad_batches`` = 1 the batch that triggered the switch runs again in the new
+    precision (through the pack's micro-batch engine, which undoes the failed attempt's logs,
+    torchmetrics updates and BatchNorm statistics); with more, the window is not applied and is
+    counted. All ranks decide from all-reduced flags and agree before switching. With
+    ``retry_after`` the faster precision is tried again after that many optimizer steps (twice as
+    long after each relapse). Non-finite steps with no rung left to fall to raise
+    ``FloatingPointError``.
+
+    Under FSDP, DeepSpeed and ModelParallel (precision fixed when the model is wrapped) only the
+    setup-time choice applies, and so it says. The checkpoint records the precision (with Lightning's
+    own GradScaler state); a resumed run continues in it. One rank-zero line per decision;
+    ``gpuopt/precision`` (:data:`~lightning_gpuopt.precision.PRECISION_INDEX`) goes to the loggers.
+
+    Args:
+        initial: ``"auto"``, ``"keep"``, or one of ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``.
+        ladder: the precisions to fall back through, fastest first (a subset of
+            ``("16-mixed", "bf16-mixed", "32-true")``); default: all that the device runs natively.
+        patience: troubled optimizer steps in a row that switch precision (>= 1).
+        min_scale: the GradScaler scale below which ``16-mixed`` is given up (> 0).
+        retry_after: optimizer steps after a fallback before the faster precision is tried again;
+            ``None``: never.
+        rerun: with ``accumulate_grad_batches`` = 1, run the batch that triggered a switch again in the
+            new precision (``False``: it is dropped and counted, and the engine is not used).
+        cpu_bf16: ``initial="auto"`` on a CPU picks ``bf16-mixed`` instead of ``32-true``.
+        tf32: turn TF32 matmuls on for ``32-true`` runs on sm >= 8.0 (while nothing else chose).
+        fp8: ``initial="auto"`` picks ``transformer-engine`` where installed and sm >= 8.9.
+        verbose: print the rank-zero lines.
+
+    Raises:
+        ValueError: an unknown name, a ladder out of order, or a number out of range (in ``__init__``);
+            in ``setup``, a ``ladder`` or ``initial`` precision the device cannot run, naming an alternative.
+        TypeError: an argument of the wrong type.
+        ImportError: ``fp8=True`` without Transformer Engine installed.
+        FloatingPointError: non-finite steps persist in the last precision of the ladder.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> from lightning_gpuopt import PrecisionSwitch
+        >>> switch = PrecisionSwitch()  # bf16-mixed on sm >= 8.0, 16-mixed on sm 7.x, 32-true on a CPU
+        >>> trainer = pl.Trainer(max_steps=2, accelerator="cpu", callbacks=[switch], logger=False,
+        ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(BoringModel())
+        >>> switch.precision, switch.switches
+        ('32-true', [])
+    """
+
+    def __init__(
+        self,
+        initial: str = "auto",
+        ladder: Sequence[str] | None = None,
+        patience: int = 2,
+        min_scale: float = 1.0,
+        retry_after: int | None = None,
+        rerun: bool = True,
+        cpu_bf16: bool = False,
+        tf32: bool = True,
+        fp8: bool = False,
+        verbose: bool = True,
+    ) -> None:
+        if initial not in _INITIAL:
+            raise ValueError(f"`initial` must be one of {_INITIAL}, got {initial!r}")
+        rungs = LADDER if ladder is None else check_ladder(ladder)
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"`patience` must be a positive int (troubled steps in a row), got {patience!r}")
+        if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or not min_scale > 0:
+            raise ValueError(f"`min_scale` must be a number > 0, got {min_scale!r}")
+        if retry_after is not None and (isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1):
+            raise ValueError(f"`retry_after` must be a positive int (optimizer steps) or None, got {retry_after!r}")
+        for name, value in (("rerun", rerun), ("cpu_bf16", cpu_bf16), ("tf32", tf32), ("fp8", fp8), ("verbose", verbose)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}")
+        if fp8 and not fp8_available():
+            raise ImportError(
+                "PrecisionSwitch(fp8=True) needs NVIDIA Transformer Engine: `pip install transformer-engine[pytorch]` "
+                "(and a GPU with compute capability 8.9 or newer), or leave fp8=False."
+            )
+        self.initial = initial
+        self.ladder = rungs
+        self.patience = patience
+        self.min_scale = float(min_scale)
+        self.retry_after = retry_after
+        self.rerun = rerun
+        self.cpu_bf16 = cpu_bf16
+        self.tf32 = tf32
+        self.fp8 = fp8
+        self.verbose = verbose
+        self._ladder_given = ladder is not None
+        self._reset_record()
+        self._reset_runtime()
+
+    def _reset_record(self) -> None:
+        """What the state dict carries: the precision and what happened to get there."""
+        #: Every change of precision of this fit (resumed ones included), in order.
+        self.switches: list[PrecisionChange] = []
+        #: Optimizer steps not applied: skipped by the GradScaler or held back for non-finite values.
+        self.skipped_steps = 0
+        #: Of :attr:`skipped_steps`, those held back by this callback (non-finite values without a GradScaler).
+        self.nonfinite_steps = 0
+        #: Batches run again in a new precision after a switch (``accumulate_grad_batches`` = 1).
+        self.rerun_batches = 0
+        self._precision: str | None = None
+        self._start: str | None = None
+        self._retry_interval = self.retry_after
+        self._last_switch_step: int | None = None
+        self._resume: str | None = None
+
+    def _reset_runtime(self) -> None:
+        self._trainer: pl.Trainer | None = None
+        self._info: DeviceInfo | None = None
+        self._watch = StabilityWatch(self.patience, self.min_scale)
+        self._why_fixed: str | None = None  # why precision cannot change at runtime; None: it can
+        self._watching = False
+        self._wrapped: list[tuple[torch.optim.Optimizer, bool, Any]] = []
+        self._engine: MicroBatchEngine | None = None
+        self._tf32_previous: str | bool | None = None
+        self._step_attempted = False
+        self._applied = False
+        self._found_inf: Tensor | None = None
+        self._verdict: bool | None = None
+        self._losses: list[Tensor] = []  # this window's losses, detached: read only when needed
+        self._logged: str | None = None
+
+    # ------------------------------------------------------------------ what users read
+
+    @property
+    def precision(self) -> str | None:
+        """The precision in force (``None`` before the first fit)."""
+        return self._precision
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self._precision,
+            "start": self._start,
+            "switches": [[c.step, c.before, c.after, c.reason] for c in self.switches],
+            "skipped_steps": self.skipped_steps,
+            "nonfinite_steps": self.nonfinite_steps,
+            "rerun_batches": self.rerun_batches,
+            "retry_interval": self._retry_interval,
+            "last_switch_step": self._last_switch_step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._precision = state_dict.get("precision")
+        self._resume = self._precision
+        self._start = state_dict.get("start")
+        self.switches = [PrecisionChange(int(s), str(b), str(a), str(r)) for s, b, a, r in state_dict.get("switches", [])]
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.nonfinite_steps = int(state_dict.get("nonfinite_steps", 0))
+        self.rerun_batches = int(state_dict.get("rerun_batches", 0))
+        self._retry_interval = state_dict.get("retry_interval", self.retry_after)
+        self._last_switch_step = state_dict.get("last_switch_step")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self._resume is None:  # a state loaded before this fit (not from its checkpoint) is kept
+            self._reset_record()
+        self._reset_runtime()
+        self._trainer = trainer
+        strategy = trainer.strategy
+        info = self._info = device_info(strategy.root_device)
+        if self._ladder_given:
+            for rung in self.ladder:
+                why = unsupported_reason(rung, info)
+                if why is not None:
+                    others = tuple(r for r in self.ladder if r != rung)
+                    raise ValueError(
+                        f"`ladder` {self.ladder} names {rung!r}, which this device cannot run: {why}. "
+                        f"Leave it out (ladder={others}), or leave `ladder` unset for the device's own."
+                    )
+        before = trainer.precision
+        if self.initial == "keep":
+            target, reason = before, f"initial='keep' on {info.label}"
+        elif self.initial == "auto":
+            choice = choose_precision(info, cpu_bf16=self.cpu_bf16, fp8=self.fp8, fp8_installed=fp8_available())
+            target, reason = choice.precision, f"auto: {choice.reason}"
+        else:
+            why = unsupported_reason(self.initial, info)
+            if why is not None:
+                raise ValueError(
+                    f"`initial={self.initial!r}`: this device cannot run it ({why}). Use initial='auto' to pick "
+                    "the fastest precision the device runs natively."
+                )
+            target, reason = self.initial, f"initial={self.initial!r} on {info.label}"
+        if target != before:
+            plugin = _plugin_for(target, strategy)
+            if plugin is None:
+                reason += f"; kept {before}: {type(strategy).__name__} cannot take {target}"
+                target = before
+            else:
+                strategy.precision_plugin = plugin
+        self._precision = trainer.precision
+        if self._start is None:
+            self._start = self._precision
+        if tf32_wanted(info, self._precision, self.tf32):
+            self._tf32_previous = enable_tf32()
+        self._why_fixed = _why_fixed(strategy, pl_module)
+        change = f"{before} → {self._precision}" if self._precision != before else self._precision
+        self._say(
+            f"PrecisionSwitch: precision {change} ({reason})",
+            self._tf32_note(),
+            self._fallback_note(),
+        )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trainer is not trainer:
+            return
+        self._resume_precision(trainer)
+        if self._start is None:
+            self._start = self._precision
+        if self._why_fixed is not None:
+            return
+        if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
+            self._why_fixed = "closure optimizers such as LBFGS re-evaluate the loss inside their step"
+            self._say(f"PrecisionSwitch: no runtime fallback: {self._why_fixed}.")
+            return
+        for optimizer in trainer.optimizers:
+            self._wrap(optimizer)
+        self._watching = True
+        can_switch = bool(fallback_ladder(self._start, self.ladder, self._info)) or self._start != self._precision
+        if self.rerun and can_switch and trainer.accumulate_grad_batches == 1:
+            try:
+                engine = MicroBatchEngine.attach(trainer, self)
+            except RuntimeError as err:
+                self._say(f"PrecisionSwitch: a batch that triggers a switch will be dropped, not run again: {err}")
+            else:
+                engine.attempt_checks.append(self._check_attempt)
+                self._engine = engine
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._trainer is trainer and self._precision != self._logged:
+            self._logged = self._precision
+            if trainer.global_rank == 0:
+                for logger in trainer.loggers:
+                    logger.log_metrics({_METRIC: float(precision_index(self._precision))}, step=trainer.global_step)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._watching:
+            self._losses.append(loss.detach())
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._watching:
+            self._step_attempted = True
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._watching or not self._step_attempted:
+            return
+        applied = self._applied
+        if self._found_inf is not None:  # a fused optimizer skipped by itself or not: read once, after its step
+            applied = not bool(self._found_inf.item())
+        losses, self._losses = self._losses, []
+        self._step_attempted = self._applied = False
+        self._found_inf = self._verdict = None
+        if applied:
+            self._watch.record(StepOutcome(applied=True))
+            self._maybe_retry(trainer)
+            return
+        # A step not applied is the same event on every rank (all-reduced gradients): read what is known once.
+        scaler = self._scaler()
+        loss_finite = not self._agreed(any_nonfinite(losses, trainer.strategy.root_device))[0]
+        scale = float(scaler.get_scale()) if scaler is not None else None
+        self.skipped_steps += 1
+        if scaler is None:
+            self.nonfinite_steps += 1
+        outcome = StepOutcome(applied=False, scaler=scaler is not None, loss_finite=loss_finite, scale=scale)
+        reason = self._watch.observe(outcome)
+        if trainer.strategy.reduce_boolean_decision(reason is not None, all=False):
+            self._switch_down(trainer, reason or "another rank asked", rerun=False)
+        elif scaler is None:
+            self._say(
+                f"PrecisionSwitch: step {trainer.global_step - 1} not applied: non-finite "
+                f"{'loss' if not loss_finite else 'gradients'} in {self._precision} "
+                f"({self._watch.consecutive} in a row; patience {self.patience})"
+            )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trainer is not trainer or not (self.switches or self.skipped_steps):
+            return
+        scaler_skips = self.skipped_steps - self.nonfinite_steps
+        self._say(
+            f"PrecisionSwitch: fit ended in {self._precision} after {len(self.switches)} switch"
+            f"{'es' if len(self.switches) != 1 else ''}; {self.skipped_steps} optimizer step(s) not applied "
+            f"({scaler_skips} skipped by the GradScaler, {self.nonfinite_steps} held back for non-finite values), "
+            f"{self.rerun_batches} batch(es) run again"
+        )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._trainer is not trainer:
+            return
+        for optimizer, had, previous in self._wrapped:
+            if had:
+                optimizer.step = previous
+            elif "step" in vars(optimizer):
+                del optimizer.step
+        self._wrapped = []
+        if self._engine is not None:
+            if self._check_attempt in self._engine.attempt_checks:
+                self._engine.attempt_checks.remove(self._check_attempt)
+            self._engine.release(self)
+            self._engine = None
+        restore_tf32(self._tf32_previous)
+        self._tf32_previous = None
+        self._watching = False
+        self._trainer = None
+
+    # ------------------------------------------------------------------ the optimizer step
+
+    def _wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        had = "step" in vars(optimizer)  # an LR scheduler may have wrapped it already
+        previous = vars(optimizer).get("step")
+        original = optimizer.step
+        callback = self
+
+        def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+            return callback._optimizer_step(opt, original, closure, kwargs)
+
+        # An LR scheduler created before us wrapped `step` and checks its mark; one created later wraps ours
+        # (it reads `step.__func__`, hence a bound method).
+        if getattr(original, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = types.MethodType(step, optimizer)
+        self._wrapped.append((optimizer, had, previous))
+
+    def _optimizer_step(
+        self, optimizer: torch.optim.Optimizer, original: Callable[..., Any], closure: Callable[[], Any] | None,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if not self._watching:
+            return original(closure, **kwargs) if closure is not None else original(**kwargs)
+        loss = None
+        if closure is not None:  # run it here, so the step can still be held back after seeing the gradients
+            with torch.enable_grad():
+                loss = closure()
+        if self._scaler() is not None:
+            # The GradScaler found the gradients finite (it calls step only then), or, for an optimizer that
+            # unscales inside its own step, passes found_inf for it to skip on: read after the step.
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                self._found_inf = getattr(optimizer, "found_inf", None)
+            self._applied = True
+            return original(**kwargs)
+        bad = self._verdict
+        if bad is None:
+            bad = self._agreed(self._nonfinite(self._losses, optimizer))[0]
+        self._verdict = None
+        if bad:
+            return loss
+        self._applied = True
+        out = original(**kwargs)
+        return loss if out is None else out
+
+    def _check_attempt(self, batch_idx: int, loss: Tensor) -> bool:
+        """The engine asks after each attempt (A = 1): switch now and run the batch again?"""
+        trainer = self._trainer
+        if not self._watching or trainer is None or trainer.accumulate_grad_batches != 1 or loss is None:
+            return False
+        scaler = self._scaler()
+        if scaler is not None and not self._watch.armed(scaler.get_backoff_factor()):
+            return False  # the GradScaler will tell after the step, for free; nothing to pre-empt yet
+        optimizer, device = trainer.optimizers[0], trainer.strategy.root_device
+        if scaler is None:  # the check the step needs anyway; told apart below only when it fails
+            self._verdict = self._agreed(self._nonfinite([loss], optimizer))[0]
+            if not self._verdict:
+                return False
+        loss_bad, grads_bad = self._agreed(
+            torch.stack([any_nonfinite([loss], device), any_nonfinite(grad_norms(self._grads(optimizer)), device)])
+        )
+        if not (loss_bad or grads_bad):
+            return False
+        predicted = None
+        if scaler is not None and self._watch.last_scale is not None:
+            predicted = self._watch.last_scale * scaler.get_backoff_factor()
+        outcome = StepOutcome(applied=False, scaler=scaler is not None, loss_finite=not loss_bad, scale=predicted)
+        reason = self._watch.verdict(outcome)
+        # Same inputs on every rank (all-reduced flags, the same history): the same answer everywhere.
+        if reason is None or not fallback_ladder(self._precision, self.ladder, self._info):
+            return False  # the step is skipped or held back, and counted (or raises) at the batch's end
+        self._switch_down(trainer, reason, rerun=True, batch_idx=batch_idx)
+        self._verdict = None
+        return True
+
+    # ------------------------------------------------------------------ switching
+
+    def _switch_down(self, trainer: pl.Trainer, reason: str, rerun: bool, batch_idx: int | None = None) -> None:
+        before = self._precision
+        rungs = fallback_ladder(before, self.ladder, self._info)
+        if not rungs:
+            raise FloatingPointError(
+                f"PrecisionSwitch: {reason} in {before}, and no more stable precision is left "
+                f"(ladder {self.ladder}). This is not a precision problem: check the learning rate, the data "
+                "(inf/NaN inputs or labels) and the loss; or raise `patience` to skip more bad steps."
+            )
+        step = trainer.global_step
+        last = self.switches[-1] if self.switches else None
+        if last is not None and self._retry_interval and _faster(last.after, last.before):
+            self._retry_interval *= 2  # the faster precision failed again: wait longer before the next try
+        old = trainer.precision_plugin
+        self._install(trainer, rungs[0], reason)
+        if rerun:
+            if getattr(old, "scaler", None) is not None:
+                old.scaler = _SpentScaler()  # its optimizer step is still running, on the new gradients
+            self.rerun_batches += 1
+            what = f"batch {batch_idx} runs again in {rungs[0]}"
+        else:
+            accumulate = trainer.accumulate_grad_batches
+            what = (f"the batch of step {step - 1} was not applied" if accumulate == 1
+                    else f"the window of step {step - 1} ({accumulate} batches) was not applied")
+            what += f" ({self.skipped_steps} step(s) not applied in this fit)"
+        self._say(f"PrecisionSwitch: precision {before} → {rungs[0]} at step {step}: {reason}; {what}")
+
+    def _maybe_retry(self, trainer: pl.Trainer) -> None:
+        if self.retry_after is None or self._precision == self._start or self._last_switch_step is None:
+            return
+        if trainer.global_step - self._last_switch_step < self._retry_interval:
+            return
+        target = faster_rung(self._precision, self._start, self.ladder, self._info)
+        if target is None or not trainer.strategy.reduce_boolean_decision(True, all=True):
+            return
+        before = self._precision
+        reason = f"trying the faster precision again after {self._retry_interval} stable steps"
+        self._install(trainer, target, reason)
+        self._say(f"PrecisionSwitch: precision {before} → {target} at step {trainer.global_step}: {reason}")
+
+    def _install(self, trainer: pl.Trainer, precision: str, reason: str) -> None:
+        trainer.strategy.precision_plugin = _plugin_for(precision, trainer.strategy)
+        self.switches.append(PrecisionChange(trainer.global_step, self._precision, precision, reason))
+        record_decision(trainer, "precision", "PrecisionSwitch", f"precision {self._precision} -> {precision}: {reason}",
+                        before=self._precision, after=precision)
+        self._precision = precision
+        self._last_switch_step = trainer.global_step
+        self._watch.reset()
+
+    def _resume_precision(self, trainer: pl.Trainer) -> None:
+        restored, self._resume = self._resume, None
+        if restored is None:
+            self._precision = trainer.precision
+            return
+        if restored != trainer.precision:
+            plugin = _plugin_for(restored, trainer.strategy) if self._why_fixed is None else None
+            if plugin is None:
+                self._say(
+                    f"PrecisionSwitch: the checkpoint was saved in {restored}, but this run stays in {trainer.precision}: "
+                    f"{self._why_fixed or type(trainer.strategy).__name__ + ' cannot take it'}"
+                )
+            else:
+                before = trainer.precision
+                trainer.strategy.precision_plugin = plugin
+                self._say(f"PrecisionSwitch: precision {before} → {restored} (restored from the checkpoint)")
+        self._precision = trainer.precision
+
+    # ------------------------------------------------------------------ helpers
+
+    def _scaler(self) -> Any:
+        return getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+
+    @staticmethod
+    def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor | None]:
+        return [p.grad for group in optimizer.param_groups for p in group["params"]]
+
+    def _nonfinite(self, losses: list[Tensor], optimizer: torch.optim.Optimizer) -> Tensor:
+        """One device flag: a loss or a gradient is not finite (no host sync yet)."""
+        return any_nonfinite([*losses, *grad_norms(self._grads(optimizer))], self._trainer.strategy.root_device)
+
+    def _agreed(self, flags: Tensor) -> list[bool]:
+        """Device flags, all-reduced over ranks, read with one host sync."""
+        trainer = self._trainer
+        if trainer.world_size > 1:
+            flags = trainer.strategy.reduce(flags.clone(), reduce_op="sum")
+        return [value > 0 for value in flags.reshape(-1).tolist()]
+
+    def _tf32_note(self) -> str:
+        if self._tf32_previous is not None:
+            return "TF32 matmuls on (torch.backends.cuda.matmul), restored at teardown"
+        return ""
+
+    def _fallback_note(self) -> str:
+        if self._why_fixed is not None:
+            return f"no runtime fallback: {self._why_fixed}"
+        rungs = fallback_ladder(self._precision, self.ladder, self._info)
+        if not rungs:
+            return f"no more stable precision below {self._precision}: non-finite steps are held back"
+        return f"falls back to {' → '.join(rungs)} on persistent non-finite values"
+
+    def _say(self, *parts: str) -> None:
+        if self.verbose:
+            rank_zero_info("; ".join(p for p in parts if p))
+
+
+def _faster(a: str, b: str) -> bool:
+    """Whether ladder precision ``a`` is faster (earlier in the ladder) than ``b``."""
+    return a in LADDER and b in LADDER and LADDER.index(a) < LADDER.index(b)
+
+
+def _why_fixed(strategy: Strategy, module: pl.LightningModule) -> str | None:
+    """Why the precision cannot change during this fit; ``None`` when it can."""
+    name = type(strategy).__name__
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
+        return f"{name} fixes the precision when it wraps the model, so only the setup-time choice applies"
+    if isinstance(strategy, (XLAStrategy, SingleDeviceXLAStrategy)):
+        return f"{name} manages precision itself"
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return f"runtime switching supports single-device and DDP strategies, not {name}"
+    if not module.automatic_optimization:
+        return "manual optimization steps the optimizer itself (use automatic optimization for the fallback)"
+    return None
+
+
+def _plugin_for(precision: str, strategy: Strategy) -> Precision | None:
+    """A fresh Lightning precision plugin for ``precision`` under ``strategy``; ``None`` when it cannot take one."""
+    if isinstance(strategy, (XLAStrategy, SingleDeviceXLAStrategy)):
+        return None
+    if isinstance(strategy, FSDPStrategy):
+        return FSDPPrecision(precision) if precision != "transformer-engine" else None
+    if isinstance(strategy, DeepSpeedStrategy):
+        return DeepSpeedPrecision(precision) if precision != "transformer-engine" else None
+    if isinstance(strategy, ModelParallelStrategy) and precision == "16-mixed":
+        return None  # Lightning's ModelParallelStrategy supports 32-true and bf16 only
+    if precision == "32-true":
+        return Precision()
+    if precision in ("16-mixed", "bf16-mixed"):
+        return MixedPrecision(precision, strategy.root_device.type)
+    if precision == "transformer-engine":
+        return TransformerEnginePrecision(weights_dtype=torch.bfloat16)
+    return None
