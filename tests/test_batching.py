@@ -10,6 +10,7 @@ from lightning_gpuopt.batching import (
     BatchSplit,
     UnsplittableBatchError,
     batch_size_of,
+    first_samples,
     split_batch,
     split_sizes,
 )
@@ -132,3 +133,12 @@ def test_unsplittable_batch_error_names_the_hook(batch, message):
 def test_invalid_k_is_a_clear_error(k, message):
     with pytest.raises(ValueError, match=message):
         split_batch(torch.zeros(4), k)
+
+
+def test_first_samples_keeps_structure_and_views():
+    x = torch.arange(12).reshape(6, 2)
+    head = first_samples({"x": x, "names": list("abcdef"), "scale": 2.0}, 4)
+    assert head["x"].data_ptr() == x.data_ptr() and head["x"].shape == (4, 2)
+    assert head["names"] == list("abcd") and head["scale"] == 2.0
+    with pytest.raises(ValueError, match=r"`n` \(samples\) must be an int in \[1, 6\] for a batch of 6 samples, got 7"):
+        first_samples(x, 7)
