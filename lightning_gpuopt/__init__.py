@@ -6,7 +6,13 @@ The public names of the design's API table are re-exported here; see docs/index.
 __version__ = "0.1.0.dev0"
 
 from lightning_gpuopt._warnings import GPUOptWarning
-from lightning_gpuopt.callbacks import DataStallMonitor, MicroBatchOOMError, OOMRecovery, TokenCount
+from lightning_gpuopt.callbacks import (
+    DataStallMonitor,
+    MemoryAwareBatchSize,
+    MicroBatchOOMError,
+    OOMRecovery,
+    TokenCount,
+)
 from lightning_gpuopt.cli import GPUOptCLI
 from lightning_gpuopt.data import GPUOptDataModule, MemmapDataset
 
@@ -16,6 +22,7 @@ __all__ = [
     "GPUOptDataModule",
     "GPUOptWarning",
     "MemmapDataset",
+    "MemoryAwareBatchSize",
     "MicroBatchOOMError",
     "OOMRecovery",
     "TokenCount",
