@@ -201,6 +201,8 @@ class TrialSteps:
         self.grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         #: The first line of the last out-of-memory error.
         self.last_error: str | None = None
+        #: Bytes of the optimizer's state once a trial's optimizer step ran (``None``: none ran).
+        self.state_bytes: int | None = None
 
     def __enter__(self) -> TrialSteps:
         module = self.module
@@ -281,5 +283,6 @@ class TrialSteps:
         # What the step left allocated beyond its optimizer state -- gradients a whole-batch step created,
         # workspaces and caches made on first use -- is held by every later step too: count it in the
         # base (`held`), not in what forward+backward adds.
-        kept = held - start - (_state_bytes(self.optimizer) - state_before)
+        self.state_bytes = _state_bytes(self.optimizer)
+        kept = held - start - (self.state_bytes - state_before)
         return StepMeasurement(size, int(forward_backward - kept), max(0, int(step_peak - held)))

@@ -14,7 +14,6 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt._warnings import warn
@@ -160,6 +159,11 @@ class MemoryAwareBatchSize(Callback):
         self._engine: MicroBatchEngine | None = None
         self._resolved_multiple = 1
         self._apply_pending = False
+        # Figures of the last search, for its messages.
+        self._elapsed = 0.0
+        self._last_error: str | None = None
+        self._grad_bytes = 0
+        self._state_bytes: int | None = None
 
     # ------------------------------------------------------------------ what users read
 
@@ -409,6 +413,7 @@ class MemoryAwareBatchSize(Callback):
                 search.record(measurement)
             self._last_error = trials.last_error
             self._grad_bytes = trials.grad_bytes
+            self._state_bytes = trials.state_bytes
         self._elapsed = time.perf_counter() - started
         self.budget_bytes = budget
         return search.result
@@ -480,14 +485,11 @@ class MemoryAwareBatchSize(Callback):
                 )
 
     def _no_fit_message(self, trainer: pl.Trainer, result: SearchResult, probe: MemoryProbe, smallest: int) -> str:
-        module = trainer.lightning_module
-        params = sum(p.numel() * p.element_size() for p in module.parameters())
-        optimizer = trainer.optimizers[0]
-        state = sum(
-            v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)
-        )
+        params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
+        state = "not measured (no trial reached the optimizer step)" if self._state_bytes is None else format_bytes(
+            self._state_bytes)
         parts = [f"parameters {format_bytes(params)}", f"gradients {format_bytes(self._grad_bytes)}",
-                 f"optimizer state {format_bytes(state)} (before the first step: created by it)"]
+                 f"optimizer state {state}"]
         done = [m for m in result.measurements if not m.out_of_memory]
         if done:
             m = min(done, key=lambda m: m.size)
