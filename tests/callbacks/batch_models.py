@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 import torch
 import torchvision
 from helpers import TRAINER_QUIET
+from oom_models import Run
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -144,17 +144,6 @@ class PairwiseMixer(SizedModule):
 FAMILIES = {"resnet18": ResNet, "transformer": Transformer, "superlinear": PairwiseMixer}
 
 
-@dataclass
-class Fit:
-    model: pl.LightningModule
-    trainer: pl.Trainer
-    memory: SimulatedMemory
-    callbacks: list = field(default_factory=list)
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
-
-
 class Data(GPUOptDataModule):
     """The family's data through the pack's DataModule, whose ``batch_size`` mode='max' sets."""
 
@@ -175,7 +164,7 @@ def fit(
     precision: str = "32-true",
     datamodule: bool = False,
     **trainer_kwargs,
-) -> Fit:
+) -> Run:
     """Train ``steps`` steps under ``SimulatedMemory(limit)``; the data is made before, so it is host memory."""
     cls = FAMILIES[family]
     pl.seed_everything(0, verbose=False)
@@ -187,7 +176,7 @@ def fit(
                                                                       drop_last=True)
     with SimulatedMemory(limit) as memory:
         trainer.fit(model, datamodule=data) if datamodule else trainer.fit(model, data)
-    return Fit(model, trainer, memory, callbacks)
+    return Run(model, trainer, memory, callbacks)
 
 
 class ChunkProbe(pl.Callback):
