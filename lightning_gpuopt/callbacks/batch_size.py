@@ -241,6 +241,13 @@ class MemoryAwareBatchSize(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._engine = None
+        if trainer.world_size > 1 and any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()):
+            # Checked here: Lightning converts BatchNorm layers (sync_batchnorm=True) after `setup`.
+            raise RuntimeError(
+                "MemoryAwareBatchSize cannot measure a model with SyncBatchNorm under a multi-process strategy: every "
+                "forward synchronises across ranks, and each rank measures on its own. Use sync_batchnorm=False, or "
+                "remove MemoryAwareBatchSize."
+            )
         probe = get_probe(trainer.strategy.root_device)
         if probe.kind == "cpu":
             rank_zero_info(

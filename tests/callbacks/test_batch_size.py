@@ -394,6 +394,13 @@ def test_sharded_strategies_are_refused():
         MemoryAwareBatchSize().setup(trainer, WideRegressor(), "fit")
 
 
+def test_sync_batchnorm_under_several_processes_is_refused():
+    module = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
+    trainer = types.SimpleNamespace(world_size=2)
+    with pytest.raises(RuntimeError, match=r"cannot measure a model with SyncBatchNorm.*sync_batchnorm=False"):
+        MemoryAwareBatchSize().on_fit_start(trainer, module)
+
+
 def test_on_cpu_without_simulated_memory_there_is_nothing_to_measure(caplog):
     finder = MemoryAwareBatchSize()
     with caplog.at_level(logging.INFO):
