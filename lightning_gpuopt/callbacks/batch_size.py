@@ -318,9 +318,8 @@ class MemoryAwareBatchSize(Callback):
             k = math.ceil(n / size)
             return splitter(batch, k)[0], math.ceil(n / k), 0, False  # the split hook decides the micro-batch
 
-        # First trial: 1/16 of the batch (at least 2): small, yet past the sizes where fixed costs dominate.
         size = self._agree(trainer, probe, smallest, lambda: self._search(
-            trainer, module, probe, micro_batch, smallest, largest, 0.0, batch_idx, largest == n, n // 16))
+            trainer, module, probe, micro_batch, smallest, largest, 0.0, batch_idx, largest == n))
         self._record(trainer, size, n)
         engine.max_micro_batch_size = size
         before = engine.k
@@ -358,7 +357,7 @@ class MemoryAwareBatchSize(Callback):
         per_sample = self._batch_bytes_per_sample(whole_batch, smallest)
         held = (1 + ahead) * per_sample
         size = self._agree(trainer, probe, smallest, lambda: self._search(
-            trainer, module, probe, whole_batch, smallest, largest, held, 0, False, old // 4))
+            trainer, module, probe, whole_batch, smallest, largest, held, 0, False))
         self._record(trainer, size, size)
         lightning_setattr(module, "batch_size", size)
         self._engine.max_micro_batch_size = size
@@ -389,7 +388,6 @@ class MemoryAwareBatchSize(Callback):
         held_per_sample: float,
         batch_idx: int,
         whole_largest: bool,
-        first_size: int,
     ) -> SearchResult:
         engine = self._engine
         budget = memory_budget(probe.total, self.target_fraction)
@@ -404,7 +402,8 @@ class MemoryAwareBatchSize(Callback):
                 held_bytes_per_sample=held_per_sample,
                 whole_largest=whole_largest,
                 grad_bytes=trials.grad_bytes,
-                first_size=max(2, first_size),
+                # 1/16 of the range, 2 to 16 samples: small, yet past the sizes where fixed costs dominate a step.
+                first_size=min(16, max(2, largest // 16)),
             )
             # Held besides what a trial sees: the engine's own copies, and with accumulation the window's
             # earlier gradients, which the engine keeps apart while a batch runs.
