@@ -305,8 +305,11 @@ class MemoryAwareBatchSize(Callback):
             )
             self._precision = _precision_of(trainer)
             return
-        largest = min(n, self.max_batch_size or n) if engine.splittable(batch) else n
-        smallest = min(self.min_batch_size, largest)
+        if engine.splittable(batch):
+            largest = min(n, self.max_batch_size or n)
+            smallest = min(self.min_batch_size, largest)
+        else:  # declared unsplittable (OOMRecovery's `unsplittable`): only the whole batch can run
+            largest = smallest = n
         probe = get_probe(trainer.strategy.root_device)
         splitter = _splitter(trainer, module)
 

@@ -525,6 +525,15 @@ def test_beside_oom_recovery_in_either_order(order):
     assert _same(run.params(), reference.params())
 
 
+def test_an_unsplittable_batch_is_measured_whole():
+    finder, recovery = MemoryAwareBatchSize(), OOMRecovery(unsplittable=True)
+    fit_wide(WideRegressor("adam"), [finder, recovery], limit=64 * MiB, steps=1)
+    assert [m.size for m in finder.result.measurements] == [128] and finder.k == 1
+    with pytest.raises(MicroBatchOOMError, match=r"even 128 sample\(s\) per step do not fit"):
+        fit_wide(WideRegressor("adam"), [MemoryAwareBatchSize(), OOMRecovery(unsplittable=True)],
+                 limit=_wide_limit(0.6), steps=1)
+
+
 def test_accumulation_is_kept_and_measured_with_the_window_gradients():
     finder = MemoryAwareBatchSize(target_fraction=1.0)
     alone = MemoryAwareBatchSize(target_fraction=1.0)
