@@ -360,8 +360,8 @@ class SizeSearch:
             far = min(self.largest - self.whole_largest, _SECOND_STEP_GROWTH * best)
             if far < worst:
                 return far
-            # that far ran out of memory: the one-point model's answer (pessimistic), or halfway there
-            return target if target > best else (best + worst) // 2
+            # that far did not fit: halfway there, or the one-point model's (pessimistic) answer if larger
+            return max(target, (best + worst) // 2)
         if len(completed) == 2 and target > _CAUTIOUS_RATIO * best and self.max_trials - len(self.measurements) >= 2:
             return min(max(best + 1, round(math.sqrt(best * target))), self.largest - self.whole_largest)
         if target == self.largest:
