@@ -9,6 +9,7 @@ from lightning_gpuopt._warnings import GPUOptWarning
 from lightning_gpuopt.callbacks import (
     DataStallMonitor,
     GPUOptReport,
+    MemoryAwareBatchSize,
     MicroBatchOOMError,
     OOMRecovery,
     PrecisionSwitch,
@@ -26,6 +27,7 @@ __all__ = [
     "GPUOptReport",
     "GPUOptWarning",
     "MemmapDataset",
+    "MemoryAwareBatchSize",
     "MicroBatchOOMError",
     "OOMRecovery",
     "PrecisionSwitch",

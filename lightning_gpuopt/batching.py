@@ -27,6 +27,7 @@ __all__ = [
     "BatchSplit",
     "UnsplittableBatchError",
     "batch_size_of",
+    "first_samples",
     "merge_outputs",
     "split_batch",
     "split_sizes",
@@ -148,6 +149,24 @@ def split_batch(batch: Any, k: int) -> BatchSplit:
         bounds.append((start, start + size))
         start += size
     return BatchSplit([_slice(batch, n, lo, hi) for lo, hi in bounds], sizes)
+
+
+def first_samples(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of ``batch``, same structure and types (tensors are views).
+
+    Raises:
+        UnsplittableBatchError: the batch has no common sample dimension.
+        ValueError: ``n`` is not an int in [1, samples].
+
+    Example:
+        >>> first_samples({"x": torch.arange(6).reshape(3, 2), "name": ["a", "b", "c"]}, 2)
+        {'x': tensor([[0, 1],
+                [2, 3]]), 'name': ['a', 'b']}
+    """
+    total = batch_size_of(batch)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= total:
+        raise ValueError(f"`n` (samples) must be an int in [1, {total}] for a batch of {total} samples, got {n!r}")
+    return _slice(batch, total, 0, n)
 
 
 def _check_k(k: int, n: int) -> None:

@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
-from lightning_gpuopt.callbacks import GPUOptReport, OOMRecovery, PrecisionSwitch
+from lightning_gpuopt.callbacks import GPUOptReport, MemoryAwareBatchSize, OOMRecovery, PrecisionSwitch
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
 
@@ -45,6 +45,9 @@ class GPUOptCLI(LightningCLI):
       validation metrics, training samples/s and peak memory.
     * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
       on a single device or under DDP, unless ``--trainer.callbacks`` already has one.
+    * ``--gpuopt.batch_size_search`` (default true): add :class:`~lightning_gpuopt.MemoryAwareBatchSize`
+      (``mode="micro"``: the micro-batch from measured memory; batch_size kept) to ``fit`` on a single
+      device or under DDP, unless ``--trainer.callbacks`` already has one.
     * ``--gpuopt.precision_switch`` (default true): add :class:`~lightning_gpuopt.PrecisionSwitch` to
       ``fit``, unless ``--trainer.callbacks`` already has one: ``initial="auto"`` (the fastest precision
       the hardware runs natively), or ``initial="keep"`` when ``--trainer.precision`` (or a precision
@@ -97,6 +100,13 @@ class GPUOptCLI(LightningCLI):
             "unless trainer.callbacks has one.",
         )
         parser.add_argument(
+            "--gpuopt.batch_size_search",
+            type=bool,
+            default=True,
+            help="Add MemoryAwareBatchSize to fit on a single device or under DDP (measure a few real steps, use the "
+            "largest micro-batch that fits; batch_size kept), unless trainer.callbacks has one.",
+        )
+        parser.add_argument(
             "--gpuopt.precision_switch",
             type=bool,
             default=True,
@@ -140,6 +150,8 @@ class GPUOptCLI(LightningCLI):
                 if self.subcommand == "fit":
                     rank_zero_info(self.plan.table())
         trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand in (None, "fit") and self._gpuopt_option("batch_size_search"):
+            self._add_if_supported(trainer, MemoryAwareBatchSize)
         if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):
             self._add_oom_recovery(trainer)
         if self.subcommand in (None, "fit") and self._gpuopt_option("precision_switch"):
@@ -181,13 +193,18 @@ class GPUOptCLI(LightningCLI):
 
     @staticmethod
     def _add_oom_recovery(trainer: Trainer) -> None:
-        if any(isinstance(cb, OOMRecovery) for cb in trainer.callbacks):
+        GPUOptCLI._add_if_supported(trainer, OOMRecovery)
+
+    @staticmethod
+    def _add_if_supported(trainer: Trainer, callback: type) -> None:
+        """Add ``callback()`` (a micro-batching callback) unless the Trainer has one or its strategy cannot run it."""
+        if any(isinstance(cb, callback) for cb in trainer.callbacks):
             return
         reason = unsupported_strategy(trainer.strategy)
         if reason is not None:
-            rank_zero_info(f"gpuopt: OOMRecovery not added: {reason}")
+            rank_zero_info(f"gpuopt: {callback.__name__} not added: {reason}")
             return
-        trainer.callbacks.append(OOMRecovery())
+        trainer.callbacks.append(callback())
 
     def _gpuopt_option(self, name: str) -> Any:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config

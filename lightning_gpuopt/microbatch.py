@@ -222,6 +222,17 @@ class MicroBatchEngine:
     def world_size(self) -> int:
         """Ranks that vote on every batch (1 on a single device)."""
         return self.exchange.world_size
+    def snapshot_bytes(self) -> int:
+        """Device bytes the engine's own copies hold through a training step, for memory budgets.
+
+        Before each batch the engine copies what a failed attempt must not change (BatchNorm statistics,
+        torchmetrics tensor states); 0 until it is installed.
+        """
+        if not self._installed:
+            return 0
+        tensors = [b for norm in self._norms for b in norm.buffers(recurse=False) if b is not None]
+        tensors += [v for metric in self._metrics for name in metric._defaults if isinstance(v := getattr(metric, name), Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ installation
 

@@ -10,6 +10,7 @@ from lightning_gpuopt.batching import (
     BatchSplit,
     UnsplittableBatchError,
     batch_size_of,
+    first_samples,
     split_batch,
     split_sizes,
 )
@@ -184,3 +185,10 @@ def test_merge_outputs_bad_input():
         merge_outputs([])
     with pytest.raises(ValueError, match=r"one share per output \(2\), got 1"):
         merge_outputs([1, 2], [1.0])
+def test_first_samples_keeps_structure_and_views():
+    x = torch.arange(12).reshape(6, 2)
+    head = first_samples({"x": x, "names": list("abcdef"), "scale": 2.0}, 4)
+    assert head["x"].data_ptr() == x.data_ptr() and head["x"].shape == (4, 2)
+    assert head["names"] == list("abcd") and head["scale"] == 2.0
+    with pytest.raises(ValueError, match=r"`n` \(samples\) must be an int in \[1, 6\] for a batch of 6 samples, got 7"):
+        first_samples(x, 7)

@@ -84,6 +84,15 @@ def test_oom_recovery_is_added_under_ddp_but_not_under_sharded_strategies(strate
         assert "OOMRecovery not added: micro-batching supports single-device and DDP training" in caplog.text
 
 
+def test_fit_adds_memory_aware_batch_size_unless_turned_off(tmp_path):
+    from lightning_gpuopt import MemoryAwareBatchSize
+
+    cli = run(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
+    assert sum(isinstance(cb, MemoryAwareBatchSize) for cb in cli.trainer.callbacks) == 1
+    off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.batch_size_search", "false", *_quiet(tmp_path)])
+    assert not any(isinstance(cb, MemoryAwareBatchSize) for cb in off.trainer.callbacks)
+
+
 def test_fit_adds_the_report_unless_turned_off(tmp_path):
     from lightning_gpuopt import GPUOptReport
 

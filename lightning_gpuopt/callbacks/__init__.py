@@ -1,8 +1,17 @@
 """The pack's Lightning callbacks."""
 
+from lightning_gpuopt.callbacks.batch_size import MemoryAwareBatchSize
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
 from lightning_gpuopt.callbacks.oom_recovery import MicroBatchOOMError, OOMRecovery, TokenCount
 from lightning_gpuopt.callbacks.precision_switch import PrecisionSwitch
 from lightning_gpuopt.callbacks.report import GPUOptReport
 
-__all__ = ["DataStallMonitor", "GPUOptReport", "MicroBatchOOMError", "OOMRecovery", "PrecisionSwitch", "TokenCount"]
+__all__ = [
+    "DataStallMonitor",
+    "GPUOptReport",
+    "MemoryAwareBatchSize",
+    "MicroBatchOOMError",
+    "OOMRecovery",
+    "PrecisionSwitch",
+    "TokenCount",
+]

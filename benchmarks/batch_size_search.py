@@ -1,0 +1,414 @@
+"""MemoryAwareBatchSize(mode="max") against Lightning's BatchSizeFinder (power and binsearch) on CPU.
+
+    python benchmarks/batch_size_search.py                  # 3 models x 3 limits, 15-40 minutes on 2 busy cores
+    python benchmarks/batch_size_search.py --quick          # the middle limit of each model only
+    python benchmarks/batch_size_search.py --out DIR --models transformer superlinear
+
+Per model (a torchvision ResNet-18 on 8x8 images, a 2-layer transformer encoder on 16 tokens, and an
+MLP whose middle layer attends over the whole batch, so that its memory grows with the square of the
+batch) and per memory limit of a :class:`~lightning_gpuopt.testing.SimulatedMemory` device, each
+method looks for the largest ``batch_size`` that trains, starting from ``batch_size=8``:
+
+- ``ours``: ``MemoryAwareBatchSize(mode="max", target_fraction=1.0)`` -- at most 4 measured steps;
+- ``power`` / ``binsearch``: ``BatchSizeFinder(mode=...)`` with Lightning's defaults (``init_val=2``,
+  ``steps_per_trial=3``, ``max_trials=25``).
+
+Reported: the size found as a fraction of the true maximum, whether 8 real training steps at that size
+then run under the limit (``survives``), the training steps the search ran, and the search's wall time
+(the method's own search call: ``BatchSizeFinder.scale_batch_size``, ``MemoryAwareBatchSize``'s fit-start
+search). The true maximum is found by bisection over real runs: the steady-state peak of the second
+step of an unlimited fit at each batch size asked (peaks are deterministic, so one fit per size serves
+every limit). Limits are set at 20 %, 50 % and 80 % of the way from the peak at a small batch to the
+peak at a large one (``--quick``: 50 % only). The methods run interleaved per limit.
+
+Targets (the issue): ours finds 90-100 % of the true maximum, and its search takes at most a third
+of binsearch's wall time. Writes ``batch_size_search.json`` to ``--out``; exits 1 when a run of ours
+misses the 90-100 % band or fails to train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning
+import lightning.pytorch as pl
+import lightning.pytorch.tuner.batch_size_scaling as bss
+import torch
+import torchvision
+from lightning.pytorch.callbacks import BatchSizeFinder
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize
+from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt.testing import SimulatedMemory
+
+SPEEDUP_TARGET = 3.0
+BAND = (0.9, 1.0)
+START_BATCH_SIZE = 8
+TRAIN_STEPS = 8
+TRAINER = {
+    "accelerator": "cpu",
+    "devices": 1,
+    "precision": "32-true",
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
+
+# ----------------------------------------------------------------------------- workloads
+
+
+class Classifier(pl.LightningModule):
+    """Cross-entropy over the last dimension of ``net(x)``; the network is built under a fixed seed."""
+
+    def __init__(self, build: Callable[[], nn.Module], optimizer: str) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = build()
+        self.optimizer = optimizer
+
+    calls = 0  # training_step calls, trials included: a finder's trial steps are counted from them
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        Classifier.calls += 1
+        x, y = batch
+        logits = self.net(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab: int = 128, d_model: int = 32, seq: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens) + self.pos))
+
+
+class BatchAttention(nn.Module):
+    """An MLP whose middle layer attends over the batch, masked to the diagonal: (n, n, heads) memory."""
+
+    def __init__(self, dim: int = 32, hidden: int = 128, heads: int = 64) -> None:
+        super().__init__()
+        self.heads = heads
+        self.inp = nn.Linear(dim, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Sequential(nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        n, d = h.shape
+        q, k, v = self.qkv(h).view(n, 3, self.heads, d // self.heads).unbind(1)
+        scores = torch.einsum("ihd,jhd->ijh", q, k) / math.sqrt(d // self.heads)
+        mask = torch.full((n, n, 1), float("-inf"), dtype=scores.dtype)
+        mask.diagonal(dim1=0, dim2=1).zero_()
+        mixed = torch.einsum("ijh,jhd->ihd", torch.softmax(scores + mask, dim=1), v).reshape(n, d)
+        return self.out(h + mixed)
+
+
+def _images(n: int, g: torch.Generator) -> Dataset:
+    return TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def _tokens(n: int, g: torch.Generator) -> Dataset:
+    tokens = torch.randint(0, 128, (n, 16), generator=g)
+    return TensorDataset(tokens, torch.roll(tokens, 1, dims=1))
+
+
+def _features(n: int, g: torch.Generator) -> Dataset:
+    return TensorDataset(torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    build: Callable[[], nn.Module]
+    optimizer: str
+    data: Callable[[int, torch.Generator], Dataset]
+    #: Batch sizes whose peaks bound the limits (the true maxima lie between them).
+    low: int
+    high: int
+
+
+WORKLOADS = [
+    Workload("resnet18", "torchvision resnet18(num_classes=10) on 3x8x8 images, SGD momentum",
+             lambda: torchvision.models.resnet18(num_classes=10), "sgd", _images, low=32, high=512),
+    Workload("transformer", "2-layer TransformerEncoder, d_model 32, 16 tokens, dropout 0.1, Adam",
+             Encoder, "adam", _tokens, low=32, high=1024),
+    Workload("superlinear", "MLP with a batch-wide attention (n x n x 64 scores), SGD momentum",
+             BatchAttention, "sgd", _features, low=32, high=512),
+]
+
+
+class Data(GPUOptDataModule):
+    """Whole batches only, so every step of a run has ``batch_size`` samples."""
+
+    def __init__(self, dataset: Dataset, batch_size: int) -> None:
+        super().__init__(batch_size=batch_size, num_workers=0, drop_last=True)
+        self.dataset = dataset
+
+    def train_dataset(self) -> Dataset:
+        return self.dataset
+
+
+# ----------------------------------------------------------------------------- instruments
+
+
+class StepPeaks(pl.Callback):
+    """Peaks of the training steps of the fit itself, after the search; the search's training steps."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.trial_steps = 0
+        self._started = False
+        self._calls_at_start = Classifier.calls
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @started.setter
+    def started(self, value: bool) -> None:
+        if value and not self._started:  # every training_step so far was a trial
+            self.trial_steps = Classifier.calls - self._calls_at_start
+        self._started = value
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.started:
+            get_probe().reset_peak()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.started:
+            self.peaks.append(get_probe().peak)
+
+
+class TimedFinder(BatchSizeFinder):
+    def __init__(self, peaks: StepPeaks, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.peaks = peaks
+        self.search_s = 0.0
+
+    def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        started = time.perf_counter()
+        super().scale_batch_size(trainer, pl_module)
+        self.search_s = time.perf_counter() - started
+        self.peaks.started = True
+
+
+class TimedOurs(MemoryAwareBatchSize):
+    def __init__(self, peaks: StepPeaks, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.peaks = peaks
+        self.search_s = 0.0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        started = time.perf_counter()
+        super().on_fit_start(trainer, pl_module)
+        self.search_s = time.perf_counter() - started
+        self.peaks.started = True
+
+
+def _fit(workload: Workload, dataset: Dataset, batch_size: int, steps: int, callbacks: list, limit: int | None) -> Data:
+    pl.seed_everything(0, verbose=False)
+    data = Data(dataset, batch_size)
+    trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, **TRAINER)
+    with SimulatedMemory(limit):
+        trainer.fit(Classifier(workload.build, workload.optimizer), datamodule=data)
+    return data
+
+
+class TruePeaks:
+    """Steady-state peak of real training at each batch size (the second step of an unlimited fit), cached."""
+
+    def __init__(self, workload: Workload, dataset: Dataset) -> None:
+        self.workload, self.dataset = workload, dataset
+        self.peaks: dict[int, int] = {}
+
+    def __call__(self, batch_size: int) -> int:
+        if batch_size not in self.peaks:
+            recorder = StepPeaks()
+            recorder.started = True
+            _fit(self.workload, self.dataset, batch_size, 2, [recorder], None)
+            self.peaks[batch_size] = recorder.peaks[-1]
+        return self.peaks[batch_size]
+
+    def largest_within(self, limit: int, low: int, high: int) -> int:
+        """Bisection: the largest batch size whose steady peak is within ``limit`` (``low`` fits, ``high`` does not)."""
+        if self(low) > limit or self(high) <= limit:
+            raise RuntimeError(f"{self.workload.name}: the true maximum for {limit} B is not in [{low}, {high})")
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self(mid) <= limit else (low, mid)
+        return low
+
+
+def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[str, Any]:
+    peaks = StepPeaks()
+    if method == "ours":
+        finder: TimedOurs | TimedFinder = TimedOurs(peaks, mode="max", target_fraction=1.0, verbose=False)
+    else:
+        finder = TimedFinder(peaks, mode=method)
+    trials: list[tuple[int, str]] = []
+    original = bss._try_loop_run
+
+    def counting(trainer: pl.Trainer, params: dict[str, Any]) -> None:
+        size = trainer.datamodule.batch_size
+        try:
+            original(trainer, params)
+        except RuntimeError:
+            trials.append((size, "OOM"))
+            raise
+        trials.append((size, "ok"))
+
+    bss._try_loop_run = counting
+    started = time.perf_counter()
+    try:
+        data = _fit(workload, dataset, START_BATCH_SIZE, TRAIN_STEPS, [finder, peaks], limit)
+        error = None
+    except Exception as err:  # an OOM in the real steps after the search: the found size does not survive
+        data, error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    finally:
+        bss._try_loop_run = original
+    found = finder.micro_batch_size if method == "ours" else finder.optimal_batch_size
+    steps = peaks.trial_steps  # BatchSizeFinder's trials run the fit loop without callbacks: count training_step calls
+    sizes = [m.size for m in finder.result.measurements] if method == "ours" and finder.result else [s for s, _ in trials]
+    return {
+        "found": found,
+        "trained_at": data.batch_size if data is not None else None,
+        "survives": error is None and len(peaks.peaks) == TRAIN_STEPS,
+        "error": error,
+        "trial_steps": steps,
+        "trial_sizes": sizes,
+        "trial_ooms": sum(1 for _, status in trials if status == "OOM"),
+        "search_s": finder.search_s,
+        "fit_s": time.perf_counter() - started,
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def print_table(results: dict[str, Any]) -> None:
+    rows = [("model", "limit", "true max", "method", "found", "of max", "survives", "trial steps", "search s")]
+    for name, entry in results["models"].items():
+        for case in entry["limits"]:
+            for method, run in case["runs"].items():
+                fraction = f"{run['fraction']:.1%}" if run["fraction"] is not None else "-"
+                rows.append((name, f"{case['limit_bytes'] / 2**20:.1f} MiB", str(case["true_max"]), method,
+                             str(run["found"]), fraction, "yes" if run["survives"] else "NO",
+                             str(run["trial_steps"]), f"{run['search_s']:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for j, row in enumerate(rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    for target in results["targets"]:
+        print(f"target: {target['metric']}: {target['value']} (threshold {target['threshold']}) -> "
+              f"{'met' if target['met'] else 'NOT met'}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for batch_size_search.json")
+    parser.add_argument("--quick", action="store_true", help="the middle limit of each model only")
+    parser.add_argument("--models", nargs="+", choices=[w.name for w in WORKLOADS], default=[w.name for w in WORKLOADS])
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    fractions = (0.5,) if args.quick else (0.2, 0.5, 0.8)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "benchmark": "batch_size_search",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "start_batch_size": START_BATCH_SIZE,
+        "train_steps_after_search": TRAIN_STEPS,
+        "models": {},
+    }
+    for workload in (w for w in WORKLOADS if w.name in args.models):
+        dataset = workload.data(4096, torch.Generator().manual_seed(0))  # made before any SimulatedMemory: host data
+        truth = TruePeaks(workload, dataset)
+        low, high = truth(workload.low), truth(workload.high)
+        entry: dict[str, Any] = {"description": workload.description, "limits": []}
+        for fraction in fractions:
+            limit = int(low + fraction * (high - low))
+            true_max = truth.largest_within(limit, workload.low, workload.high)
+            print(f"{workload.name}: limit {limit / 2**20:.1f} MiB, true maximum {true_max} ...", flush=True)
+            runs = {}
+            for method in ("ours", "power", "binsearch"):
+                run = _run(method, workload, dataset, limit)
+                run["fraction"] = run["found"] / true_max if run["found"] else None
+                runs[method] = run
+                print(f"  {method}: found {run['found']} ({run['fraction'] or 0:.1%}), {run['trial_steps']} trial steps, "
+                      f"{run['search_s']:.1f} s, survives {run['survives']}", flush=True)
+            entry["limits"].append({"fraction": fraction, "limit_bytes": limit, "true_max": true_max, "runs": runs})
+        entry["true_peaks"] = {str(k): v for k, v in sorted(truth.peaks.items())}
+        results["models"][workload.name] = entry
+
+    ours = [case["runs"]["ours"] for e in results["models"].values() for case in e["limits"]]
+    speedups = [case["runs"]["binsearch"]["search_s"] / case["runs"]["ours"]["search_s"]
+                for e in results["models"].values() for case in e["limits"]]
+    in_band = all(r["fraction"] is not None and BAND[0] <= r["fraction"] <= BAND[1] for r in ours)
+    results["targets"] = [
+        {"metric": "ours: found / true maximum, every case", "threshold": "90-100 %",
+         "value": [round(r["fraction"] or 0, 3) for r in ours], "met": in_band},
+        {"metric": "ours: trains 8 steps at the size found, every case", "threshold": "yes",
+         "value": all(r["survives"] for r in ours), "met": all(r["survives"] for r in ours)},
+        {"metric": "binsearch search time / ours, median over cases", "threshold": f">= {SPEEDUP_TARGET}",
+         "value": round(statistics.median(speedups), 2), "met": statistics.median(speedups) >= SPEEDUP_TARGET},
+    ]
+    results["wall_s"] = time.perf_counter() - started
+    print()
+    print_table(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "batch_size_search.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {path} ({results['wall_s']:.0f} s)")
+    return 0 if in_band and all(r["survives"] for r in ours) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

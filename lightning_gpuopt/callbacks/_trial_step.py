@@ -1,0 +1,288 @@
+"""Measured training steps that leave no trace: the trials behind MemoryAwareBatchSize.
+
+A trial is a real training step on a given (micro-)batch -- the LightningModule's ``training_step``
+under the precision plugin's context, its ``backward``, and the optimizer's ``step`` with its state in
+place -- whose peak memory is read from the probe. Before the first trial, :class:`TrainingState`
+copies everything a step can change into host memory outside the device's allocator (so that the
+copies neither take device memory nor show in the figures): parameters, buffers, gradients, the
+optimizer's state (keeping note of what did not exist yet: lazily created state is removed again),
+its parameter groups and step flags, LR schedulers, the RNG states, and the plain attributes of
+every submodule (counters, lists, torchmetrics states). ``self.log`` is silenced while trials run,
+and no Lightning hook, callback or loop counter is involved. Afterwards everything is put back.
+
+A trial of a micro-batch runs with gradients allocated (zeros when there were none): the state a
+micro-batch after the first one starts from. A trial of a whole batch starts without gradients, as
+a step that zeroes them first does.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor
+
+from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
+from lightning_gpuopt.memory.peak_model import StepMeasurement
+
+__all__ = ["TrainingState", "TrialSteps"]
+
+_PLAIN = (type(None), bool, int, float, str, complex)
+_CONTAINERS = (list, dict, set)
+# Module internals handled elsewhere (parameters, buffers) or not state (hooks, submodules).
+_SKIP_KEYS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+class _HostCopy:
+    """A tensor's bytes in host memory that no torch allocator owns, and the tensor to put them back into."""
+
+    __slots__ = ("buffer", "tensor")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+        data = tensor.detach()
+        if data.device.type != "cpu":
+            data = data.to("cpu")  # host memory: not the device's
+        data = data.contiguous()
+        self.buffer = bytearray(data.numel() * data.element_size())
+        if self.buffer:
+            ctypes.memmove((ctypes.c_char * len(self.buffer)).from_buffer(self.buffer), data.data_ptr(), len(self.buffer))
+
+    def restore(self) -> Tensor:
+        if self.buffer:
+            source = torch.frombuffer(self.buffer, dtype=torch.uint8).view(self.tensor.dtype).view(self.tensor.shape)
+            with torch.no_grad():
+                self.tensor.copy_(source)
+        return self.tensor
+
+
+class _Copied:
+    """A value as it was: tensors as host copies, containers copied one level deep, the rest as is."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        if isinstance(value, Tensor):
+            self.value = _HostCopy(value)
+        elif isinstance(value, _CONTAINERS):
+            self.value = copy.copy(value)
+        else:
+            self.value = value
+
+    def restore(self, current: Any = None) -> Any:
+        value = self.value
+        if isinstance(value, _HostCopy):
+            return value.restore()
+        if isinstance(value, _CONTAINERS) and type(current) is type(value):
+            current.clear()  # keep the object others may hold, with its old contents
+            if isinstance(current, list):
+                current.extend(value)
+            else:
+                current.update(value)
+            return current
+        return copy.copy(value) if isinstance(value, _CONTAINERS) else value
+
+
+class TrainingState:
+    """What a training step can change, held in host memory, put back by :meth:`restore`.
+
+    Args:
+        trainer: the Trainer (its optimizers and LR schedulers).
+        module: the LightningModule.
+    """
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.module = module
+        self.optimizers = list(trainer.optimizers)
+        tensors: dict[int, Tensor] = {}
+        for t in [*module.parameters(), *module.buffers()]:
+            tensors.setdefault(id(t), t)
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    tensors.setdefault(id(p), p)
+        self.tensors = [_HostCopy(t) for t in tensors.values()]
+        self.grads = [(t, None if t.grad is None else _HostCopy(t.grad)) for t in tensors.values() if isinstance(t, Tensor)]
+        self.optimizer_states = [self._capture_optimizer(o) for o in self.optimizers]
+        self.schedulers = [
+            (config.scheduler, copy.deepcopy(config.scheduler.state_dict())) for config in trainer.lr_scheduler_configs
+        ]
+        self.rng = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
+        self.attributes = [(m, self._capture_attributes(m)) for m in module.modules()]
+
+    @staticmethod
+    def _capture_optimizer(optimizer: torch.optim.Optimizer) -> tuple:
+        state = {p: {key: _Copied(value) for key, value in per_param.items()} for p, per_param in optimizer.state.items()}
+        groups = [{key: _Copied(value) for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+        flags = {key: value for key, value in vars(optimizer).items() if isinstance(value, _PLAIN)}
+        return state, groups, flags
+
+    @staticmethod
+    def _capture_attributes(module: torch.nn.Module) -> dict[str, _Copied]:
+        saved = {}
+        for key, value in vars(module).items():
+            if key in _SKIP_KEYS:
+                continue
+            if isinstance(value, (_PLAIN, Tensor)) or (isinstance(value, _CONTAINERS) and not key.startswith("_")):
+                saved[key] = _Copied(value)
+        return saved
+
+    def restore(self) -> None:
+        """Put everything back as it was when this state was captured."""
+        for copied in self.tensors:
+            copied.restore()
+        for param, grad in self.grads:
+            param.grad = None if grad is None else grad.restore()
+        for optimizer, (state, groups, flags) in zip(self.optimizers, self.optimizer_states):
+            current = optimizer.state
+            restored = {p: {key: value.restore(current.get(p, {}).get(key)) for key, value in per_param.items()}
+                        for p, per_param in state.items()}
+            current.clear()  # lazily created state of the trials goes; the optimizer's own dict stays
+            current.update(restored)
+            for group, saved in zip(optimizer.param_groups, groups):
+                for key, value in saved.items():
+                    group[key] = value.restore(group.get(key))
+            for key in [k for k, v in vars(optimizer).items() if isinstance(v, _PLAIN) and k not in flags]:
+                delattr(optimizer, key)
+            for key, value in flags.items():
+                setattr(optimizer, key, value)
+        for scheduler, saved in self.schedulers:
+            scheduler.load_state_dict(copy.deepcopy(saved))
+        _set_rng_states(self.rng)
+        for module, saved in self.attributes:
+            attributes = vars(module)
+            for key in [k for k, v in attributes.items() if k not in saved and not k.startswith("_")
+                        and (isinstance(v, (_PLAIN, Tensor)) or isinstance(v, _CONTAINERS))]:
+                del attributes[key]  # created by a trial (e.g. an activation kept for a later hook)
+            for key, value in saved.items():
+                attributes[key] = value.restore(attributes.get(key))
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
+
+
+def _silent_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class TrialSteps:
+    """A context in which :meth:`measure` runs real training steps that leave no trace.
+
+    Args:
+        trainer: the Trainer, set up for fitting (model on its device, optimizer created).
+        module: the LightningModule.
+        probe: the memory probe of the training device.
+        batch_idx: passed to ``training_step``.
+
+    On exit, everything is restored (see the module docstring) and memory is freed.
+    """
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule, probe: MemoryProbe, batch_idx: int = 0) -> None:
+        self.trainer = trainer
+        self.module = module
+        self.probe = probe
+        self.batch_idx = batch_idx
+        self.optimizer = trainer.optimizers[0]
+        self.precision = trainer.precision_plugin
+        self._state: TrainingState | None = None
+        self._saved_attrs: dict[str, Any] = {}
+        self._training: list[tuple[torch.nn.Module, bool]] = []
+        #: Allocated bytes after the last step that completed, its outputs freed: what every step holds.
+        self.held_bytes: int | None = None
+        self._params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        #: Bytes of the gradients of every trained parameter.
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
+        #: The first line of the last out-of-memory error.
+        self.last_error: str | None = None
+        #: Bytes of the optimizer's state once a trial's optimizer step ran (``None``: none ran).
+        self.state_bytes: int | None = None
+
+    def __enter__(self) -> TrialSteps:
+        module = self.module
+        self._state = TrainingState(self.trainer, module)
+        for name in ("log", "log_dict"):
+            if name in vars(module):
+                self._saved_attrs[name] = vars(module)[name]
+            setattr(module, name, _silent_log)
+        module.train()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        module = self.module
+        for name in ("log", "log_dict"):
+            if name in self._saved_attrs:
+                setattr(module, name, self._saved_attrs[name])
+            else:
+                vars(module).pop(name, None)
+        if self._state is not None:
+            self._state.restore()
+            self._state = None
+        free_memory()
+
+    def _step_kwargs(self, batch: Any) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"batch": batch}
+        if is_param_in_hook_signature(self.module.training_step, "batch_idx", min_args=2):
+            kwargs["batch_idx"] = self.batch_idx
+        return kwargs
+
+    def measure(self, batch: Any, size: int, batch_bytes: int = 0, whole: bool = False) -> StepMeasurement:
+        """One training step on ``batch`` (``size`` samples, of which ``batch_bytes`` were allocated for this step).
+
+        ``whole``: the step starts without gradients (a whole batch after zeroing), else with them (a
+        micro-batch after the first). Returns what forward+backward added at its peak and what the
+        optimizer step added, both over the memory held after the step once its outputs are dropped
+        (parameters, gradients, optimizer state, first-use workspaces; the batch excluded):
+        :attr:`held_bytes`. Or an out-of-memory measurement. Errors other than out-of-memory propagate.
+        """
+        probe, module = self.probe, self.module
+        for p in self._params:
+            if whole:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
+        start = probe.allocated
+        state_before = _state_bytes(self.optimizer)
+        probe.reset_peak()
+        out = loss = None
+        forward_backward = step_peak = None
+        failed = False
+        try:
+            with torch.enable_grad():
+                with self.precision.train_step_context():
+                    out = module.training_step(*self._step_kwargs(batch).values())
+                loss = out.get("loss") if isinstance(out, Mapping) else out
+                if not isinstance(loss, Tensor):
+                    raise RuntimeError(
+                        "MemoryAwareBatchSize: training_step returned no loss for a trial step (None or a dict without "
+                        "'loss'), so the step's memory cannot be measured. Return the loss for every batch, or remove "
+                        "MemoryAwareBatchSize."
+                    )
+                type(module).backward(module, loss)
+            forward_backward = probe.peak - start
+            probe.reset_peak()
+            self.optimizer.step()
+            step_peak = probe.peak
+        except Exception as err:
+            if not is_oom_error(err):
+                raise
+            failed = True
+            self.last_error = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        out = loss = None  # outside the except block: the traceback no longer pins the step's tensors
+        if failed:
+            free_memory()
+            return StepMeasurement(size, None, None)
+        held = probe.allocated
+        self.held_bytes = held - batch_bytes
+        # What the step left allocated beyond its optimizer state -- gradients a whole-batch step created,
+        # workspaces and caches made on first use -- is held by every later step too: count it in the
+        # base (`held`), not in what forward+backward adds.
+        self.state_bytes = _state_bytes(self.optimizer)
+        kept = held - start - (self.state_bytes - state_before)
+        return StepMeasurement(size, int(forward_backward - kept), max(0, int(step_peak - held)))
