@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torchvision
 from helpers import TRAINER_QUIET
-from oom_models import Run
+from oom_models import Run, StepPeaks
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -260,19 +260,6 @@ def peaks_at(family: str, sizes: list[int], batch_size: int) -> dict[int, int]:
     probe = ChunkProbe(lambda peaks: next(todo, None))
     fit(family, [probe], steps=len(sizes) + 2, batch_size=batch_size)
     return probe.peaks
-
-
-class StepPeaks(pl.Callback):
-    """The peak of every training step."""
-
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        get_probe().reset_peak()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.peaks.append(get_probe().peak)
 
 
 def batch_peak(family: str, batch_size: int) -> int:

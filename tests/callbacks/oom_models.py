@@ -82,6 +82,19 @@ class StepLog(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
+class StepPeaks(pl.Callback):
+    """The peak of every training step."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        get_probe().reset_peak()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.peaks.append(get_probe().peak)
+
+
 @dataclass
 class Run:
     model: pl.LightningModule

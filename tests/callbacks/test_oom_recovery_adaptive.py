@@ -7,7 +7,7 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
-from oom_models import StepLog, WideRegressor, fit, step_marks
+from oom_models import StepLog, StepPeaks, WideRegressor, fit, step_marks
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
@@ -184,26 +184,11 @@ class Vectors(Dataset):
         return self.x[i], self.y[i]
 
 
-class PeakLog(pl.Callback):
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_gpuopt.memory import get_probe
-
-        get_probe().reset_peak()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from lightning_gpuopt.memory import get_probe
-
-        self.peaks.append(get_probe().peak)
-
-
 def _deep_peak(checkpointing: bool) -> int:
     """The steady-state step peak at one sample per micro-batch, with or without checkpointing."""
     cb = OOMRecovery(checkpoint_modules=["Block"])
     cb.load_state_dict({"k": 16, "checkpointing": checkpointing})
-    peaks = PeakLog()
+    peaks = StepPeaks()
     fit(Deep(), [cb, peaks], steps=3, batch_size=16, precision="32-true", dataset=Vectors())
     assert cb.checkpointing is checkpointing
     return peaks.peaks[-1]

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from strategy_models import Block
 from torch import nn
 
 from lightning_gpuopt.memory.estimate import CANDIDATES, count_parameters, estimate
@@ -20,15 +21,6 @@ WIDTHS = (64, 256, 512)  # 0.13 M, 2.1 M and 8.4 M parameters
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("32-true", "bf16-true")
 CONFIGS = [(w, o, p) for w in WIDTHS for o in OPTIMIZERS for p in PRECISIONS]
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
 
 
 def _model(width: int, precision: str) -> nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from strategy_models import Block
 from torch import nn
 
 from lightning_gpuopt import select_strategy
@@ -12,15 +13,6 @@ from lightning_gpuopt.memory.estimate import CANDIDATES, count_parameters, estim
 from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlanError, shard_units
 
 GiB = 2**30
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
 
 
 def _model(width: int = 2048, depth: int = 8) -> nn.Module:
