@@ -77,13 +77,14 @@ def test_micro_batch_is_within_90_percent_of_the_true_maximum(family, batch_size
 
 
 @pytest.mark.slow
-def test_resnet18_batch_size_is_within_90_percent_of_the_true_maximum():
+@pytest.mark.parametrize("room", [MiB // 4, MiB, 2 * MiB], ids=["tight", "middle", "loose"])
+def test_resnet18_batch_size_is_within_90_percent_of_the_true_maximum(room):
     """mode='max' on ResNet-18 at 8x8, where parameters dominate and whole batches are cheapest.
 
-    One limit here (each ResNet-18 step takes seconds on a shared CPU); benchmarks/batch_size_search.py
-    runs three against Lightning's BatchSizeFinder.
+    Three limits above the peak of a 64-sample step (about 33 KiB per sample more: room for about 8,
+    30 and 60 more samples); the reference run that never searched only at the middle one (time).
     """
-    limit = batch_peak("resnet18", 64) + MiB  # room for about 30 more samples
+    limit = batch_peak("resnet18", 64) + room
     finder = MemoryAwareBatchSize(mode="max", target_fraction=1.0)
     run = fit("resnet18", [finder], limit=limit, steps=2, batch_size=8, datamodule=True)
     size = finder.micro_batch_size
@@ -96,6 +97,8 @@ def test_resnet18_batch_size_is_within_90_percent_of_the_true_maximum():
         mid = (fits + fails) // 2
         fits, fails = (mid, fails) if batch_peak("resnet18", mid) <= limit else (fits, mid)
     assert 0.9 * fits <= size <= fits
+    if room != MiB:
+        return
     twin = _never_searched(finder, mode="max", target_fraction=1.0)
     reference = fit("resnet18", [twin], limit=limit, steps=2, batch_size=8, datamodule=True)
     assert twin.result is None and reference.trainer.datamodule.batch_size == size
