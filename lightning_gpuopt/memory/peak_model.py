@@ -360,8 +360,14 @@ class SizeSearch:
             far = min(self.largest - self.whole_largest, _SECOND_STEP_GROWTH * best)
             if far < worst:
                 return far
-            # that far did not fit: halfway there, or the one-point model's (pessimistic) answer if larger
-            return max(target, (best + worst) // 2)
+            # That far did not fit. With two steps left, the geometric middle (scale-free: it likely fits
+            # and gives the slope, so the last step can verify the fitted model's answer); with one left,
+            # halfway. Either way the one-point model's (pessimistic) answer if that is larger.
+            if self.max_trials - len(self.measurements) >= 2:
+                middle = max(best + 1, round(math.sqrt(best * worst)))
+            else:
+                middle = (best + worst) // 2
+            return max(target, middle)
         if len(completed) == 2 and target > _CAUTIOUS_RATIO * best and self.max_trials - len(self.measurements) >= 2:
             return min(max(best + 1, round(math.sqrt(best * target))), self.largest - self.whole_largest)
         if target == self.largest:
