@@ -15,9 +15,22 @@ finished its attempt (successfully or with an OOM):
    per dtype: a few all-reduces per step, no allocation during the exchange.
 
 :class:`LocalExchange` is the same interface for a single device: no communication.
+
+Under FSDP2 (``fully_shard``) the collectives cannot be moved out of the step: every unit all-gathers
+its parameters in the forward and the backward and reduce-scatters its gradients in the backward. A
+rank that runs out of memory between two of them would leave the others waiting in the next one.
+:class:`FSDP2Exchange` therefore votes before *each* of FSDP's collectives, after FSDP allocated its
+buffers for it (the all-reduce of the same vote tensor as the per-batch vote): a rank that ran out of
+memory casts its per-batch vote, which meets the other ranks at their next collective's vote; they
+see the OOM there, stop their attempt (:class:`PeerFailure`) and take the same decision from the same
+votes. The ranks' sequences of collectives stay identical, so nothing hangs. Each vote reads its
+result on the host: the price of recovering under FSDP2 is one small all-reduce and one device sync
+per FSDP collective.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +38,7 @@ from torch import Tensor
 
 from lightning_gpuopt.oom_policy import Vote
 
-__all__ = ["DDPExchange", "LocalExchange"]
+__all__ = ["DDPExchange", "FSDP2Exchange", "LocalExchange", "PeerFailure", "fsdp2_roots", "fsdp2_unsupported"]
 
 
 class LocalExchange:
@@ -36,6 +49,12 @@ class LocalExchange:
 
     def prepare(self) -> None:
         """Nothing to allocate."""
+
+    def begin(self, k: int) -> None:
+        """An attempt at a batch starts with ``k`` micro-batches (nothing to do here)."""
+
+    def recover(self) -> None:
+        """After an attempt raised: nothing to put back."""
 
     def vote(self, status: int, k: int) -> list[Vote]:
         return [Vote(status, k)]
@@ -78,20 +97,19 @@ class DDPExchange:
                 cap = max(1, self.bucket_bytes // torch.empty((), dtype=dtype).element_size())
                 self._staging[(dtype, device)] = torch.empty(min(numel, cap), dtype=dtype, device=device)
 
+    def begin(self, k: int) -> None:
+        """An attempt at a batch starts (its collectives all come after it, in :meth:`reduce`)."""
+
+    def recover(self) -> None:
+        """After an attempt raised: DDP's state is untouched (its backward never synced)."""
+
     def vote(self, status: int, k: int) -> list[Vote]:
         """Every rank's (status, k), in rank order; also learns which parameters have a gradient on any rank."""
         self.prepare()
-        votes = self._votes
-        votes.zero_()
-        votes[2 * self.rank] = status
-        votes[2 * self.rank + 1] = k
-        n = self.world_size
-        if self.params:
-            votes[2 * n :] = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int64)
-        dist.all_reduce(votes, group=self.group)
-        values = votes.tolist()
-        self._used = [v > 0 for v in values[2 * n :]]
-        return [Vote(int(values[2 * r]), int(values[2 * r + 1])) for r in range(n)]
+        mask = [p.grad is not None for p in self.params]
+        votes, extra = _all_reduce_votes(self._votes, self.rank, self.world_size, status, k, self.group, mask)
+        self._used = [v > 0 for v in extra]
+        return votes
 
     def reduce(self) -> None:
         """Average the gradients over the ranks and give every rank rank 0's buffers (after a successful vote).
@@ -145,3 +163,172 @@ class DDPExchange:
                     flush()
         if cursor:
             flush()
+
+
+def _all_reduce_votes(
+    tensor: Tensor, rank: int, world_size: int, status: int, k: int, group: Any, extra: list[bool] | None = None
+) -> tuple[list[Vote], list[int]]:
+    """One all-reduce of ``tensor``: this rank's (status, k) in its own two slots, ``extra`` flags summed after them.
+
+    Returns every rank's vote in rank order, and the summed ``extra`` slots.
+    """
+    tensor.zero_()
+    tensor[2 * rank] = status
+    tensor[2 * rank + 1] = k
+    n = 2 * world_size
+    if extra:
+        tensor[n:] = torch.tensor(extra, dtype=torch.int64)
+    dist.all_reduce(tensor, group=group)
+    values = tensor.tolist()
+    return [Vote(int(values[2 * r]), int(values[2 * r + 1])) for r in range(world_size)], values[n:]
+
+
+class PeerFailure(RuntimeError):
+    """Another rank's attempt failed; raised on this rank at the vote before one of FSDP's collectives.
+
+    ``votes`` is that vote: the attempt's agreement, already taken (no further vote for this attempt).
+    """
+
+    def __init__(self, votes: list[Vote]) -> None:
+        failed = [r for r, v in enumerate(votes) if v.status]
+        super().__init__(f"rank(s) {', '.join(map(str, failed))} ran out of memory during this attempt")
+        self.votes = votes
+
+
+def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ``fully_shard`` modules of ``module`` with no ``fully_shard`` module above them (FSDP2's roots)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    roots: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for sub in module.modules():  # pre-order: a module comes before everything under it
+        if id(sub) in inside:
+            continue
+        if isinstance(sub, FSDPModule):
+            roots.append(sub)
+            inside.update(id(m) for m in sub.modules())
+    return roots
+
+
+def fsdp2_unsupported() -> str | None:
+    """Why this torch cannot recover from an OOM under FSDP2; ``None`` when it can."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return f"torch {torch.__version__} has no FSDP2 (`torch.distributed.fsdp.FSDPModule`)"
+    if not hasattr(FSDPModule, "reset_iter_state"):
+        return (f"torch {torch.__version__} lacks FSDPModule.reset_iter_state, which recovering from an OOM mid-step "
+                "under FSDP2 needs (torch 2.14 or newer has it)")
+    return None
+
+
+def _param_groups(root: torch.nn.Module) -> list[Any]:
+    groups = []
+    for sub in root.modules():
+        state = sub._get_fsdp_state() if hasattr(sub, "_get_fsdp_state") else None
+        if state is None:
+            continue
+        own = getattr(state, "_fsdp_param_groups", None)
+        if own is None:  # torch before per-parameter meshes: one group per state
+            own = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) is not None else []
+        groups.extend(g for g in own if all(g is not seen for seen in groups))
+    return groups
+
+
+class _VotingComm:
+    """One of FSDP's collectives (all-gather or reduce-scatter), preceded by the ranks' vote.
+
+    FSDP allocates the collective's buffers (``allocate``) before it calls the collective, so a rank
+    that runs out of memory for them does so before the vote, where its own vote can still meet the
+    others'.
+    """
+
+    def __init__(self, inner: Any, exchange: FSDP2Exchange) -> None:
+        self.inner, self.exchange = inner, exchange
+
+    def allocate(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.exchange.check()
+        return self.inner(*args, **kwargs)
+
+
+class FSDP2Exchange:
+    """Votes for a module sharded with FSDP2 ``fully_shard`` over one process group (see the module docs).
+
+    Args:
+        module: the LightningModule (``trainer.strategy.model``), already sharded.
+
+    Raises:
+        ValueError: nothing in ``module`` is sharded, or its units shard over different process
+            groups (HSDP, several mesh dimensions).
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.roots = fsdp2_roots(module)
+        self.groups = [g for root in self.roots for g in _param_groups(root)]
+        if not self.groups:
+            raise ValueError(f"{type(module).__name__} has no `fully_shard` module with parameters")
+        process_groups = {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups}
+        if len(process_groups) != 1 or any(hasattr(g.mesh_info, "replicate_process_group") for g in self.groups):
+            raise ValueError(
+                "every `fully_shard` unit must shard over the same one-dimensional mesh (no HSDP, no 2-D meshes)"
+            )
+        (self.group,) = process_groups.values()
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.device = self.groups[0].device
+        self.k = 1
+        #: How often another rank's failure stopped this rank at a vote before one of FSDP's collectives.
+        self.peer_stops = 0
+        self._votes: Tensor | None = None
+        self._originals: list[tuple[Any, Any, Any]] = []
+
+    def install(self) -> None:
+        """Put a vote before every all-gather and reduce-scatter of every unit."""
+        if self._originals:
+            return
+        for g in self.groups:
+            self._originals.append((g, g._all_gather_comm, g._reduce_scatter_comm))
+            g._all_gather_comm = _VotingComm(g._all_gather_comm, self)
+            g._reduce_scatter_comm = _VotingComm(g._reduce_scatter_comm, self)
+
+    def uninstall(self) -> None:
+        """Give FSDP its own collectives back."""
+        for g, all_gather, reduce_scatter in self._originals:
+            g._all_gather_comm, g._reduce_scatter_comm = all_gather, reduce_scatter
+        self._originals = []
+
+    def prepare(self) -> None:
+        """Allocate the vote tensor once."""
+        if self._votes is None:
+            self._votes = torch.zeros(2 * self.world_size, dtype=torch.int64, device=self.device)
+
+    def begin(self, k: int) -> None:
+        """An attempt with ``k`` micro-batches starts: its votes before FSDP's collectives say ``k``."""
+        self.prepare()
+        self.install()
+        self.k = k
+
+    def vote(self, status: int, k: int) -> list[Vote]:
+        """Every rank's (status, k), in rank order."""
+        self.prepare()
+        return _all_reduce_votes(self._votes, self.rank, self.world_size, status, k, self.group)[0]
+
+    def check(self) -> None:
+        """This rank is fine so far; raise :class:`PeerFailure` when another one is not."""
+        votes = self.vote(0, self.k)
+        if any(v.status for v in votes):
+            self.peer_stops += 1
+            raise PeerFailure(votes)
+
+    def recover(self) -> None:
+        """After an attempt raised mid-forward or mid-backward: reshard every unit, reset FSDP's per-step state."""
+        for root in self.roots:
+            root.reset_iter_state()
+
+    def reduce(self) -> None:
+        """Nothing: FSDP reduce-scattered the gradients in each backward."""

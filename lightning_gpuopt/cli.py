@@ -44,7 +44,7 @@ class GPUOptCLI(LightningCLI):
     * ``--gpuopt.summary`` (default true): after ``fit``, print one summary line with the final
       validation metrics, training samples/s and peak memory.
     * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
-      on a single device or under DDP, unless ``--trainer.callbacks`` already has one.
+      on a single device, under DDP or under FSDP2, unless ``--trainer.callbacks`` already has one.
     * ``--gpuopt.batch_size_search`` (default true): add :class:`~lightning_gpuopt.MemoryAwareBatchSize`
       (``mode="micro"``: the micro-batch from measured memory; batch_size kept) to ``fit`` on a single
       device or under DDP, unless ``--trainer.callbacks`` already has one.
@@ -95,7 +95,7 @@ class GPUOptCLI(LightningCLI):
             "--gpuopt.oom_recovery",
             type=bool,
             default=True,
-            help="Add OOMRecovery to fit on a single device or under DDP (re-split a batch that runs out of memory "
+            help="Add OOMRecovery to fit on a single device, under DDP or under FSDP2 (re-split a batch that runs out of memory "
             "and retry on every rank), "
             "unless trainer.callbacks has one.",
         )
@@ -200,7 +200,7 @@ class GPUOptCLI(LightningCLI):
         """Add ``callback()`` (a micro-batching callback) unless the Trainer has one or its strategy cannot run it."""
         if any(isinstance(cb, callback) for cb in trainer.callbacks):
             return
-        reason = unsupported_strategy(trainer.strategy)
+        reason = unsupported_strategy(trainer.strategy, sharded=callback is OOMRecovery)
         if reason is not None:
             rank_zero_info(f"gpuopt: {callback.__name__} not added: {reason}")
             return

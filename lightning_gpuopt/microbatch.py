@@ -20,7 +20,9 @@ After every attempt the ranks agree (:func:`~lightning_gpuopt.oom_policy.agree` 
 rank, see ``_exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
 and proposals for the next batch (grow back, allocator thrashing) apply only when the ranks agree.
 Under DDP every micro-batch runs under ``no_sync`` and the engine averages the gradients itself at the
-optimizer-step boundary. On a single device the vote is local and costs nothing.
+optimizer-step boundary. Under FSDP2 (``ModelParallelStrategy``, :class:`~lightning_gpuopt.FSDP2Strategy`)
+the ranks also vote before each of FSDP's collectives, so that a rank out of memory mid-step stops
+the others at their next one. On a single device the vote is local and costs nothing.
 
 Evaluation steps (validation, test, predict) are wrapped too: an OOM there splits that batch into
 chunks, runs them, and puts their outputs back together in order.
@@ -40,11 +42,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpuopt._exchange import DDPExchange, LocalExchange
+from lightning_gpuopt._exchange import (
+    DDPExchange,
+    FSDP2Exchange,
+    LocalExchange,
+    PeerFailure,
+    fsdp2_unsupported,
+)
 from lightning_gpuopt.batching import (
     SPLIT_HOOK,
     UnsplittableBatchError,
@@ -161,7 +169,7 @@ class MicroBatchEngine:
         self._skip_backward = False
         self._skip_zero_grad = False
         self._phase = "forward"
-        self.exchange: LocalExchange | DDPExchange = LocalExchange()
+        self.exchange: LocalExchange | DDPExchange | FSDP2Exchange = LocalExchange()
 
     # ------------------------------------------------------------------ public interface
 
@@ -251,9 +259,13 @@ class MicroBatchEngine:
             self._metrics = [m for m in module.modules() if _Metric is not None and isinstance(m, _Metric)]
             self._norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
             self._installed.add("eval")
+            if isinstance(strategy, ModelParallelStrategy):  # evaluation all-gathers too: the ranks vote
+                _check_strategy(strategy, module)
+                self.exchange = _make_exchange(strategy)
         if training and "train" not in self._installed:
             self._check_supported(trainer, module)
-            self.exchange = _make_exchange(strategy)
+            if not isinstance(self.exchange, FSDP2Exchange):
+                self.exchange = _make_exchange(strategy)
             self._orig_training_step = strategy.training_step
             self._orig_backward = module.backward
             self._orig_zero_grad = module.optimizer_zero_grad
@@ -277,6 +289,8 @@ class MicroBatchEngine:
             names += [(strategy, "training_step"), (module, "backward"), (module, "optimizer_zero_grad")]
             if self._ddp_forward_sync is not None:
                 strategy.model.require_forward_param_sync = self._ddp_forward_sync
+        if isinstance(self.exchange, FSDP2Exchange):
+            self.exchange.uninstall()
         for obj, name in names:
             if name in vars(obj):
                 delattr(obj, name)
@@ -358,17 +372,27 @@ class MicroBatchEngine:
             k = self._effective_k(n, batch)
             baseline = probe.allocated if measured else None
             failure: OOMFailure | None = None
+            peer_votes = None  # the vote at which another rank's failure stopped this attempt (FSDP2)
             output = None
             try:
+                self.exchange.begin(k)
                 with self._no_sync():
                     output = self._run(batch, args[1:], kwargs, n, k, accumulate)
                 self.exchange.prepare()
+            except PeerFailure as err:
+                peer_votes = err.votes
             except Exception as err:
                 if self.oom_handler is None or not is_oom_error(err):
                     self._restore_grads(params, stash)
                     raise
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
+            if failure is not None or peer_votes is not None:
+                self.exchange.recover()  # FSDP2: reshard and reset what the interrupted step left
             fatal: BaseException | None = None
+            if peer_votes is not None:
+                output = None
+                self._drop_attempt(params, snapshot)
+                free_memory()
             if failure is None:
                 status, voted_k = (proposal[1], proposal[0]) if proposal is not None else (0, k)
             else:
@@ -388,7 +412,8 @@ class MicroBatchEngine:
                     voted_k = recovery.k or start_k
                     if recovery.checkpoint:
                         status |= STATUS_CHECKPOINT
-            agreement = agree(self.exchange.vote(status, voted_k), k)
+            votes = peer_votes if peer_votes is not None else self.exchange.vote(status, voted_k)
+            agreement = agree(votes, k)
             if agreement.fatal_ranks:
                 self._restore_grads(params, stash)
                 if fatal is not None:
@@ -413,7 +438,7 @@ class MicroBatchEngine:
                 output = None
                 self._drop_attempt(params, snapshot)
                 continue
-            if failure is None:  # another rank ran out of memory: this attempt is dropped too, and redone
+            if failure is None and peer_votes is None:  # another rank ran out of memory: this attempt is redone too
                 output = None
                 self._drop_attempt(params, snapshot)
             if agreement.checkpoint and self.enable_checkpointing is not None and self.enable_checkpointing():
@@ -461,7 +486,8 @@ class MicroBatchEngine:
     def _eval_step(self, stage: str, args: tuple, kwargs: dict) -> Any:
         original = self._orig_eval[stage]
         k = self.eval_k.get(stage, 1)
-        if k == 1 and self.oom_handler is None:
+        voting = isinstance(self.exchange, FSDP2Exchange)  # ranks that all-gather in the forward vote on each step
+        if k == 1 and self.oom_handler is None and not voting:
             return original(*args, **kwargs)
         batch = args[0] if args else kwargs["batch"]
         n = self._batch_size(batch)
@@ -474,25 +500,92 @@ class MicroBatchEngine:
             k = max(1, min(self.eval_k.get(stage, 1), n)) if self.splittable(batch) else 1
             baseline = probe.allocated if measured else None
             failure: OOMFailure | None = None
+            peer_votes = None
             try:
-                if k == 1:
-                    return original(*args, **kwargs)
-                return self._run_eval(original, batch, args[1:], kwargs, n, k)
+                if not voting:
+                    if k == 1:
+                        return original(*args, **kwargs)
+                    output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
+                    self._emit_logs(*logs)
+                    return output
+                self.exchange.begin(k)
+                output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
+            except PeerFailure as err:
+                peer_votes = err.votes
             except Exception as err:
                 if self.oom_handler is None or not is_oom_error(err):
                     raise
                 self._phase = stage
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
+            if voting:
+                if failure is not None or peer_votes is not None:
+                    output = logs = None
+                    self.exchange.recover()
+                new_k = self._eval_vote(stage, batch, batch_idx, n, k, failure, peer_votes, snapshot, smallest_failed)
+                if new_k is None:  # every rank kept its attempt
+                    self._emit_logs(*logs)
+                    return output
+                if failure is not None:
+                    smallest_failed = min(smallest_failed, failure.micro_batch_size)
+                continue
             self._restore(snapshot)
             free_memory()
             smallest_failed = min(smallest_failed, failure.micro_batch_size)
             recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
             new_k = recovery.k if isinstance(recovery, Recovery) else recovery
             new_k = max(new_k or k + 1, k + 1)
-            self.eval_k[stage] = new_k
-            self._notify(KChange(self.trainer.global_step, k, new_k, n, "oom", f"OOM in {stage} at batch {batch_idx}", stage))
+            self._set_eval_k(stage, k, new_k, n, f"OOM in {stage} at batch {batch_idx}")
 
-    def _run_eval(self, original: Callable[..., Any], batch: Any, rest: tuple, kwargs: dict, n: int, k: int) -> Any:
+    def _eval_vote(
+        self, stage: str, batch: Any, batch_idx: int, n: int, k: int, failure: OOMFailure | None,
+        peer_votes: list | None, snapshot: list, smallest_failed: int,
+    ) -> int | None:
+        """The ranks' agreement on an evaluation step (FSDP2); the k to retry it with, ``None`` when it is kept."""
+        status, voted_k = 0, k
+        fatal: BaseException | None = None
+        if failure is not None or peer_votes is not None:
+            self._restore(snapshot)
+            free_memory()
+        if failure is not None:
+            status = STATUS_OOM
+            if self.oom_handler is None:
+                fatal, status = torch.OutOfMemoryError(failure.message), STATUS_FATAL
+            else:
+                try:
+                    recovery = self.oom_handler(failure, min(smallest_failed, failure.micro_batch_size), self.splittable(batch))
+                except torch.OutOfMemoryError as err:
+                    fatal, status = err, STATUS_FATAL
+                else:
+                    proposed = recovery.k if isinstance(recovery, Recovery) else recovery
+                    voted_k = max(proposed or k + 1, k + 1)
+        votes = peer_votes if peer_votes is not None else self.exchange.vote(status, voted_k)
+        agreement = agree(votes, k)
+        if agreement.fatal_ranks:
+            if fatal is not None:
+                raise fatal
+            raise RankOutOfMemoryError(
+                f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory in {stage} at batch "
+                f"{batch_idx} with nothing left to split; every rank stops."
+            )
+        if not agreement.retry:
+            return None
+        if failure is None and peer_votes is None:  # another rank failed after its last collective
+            self._restore(snapshot)
+        new_k = max(agreement.k, k + 1) if n > k else k
+        if new_k == k:  # the batch cannot be split further here, yet another rank retries: run it again as it is
+            return k
+        reason = f"OOM in {stage} at batch {batch_idx}" if failure is not None else f"OOM on rank {', '.join(map(str, agreement.ranks))} in {stage} at batch {batch_idx}"
+        self._set_eval_k(stage, k, new_k, n, reason)
+        return new_k
+
+    def _set_eval_k(self, stage: str, k: int, new_k: int, n: int, reason: str) -> None:
+        self.eval_k[stage] = new_k
+        self._notify(KChange(self.trainer.global_step, k, new_k, n, "oom", reason, stage))
+
+    def _run_eval(
+        self, original: Callable[..., Any], batch: Any, rest: tuple, kwargs: dict, n: int, k: int
+    ) -> tuple[Any, tuple[list, list[float], int]]:
+        """The step's output and its captured logs (emitted by the caller once the step is kept)."""
         chunks = self._micro_batches(batch, k)
         weights = self._weights(chunks)
         attempt = _Attempt()
@@ -504,8 +597,9 @@ class MicroBatchEngine:
                 outputs.append(original(chunk, *rest, **kwargs))
         finally:
             self._attempt = None
-        self._emit_logs(attempt.logs, weights, n)
-        return None if all(o is None for o in outputs) else merge_outputs(outputs, weights)
+        output = None if all(o is None for o in outputs) else merge_outputs(outputs, weights)
+        return output, (attempt.logs, weights, n)
+
     def _recheck_asked(self, batch_idx: int, output: Any) -> bool:
         if not self.attempt_checks:
             return False
@@ -694,37 +788,55 @@ def _copy_state(value: Any) -> Any:
     return value
 
 
-def unsupported_strategy(strategy: Any) -> str | None:
+def unsupported_strategy(strategy: Any, sharded: bool = False) -> str | None:
     """Why the engine cannot run under ``strategy``, naming the alternative; ``None`` when it can.
 
-    It runs on a single device and under DDP (``ddp``, ``ddp_spawn``, ``ddp_fork``), not under
-    sharded strategies (FSDP, DeepSpeed, ModelParallel), which fix how a batch runs when they wrap the model.
+    It runs on a single device and under DDP (``ddp``, ``ddp_spawn``, ``ddp_fork``); with ``sharded=True``
+    (what OOMRecovery can do, MemoryAwareBatchSize cannot) also under FSDP2 through
+    ``ModelParallelStrategy`` (:class:`~lightning_gpuopt.FSDP2Strategy`) without tensor parallelism, on a
+    torch that can reset FSDP2 after an interrupted step. Not under FSDP1 (``FSDPStrategy``) or
+    DeepSpeed, whose collectives inside the step cannot be kept in step when one rank runs out of memory.
     """
     if isinstance(strategy, SingleDeviceStrategy):
         return None
     name = type(strategy).__name__
     if isinstance(strategy, DDPStrategy) and "DeepSpeed" not in name:
         return None
+    if sharded and isinstance(strategy, ModelParallelStrategy):
+        tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
+        if isinstance(tensor_parallel, int) and tensor_parallel > 1:
+            return (
+                f"micro-batching under {name} supports FSDP2 data parallelism only, got tensor_parallel_size="
+                f"{tensor_parallel} (tensor-parallel collectives inside the forward cannot be kept in step). Use "
+                "tensor_parallel_size=1, or train without OOMRecovery here."
+            )
+        missing = fsdp2_unsupported()
+        return None if missing is None else f"{missing}. Upgrade torch, or train without OOMRecovery under {name}."
+    supported = "single-device, DDP and FSDP2 (ModelParallelStrategy) training" if sharded else "single-device and DDP training"
     return (
-        f"micro-batching supports single-device and DDP training, got {name}. Use strategy='ddp' (or one "
-        "device), or train without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
+        f"micro-batching supports {supported}, got {name}. Use strategy='ddp' (or one device)"
+        + (", or FSDP2Strategy for a sharded model" if sharded else "")
+        + ", or train without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
     )
 
 
 def _check_strategy(strategy: Any, module: pl.LightningModule) -> None:
-    """Refuse the strategies and DDP settings under which the engine cannot keep ranks in step."""
+    """Refuse the strategies and settings under which the engine cannot keep ranks in step."""
     if isinstance(strategy, SingleDeviceStrategy):
         return
-    reason = unsupported_strategy(strategy)
+    reason = unsupported_strategy(strategy, sharded=True)
     if reason is not None:
         raise _Refused(reason[0].upper() + reason[1:])
     sync_norms = [type(m).__name__ for m in module.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    kind = "FSDP2" if isinstance(strategy, ModelParallelStrategy) else "DDP"
     if sync_norms:
         raise _Refused(
-            "Micro-batching under DDP cannot run SyncBatchNorm: it communicates inside the forward, so a rank "
+            f"Micro-batching under {kind} cannot run SyncBatchNorm: it communicates inside the forward, so a rank "
             "that runs out of memory mid-forward would leave the other ranks waiting. Use plain BatchNorm "
             "(Trainer(sync_batchnorm=False)), or remove OOMRecovery for this run."
         )
+    if isinstance(strategy, ModelParallelStrategy):
+        return  # the DDP settings below do not apply; the exchange checks the sharded model when it is built
     ddp = strategy.model
     if getattr(strategy, "_ddp_comm_hook", None) is not None or getattr(ddp, "_comm_hooks", None):
         raise _Refused(
@@ -738,7 +850,15 @@ def _check_strategy(strategy: Any, module: pl.LightningModule) -> None:
         )
 
 
-def _make_exchange(strategy: Any) -> LocalExchange | DDPExchange:
+def _make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange:
+    if isinstance(strategy, ModelParallelStrategy):
+        try:
+            return FSDP2Exchange(strategy.model)
+        except ValueError as err:
+            raise _Refused(
+                f"Micro-batching under {type(strategy).__name__} needs the model sharded with FSDP2 `fully_shard`: "
+                f"{err}. Use FSDP2Strategy (it shards an unchanged module), or train without OOMRecovery here."
+            ) from err
     if isinstance(strategy, DDPStrategy):
         bucket_mb = strategy._ddp_kwargs.get("bucket_cap_mb", 25) or 25
         return DDPExchange(strategy.model, bucket_bytes=int(bucket_mb * 2**20))

@@ -66,22 +66,22 @@ def test_fit_adds_oom_recovery_on_a_single_device(tmp_path):
 
 @pytest.mark.parametrize(
     ("strategy", "added"),
-    [("ddp", True), ("ddp_spawn", True), ("model_parallel", False)],
-    ids=["ddp", "ddp-spawn", "sharded"],
+    [("ddp", True), ("ddp_spawn", True), ("fsdp2", True), ("tensor_parallel", False)],
+    ids=["ddp", "ddp-spawn", "fsdp2", "tensor-parallel"],
 )
-def test_oom_recovery_is_added_under_ddp_but_not_under_sharded_strategies(strategy, added, caplog):
+def test_oom_recovery_is_added_under_ddp_and_fsdp2_but_not_under_tensor_parallelism(strategy, added, caplog):
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lightning_gpuopt import OOMRecovery
+    from lightning_gpuopt import FSDP2Strategy, OOMRecovery
 
-    chosen = ModelParallelStrategy() if strategy == "model_parallel" else strategy
+    chosen = {"fsdp2": FSDP2Strategy(), "tensor_parallel": ModelParallelStrategy(tensor_parallel_size=2)}.get(strategy, strategy)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, logger=False)
     with caplog.at_level(logging.INFO):
         GPUOptCLI._add_oom_recovery(trainer)
     assert any(isinstance(cb, OOMRecovery) for cb in trainer.callbacks) is added
     if not added:
-        assert "OOMRecovery not added: micro-batching supports single-device and DDP training" in caplog.text
+        assert "OOMRecovery not added: micro-batching under ModelParallelStrategy supports FSDP2 data parallelism only" in caplog.text
 
 
 def test_fit_adds_memory_aware_batch_size_unless_turned_off(tmp_path):

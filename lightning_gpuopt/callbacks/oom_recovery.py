@@ -88,7 +88,9 @@ class OOMRecovery(Callback):
 
     Under DDP an OOM on any rank makes every rank retry the batch with the same k (one small vote per
     batch; gradients are averaged by the pack at the optimizer step, so no rank is left inside a
-    collective). With ``grow_back`` the micro-batch grows again once memory allows. An OOM in a
+    collective). Under FSDP2 (``FSDP2Strategy``, torch 2.14 or newer) the ranks also vote before each of
+    FSDP's all-gathers and reduce-scatters, so a rank out of memory mid-step stops the others at the
+    next one and every rank retries. With ``grow_back`` the micro-batch grows again once memory allows. An OOM in a
     validation, test or predict step splits that batch into chunks whose outputs are put back
     together in order. Before giving up at one sample per micro-batch, activation checkpointing of
     ``checkpoint_modules`` is tried (opt-in).
@@ -127,11 +129,11 @@ class OOMRecovery(Callback):
         ValueError: an argument is out of range, or ``checkpoint_modules`` names no submodule of the model.
         TypeError: ``weight_fn``, ``unsplittable`` or ``checkpoint_modules`` has the wrong type.
         RuntimeError: in ``setup``/``on_fit_start``, for setups it cannot run (manual optimization,
-            several optimizers, LBFGS, a compiled module, BatchSizeFinder in the same Trainer, sharded
-            strategies, SyncBatchNorm or a DDP communication hook under DDP), naming the alternative.
+            several optimizers, LBFGS, a compiled module, BatchSizeFinder in the same Trainer, FSDP1,
+            DeepSpeed, tensor parallelism, SyncBatchNorm, or a DDP communication hook), naming the alternative.
         MicroBatchOOMError: out of memory at one sample per micro-batch (after checkpointing, when
-            asked for), or on an unsplittable batch; under DDP every other rank stops with an error
-            naming that rank.
+            asked for), or on an unsplittable batch; under DDP and FSDP2 every other rank stops with an
+            error naming that rank.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -274,7 +276,7 @@ class OOMRecovery(Callback):
             )
         if stage != "fit":
             return
-        reason = unsupported_strategy(trainer.strategy)
+        reason = unsupported_strategy(trainer.strategy, sharded=True)
         if reason is not None:
             raise RuntimeError(f"OOMRecovery: {reason}")
         if not pl_module.automatic_optimization:

@@ -13,6 +13,11 @@ How bytes are counted (see docs/memory.md for the full list of what is and is no
   dies), and inputs -- every tensor of a batch a DataLoader yields, the tensors passed to a module,
   whatever is passed to :meth:`SimulatedMemory.track` -- as a copy to the device would: a view into a
   bigger host storage (a slice of a dataset) counts its own bytes until the view dies.
+* **Collectives** (``torch.distributed`` calls such as ``all_reduce`` or ``all_gather_single``): what
+  they allocate while they run is counted but never raises. On a GPU, NCCL writes into output buffers
+  allocated before the call (those are limit-checked like any allocation); the temporaries gloo makes
+  on the CPU have no counterpart there, and an OOM inside a collective would stop one rank after the
+  others entered it, which no GPU run would do.
 * **DataLoader batches** are moved to the simulated device on arrival, as Lightning moves them to a
   GPU: a batch tensor that is not already counted -- it came from a worker process (in shared
   memory, which no allocator of this process made) or is the dataset's own tensor -- is replaced by
@@ -35,6 +40,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+import torch.distributed as _dist
 from torch.optim import optimizer as _optim
 from torch.utils.data import dataloader as _dataloader
 
@@ -54,6 +60,12 @@ _BACKENDS = ("auto", "allocator", "dispatch")
 _state_lock = threading.Lock()
 _active_instance: SimulatedMemory | None = None
 _fallback_logged = False
+
+#: torch.distributed functions whose own allocations never raise under the simulation (see the module docs).
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all_single", "barrier",
+)
 
 
 class SimulatedMemory(MemoryProbe):
@@ -312,6 +324,25 @@ class SimulatedMemory(MemoryProbe):
             iter_cls.__next__ = original_next
 
         self._undo.append(restore_next)
+        if _dist.is_available():
+            for name in _COLLECTIVES:
+                if callable(getattr(_dist, name, None)):
+                    self._unlimit_inside(name)
+
+    def _unlimit_inside(self, name: str) -> None:
+        original = getattr(_dist, name)
+        counter = self._counter
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            counter.set_limit(None)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counter.set_limit(self._limit)
+
+        collective.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(_dist, name, collective)
+        self._undo.append(lambda: setattr(_dist, name, original))
 
     # --- misc ----------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery, TokenCount
+from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.testing import SimulatedMemory
 
 
@@ -399,13 +400,16 @@ def test_compiled_module_is_refused():
         fit(model, [OOMRecovery()], steps=1)
 
 
-def test_sharded_strategy_is_refused_naming_the_alternative():
-    from lightning.pytorch.strategies import ModelParallelStrategy
+def test_tensor_parallelism_and_fsdp1_are_refused_naming_the_alternative():
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     cb = OOMRecovery()
-    trainer = pl.Trainer(max_steps=1, strategy=ModelParallelStrategy(), **TRAINER_QUIET)
-    with pytest.raises(RuntimeError, match=r"OOMRecovery: micro-batching supports single-device and DDP training, got ModelParallelStrategy. Use strategy=.ddp."):
+    trainer = pl.Trainer(max_steps=1, strategy=ModelParallelStrategy(tensor_parallel_size=2), **TRAINER_QUIET)
+    with pytest.raises(RuntimeError, match=r"OOMRecovery: micro-batching under ModelParallelStrategy supports FSDP2 data parallelism only, got tensor_parallel_size=2 .* Use tensor_parallel_size=1"):
         cb.setup(trainer, WideRegressor(), "fit")
+    reason = unsupported_strategy(FSDPStrategy(), sharded=True)
+    assert "supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got FSDPStrategy" in reason
+    assert "FSDP2Strategy for a sharded model" in reason
 
 
 @pytest.mark.parametrize(
