@@ -272,10 +272,15 @@ class FSDP2Exchange:
         self.groups = [g for root in self.roots for g in _param_groups(root)]
         if not self.groups:
             raise ValueError(f"{type(module).__name__} has no `fully_shard` module with parameters")
-        process_groups = {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups}
-        if len(process_groups) != 1 or any(hasattr(g.mesh_info, "replicate_process_group") for g in self.groups):
+        one_dim = all(
+            hasattr(g.mesh_info, "shard_process_group") and not hasattr(g.mesh_info, "replicate_process_group")
+            for g in self.groups
+        )
+        process_groups = {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups} if one_dim else {}
+        if len(process_groups) != 1:
             raise ValueError(
-                "every `fully_shard` unit must shard over the same one-dimensional mesh (no HSDP, no 2-D meshes)"
+                "every `fully_shard` unit must shard over the same one-dimensional mesh (no HSDP, no `replicate`, no "
+                "2-D meshes)"
             )
         (self.group,) = process_groups.values()
         self.world_size = dist.get_world_size(self.group)
@@ -308,10 +313,23 @@ class FSDP2Exchange:
             self._votes = torch.zeros(2 * self.world_size, dtype=torch.int64, device=self.device)
 
     def begin(self, k: int) -> None:
-        """An attempt with ``k`` micro-batches starts: its votes before FSDP's collectives say ``k``."""
+        """An attempt with ``k`` micro-batches starts; every rank must run as many (one vote checks it).
+
+        Each micro-batch issues its own all-gathers and reduce-scatters, so ranks running different
+        numbers of them would pair mismatched collectives. Raises ``RuntimeError`` on every rank alike
+        when the counts differ (ranks with different batch sizes, or a batch one rank cannot split).
+        """
         self.prepare()
         self.install()
         self.k = k
+        counts = [v.k for v in self.vote(0, k)]
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"Under FSDP2 every rank must run a batch as the same number of micro-batches (each one all-gathers "
+                f"and reduce-scatters), but the ranks would run {counts}: their batches differ in size, or one cannot "
+                "be split. Give every rank batches of the same size (Lightning's DistributedSampler does; "
+                "`drop_last=True` for a custom sampler) and declare batches unsplittable alike on every rank."
+            )
 
     def vote(self, status: int, k: int) -> list[Vote]:
         """Every rank's (status, k), in rank order."""
@@ -326,9 +344,20 @@ class FSDP2Exchange:
             raise PeerFailure(votes)
 
     def recover(self) -> None:
-        """After an attempt raised mid-forward or mid-backward: reshard every unit, reset FSDP's per-step state."""
+        """Before a retry, on every rank: reshard every unit, reset FSDP's per-step state, drop unsharded gradients.
+
+        ``reset_iter_state`` keeps the unsharded parameters' ``.grad`` (gradients autograd accumulated in an
+        interrupted backward before FSDP reduce-scattered them); the retry would add to them.
+        """
         for root in self.roots:
             root.reset_iter_state()
+        for g in self.groups:
+            for fsdp_param in getattr(g, "fsdp_params", []):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    fsdp_param.unsharded_accumulated_grad = None
 
     def reduce(self) -> None:
         """Nothing: FSDP reduce-scattered the gradients in each backward."""

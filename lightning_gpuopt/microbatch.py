@@ -386,8 +386,6 @@ class MicroBatchEngine:
                     self._restore_grads(params, stash)
                     raise
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
-            if failure is not None or peer_votes is not None:
-                self.exchange.recover()  # FSDP2: reshard and reset what the interrupted step left
             fatal: BaseException | None = None
             if peer_votes is not None:
                 output = None
@@ -441,6 +439,7 @@ class MicroBatchEngine:
             if failure is None and peer_votes is None:  # another rank ran out of memory: this attempt is redone too
                 output = None
                 self._drop_attempt(params, snapshot)
+            self.exchange.recover()  # FSDP2, on every rank alike: reshard, reset FSDP's step state, drop its gradients
             if agreement.checkpoint and self.enable_checkpointing is not None and self.enable_checkpointing():
                 smallest_failed = n + 1  # activations are cheaper now: sizes that failed may fit
             self.propose(agreement.k, "oom", self._reason(agreement, failure), batch_size=n)
@@ -520,7 +519,6 @@ class MicroBatchEngine:
             if voting:
                 if failure is not None or peer_votes is not None:
                     output = logs = None
-                    self.exchange.recover()
                 new_k = self._eval_vote(stage, batch, batch_idx, n, k, failure, peer_votes, snapshot, smallest_failed)
                 if new_k is None:  # every rank kept its attempt
                     self._emit_logs(*logs)
@@ -571,9 +569,8 @@ class MicroBatchEngine:
             return None
         if failure is None and peer_votes is None:  # another rank failed after its last collective
             self._restore(snapshot)
-        new_k = max(agreement.k, k + 1) if n > k else k
-        if new_k == k:  # the batch cannot be split further here, yet another rank retries: run it again as it is
-            return k
+        self.exchange.recover()  # on every rank alike: the units' sharded state must match for the retry
+        new_k = max(agreement.k, k + 1)  # the same on every rank (a batch of fewer samples runs them as it can)
         reason = f"OOM in {stage} at batch {batch_idx}" if failure is not None else f"OOM on rank {', '.join(map(str, agreement.ranks))} in {stage} at batch {batch_idx}"
         self._set_eval_k(stage, k, new_k, n, reason)
         return new_k

@@ -1,12 +1,13 @@
 """One 2-process FSDP2 fit on CPU (gloo), run as a script: Lightning's launcher starts rank 1 by re-running it.
 
-    python tests/strategy/fsdp2_oom_run.py OUT_DIR RULE CALLBACK
+    python tests/strategy/fsdp2_oom_run.py OUT_DIR RULE CALLBACK [UNITS]
 
 Six training steps of 128 samples per rank, one validation (3 batches of 64 per rank) after step 4.
 RULE: ``none``; ``forward`` (from step 2 on, rank 1's full batch cannot finish its forward),
 ``backward`` (its forward fits, its backward does not), ``tiny`` (not even one sample fits), or
 ``validation`` (rank 1's validation batches do not fit; training has no limit). CALLBACK: ``1`` adds
-OOMRecovery. Every rank writes ``OUT_DIR/rank{r}.pt``: full parameters, k history, failures, how
+OOMRecovery. UNITS: ``linear`` (default: each Linear its own unit) or ``whole`` (the three layers one
+root unit: gradients build up through the backward before FSDP reduce-scatters them). Every rank writes ``OUT_DIR/rank{r}.pt``: full parameters, k history, failures, how
 often it was stopped by the other rank's OOM, its per-sample validation losses, the error if any.
 """
 
@@ -134,10 +135,11 @@ class RankMemory(pl.Callback):
 
 def main() -> None:
     out_dir, rule, callback = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    units = sys.argv[4] if len(sys.argv) > 4 else "linear"
     pl.seed_everything(0, verbose=False)
     steps = 6
     trainer = pl.Trainer(
-        strategy=FSDP2Strategy(shard_modules=["Linear"]), accelerator="cpu", devices=2, max_steps=steps,
+        strategy=FSDP2Strategy(shard_modules=["Linear"] if units == "linear" else None), accelerator="cpu", devices=2, max_steps=steps,
         precision="32-true", callbacks=[RankMemory(out_dir, rule), *([OOMRecovery()] if callback else [])],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=3, val_check_interval=4, num_sanity_val_steps=0,

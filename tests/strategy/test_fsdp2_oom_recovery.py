@@ -29,11 +29,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def fsdp2_fit(out: Path, rule: str, callback: bool = True, expect_failure: bool = False) -> list[dict]:
+def fsdp2_fit(out: Path, rule: str, callback: bool = True, expect_failure: bool = False, units: str = "linear") -> list[dict]:
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "LIGHTNING_DISABLE_TIPS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), rule, "1" if callback else "0"], cwd=out, env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), rule, "1" if callback else "0", units], cwd=out, env=env,
                           capture_output=True, text=True, timeout=300)
     assert (proc.returncode != 0) == expect_failure, (proc.stdout + proc.stderr)[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -55,9 +55,15 @@ def _assert_params(run: list[dict], reference: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", ["forward", "backward"])
-def test_oom_on_one_rank_makes_both_retry_and_keeps_the_plain_fsdp2_result(tmp_path, reference, rule):
-    zero, one = fsdp2_fit(tmp_path / rule, rule)
+@pytest.mark.parametrize(
+    ("rule", "units"),
+    [("forward", "linear"), ("backward", "linear"), ("backward", "whole")],
+    ids=["forward", "backward", "backward-inside-one-multi-layer-unit"],
+)
+def test_oom_on_one_rank_makes_both_retry_and_keeps_the_plain_fsdp2_result(tmp_path, reference, rule, units):
+    """``whole``: the three layers are one root unit, so the interrupted backward had put gradients into the
+    gathered parameters before FSDP reduce-scattered them; the retry must not add to them."""
+    zero, one = fsdp2_fit(tmp_path / rule, rule, units=units)
     train = [[h for h in r["history"] if h[4] == "train"] for r in (zero, one)]
     assert one["failures"] >= 1 and zero["failures"] == 0, "only rank 1 ran out of memory"
     assert train[0] and train[0] == train[1] and all(h[0] == 2 and h[3] == "oom" for h in train[1])
@@ -85,3 +91,18 @@ def test_nothing_left_to_split_on_one_rank_stops_both_without_hanging(tmp_path):
     zero, one = fsdp2_fit(tmp_path / "tiny", "tiny", expect_failure=True)
     assert one["error"][0] == "MicroBatchOOMError" and "even with micro-batches of 1 sample" in one["error"][1]
     assert zero["error"][0] == "RankOutOfMemoryError" and "Rank(s) 1 ran out of memory" in zero["error"][1]
+
+
+def test_ranks_that_would_run_different_numbers_of_micro_batches_stop_alike_with_the_reason():
+    """Each micro-batch all-gathers and reduce-scatters: different counts would pair mismatched collectives."""
+    from lightning_gpuopt._exchange import FSDP2Exchange
+    from lightning_gpuopt.oom_policy import Vote
+
+    exchange = FSDP2Exchange.__new__(FSDP2Exchange)  # the check alone: one process, the ranks' counts given
+    exchange.prepare = exchange.install = lambda: None
+    exchange.vote = lambda status, k: [Vote(0, 2), Vote(0, 3)]
+    with pytest.raises(RuntimeError, match=r"same number of micro-batches .* would run \[2, 3\].*batches of the same size"):
+        exchange.begin(2)
+    exchange.vote = lambda status, k: [Vote(0, 2), Vote(0, 2)]
+    exchange.begin(2)
+    assert exchange.k == 2
