@@ -68,6 +68,7 @@ from lightning_gpuopt.oom_policy import (
     Agreement,
     OOMFailure,
     Recovery,
+    Vote,
     agree,
     parse_tried_bytes,
 )
@@ -387,17 +388,14 @@ class MicroBatchEngine:
                     raise
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
             fatal: BaseException | None = None
-            if peer_votes is not None:
+            if failure is not None or peer_votes is not None:
+                # Outside the except block: the traceback and the activations it pinned are gone.
                 output = None
                 self._drop_attempt(params, snapshot)
                 free_memory()
             if failure is None:
                 status, voted_k = (proposal[1], proposal[0]) if proposal is not None else (0, k)
             else:
-                # Outside the except block: the traceback and the activations it pinned are gone.
-                output = None
-                self._drop_attempt(params, snapshot)
-                free_memory()
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
                 status, voted_k = STATUS_OOM, k
                 try:
@@ -501,14 +499,14 @@ class MicroBatchEngine:
             failure: OOMFailure | None = None
             peer_votes = None
             try:
-                if not voting:
-                    if k == 1:
-                        return original(*args, **kwargs)
-                    output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
+                if voting:
+                    self.exchange.begin(k)
+                elif k == 1:
+                    return original(*args, **kwargs)
+                output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
+                if not voting:  # nobody else to agree with: a step that ran is kept
                     self._emit_logs(*logs)
                     return output
-                self.exchange.begin(k)
-                output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
             except PeerFailure as err:
                 peer_votes = err.votes
             except Exception as err:
@@ -516,29 +514,22 @@ class MicroBatchEngine:
                     raise
                 self._phase = stage
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
-            if voting:
-                if failure is not None or peer_votes is not None:
-                    output = logs = None
-                new_k = self._eval_vote(stage, batch, batch_idx, n, k, failure, peer_votes, snapshot, smallest_failed)
-                if new_k is None:  # every rank kept its attempt
-                    self._emit_logs(*logs)
-                    return output
-                if failure is not None:
-                    smallest_failed = min(smallest_failed, failure.micro_batch_size)
-                continue
-            self._restore(snapshot)
-            free_memory()
-            smallest_failed = min(smallest_failed, failure.micro_batch_size)
-            recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
-            new_k = recovery.k if isinstance(recovery, Recovery) else recovery
-            new_k = max(new_k or k + 1, k + 1)
-            self._set_eval_k(stage, k, new_k, n, f"OOM in {stage} at batch {batch_idx}")
+                smallest_failed = min(smallest_failed, failure.micro_batch_size)
+            if failure is not None or peer_votes is not None:
+                output = logs = None
+            vote = self.exchange.vote if voting else (lambda status, voted_k: [Vote(status, voted_k)])
+            if self._eval_agree(stage, batch, batch_idx, n, k, failure, peer_votes, snapshot, smallest_failed, vote):
+                self._emit_logs(*logs)  # every rank kept its attempt
+                return output
 
-    def _eval_vote(
+    def _eval_agree(
         self, stage: str, batch: Any, batch_idx: int, n: int, k: int, failure: OOMFailure | None,
-        peer_votes: list | None, snapshot: list, smallest_failed: int,
-    ) -> int | None:
-        """The ranks' agreement on an evaluation step (FSDP2); the k to retry it with, ``None`` when it is kept."""
+        peer_votes: list[Vote] | None, snapshot: list, smallest_failed: int, vote: Callable[[int, int], list[Vote]],
+    ) -> bool:
+        """The ranks' decision on an evaluation step: ``True`` keeps it; ``False`` retries it with a larger k.
+
+        ``vote`` is the exchange's (FSDP2: every rank decides alike) or this process's own.
+        """
         status, voted_k = 0, k
         fatal: BaseException | None = None
         if failure is not None or peer_votes is not None:
@@ -546,18 +537,14 @@ class MicroBatchEngine:
             free_memory()
         if failure is not None:
             status = STATUS_OOM
-            if self.oom_handler is None:
-                fatal, status = torch.OutOfMemoryError(failure.message), STATUS_FATAL
+            try:
+                recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
+            except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
+                fatal, status = err, STATUS_FATAL
             else:
-                try:
-                    recovery = self.oom_handler(failure, min(smallest_failed, failure.micro_batch_size), self.splittable(batch))
-                except torch.OutOfMemoryError as err:
-                    fatal, status = err, STATUS_FATAL
-                else:
-                    proposed = recovery.k if isinstance(recovery, Recovery) else recovery
-                    voted_k = max(proposed or k + 1, k + 1)
-        votes = peer_votes if peer_votes is not None else self.exchange.vote(status, voted_k)
-        agreement = agree(votes, k)
+                proposed = recovery.k if isinstance(recovery, Recovery) else recovery
+                voted_k = max(proposed or k + 1, k + 1)
+        agreement = agree(peer_votes if peer_votes is not None else vote(status, voted_k), k)
         if agreement.fatal_ranks:
             if fatal is not None:
                 raise fatal
@@ -566,14 +553,17 @@ class MicroBatchEngine:
                 f"{batch_idx} with nothing left to split; every rank stops."
             )
         if not agreement.retry:
-            return None
+            return True
         if failure is None and peer_votes is None:  # another rank failed after its last collective
             self._restore(snapshot)
-        self.exchange.recover()  # on every rank alike: the units' sharded state must match for the retry
+        self.exchange.recover()  # on every rank alike (FSDP2: the units' sharded state must match for the retry)
         new_k = max(agreement.k, k + 1)  # the same on every rank (a batch of fewer samples runs them as it can)
-        reason = f"OOM in {stage} at batch {batch_idx}" if failure is not None else f"OOM on rank {', '.join(map(str, agreement.ranks))} in {stage} at batch {batch_idx}"
+        if failure is not None:
+            reason = f"OOM in {stage} at batch {batch_idx}"
+        else:
+            reason = f"OOM on rank {', '.join(map(str, agreement.ranks))} in {stage} at batch {batch_idx}"
         self._set_eval_k(stage, k, new_k, n, reason)
-        return new_k
+        return False
 
     def _set_eval_k(self, stage: str, k: int, new_k: int, n: int, reason: str) -> None:
         self.eval_k[stage] = new_k

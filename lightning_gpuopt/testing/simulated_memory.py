@@ -127,6 +127,7 @@ class SimulatedMemory(MemoryProbe):
         self._counter: NativeCounter | DispatchCounter | None = None
         self._adopter: _Adopter | None = None
         self._undo: list = []
+        self._collective_depth = 0  # torch.distributed calls running now (their allocations never raise)
         self._pid = 0
         self._final = (0, 0, 0)  # allocated, peak, num_ooms at the last exit
 
@@ -334,11 +335,14 @@ class SimulatedMemory(MemoryProbe):
         counter = self._counter
 
         def collective(*args: Any, **kwargs: Any) -> Any:
+            self._collective_depth += 1  # a collective that calls another one: the outer restores the limit
             counter.set_limit(None)
             try:
                 return original(*args, **kwargs)
             finally:
-                counter.set_limit(self._limit)
+                self._collective_depth -= 1
+                if not self._collective_depth:
+                    counter.set_limit(self._limit)
 
         collective.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(_dist, name, collective)
