@@ -105,7 +105,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
-        layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.head = nn.Linear(d_model, vocab)
 
@@ -160,12 +162,33 @@ class Workload:
 
 
 WORKLOADS = [
-    Workload("resnet18", "torchvision resnet18(num_classes=10) on 3x8x8 images, SGD momentum",
-             lambda: torchvision.models.resnet18(num_classes=10), "sgd", _images, low=32, high=512),
-    Workload("transformer", "2-layer TransformerEncoder, d_model 32, 16 tokens, dropout 0.1, Adam",
-             Encoder, "adam", _tokens, low=32, high=1024),
-    Workload("superlinear", "MLP with a batch-wide attention (n x n x 64 scores), SGD momentum",
-             BatchAttention, "sgd", _features, low=32, high=512),
+    Workload(
+        "resnet18",
+        "torchvision resnet18(num_classes=10) on 3x8x8 images, SGD momentum",
+        lambda: torchvision.models.resnet18(num_classes=10),
+        "sgd",
+        _images,
+        low=32,
+        high=512,
+    ),
+    Workload(
+        "transformer",
+        "2-layer TransformerEncoder, d_model 32, 16 tokens, dropout 0.1, Adam",
+        Encoder,
+        "adam",
+        _tokens,
+        low=32,
+        high=1024,
+    ),
+    Workload(
+        "superlinear",
+        "MLP with a batch-wide attention (n x n x 64 scores), SGD momentum",
+        BatchAttention,
+        "sgd",
+        _features,
+        low=32,
+        high=512,
+    ),
 ]
 
 
@@ -237,7 +260,9 @@ class TimedOurs(MemoryAwareBatchSize):
         self.peaks.started = True
 
 
-def _fit(workload: Workload, dataset: Dataset, batch_size: int, steps: int, callbacks: list, limit: int | None) -> Data:
+def _fit(
+    workload: Workload, dataset: Dataset, batch_size: int, steps: int, callbacks: list, limit: int | None
+) -> Data:
     pl.seed_everything(0, verbose=False)
     data = Data(dataset, batch_size)
     trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, **TRAINER)
@@ -264,7 +289,9 @@ class TruePeaks:
     def largest_within(self, limit: int, low: int, high: int) -> int:
         """Bisection: the largest batch size whose steady peak is within ``limit`` (``low`` fits, ``high`` does not)."""
         if self(low) > limit or self(high) <= limit:
-            raise RuntimeError(f"{self.workload.name}: the true maximum for {limit} B is not in [{low}, {high})")
+            raise RuntimeError(
+                f"{self.workload.name}: the true maximum for {limit} B is not in [{low}, {high})"
+            )
         while high - low > 1:
             mid = (low + high) // 2
             low, high = (mid, high) if self(mid) <= limit else (low, mid)
@@ -299,8 +326,14 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
     finally:
         bss._try_loop_run = original
     found = finder.micro_batch_size if method == "ours" else finder.optimal_batch_size
-    steps = peaks.trial_steps  # BatchSizeFinder's trials run the fit loop without callbacks: count training_step calls
-    sizes = [m.size for m in finder.result.measurements] if method == "ours" and finder.result else [s for s, _ in trials]
+    steps = (
+        peaks.trial_steps
+    )  # BatchSizeFinder's trials run the fit loop without callbacks: count training_step calls
+    sizes = (
+        [m.size for m in finder.result.measurements]
+        if method == "ours" and finder.result
+        else [s for s, _ in trials]
+    )
     return {
         "found": found,
         "trained_at": data.batch_size if data is not None else None,
@@ -318,32 +351,52 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
 
 
 def print_table(results: dict[str, Any]) -> None:
-    rows = [("model", "limit", "true max", "method", "found", "of max", "survives", "trial steps", "search s")]
+    rows = [
+        ("model", "limit", "true max", "method", "found", "of max", "survives", "trial steps", "search s")
+    ]
     for name, entry in results["models"].items():
         for case in entry["limits"]:
             for method, run in case["runs"].items():
                 fraction = f"{run['fraction']:.1%}" if run["fraction"] is not None else "-"
-                rows.append((name, f"{case['limit_bytes'] / 2**20:.1f} MiB", str(case["true_max"]), method,
-                             str(run["found"]), fraction, "yes" if run["survives"] else "NO",
-                             str(run["trial_steps"]), f"{run['search_s']:.1f}"))
+                rows.append(
+                    (
+                        name,
+                        f"{case['limit_bytes'] / 2**20:.1f} MiB",
+                        str(case["true_max"]),
+                        method,
+                        str(run["found"]),
+                        fraction,
+                        "yes" if run["survives"] else "NO",
+                        str(run["trial_steps"]),
+                        f"{run['search_s']:.1f}",
+                    )
+                )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for j, row in enumerate(rows):
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if j == 0:
             print("  ".join("-" * w for w in widths))
     for target in results["targets"]:
-        print(f"target: {target['metric']}: {target['value']} (threshold {target['threshold']}) -> "
-              f"{'met' if target['met'] else 'NOT met'}")
+        print(
+            f"target: {target['metric']}: {target['value']} (threshold {target['threshold']}) -> "
+            f"{'met' if target['met'] else 'NOT met'}"
+        )
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for batch_size_search.json")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for batch_size_search.json"
+    )
     parser.add_argument("--quick", action="store_true", help="the middle limit of each model only")
-    parser.add_argument("--models", nargs="+", choices=[w.name for w in WORKLOADS], default=[w.name for w in WORKLOADS])
+    parser.add_argument(
+        "--models", nargs="+", choices=[w.name for w in WORKLOADS], default=[w.name for w in WORKLOADS]
+    )
     return parser.parse_args(argv)
 
 
@@ -369,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
     }
     for workload in (w for w in WORKLOADS if w.name in args.models):
-        dataset = workload.data(4096, torch.Generator().manual_seed(0))  # made before any SimulatedMemory: host data
+        dataset = workload.data(
+            4096, torch.Generator().manual_seed(0)
+        )  # made before any SimulatedMemory: host data
         truth = TruePeaks(workload, dataset)
         low, high = truth(workload.low), truth(workload.high)
         entry: dict[str, Any] = {"description": workload.description, "limits": []}
@@ -382,23 +437,43 @@ def main(argv: list[str] | None = None) -> int:
                 run = _run(method, workload, dataset, limit)
                 run["fraction"] = run["found"] / true_max if run["found"] else None
                 runs[method] = run
-                print(f"  {method}: found {run['found']} ({run['fraction'] or 0:.1%}), {run['trial_steps']} trial steps, "
-                      f"{run['search_s']:.1f} s, survives {run['survives']}", flush=True)
-            entry["limits"].append({"fraction": fraction, "limit_bytes": limit, "true_max": true_max, "runs": runs})
+                print(
+                    f"  {method}: found {run['found']} ({run['fraction'] or 0:.1%}), {run['trial_steps']} trial steps, "
+                    f"{run['search_s']:.1f} s, survives {run['survives']}",
+                    flush=True,
+                )
+            entry["limits"].append(
+                {"fraction": fraction, "limit_bytes": limit, "true_max": true_max, "runs": runs}
+            )
         entry["true_peaks"] = {str(k): v for k, v in sorted(truth.peaks.items())}
         results["models"][workload.name] = entry
 
     ours = [case["runs"]["ours"] for e in results["models"].values() for case in e["limits"]]
-    speedups = [case["runs"]["binsearch"]["search_s"] / case["runs"]["ours"]["search_s"]
-                for e in results["models"].values() for case in e["limits"]]
+    speedups = [
+        case["runs"]["binsearch"]["search_s"] / case["runs"]["ours"]["search_s"]
+        for e in results["models"].values()
+        for case in e["limits"]
+    ]
     in_band = all(r["fraction"] is not None and BAND[0] <= r["fraction"] <= BAND[1] for r in ours)
     results["targets"] = [
-        {"metric": "ours: found / true maximum, every case", "threshold": "90-100 %",
-         "value": [round(r["fraction"] or 0, 3) for r in ours], "met": in_band},
-        {"metric": "ours: trains 8 steps at the size found, every case", "threshold": "yes",
-         "value": all(r["survives"] for r in ours), "met": all(r["survives"] for r in ours)},
-        {"metric": "binsearch search time / ours, median over cases", "threshold": f">= {SPEEDUP_TARGET}",
-         "value": round(statistics.median(speedups), 2), "met": statistics.median(speedups) >= SPEEDUP_TARGET},
+        {
+            "metric": "ours: found / true maximum, every case",
+            "threshold": "90-100 %",
+            "value": [round(r["fraction"] or 0, 3) for r in ours],
+            "met": in_band,
+        },
+        {
+            "metric": "ours: trains 8 steps at the size found, every case",
+            "threshold": "yes",
+            "value": all(r["survives"] for r in ours),
+            "met": all(r["survives"] for r in ours),
+        },
+        {
+            "metric": "binsearch search time / ours, median over cases",
+            "threshold": f">= {SPEEDUP_TARGET}",
+            "value": round(statistics.median(speedups), 2),
+            "met": statistics.median(speedups) >= SPEEDUP_TARGET,
+        },
     ]
     results["wall_s"] = time.perf_counter() - started
     print()

@@ -84,13 +84,15 @@ class EncodedImages(Dataset):
             row, col = divmod(label, 4)
             image[:, row * cell : (row + 1) * cell, col * cell : (col + 1) * cell] = 230
             self.encoded.append(torchvision.io.encode_jpeg(image, quality=quality))
-        self.augment = v2.Compose([
-            v2.RandomResizedCrop(CROP, scale=(0.6, 1.0), antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ColorJitter(brightness=0.3, contrast=0.3, saturation=0.3),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25]),
-        ])
+        self.augment = v2.Compose(
+            [
+                v2.RandomResizedCrop(CROP, scale=(0.6, 1.0), antialias=True),
+                v2.RandomHorizontalFlip(),
+                v2.ColorJitter(brightness=0.3, contrast=0.3, saturation=0.3),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25]),
+            ]
+        )
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -145,7 +147,9 @@ class Throughput(pl.Callback):
             torch.cuda.synchronize(trainer.strategy.root_device)
         return time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: nn.Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.start is None:
             self.start = self._now(trainer)
         else:
@@ -156,7 +160,11 @@ class Throughput(pl.Callback):
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / (self.end - self.start) if self.start and self.end and self.end > self.start else 0.0
+        return (
+            self.samples / (self.end - self.start)
+            if self.start and self.end and self.end > self.start
+            else 0.0
+        )
 
 
 @dataclass(frozen=True)
@@ -167,22 +175,42 @@ class Config:
 
 
 def configs(device: str) -> list[Config]:
-    naive = Config("naive", {"num_workers": 0, "pin_memory": False, "device_prefetch": False, "persistent_workers": False},
-                   "num_workers=0, pin_memory=False, device_prefetch=False (the DataLoader's defaults)")
-    defaults = Config("defaults", {}, "GPUOptDataModule defaults (num_workers/pin_memory/device_prefetch 'auto')")
+    naive = Config(
+        "naive",
+        {"num_workers": 0, "pin_memory": False, "device_prefetch": False, "persistent_workers": False},
+        "num_workers=0, pin_memory=False, device_prefetch=False (the DataLoader's defaults)",
+    )
+    defaults = Config(
+        "defaults", {}, "GPUOptDataModule defaults (num_workers/pin_memory/device_prefetch 'auto')"
+    )
     out = [naive, defaults]
     if device == "cuda":
-        out.append(Config("defaults, no device prefetch", {"device_prefetch": False}, "the defaults with device_prefetch=False"))
+        out.append(
+            Config(
+                "defaults, no device prefetch",
+                {"device_prefetch": False},
+                "the defaults with device_prefetch=False",
+            )
+        )
     return out
 
 
-def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: str, standin_ms: float) -> dict[str, Any]:
+def fit_once(
+    config: Config, dataset: EncodedImages, batch_size: int, device: str, standin_ms: float
+) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     data = ImageData(dataset, batch_size=batch_size, **config.loader)
     monitor, throughput = DataStallMonitor(window=10_000), Throughput()  # window: never warn mid-benchmark
     trainer = pl.Trainer(
-        accelerator=device, devices=1, max_epochs=1, precision="32-true", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor, throughput],
+        accelerator=device,
+        devices=1,
+        max_epochs=1,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor, throughput],
     )
     trainer.fit(Classifier(standin_ms), datamodule=data)
     epoch = monitor.history[0]
@@ -202,10 +230,14 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0) -> dict[str, Any]:
+def measure(
+    device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0
+) -> dict[str, Any]:
     dataset = EncodedImages(length=batch_size * steps)
     variants = configs(device)
-    fit_once(variants[0], EncodedImages(length=batch_size * 2), batch_size, device, standin_ms)  # untimed warm-up
+    fit_once(
+        variants[0], EncodedImages(length=batch_size * 2), batch_size, device, standin_ms
+    )  # untimed warm-up
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in variants}
     for r in range(repeats):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -223,25 +255,44 @@ def measure(device: str, repeats: int, steps: int, batch_size: int, standin_ms: 
             "wait_fraction": _spread([f["wait_fraction"] for f in fits]),
             "wait_ms_per_step": _spread([f["wait_ms_per_step"] for f in fits]),
             "compute_ms_per_step": _spread([f["compute_ms_per_step"] for f in fits]),
-            "speedup_vs_naive": _spread([f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, naive)]),
+            "speedup_vs_naive": _spread(
+                [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, naive)]
+            ),
             "fits": fits,
         }
     return results
 
 
 def print_table(results: dict[str, Any]) -> None:
-    rows = [("model", "configuration", "workers", "pinned", "dev. prefetch", "samples/s (median, min-max)",
-             "data-wait fraction (median, min-max)", "wait / compute ms per step", "speed-up vs naive (median, min-max)")]
+    rows = [
+        (
+            "model",
+            "configuration",
+            "workers",
+            "pinned",
+            "dev. prefetch",
+            "samples/s (median, min-max)",
+            "data-wait fraction (median, min-max)",
+            "wait / compute ms per step",
+            "speed-up vs naive (median, min-max)",
+        )
+    ]
     for model, configurations in results["models"].items():
         for name, r in configurations.items():
             s, w, x = r["samples_per_s"], r["wait_fraction"], r["speedup_vs_naive"]
-            rows.append((
-                model, name, str(r["settings"]["num_workers"]), str(r["settings"]["pin_memory"]), str(r["settings"]["device_prefetch"]),
-                f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
-                f"{w['median']:.0%} ({w['min']:.0%}-{w['max']:.0%})",
-                f"{r['wait_ms_per_step']['median']:.0f} / {r['compute_ms_per_step']['median']:.0f}",
-                f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})",
-            ))
+            rows.append(
+                (
+                    model,
+                    name,
+                    str(r["settings"]["num_workers"]),
+                    str(r["settings"]["pin_memory"]),
+                    str(r["settings"]["device_prefetch"]),
+                    f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
+                    f"{w['median']:.0%} ({w['min']:.0%}-{w['max']:.0%})",
+                    f"{r['wait_ms_per_step']['median']:.0f} / {r['compute_ms_per_step']['median']:.0f}",
+                    f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})",
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for j, row in enumerate(rows):
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -250,14 +301,24 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for data_pipeline.json")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for data_pipeline.json"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; --quick: 1)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="interleaved repeats (default 5; --quick: 1)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per fit (default 30; --quick: 8)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")
-    parser.add_argument("--standin-ms", type=float, default=60.0,
-                        help="device time per step of the stand-in model (CPU runs; default 60 ms)")
+    parser.add_argument(
+        "--standin-ms",
+        type=float,
+        default=60.0,
+        help="device time per step of the stand-in model (CPU runs; default 60 ms)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke mode: one repeat of a few steps")
     args = parser.parse_args(argv)
     for name in ("repeats", "steps", "batch_size"):
@@ -290,13 +351,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "available_cpus": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "workload": f"JPEG {IMAGE_SIZE}x{IMAGE_SIZE} decode + RandomResizedCrop({CROP}) + flip + ColorJitter + normalize "
-                    f"per sample; torchvision ResNet-18 ({NUM_CLASSES} classes), SGD",
+        f"per sample; torchvision ResNet-18 ({NUM_CLASSES} classes), SGD",
         "batch_size": args.batch_size,
         "steps": steps,
         "repeats": repeats,
     }
-    print(f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {args.batch_size}",
-          flush=True)
+    print(
+        f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {args.batch_size}",
+        flush=True,
+    )
     models = {"resnet18": 0.0}
     if args.device == "cpu":
         models[f"device stand-in ({args.standin_ms:g} ms)"] = args.standin_ms
@@ -304,11 +367,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for model, standin_ms in models.items():
         print(f"{model}:", flush=True)
         results["models"][model] = measure(args.device, repeats, steps, args.batch_size, standin_ms)
-    results["targets"] = [{
-        "model": model,
-        "metric": "samples/s with the defaults over naive settings (median of per-repeat ratios)",
-        "threshold": "> 1.0", "value": (v := r["defaults"]["speedup_vs_naive"]["median"]), "met": v > 1.0,
-    } for model, r in results["models"].items()]
+    results["targets"] = [
+        {
+            "model": model,
+            "metric": "samples/s with the defaults over naive settings (median of per-repeat ratios)",
+            "threshold": "> 1.0",
+            "value": (v := r["defaults"]["speedup_vs_naive"]["median"]),
+            "met": v > 1.0,
+        }
+        for model, r in results["models"].items()
+    ]
     results["wall_s"] = time.perf_counter() - started
     print()
     print_table(results)

@@ -163,9 +163,12 @@ def _squeezenet() -> nn.Module:
 
 def _mlp() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(512, 1024), nn.ReLU(),
-        nn.Linear(1024, 1024), nn.ReLU(),
-        nn.Linear(1024, 1024), nn.ReLU(),
+        nn.Linear(512, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
         nn.Linear(1024, 10),
     )
 
@@ -176,12 +179,32 @@ def _tiny() -> nn.Module:
 
 def workloads(mlp_recovery_batch_size: int) -> list[Workload]:
     return [
-        Workload("squeezenet", "torchvision squeezenet1_1(num_classes=10) on 3x32x32", _squeezenet, _images,
-                 batch_size=32, recovery_batch_size=32),
-        Workload("mlp", "MLP 512-1024-1024-1024-10, ReLU", _mlp, _features(512),
-                 batch_size=256, recovery_batch_size=mlp_recovery_batch_size),
-        Workload("tiny", "MLP 32-64-10 (steps of ~1 ms: the callback's fixed cost per step)", _tiny,
-                 _features(32), batch_size=32, recovery_batch_size=None, steps_factor=4, targeted=False),
+        Workload(
+            "squeezenet",
+            "torchvision squeezenet1_1(num_classes=10) on 3x32x32",
+            _squeezenet,
+            _images,
+            batch_size=32,
+            recovery_batch_size=32,
+        ),
+        Workload(
+            "mlp",
+            "MLP 512-1024-1024-1024-10, ReLU",
+            _mlp,
+            _features(512),
+            batch_size=256,
+            recovery_batch_size=mlp_recovery_batch_size,
+        ),
+        Workload(
+            "tiny",
+            "MLP 32-64-10 (steps of ~1 ms: the callback's fixed cost per step)",
+            _tiny,
+            _features(32),
+            batch_size=32,
+            recovery_batch_size=None,
+            steps_factor=4,
+            targeted=False,
+        ),
     ]
 
 
@@ -234,8 +257,9 @@ class LimitAt(pl.Callback):
     def __init__(self, memory: SimulatedMemory, batch_idx: int, limit_bytes: int) -> None:
         self.memory, self.batch_idx, self.limit_bytes = memory, batch_idx, limit_bytes
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.batch_idx:
             self.memory.limit_bytes = self.limit_bytes
 
@@ -250,8 +274,12 @@ def _recovery(k: int | None) -> list[pl.Callback]:
     return [callback]
 
 
-def fit(workload: Workload, callbacks: list[pl.Callback], loader: DataLoader,
-        memory: SimulatedMemory | None = None) -> pl.Trainer:
+def fit(
+    workload: Workload,
+    callbacks: list[pl.Callback],
+    loader: DataLoader,
+    memory: SimulatedMemory | None = None,
+) -> pl.Trainer:
     """One seeded fit of ``len(loader)`` steps, inside ``memory`` when given.
 
     The loader is built before entering ``memory``: a dataset lives in host memory, and SimulatedMemory
@@ -275,8 +303,11 @@ def fit(workload: Workload, callbacks: list[pl.Callback], loader: DataLoader,
 def summary(values: list[float]) -> dict[str, float]:
     """Median and spread (min, quartiles, max) of some figures."""
     ordered = sorted(values)
-    q1, q3 = (statistics.quantiles(ordered, n=4, method="inclusive")[::2] if len(ordered) > 1
-              else (ordered[0], ordered[0]))
+    q1, q3 = (
+        statistics.quantiles(ordered, n=4, method="inclusive")[::2]
+        if len(ordered) > 1
+        else (ordered[0], ordered[0])
+    )
     return {"median": statistics.median(ordered), "min": ordered[0], "q1": q1, "q3": q3, "max": ordered[-1]}
 
 
@@ -301,10 +332,10 @@ def measure_overhead(workload: Workload, repeats: int, warmup: int, steps: int) 
             fit(workload, [timer, *recovery], loader)
             if recovery and recovery[0].failures:
                 raise RuntimeError(f"{workload.name} {variant}: out of memory without a limit")
-            steady = timer.periods[warmup - 1:]  # from batch `warmup` on
+            steady = timer.periods[warmup - 1 :]  # from batch `warmup` on
             median_ms[variant].append(1e3 * statistics.median(steady))
             min_ms[variant].append(1e3 * min(steady))
-            cpu_ms[variant].append(1e3 * statistics.median(timer.cpu_periods[warmup - 1:]))
+            cpu_ms[variant].append(1e3 * statistics.median(timer.cpu_periods[warmup - 1 :]))
     ratios, min_ratios, cpu_ratios = _ratios(median_ms), _ratios(min_ms), _ratios(cpu_ms)
     overhead_ms = [a - b for a, b in zip(median_ms["k=1"], median_ms["plain"])]
     k1 = summary(ratios["k=1"])
@@ -326,8 +357,12 @@ def measure_overhead(workload: Workload, repeats: int, warmup: int, steps: int) 
         "ratio_k1_cpu_time_summary": summary(cpu_ratios["k=1"]),
         "overhead_k1_ms": overhead_ms,
         "overhead_k1_ms_summary": summary(overhead_ms),
-        "target": {"metric": "median over repeats of step-time ratio OOMRecovery() k=1 / plain",
-                   "threshold": OVERHEAD_TARGET, "value": k1["median"], "met": k1["median"] <= OVERHEAD_TARGET},
+        "target": {
+            "metric": "median over repeats of step-time ratio OOMRecovery() k=1 / plain",
+            "threshold": OVERHEAD_TARGET,
+            "value": k1["median"],
+            "met": k1["median"] <= OVERHEAD_TARGET,
+        },
     }
 
 
@@ -343,7 +378,9 @@ class RankZeroTimes(StepTimer):
             Path(self.path).write_text(json.dumps({"periods": self.periods, "cpu_periods": self.cpu_periods}))
 
 
-def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: int, folder: Path) -> dict[str, Any]:
+def measure_ddp_overhead(
+    workload: Workload, repeats: int, warmup: int, steps: int, folder: Path
+) -> dict[str, Any]:
     """Interleaved 2-process DDP fits (gloo, spawn): plain vs OOMRecovery() at k=1; rank 0's steady step times."""
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -356,12 +393,13 @@ def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: i
             path = folder / f"ddp_{repeat}_{variant}.json"
             pl.seed_everything(0, verbose=False)
             trainer = pl.Trainer(
-                max_steps=warmup + steps, callbacks=[RankZeroTimes(str(path)), *_recovery(FORCED_K[variant])],
+                max_steps=warmup + steps,
+                callbacks=[RankZeroTimes(str(path)), *_recovery(FORCED_K[variant])],
                 **{**TRAINER_QUIET, "devices": 2, "strategy": DDPStrategy(start_method="spawn")},
             )
             trainer.fit(Classifier(workload.build), loader)
             periods = json.loads(path.read_text())["periods"]
-            median_ms[variant].append(1e3 * statistics.median(periods[warmup - 1:]))
+            median_ms[variant].append(1e3 * statistics.median(periods[warmup - 1 :]))
     ratios = [a / b for a, b in zip(median_ms["k=1"], median_ms["plain"])]
     s = summary(ratios)
     return {
@@ -375,8 +413,12 @@ def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: i
         "step_ms": {v: statistics.median(median_ms[v]) for v in variants},
         "ratio_k1": ratios,
         "ratio_k1_summary": s,
-        "target": {"metric": "median over repeats of rank 0's step-time ratio DDP+OOMRecovery() k=1 / plain DDP",
-                   "threshold": DDP_OVERHEAD_TARGET, "value": s["median"], "met": s["median"] <= DDP_OVERHEAD_TARGET},
+        "target": {
+            "metric": "median over repeats of rank 0's step-time ratio DDP+OOMRecovery() k=1 / plain DDP",
+            "threshold": DDP_OVERHEAD_TARGET,
+            "value": s["median"],
+            "met": s["median"] <= DDP_OVERHEAD_TARGET,
+        },
     }
 
 
@@ -413,9 +455,14 @@ def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[
     limit = result["calibration"]["limit_bytes"]
     if limit is None:
         cal = result["calibration"]
-        result.update(status="not possible", recovered=False, reason=(
-            f"splitting does not lower the step's peak (k=1: {cal['peak_k1_bytes'] / 2**20:.1f} MiB, "
-            f"k={CALIBRATION_K}: {cal[f'peak_k{CALIBRATION_K}_bytes'] / 2**20:.1f} MiB)"))
+        result.update(
+            status="not possible",
+            recovered=False,
+            reason=(
+                f"splitting does not lower the step's peak (k=1: {cal['peak_k1_bytes'] / 2**20:.1f} MiB, "
+                f"k={CALIBRATION_K}: {cal[f'peak_k{CALIBRATION_K}_bytes'] / 2**20:.1f} MiB)"
+            ),
+        )
         return result
 
     limit_at = warmup + 1  # batches 0..warmup run unlimited; from batch 2 on they are steady steps
@@ -423,11 +470,20 @@ def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[
     memory, timer = SimulatedMemory(), StepTimer()
     peaks, recovery = StepPeaks(memory), OOMRecovery()
     try:
-        trainer = fit(workload, [timer, peaks, LimitAt(memory, limit_at, limit), recovery],
-                      workload.loader(batch_size, total_steps), memory)
+        trainer = fit(
+            workload,
+            [timer, peaks, LimitAt(memory, limit_at, limit), recovery],
+            workload.loader(batch_size, total_steps),
+            memory,
+        )
     except Exception as err:  # a failed recovery is a result: report it with what was measured
-        result.update(status="failed", recovered=False, limit_bytes=limit, error=f"{type(err).__name__}: {err}",
-                      failures=[_failure(f) for f in recovery.failures])
+        result.update(
+            status="failed",
+            recovered=False,
+            limit_bytes=limit,
+            error=f"{type(err).__name__}: {err}",
+            failures=[_failure(f) for f in recovery.failures],
+        )
         return result
     gc_started = time.perf_counter()
     gc.collect()  # what free_memory() pays per failed attempt on CPU, on a heap like the run's
@@ -473,31 +529,84 @@ def _spread(s: dict[str, float]) -> str:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    rows = [("model", "batch", "plain ms", "k=1 ms", "k=1/plain median [min-max; IQR]", "target",
-             "of min steps", "of CPU time", "k=1 extra ms", "k=2/plain")]
+    rows = [
+        (
+            "model",
+            "batch",
+            "plain ms",
+            "k=1 ms",
+            "k=1/plain median [min-max; IQR]",
+            "target",
+            "of min steps",
+            "of CPU time",
+            "k=1 extra ms",
+            "k=2/plain",
+        )
+    ]
     for name, r in results["models"].items():
         o = r["overhead"]
         met = ("met" if o["target"]["met"] else "NOT met") if r["targeted"] else "(info)"
-        rows.append((name, str(o["batch_size"]), f"{o['step_ms']['plain']:.2f}", f"{o['step_ms']['k=1']:.2f}",
-                     _spread(o["ratio_k1_summary"]), f"<= {OVERHEAD_TARGET} {met}",
-                     f"{o['ratio_k1_of_min_steps_summary']['median']:.3f}",
-                     f"{o['ratio_k1_cpu_time_summary']['median']:.3f}",
-                     f"{o['overhead_k1_ms_summary']['median']:+.3f}", f"{o['ratio_k2_summary']['median']:.3f}"))
+        rows.append(
+            (
+                name,
+                str(o["batch_size"]),
+                f"{o['step_ms']['plain']:.2f}",
+                f"{o['step_ms']['k=1']:.2f}",
+                _spread(o["ratio_k1_summary"]),
+                f"<= {OVERHEAD_TARGET} {met}",
+                f"{o['ratio_k1_of_min_steps_summary']['median']:.3f}",
+                f"{o['ratio_k1_cpu_time_summary']['median']:.3f}",
+                f"{o['overhead_k1_ms_summary']['median']:+.3f}",
+                f"{o['ratio_k2_summary']['median']:.3f}",
+            )
+        )
     _print_rows(rows)
-    print("k=1/plain: median over repeats of the ratio of per-fit median step times; 'of min steps': of per-fit "
-          "fastest steps; 'of CPU time': of per-fit median process CPU time per step (all medians over repeats)")
+    print(
+        "k=1/plain: median over repeats of the ratio of per-fit median step times; 'of min steps': of per-fit "
+        "fastest steps; 'of CPU time': of per-fit median process CPU time per step (all medians over repeats)"
+    )
     print()
     if results.get("ddp"):
-        rows = [("DDP (2 processes, gloo)", "batch per rank", "plain DDP ms", "DDP + OOMRecovery ms",
-                 "ratio median [min-max; IQR]", "target")]
+        rows = [
+            (
+                "DDP (2 processes, gloo)",
+                "batch per rank",
+                "plain DDP ms",
+                "DDP + OOMRecovery ms",
+                "ratio median [min-max; IQR]",
+                "target",
+            )
+        ]
         for d in results["ddp"].values():
             met = "met" if d["target"]["met"] else "NOT met"
-            rows.append((d["workload"], str(d["batch_size_per_rank"]), f"{d['step_ms']['plain']:.2f}",
-                         f"{d['step_ms']['k=1']:.2f}", _spread(d["ratio_k1_summary"]), f"<= {DDP_OVERHEAD_TARGET} {met}"))
+            rows.append(
+                (
+                    d["workload"],
+                    str(d["batch_size_per_rank"]),
+                    f"{d['step_ms']['plain']:.2f}",
+                    f"{d['step_ms']['k=1']:.2f}",
+                    _spread(d["ratio_k1_summary"]),
+                    f"<= {DDP_OVERHEAD_TARGET} {met}",
+                )
+            )
         _print_rows(rows)
         print()
-    rows = [("model", "batch", "limit (of k=1 peak)", "status", "retries", "final k", "steady ms",
-             "recovering ms", "ratio", "final-k step ms", "ratio to it", "gc.collect ms")]
+    rows = [
+        (
+            "model",
+            "batch",
+            "limit (of k=1 peak)",
+            "status",
+            "retries",
+            "final k",
+            "steady ms",
+            "recovering ms",
+            "ratio",
+            "final-k step ms",
+            "ratio to it",
+            "gc.collect ms",
+        )
+    ]
     notes = []
     for name, r in results["models"].items():
         c = r.get("recovery")
@@ -509,16 +618,30 @@ def print_table(results: dict[str, Any]) -> None:
             continue
         fraction = c["calibration"]["limit_fraction_of_peak"]
         after = statistics.median(c["after_step_ms"])
-        rows.append((name, str(c["batch_size"]), f"{c['limit_bytes'] / 2**20:.1f} MiB ({fraction:.0%})", c["status"],
-                     str(c["retries"]), str(c["final_k"]), f"{statistics.median(c['steady_step_ms']):.1f}",
-                     f"{c['recovering_step_ms']:.1f}", f"{c['ratio_vs_steady_k1']:.1f}", f"{after:.1f}",
-                     f"{c['ratio_vs_final_k_step']:.1f}", f"{c['gc_collect_ms']:.0f}"))
+        rows.append(
+            (
+                name,
+                str(c["batch_size"]),
+                f"{c['limit_bytes'] / 2**20:.1f} MiB ({fraction:.0%})",
+                c["status"],
+                str(c["retries"]),
+                str(c["final_k"]),
+                f"{statistics.median(c['steady_step_ms']):.1f}",
+                f"{c['recovering_step_ms']:.1f}",
+                f"{c['ratio_vs_steady_k1']:.1f}",
+                f"{after:.1f}",
+                f"{c['ratio_vs_final_k_step']:.1f}",
+                f"{c['gc_collect_ms']:.0f}",
+            )
+        )
         other = c.get("calibration_at_overhead_batch_size")
         if other is not None:
             peak_1, peak_k = other["peak_k1_bytes"] / 2**20, other[f"peak_k{CALIBRATION_K}_bytes"] / 2**20
-            notes.append(f"{name}: at batch {other['batch_size']} the step peaks at {peak_1:.1f} MiB with k=1 and "
-                         f"{peak_k:.1f} MiB with k={CALIBRATION_K}: "
-                         + ("splitting lowers it" if other["limit_bytes"] else "splitting cannot recover an OOM there"))
+            notes.append(
+                f"{name}: at batch {other['batch_size']} the step peaks at {peak_1:.1f} MiB with k=1 and "
+                f"{peak_k:.1f} MiB with k={CALIBRATION_K}: "
+                + ("splitting lowers it" if other["limit_bytes"] else "splitting cannot recover an OOM there")
+            )
     _print_rows(rows)
     for note in notes:
         print(note)
@@ -536,18 +659,33 @@ def _print_rows(rows: list[tuple[str, ...]]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for oom_recovery.json")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="interleaved repeats of the overhead fits (default 7; --quick: 2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for oom_recovery.json"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved repeats of the overhead fits (default 7; --quick: 2)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke mode, few repeats and steps (CI, < 60 s)")
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process DDP overhead measurement")
     parser.add_argument("--ddp-only", action="store_true", help="only the 2-process DDP overhead measurement")
-    parser.add_argument("--ddp-workloads", default="mlp,squeezenet",
-                        help="comma-separated workloads of the DDP measurement (default: mlp,squeezenet)")
-    parser.add_argument("--mlp-recovery-batch-size", type=int, default=2048,
-                        help="the MLP's batch size in the recovery run (default 2048; at 256 its memory is "
-                             "dominated by parameters, gradients and optimizer state)")
+    parser.add_argument(
+        "--ddp-workloads",
+        default="mlp,squeezenet",
+        help="comma-separated workloads of the DDP measurement (default: mlp,squeezenet)",
+    )
+    parser.add_argument(
+        "--mlp-recovery-batch-size",
+        type=int,
+        default=2048,
+        help="the MLP's batch size in the recovery run (default 2048; at 256 its memory is "
+        "dominated by parameters, gradients and optimizer state)",
+    )
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be a positive int, got {args.repeats}")
@@ -585,8 +723,11 @@ def main(argv: list[str] | None = None) -> int:
     for workload in [] if args.ddp_only else workloads(args.mlp_recovery_batch_size):
         print(f"{workload.name}: overhead, {repeats} interleaved repeats ...", flush=True)
         phase_started = time.perf_counter()
-        entry = {"description": workload.description, "targeted": workload.targeted,
-                 "overhead": measure_overhead(workload, repeats, warmup, steps)}
+        entry = {
+            "description": workload.description,
+            "targeted": workload.targeted,
+            "overhead": measure_overhead(workload, repeats, warmup, steps),
+        }
         entry["overhead"]["wall_s"] = time.perf_counter() - phase_started
         if workload.recovery_batch_size is not None:
             print(f"{workload.name}: recovery under SimulatedMemory ...", flush=True)
@@ -598,9 +739,13 @@ def main(argv: list[str] | None = None) -> int:
         results["ddp"] = {}
         for name in args.ddp_workloads.split(","):
             workload = next(w for w in workloads(args.mlp_recovery_batch_size) if w.name == name.strip())
-            print(f"{workload.name}: DDP overhead, 2 processes, {repeats} interleaved repeats ...", flush=True)
+            print(
+                f"{workload.name}: DDP overhead, 2 processes, {repeats} interleaved repeats ...", flush=True
+            )
             phase_started = time.perf_counter()
-            entry = measure_ddp_overhead(workload, repeats, warmup, steps, args.out / "ddp_times" / workload.name)
+            entry = measure_ddp_overhead(
+                workload, repeats, warmup, steps, args.out / "ddp_times" / workload.name
+            )
             entry["wall_s"] = time.perf_counter() - phase_started
             results["ddp"][workload.name] = entry
     results["targets"] = [
@@ -609,9 +754,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, entry in results.get("ddp", {}).items():
         results["targets"].append({"model": f"{name}, DDP x2", **entry["target"]})
     results["targets"] += [
-        {"model": name, "metric": "the run recovers from the OOM and completes", "threshold": "recovered",
-         "value": r["recovery"]["status"], "met": r["recovery"]["recovered"]}
-        for name, r in results["models"].items() if "recovery" in r
+        {
+            "model": name,
+            "metric": "the run recovers from the OOM and completes",
+            "threshold": "recovered",
+            "value": r["recovery"]["status"],
+            "met": r["recovery"]["recovered"],
+        }
+        for name, r in results["models"].items()
+        if "recovery" in r
     ]
     results["wall_s"] = time.perf_counter() - started
 

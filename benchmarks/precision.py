@@ -93,11 +93,20 @@ def _small_mlp() -> nn.Module:
 def cpu_workloads() -> list[Workload]:
     """Small, because float16/bfloat16 autocast on a CPU without AVX512-BF16/AMX is about 10x slower than float32."""
     return [
-        Workload("mlp", "MLP 256-512-512-10, ReLU, SGD momentum", lambda: Classifier(_small_mlp),
-                 lambda: _feature_batches(128), batch_size=128),
-        Workload("transformer", "causal LM: nn.TransformerEncoder 1 x 64 wide, 2 heads, 32 tokens, vocab 512, AdamW",
-                 lambda: CausalLM(vocab=512, width=64, heads=2, layers=1, seq_len=32),
-                 lambda: _token_batches(16, seq_len=32, vocab=512, count=4), batch_size=16),
+        Workload(
+            "mlp",
+            "MLP 256-512-512-10, ReLU, SGD momentum",
+            lambda: Classifier(_small_mlp),
+            lambda: _feature_batches(128),
+            batch_size=128,
+        ),
+        Workload(
+            "transformer",
+            "causal LM: nn.TransformerEncoder 1 x 64 wide, 2 heads, 32 tokens, vocab 512, AdamW",
+            lambda: CausalLM(vocab=512, width=64, heads=2, layers=1, seq_len=32),
+            lambda: _token_batches(16, seq_len=32, vocab=512, count=4),
+            batch_size=16,
+        ),
     ]
 
 
@@ -130,12 +139,25 @@ def configs(device: str) -> list[Config]:
         Config("32-true", "32-true", fp32_on_cpu=True),
         Config("bf16-mixed", "bf16-mixed"),
         Config("16-mixed", "16-mixed", fp16_plugin=cpu),  # on a CPU only the plugin gives real float16
-        Config("switch 32-true", "32-true", fp32_on_cpu=True,
-               switch=lambda: PrecisionSwitch(initial="keep", tf32=False, verbose=False)),
-        Config("switch 16-mixed", "16-mixed", fp16_plugin=cpu,
-               switch=lambda: PrecisionSwitch(initial="keep", verbose=False)),
-        Config("auto", None, switch=lambda: PrecisionSwitch(verbose=False), explicit_fp32_math=False,
-               fp32_on_cpu=True),  # auto picks 32-true on a CPU
+        Config(
+            "switch 32-true",
+            "32-true",
+            fp32_on_cpu=True,
+            switch=lambda: PrecisionSwitch(initial="keep", tf32=False, verbose=False),
+        ),
+        Config(
+            "switch 16-mixed",
+            "16-mixed",
+            fp16_plugin=cpu,
+            switch=lambda: PrecisionSwitch(initial="keep", verbose=False),
+        ),
+        Config(
+            "auto",
+            None,
+            switch=lambda: PrecisionSwitch(verbose=False),
+            explicit_fp32_math=False,
+            fp32_on_cpu=True,
+        ),  # auto picks 32-true on a CPU
     ]
     if not cpu:
         listed.insert(1, Config("tf32", "32-true", tf32=True))
@@ -186,8 +208,9 @@ class Window(pl.Callback):
         self.losses: list[Tensor] = []  # kept on the device: read after the fit, no sync per step
         self.ends: list[tuple[float, float]] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.losses.append(outputs["loss"].detach())
         if self.sync and batch_idx in (self.warmup - 1, trainer.max_steps - 1):
             torch.cuda.synchronize()
@@ -201,17 +224,31 @@ class Window(pl.Callback):
         return statistics.median(b - a for a, b in itertools.pairwise(timed))
 
 
-def fit(workload: Workload, config: Config, batches: list[tuple[Tensor, ...]], device: str, warmup: int,
-        steps: int, loss_at: int | None = None) -> dict[str, Any]:
+def fit(
+    workload: Workload,
+    config: Config,
+    batches: list[tuple[Tensor, ...]],
+    device: str,
+    warmup: int,
+    steps: int,
+    loss_at: int | None = None,
+) -> dict[str, Any]:
     """One seeded fit; the final loss is the mean over the ``LOSS_TAIL`` steps before ``loss_at`` (default: the end)."""
     pl.seed_everything(0, verbose=False)
     gc.collect()
     window = Window(warmup, sync=device == "cuda")
     switch = config.switch() if config.switch else None
     trainer = pl.Trainer(
-        max_steps=warmup + steps, accelerator=device, devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[window] + ([switch] if switch else []), **config.trainer_kwargs(device),
+        max_steps=warmup + steps,
+        accelerator=device,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[window] + ([switch] if switch else []),
+        **config.trainer_kwargs(device),
     )
     explicit = device == "cuda" and config.explicit_fp32_math
     with Fp32Math(config.tf32) if explicit else contextlib.nullcontext():
@@ -244,7 +281,9 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
         for config in listed if repeat % 2 == 0 else listed[::-1]:
             timed = steps * CPU_FAST_STEPS if device == "cpu" and config.fp32_on_cpu else steps
             # every configuration's loss is compared at the same step
-            runs[config.name].append(fit(workload, config, batches, device, warmup, timed, loss_at=warmup + steps))
+            runs[config.name].append(
+                fit(workload, config, batches, device, warmup, timed, loss_at=warmup + steps)
+            )
     rates = {name: [r["samples_per_s"] for r in rs] for name, rs in runs.items()}
     per_config = {
         name: {
@@ -263,9 +302,13 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
     for name, base in OVERHEAD_PAIRS.items():
         ratios = [b / a for a, b in zip(rates[name], rates[base])]  # time ratio = inverse rate ratio
         added_ms = [1e3 * workload.batch_size * (1 / a - 1 / b) for a, b in zip(rates[name], rates[base])]
-        overhead[name] = {"ratio": statistics.median(ratios), "ratio_summary": summary(ratios),
-                          "added_ms_per_step": statistics.median(added_ms), "added_ms_summary": summary(added_ms),
-                          "met": statistics.median(ratios) <= OVERHEAD_TARGET}
+        overhead[name] = {
+            "ratio": statistics.median(ratios),
+            "ratio_summary": summary(ratios),
+            "added_ms_per_step": statistics.median(added_ms),
+            "added_ms_summary": summary(added_ms),
+            "met": statistics.median(ratios) <= OVERHEAD_TARGET,
+        }
     stable = {n: v for n, v in per_config.items() if n in PRECISIONS and v["stable"]}
     fastest = max(stable, key=lambda n: stable[n]["samples_per_s"]) if stable else None
     auto = per_config["auto"]
@@ -279,8 +322,11 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
         "configs": per_config,
         "overhead": overhead,
         "fastest_stable": fastest,
-        "auto": {"chose": auto["precision"], "ratio_to_fastest_stable": auto_ratio,
-                 "met": auto_ratio is not None and auto_ratio >= AUTO_TARGET},
+        "auto": {
+            "chose": auto["precision"],
+            "ratio_to_fastest_stable": auto_ratio,
+            "met": auto_ratio is not None and auto_ratio >= AUTO_TARGET,
+        },
     }
 
 
@@ -290,34 +336,58 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
 def print_table(results: dict[str, Any]) -> None:
     for name, r in results["models"].items():
         clock = "CPU time per step" if results["device_kind"] == "cpu" else "wall time"
-        print(f"\n{name}: {r['description']}, batch {r['batch_size']}, {r['timed_steps']} timed steps, "
-              f"{results['repeats']} repeats; samples/s from {clock}")
+        print(
+            f"\n{name}: {r['description']}, batch {r['batch_size']}, {r['timed_steps']} timed steps, "
+            f"{results['repeats']} repeats; samples/s from {clock}"
+        )
         print(f"  {'configuration':<18}{'samples/s':>12}{'spread (min-max)':>22}{'final loss':>12}  stable")
         for config, v in r["configs"].items():
             s = v["samples_per_s_summary"]
             label = config if config != "auto" else f"auto ({v['precision']})"
-            print(f"  {label:<18}{v['samples_per_s']:>12.1f}{s['min']:>11.1f} - {s['max']:<9.1f}"
-                  f"{v['final_loss']:>12.4f}  {'yes' if v['stable'] else 'NO'}")
+            print(
+                f"  {label:<18}{v['samples_per_s']:>12.1f}{s['min']:>11.1f} - {s['max']:<9.1f}"
+                f"{v['final_loss']:>12.4f}  {'yes' if v['stable'] else 'NO'}"
+            )
         for config, o in r["overhead"].items():
-            print(f"  {config} / plain: step-time ratio {o['ratio']:.3f} (IQR {o['ratio_summary']['q1']:.3f}-"
-                  f"{o['ratio_summary']['q3']:.3f}), {o['added_ms_per_step']:+.2f} ms per step; target <= "
-                  f"{OVERHEAD_TARGET}: {'met' if o['met'] else 'not met'}")
+            print(
+                f"  {config} / plain: step-time ratio {o['ratio']:.3f} (IQR {o['ratio_summary']['q1']:.3f}-"
+                f"{o['ratio_summary']['q3']:.3f}), {o['added_ms_per_step']:+.2f} ms per step; target <= "
+                f"{OVERHEAD_TARGET}: {'met' if o['met'] else 'not met'}"
+            )
         a = r["auto"]
         ratio = f"{a['ratio_to_fastest_stable']:.3f}" if a["ratio_to_fastest_stable"] is not None else "n/a"
-        print(f"  auto chose {a['chose']}; fastest stable: {r['fastest_stable']}; auto / fastest = {ratio}, "
-              f"target >= {AUTO_TARGET}: {'met' if a['met'] else 'not met'}")
+        print(
+            f"  auto chose {a['chose']}; fastest stable: {r['fastest_stable']}; auto / fastest = {ratio}, "
+            f"target >= {AUTO_TARGET}: {'met' if a['met'] else 'not met'}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for precision.json")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 7; 2 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="smoke mode, few repeats and steps (CI, about a minute)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where to run (auto: CUDA when available)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads on a CPU (default 1: CPU time per step stays meaningful on "
-                             "shared cores)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for precision.json"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="interleaved repeats (default 7; 2 with --quick)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke mode, few repeats and steps (CI, about a minute)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where to run (auto: CUDA when available)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads on a CPU (default 1: CPU time per step stays meaningful on "
+        "shared cores)",
+    )
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be a positive int, got {args.repeats}")
@@ -353,17 +423,31 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
         "models": {},
     }
     for workload in workloads:
-        print(f"{workload.name}: {len(configs(device))} configurations x {repeats} interleaved repeats ...", flush=True)
+        print(
+            f"{workload.name}: {len(configs(device))} configurations x {repeats} interleaved repeats ...",
+            flush=True,
+        )
         phase = time.perf_counter()
         results["models"][workload.name] = measure(workload, device, repeats, warmup, steps)
         results["models"][workload.name]["wall_s"] = time.perf_counter() - phase
     results["targets"] = [
-        {"model": name, "metric": f"{config} / plain step time", "threshold": OVERHEAD_TARGET,
-         "value": o["ratio"], "met": o["met"]}
-        for name, r in results["models"].items() for config, o in r["overhead"].items()
+        {
+            "model": name,
+            "metric": f"{config} / plain step time",
+            "threshold": OVERHEAD_TARGET,
+            "value": o["ratio"],
+            "met": o["met"],
+        }
+        for name, r in results["models"].items()
+        for config, o in r["overhead"].items()
     ] + [
-        {"model": name, "metric": "auto samples/s / fastest stable", "threshold": AUTO_TARGET,
-         "value": r["auto"]["ratio_to_fastest_stable"], "met": r["auto"]["met"]}
+        {
+            "model": name,
+            "metric": "auto samples/s / fastest stable",
+            "threshold": AUTO_TARGET,
+            "value": r["auto"]["ratio_to_fastest_stable"],
+            "met": r["auto"]["met"],
+        }
         for name, r in results["models"].items()
     ]
     results["wall_s"] = time.perf_counter() - started

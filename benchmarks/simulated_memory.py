@@ -43,8 +43,12 @@ def _quantiles(values: list[float]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"directory for the JSON result (default: {DEFAULT_OUT})")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"directory for the JSON result (default: {DEFAULT_OUT})"
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
@@ -52,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         "--backends", default="allocator,dispatch", help="comma-separated SimulatedMemory backends to time"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if the allocator's median ratio > {TARGET}")
+    parser.add_argument(
+        "--check", action="store_true", help=f"exit 1 if the allocator's median ratio > {TARGET}"
+    )
     args = parser.parse_args(argv)
     for name in ("batch_size", "repeats", "steps"):
         if getattr(args, name) < 1:
@@ -145,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     verdict = None
     if allocator is not None:
         verdict = allocator["ratio_median"] <= TARGET
-        print(f"allocator backend: median ratio {allocator['ratio_median']:.3f} (target <= {TARGET}): {'ok' if verdict else 'OVER'}")
+        print(
+            f"allocator backend: median ratio {allocator['ratio_median']:.3f} (target <= {TARGET}): {'ok' if verdict else 'OVER'}"
+        )
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "simulated_memory.json")

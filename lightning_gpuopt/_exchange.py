@@ -87,7 +87,9 @@ class DDPExchange:
     def prepare(self) -> None:
         """Allocate the vote tensor and the staging buffers once (an OOM here is the attempt's own)."""
         if self._votes is None:
-            self._votes = torch.zeros(2 * self.world_size + len(self.params), dtype=torch.int64, device=self.device)
+            self._votes = torch.zeros(
+                2 * self.world_size + len(self.params), dtype=torch.int64, device=self.device
+            )
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for t in [*self.params, *self.buffers]:
             key = (t.dtype, t.device)
@@ -166,7 +168,13 @@ class DDPExchange:
 
 
 def _all_reduce_votes(
-    tensor: Tensor, rank: int, world_size: int, status: int, k: int, group: Any, extra: list[bool] | None = None
+    tensor: Tensor,
+    rank: int,
+    world_size: int,
+    status: int,
+    k: int,
+    group: Any,
+    extra: list[bool] | None = None,
 ) -> tuple[list[Vote], list[int]]:
     """One all-reduce of ``tensor``: this rank's (status, k) in its own two slots, ``extra`` flags summed after them.
 
@@ -219,8 +227,10 @@ def fsdp2_unsupported() -> str | None:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return f"torch {torch.__version__} has no FSDP2 (`torch.distributed.fsdp.FSDPModule`)"
     if not hasattr(FSDPModule, "reset_iter_state"):
-        return (f"torch {torch.__version__} lacks FSDPModule.reset_iter_state, which recovering from an OOM mid-step "
-                "under FSDP2 needs (torch 2.14 or newer has it)")
+        return (
+            f"torch {torch.__version__} lacks FSDPModule.reset_iter_state, which recovering from an OOM mid-step "
+            "under FSDP2 needs (torch 2.14 or newer has it)"
+        )
     return None
 
 
@@ -273,10 +283,15 @@ class FSDP2Exchange:
         if not self.groups:
             raise ValueError(f"{type(module).__name__} has no `fully_shard` module with parameters")
         one_dim = all(
-            hasattr(g.mesh_info, "shard_process_group") and not hasattr(g.mesh_info, "replicate_process_group")
+            hasattr(g.mesh_info, "shard_process_group")
+            and not hasattr(g.mesh_info, "replicate_process_group")
             for g in self.groups
         )
-        process_groups = {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups} if one_dim else {}
+        process_groups = (
+            {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups}
+            if one_dim
+            else {}
+        )
         if len(process_groups) != 1:
             raise ValueError(
                 "every `fully_shard` unit must shard over the same one-dimensional mesh (no HSDP, no `replicate`, no "

@@ -15,8 +15,6 @@ from lightning_gpuopt.memory import format_bytes, get_probe
 __all__ = ["RunSummary"]
 
 
-
-
 class RunSummary(Callback):
     """Measures training throughput and peak memory during ``fit`` and prints one line at its end.
 
@@ -47,7 +45,9 @@ class RunSummary(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         self._batches += 1
         if self._last is not None and self._batches > 1:
@@ -59,7 +59,9 @@ class RunSummary(Callback):
         self._last = now
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val") and v.numel() == 1}
+        metrics = {
+            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val") and v.numel() == 1
+        }
         probe = get_probe(trainer.strategy.root_device)
         peak = probe.peak
         where = "peak host memory (RSS)" if probe.kind == "cpu" else f"peak {probe.kind} memory allocated"

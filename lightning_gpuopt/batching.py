@@ -116,7 +116,9 @@ def batch_size_of(batch: Any) -> int:
     if list_sizes:
         found = ", ".join(f"{where} has {n}" for n, where in sorted(list_sizes.items()))
         raise UnsplittableBatchError(f"per-sample lists disagree on the number of samples ({found})")
-    raise UnsplittableBatchError(f"found no tensor with a sample dimension in a batch of type {type(batch).__name__}")
+    raise UnsplittableBatchError(
+        f"found no tensor with a sample dimension in a batch of type {type(batch).__name__}"
+    )
 
 
 def split_batch(batch: Any, k: int) -> BatchSplit:
@@ -165,7 +167,9 @@ def first_samples(batch: Any, n: int) -> Any:
     """
     total = batch_size_of(batch)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= total:
-        raise ValueError(f"`n` (samples) must be an int in [1, {total}] for a batch of {total} samples, got {n!r}")
+        raise ValueError(
+            f"`n` (samples) must be an int in [1, {total}] for a batch of {total} samples, got {n!r}"
+        )
     return _slice(batch, total, 0, n)
 
 
@@ -283,18 +287,26 @@ def _merge(values: list[Any], weights: list[float]) -> Any:
             total = sum(v.detach().double() * w for v, w in zip(values, weights))
             return total.to(first.dtype)
         return last
-    if isinstance(first, float) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    if isinstance(first, float) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+    ):
         return float(sum(v * w for v, w in zip(values, weights)))
     if isinstance(first, Mapping) and all(isinstance(v, Mapping) for v in values):
-        merged = {key: _merge([v[key] for v in values], weights) if all(key in v for v in values) else last[key]
-                  for key in last}
+        merged = {
+            key: _merge([v[key] for v in values], weights) if all(key in v for v in values) else last[key]
+            for key in last
+        }
         try:
             return type(last)(merged)
         except TypeError:
             return merged
     if _is_namedtuple(first) and all(type(v) is type(first) for v in values):
         return type(first)(*(_merge(list(parts), weights) for parts in zip(*values)))
-    if dataclasses.is_dataclass(first) and not isinstance(first, type) and all(type(v) is type(first) for v in values):
+    if (
+        dataclasses.is_dataclass(first)
+        and not isinstance(first, type)
+        and all(type(v) is type(first) for v in values)
+    ):
         new = copy.copy(last)
         for field in dataclasses.fields(first):
             object.__setattr__(new, field.name, _merge([getattr(v, field.name) for v in values], weights))

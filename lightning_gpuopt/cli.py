@@ -176,7 +176,11 @@ class GPUOptCLI(LightningCLI):
         Raises:
             StrategyPlanError: nothing fits; the error carries the plan.
         """
-        config = trainer_config if trainer_config is not None else self._get(self.config_init, "trainer", default={})
+        config = (
+            trainer_config
+            if trainer_config is not None
+            else self._get(self.config_init, "trainer", default={})
+        )
         devices, nodes = _world_size(config, per_node=True), int(config.get("num_nodes") or 1)
         memory = self._gpuopt_option("device_memory")
         device = None
@@ -186,9 +190,15 @@ class GPUOptCLI(LightningCLI):
             memory = get_probe("cpu").total // devices  # the processes of one node share its RAM
             device = "cpu"
         return select_strategy(
-            self.model, devices=devices, num_nodes=nodes, precision=str(config.get("precision") or "32-true"),
-            optimizer=optimizer_of(self.model), sample_batch=sample_batch_of(self.datamodule),
-            micro_batch_size=int(getattr(self.datamodule, "batch_size", 1) or 1), device_memory=memory, device=device,
+            self.model,
+            devices=devices,
+            num_nodes=nodes,
+            precision=str(config.get("precision") or "32-true"),
+            optimizer=optimizer_of(self.model),
+            sample_batch=sample_batch_of(self.datamodule),
+            micro_batch_size=int(getattr(self.datamodule, "batch_size", 1) or 1),
+            device_memory=memory,
+            device=device,
         )
 
     @staticmethod
@@ -267,8 +277,12 @@ def report_command(args: list[str]) -> int:
     from lightning_gpuopt.report import PNG_NAME, load_report, print_table, render_png
 
     parser = argparse.ArgumentParser(
-        prog="gpuopt report", description="Print a finished run's GPUOptReport table and draw gpuopt_report.png again.")
-    parser.add_argument("run_dir", help="the run's log directory (holding gpuopt_report.json), or the JSON file")
+        prog="gpuopt report",
+        description="Print a finished run's GPUOptReport table and draw gpuopt_report.png again.",
+    )
+    parser.add_argument(
+        "run_dir", help="the run's log directory (holding gpuopt_report.json), or the JSON file"
+    )
     parser.add_argument("--out", default=None, help="folder for the picture (default: next to the JSON)")
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
     options = parser.parse_args(args)
@@ -281,8 +295,11 @@ def report_command(args: list[str]) -> int:
     if not options.no_plot:
         from pathlib import Path
 
-        folder = Path(options.out) if options.out else Path(options.run_dir if Path(options.run_dir).is_dir()
-                                                             else Path(options.run_dir).parent)
+        folder = (
+            Path(options.out)
+            if options.out
+            else Path(options.run_dir if Path(options.run_dir).is_dir() else Path(options.run_dir).parent)
+        )
         folder.mkdir(parents=True, exist_ok=True)
         try:
             print(f"wrote {render_png(report, folder / PNG_NAME)}")

@@ -43,7 +43,9 @@ class SyntheticImages(Dataset):
         True
     """
 
-    def __init__(self, length: int, num_classes: int = 10, image_size: int = 32, noise: float = 2.0, seed: int = 0) -> None:
+    def __init__(
+        self, length: int, num_classes: int = 10, image_size: int = 32, noise: float = 2.0, seed: int = 0
+    ) -> None:
         for name, value in (("length", length), ("num_classes", num_classes), ("image_size", image_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
@@ -69,7 +71,9 @@ class SyntheticImages(Dataset):
         u = torch.rand(5, generator=g)
         freq = 3.0 + 3.0 * u[0].item()
         phase = 2 * math.pi * u[1].item()
-        stripes = torch.sin(freq * math.pi * (self._xx * math.cos(angle) + self._yy * math.sin(angle)) + phase)
+        stripes = torch.sin(
+            freq * math.pi * (self._xx * math.cos(angle) + self._yy * math.sin(angle)) + phase
+        )
         colour = 0.5 + torch.rand(3, 1, 1, generator=g)
         image = colour * stripes * (0.6 + 0.8 * u[2].item()) + (u[3].item() - 0.5)
         image = image + self.noise * torch.randn(3, self.image_size, self.image_size, generator=g)
@@ -135,12 +139,16 @@ class ImageClassifier(pl.LightningModule):
         (2, 10)
     """
 
-    def __init__(self, arch: str = "resnet18", num_classes: int = 10, lr: float = 2e-3, weight_decay: float = 0.05) -> None:
+    def __init__(
+        self, arch: str = "resnet18", num_classes: int = 10, lr: float = 2e-3, weight_decay: float = 0.05
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         builder = getattr(torchvision.models, arch, None)
         if not callable(builder):
-            raise ValueError(f"`arch` must name a torchvision.models constructor such as 'resnet18', got {arch!r}")
+            raise ValueError(
+                f"`arch` must name a torchvision.models constructor such as 'resnet18', got {arch!r}"
+            )
         self.net: nn.Module = builder(weights=None, num_classes=num_classes)
         self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=num_classes)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=num_classes)
@@ -165,9 +173,13 @@ class ImageClassifier(pl.LightningModule):
         self.log("val_acc", self.val_acc, prog_bar=True)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
         total = self.trainer.estimated_stepping_batches
         if not isinstance(total, int) or total <= 0 or total == float("inf"):
             return optimizer
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.hparams.lr, total_steps=total, pct_start=0.15)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.hparams.lr, total_steps=total, pct_start=0.15
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -73,7 +73,14 @@ from lightning_gpuopt.oom_policy import (
     parse_tried_bytes,
 )
 
-__all__ = ["EVAL_STAGES", "KChange", "MicroBatchEngine", "RankOutOfMemoryError", "WeightFn", "unsupported_strategy"]
+__all__ = [
+    "EVAL_STAGES",
+    "KChange",
+    "MicroBatchEngine",
+    "RankOutOfMemoryError",
+    "WeightFn",
+    "unsupported_strategy",
+]
 
 #: The evaluation steps the engine wraps, by the name of the strategy method.
 EVAL_STAGES = ("validation", "test", "predict")
@@ -231,6 +238,7 @@ class MicroBatchEngine:
     def world_size(self) -> int:
         """Ranks that vote on every batch (1 on a single device)."""
         return self.exchange.world_size
+
     def snapshot_bytes(self) -> int:
         """Device bytes the engine's own copies hold through a training step, for memory budgets.
 
@@ -240,7 +248,12 @@ class MicroBatchEngine:
         if not self._installed:
             return 0
         tensors = [b for norm in self._norms for b in norm.buffers(recurse=False) if b is not None]
-        tensors += [v for metric in self._metrics for name in metric._defaults if isinstance(v := getattr(metric, name), Tensor)]
+        tensors += [
+            v
+            for metric in self._metrics
+            for name in metric._defaults
+            if isinstance(v := getattr(metric, name), Tensor)
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ installation
@@ -348,7 +361,9 @@ class MicroBatchEngine:
         trainer = self.trainer
         self._skip_backward = self._skip_zero_grad = False
         batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", trainer.fit_loop.epoch_loop.batch_idx)
+        batch_idx = (
+            args[1] if len(args) > 1 else kwargs.get("batch_idx", trainer.fit_loop.epoch_loop.batch_idx)
+        )
         optimizer = trainer.optimizers[0]
         accumulate = trainer.accumulate_grad_batches
         first_in_window = batch_idx % accumulate == 0  # Lightning's own rule for zeroing
@@ -434,7 +449,9 @@ class MicroBatchEngine:
                 output = None
                 self._drop_attempt(params, snapshot)
                 continue
-            if failure is None and peer_votes is None:  # another rank ran out of memory: this attempt is redone too
+            if (
+                failure is None and peer_votes is None
+            ):  # another rank ran out of memory: this attempt is redone too
                 output = None
                 self._drop_attempt(params, snapshot)
             self.exchange.recover()  # FSDP2, on every rank alike: reshard, reset FSDP's step state, drop its gradients
@@ -451,7 +468,9 @@ class MicroBatchEngine:
         self._skip_zero_grad = first_in_window
         return output
 
-    def _reason(self, agreement: Agreement, failure: OOMFailure | None, proposal: tuple[int, int, str] | None = None) -> str:
+    def _reason(
+        self, agreement: Agreement, failure: OOMFailure | None, proposal: tuple[int, int, str] | None = None
+    ) -> str:
         step = self.trainer.global_step
         if agreement.source == "oom":
             if failure is not None:
@@ -483,7 +502,9 @@ class MicroBatchEngine:
     def _eval_step(self, stage: str, args: tuple, kwargs: dict) -> Any:
         original = self._orig_eval[stage]
         k = self.eval_k.get(stage, 1)
-        voting = isinstance(self.exchange, FSDP2Exchange)  # ranks that all-gather in the forward vote on each step
+        voting = isinstance(
+            self.exchange, FSDP2Exchange
+        )  # ranks that all-gather in the forward vote on each step
         if k == 1 and self.oom_handler is None and not voting:
             return original(*args, **kwargs)
         batch = args[0] if args else kwargs["batch"]
@@ -518,13 +539,24 @@ class MicroBatchEngine:
             if failure is not None or peer_votes is not None:
                 output = logs = None
             vote = self.exchange.vote if voting else (lambda status, voted_k: [Vote(status, voted_k)])
-            if self._eval_agree(stage, batch, batch_idx, n, k, failure, peer_votes, snapshot, smallest_failed, vote):
+            if self._eval_agree(
+                stage, batch, batch_idx, n, k, failure, peer_votes, snapshot, smallest_failed, vote
+            ):
                 self._emit_logs(*logs)  # every rank kept its attempt
                 return output
 
     def _eval_agree(
-        self, stage: str, batch: Any, batch_idx: int, n: int, k: int, failure: OOMFailure | None,
-        peer_votes: list[Vote] | None, snapshot: list, smallest_failed: int, vote: Callable[[int, int], list[Vote]],
+        self,
+        stage: str,
+        batch: Any,
+        batch_idx: int,
+        n: int,
+        k: int,
+        failure: OOMFailure | None,
+        peer_votes: list[Vote] | None,
+        snapshot: list,
+        smallest_failed: int,
+        vote: Callable[[int, int], list[Vote]],
     ) -> bool:
         """The ranks' decision on an evaluation step: ``True`` keeps it; ``False`` retries it with a larger k.
 
@@ -557,7 +589,9 @@ class MicroBatchEngine:
         if failure is None and peer_votes is None:  # another rank failed after its last collective
             self._restore(snapshot)
         self.exchange.recover()  # on every rank alike (FSDP2: the units' sharded state must match for the retry)
-        new_k = max(agreement.k, k + 1)  # the same on every rank (a batch of fewer samples runs them as it can)
+        new_k = max(
+            agreement.k, k + 1
+        )  # the same on every rank (a batch of fewer samples runs them as it can)
         if failure is not None:
             reason = f"OOM in {stage} at batch {batch_idx}"
         else:
@@ -627,7 +661,10 @@ class MicroBatchEngine:
             return [1.0]
         if self.loss_reduction == "sum":
             return [1.0] * len(chunks)
-        counts = [float(self.weight_fn(c)) if self.weight_fn is not None else float(batch_size_of(c)) for c in chunks]
+        counts = [
+            float(self.weight_fn(c)) if self.weight_fn is not None else float(batch_size_of(c))
+            for c in chunks
+        ]
         total = sum(counts)
         if total <= 0:
             raise ValueError(
@@ -674,7 +711,9 @@ class MicroBatchEngine:
             return {"loss": loss_out, **merge_outputs(attempt.extras, weights)}
         return loss_out
 
-    def _emit_logs(self, logs: list[tuple[str, Any, tuple, dict, float]], weights: list[float], n: int) -> None:
+    def _emit_logs(
+        self, logs: list[tuple[str, Any, tuple, dict, float]], weights: list[float], n: int
+    ) -> None:
         if len(weights) == 1:
             for name, value, args, kwargs, _ in logs:
                 self._orig_log(name, value, *args, **kwargs)
@@ -693,7 +732,9 @@ class MicroBatchEngine:
             else:
                 share = sum(w for *_, w in entries)
                 combined = sum(v.double() * w for v, (*_, w) in zip(values, entries)) / share
-                combined = combined.to(values[0].dtype if values[0].is_floating_point() else torch.get_default_dtype())
+                combined = combined.to(
+                    values[0].dtype if values[0].is_floating_point() else torch.get_default_dtype()
+                )
             kwargs = dict(kwargs)
             if kwargs.get("batch_size") is not None:
                 kwargs["batch_size"] = n
@@ -709,7 +750,12 @@ class MicroBatchEngine:
             state["_computed"] = metric._computed
             saved.append((metric, state))
         for norm in self._norms:
-            saved.append((norm, {name: buf.clone() for name, buf in norm.named_buffers(recurse=False) if buf is not None}))
+            saved.append(
+                (
+                    norm,
+                    {name: buf.clone() for name, buf in norm.named_buffers(recurse=False) if buf is not None},
+                )
+            )
         return saved
 
     @staticmethod
@@ -798,8 +844,16 @@ def unsupported_strategy(strategy: Any, sharded: bool = False) -> str | None:
                 "tensor_parallel_size=1, or train without OOMRecovery here."
             )
         missing = fsdp2_unsupported()
-        return None if missing is None else f"{missing}. Upgrade torch, or train without OOMRecovery under {name}."
-    supported = "single-device, DDP and FSDP2 (ModelParallelStrategy) training" if sharded else "single-device and DDP training"
+        return (
+            None
+            if missing is None
+            else f"{missing}. Upgrade torch, or train without OOMRecovery under {name}."
+        )
+    supported = (
+        "single-device, DDP and FSDP2 (ModelParallelStrategy) training"
+        if sharded
+        else "single-device and DDP training"
+    )
     return (
         f"micro-batching supports {supported}, got {name}. Use strategy='ddp' (or one device)"
         + (", or FSDP2Strategy for a sharded model" if sharded else "")

@@ -27,7 +27,17 @@ __all__ = [
     "smaller_micro_batch_count",
 ]
 
-_UNITS = {"B": 1, "BYTES": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_UNITS = {
+    "B": 1,
+    "BYTES": 1,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
 _TRIED = re.compile(r"Tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B|bytes)\b", re.IGNORECASE)
 
 
@@ -84,7 +94,9 @@ class OOMFailure:
         return max(0, self.allocated_bytes + self.tried_bytes - self.baseline_bytes)
 
 
-def next_micro_batch_count(failure: OOMFailure, smallest_failed_size: int, headroom: float = 0.9) -> int | None:
+def next_micro_batch_count(
+    failure: OOMFailure, smallest_failed_size: int, headroom: float = 0.9
+) -> int | None:
     """How many micro-batches to try after ``failure``; ``None`` when even one sample per micro-batch failed.
 
     With figures from the probe and the message, the per-sample cost of the failed micro-batch

@@ -142,7 +142,9 @@ class Choice:
     reason: str
 
 
-def choose_precision(info: DeviceInfo, *, cpu_bf16: bool = False, fp8: bool = False, fp8_installed: bool = False) -> Choice:
+def choose_precision(
+    info: DeviceInfo, *, cpu_bf16: bool = False, fp8: bool = False, fp8_installed: bool = False
+) -> Choice:
     """The fastest precision ``info``'s device runs well, by compute capability, never by emulation.
 
     CUDA: native bf16 (sm >= 8.0) → ``bf16-mixed``; sm 7.x → ``16-mixed`` (GradScaler); older →
@@ -162,8 +164,11 @@ def choose_precision(info: DeviceInfo, *, cpu_bf16: bool = False, fp8: bool = Fa
             return Choice("transformer-engine", f"fp8 asked for and {info.label} runs it (sm >= 8.9)")
         wish = ""
         if fp8:
-            wish = ("fp8 asked for, but transformer-engine is not installed; " if not fp8_installed
-                    else f"fp8 asked for, but {info.label} is older than sm_89; ")
+            wish = (
+                "fp8 asked for, but transformer-engine is not installed; "
+                if not fp8_installed
+                else f"fp8 asked for, but {info.label} is older than sm_89; "
+            )
         if info.bf16:
             return Choice("bf16-mixed", f"{wish}{info.label} runs bfloat16 natively")
         if cap >= FP16_MIN_CAPABILITY or info.hip:
@@ -220,7 +225,9 @@ def check_ladder(ladder: Iterable[str]) -> tuple[str, ...]:
         ('16-mixed', '32-true')
     """
     if isinstance(ladder, str):
-        raise TypeError(f"`ladder` must be a sequence of precision names such as {LADDER}, got the string {ladder!r}")
+        raise TypeError(
+            f"`ladder` must be a sequence of precision names such as {LADDER}, got the string {ladder!r}"
+        )
     rungs = tuple(ladder)
     unknown = [r for r in rungs if r not in LADDER]
     if unknown:
@@ -234,7 +241,9 @@ def check_ladder(ladder: Iterable[str]) -> tuple[str, ...]:
         raise ValueError(f"`ladder` must not repeat a precision, got {rungs!r}")
     ordered = tuple(r for r in LADDER if r in rungs)
     if rungs != ordered:
-        raise ValueError(f"`ladder` must go from the fastest precision to the most stable one, {ordered!r}, got {rungs!r}")
+        raise ValueError(
+            f"`ladder` must go from the fastest precision to the most stable one, {ordered!r}, got {rungs!r}"
+        )
     return rungs
 
 
@@ -360,7 +369,9 @@ class StabilityWatch:
         """
         if self.consecutive + 1 >= self.patience:
             return True
-        return backoff is not None and self.last_scale is not None and self.last_scale * backoff < self.min_scale
+        return (
+            backoff is not None and self.last_scale is not None and self.last_scale * backoff < self.min_scale
+        )
 
     def reset(self) -> None:
         """Start over (after a switch: a new precision, a new GradScaler)."""
@@ -398,7 +409,8 @@ def any_nonfinite(scalars: Sequence[Tensor], device: torch.device) -> Tensor:
     if not scalars:
         return torch.zeros((), device=device)
     parts = [
-        t if t.dtype == torch.float32 and t.device == device and t.dim() == 0
+        t
+        if t.dtype == torch.float32 and t.device == device and t.dim() == 0
         else t.detach().to(device=device, dtype=torch.float32).reshape(())
         for t in scalars
     ]

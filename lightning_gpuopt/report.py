@@ -46,7 +46,9 @@ PNG_DPI = 100
 THROUGHPUT_WINDOW = 10
 
 
-def mfu(flops_per_batch: float | None, seconds_per_batch: float | None, peak_flops: float | None) -> float | None:
+def mfu(
+    flops_per_batch: float | None, seconds_per_batch: float | None, peak_flops: float | None
+) -> float | None:
     """Model FLOPs utilisation: achieved FLOP/s over the device's peak; ``None`` when a figure is missing.
 
     Example:
@@ -58,7 +60,9 @@ def mfu(flops_per_batch: float | None, seconds_per_batch: float | None, peak_flo
     return flops_per_batch / seconds_per_batch / peak_flops
 
 
-def windowed_samples_per_s(steps: Sequence[dict[str, Any]], window: int = THROUGHPUT_WINDOW) -> list[float | None]:
+def windowed_samples_per_s(
+    steps: Sequence[dict[str, Any]], window: int = THROUGHPUT_WINDOW
+) -> list[float | None]:
     """Samples/s over the last ``window`` steps at each step (``None`` where no time was measured yet).
 
     A window smooths the per-step wall time, which on a GPU is the host's, not the device's: the host
@@ -107,8 +111,13 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"peak memory ({run.get('memory_kind', 'device')})", f"{format_bytes(peak)}{share}"))
         rows.append(("memory at the last step", format_bytes(last["allocated_bytes"])))
         ks = [s["k"] for s in steps]
-        rows.append(("micro-batches k", f"{ks[0]} -> {ks[-1]} (max {max(ks)}); micro-batch {first['micro_batch_size']} -> "
-                     f"{last['micro_batch_size']} of batch {last['batch_size']}"))
+        rows.append(
+            (
+                "micro-batches k",
+                f"{ks[0]} -> {ks[-1]} (max {max(ks)}); micro-batch {first['micro_batch_size']} -> "
+                f"{last['micro_batch_size']} of batch {last['batch_size']}",
+            )
+        )
         precisions = [s["precision"] for s in steps]
         changes = [p for i, p in enumerate(precisions) if i == 0 or p != precisions[i - 1]]
         rows.append(("precision", " -> ".join(changes)))
@@ -147,7 +156,9 @@ def print_table(report: dict[str, Any], title: str = "gpuopt report") -> None:
     Console().print(table)
 
 
-def write_report(report: dict[str, Any], folder: str | os.PathLike[str], png: bool = True) -> tuple[Path, Path | None]:
+def write_report(
+    report: dict[str, Any], folder: str | os.PathLike[str], png: bool = True
+) -> tuple[Path, Path | None]:
     """Write ``gpuopt_report.json`` (and the picture, when ``png`` and matplotlib is installed) into ``folder``.
 
     Returns:
@@ -212,36 +223,67 @@ def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         gib = 2**30 if steps and max(s["peak_bytes"] for s in steps) >= 2**30 else 2**20
         unit = "GiB" if gib == 2**30 else "MiB"
         mem.plot(x, [s["peak_bytes"] / gib for s in steps], label="peak in step", color="tab:red", lw=1.5)
-        mem.plot(x, [s["allocated_bytes"] / gib for s in steps], label="allocated after step", color="tab:blue", lw=1.2)
+        mem.plot(
+            x,
+            [s["allocated_bytes"] / gib for s in steps],
+            label="allocated after step",
+            color="tab:blue",
+            lw=1.2,
+        )
         limits = [s.get("limit_bytes") for s in steps]
         if any(limits):
-            mem.plot(x, [(v or float("nan")) / gib for v in limits], label="limit", color="black", ls="--", lw=1)
+            mem.plot(
+                x, [(v or float("nan")) / gib for v in limits], label="limit", color="black", ls="--", lw=1
+            )
         top = max((s["peak_bytes"] for s in steps), default=0)
-        shown = [v for v in limits if v and v <= 3 * top]  # a limit far above the run would flatten the curves
+        shown = [
+            v for v in limits if v and v <= 3 * top
+        ]  # a limit far above the run would flatten the curves
         if top:
             mem.set_ylim(0, 1.1 * max([top, *shown]) / gib)
-        colors = {"oom": "tab:red", "micro-batches": "tab:orange", "precision": "tab:purple", "batch size": "tab:green"}
+        colors = {
+            "oom": "tab:red",
+            "micro-batches": "tab:orange",
+            "precision": "tab:purple",
+            "batch size": "tab:green",
+        }
         seen: set[str] = set()
         for d in made:
             color = colors.get(d["kind"], "tab:gray")
-            mem.axvline(d["step"], color=color, alpha=0.6, lw=1, ls=":",
-                        label=None if d["kind"] in seen else f"decision: {d['kind']}")
+            mem.axvline(
+                d["step"],
+                color=color,
+                alpha=0.6,
+                lw=1,
+                ls=":",
+                label=None if d["kind"] in seen else f"decision: {d['kind']}",
+            )
             seen.add(d["kind"])
         mem.set_ylabel(f"memory ({unit})")
         mem.set_title(f"gpuopt report: {report.get('run', {}).get('device', '')}")
         mem.legend(loc="upper right", fontsize=8)
         mem.grid(alpha=0.3)
         rate = windowed_samples_per_s(steps)
-        speed.plot(x, [r if r is not None else float("nan") for r in rate], color="tab:green",
-                   label=f"samples/s ({THROUGHPUT_WINDOW}-step window)")
+        speed.plot(
+            x,
+            [r if r is not None else float("nan") for r in rate],
+            color="tab:green",
+            label=f"samples/s ({THROUGHPUT_WINDOW}-step window)",
+        )
         speed.set_ylabel("samples/s")
         speed.set_xlabel("global step")
         speed.grid(alpha=0.3)
         waits = [s.get("data_wait_fraction") for s in steps]
         if any(w is not None for w in waits):
             twin = speed.twinx()
-            twin.plot(x, [100 * w if w is not None else float("nan") for w in waits], color="tab:gray", lw=0.8,
-                      alpha=0.7, label="data wait (%)")
+            twin.plot(
+                x,
+                [100 * w if w is not None else float("nan") for w in waits],
+                color="tab:gray",
+                lw=0.8,
+                alpha=0.7,
+                label="data wait (%)",
+            )
             twin.set_ylabel("data wait (%)")
             twin.set_ylim(0, 100)
             twin.legend(loc="upper right", fontsize=8)

@@ -73,15 +73,26 @@ def shard_units(module: nn.Module, types: list[str | type[nn.Module]] | None = N
     else:
         total = sum(p.numel() for p in module.parameters()) or 1
         sizes = {id(m): sum(p.numel() for p in m.parameters()) for _, m in module.named_modules()}
-        counts = Counter(type(m) for name, m in module.named_modules() if name and sizes[id(m)] >= _MIN_BLOCK_SHARE * total)
+        counts = Counter(
+            type(m) for name, m in module.named_modules() if name and sizes[id(m)] >= _MIN_BLOCK_SHARE * total
+        )
         repeated = [cls for cls, n in counts.items() if n >= _MIN_REPEATS]
         if not repeated:
             return []
-        weight = {cls: sum(sizes[id(m)] for _, m in module.named_modules() if type(m) is cls) for cls in repeated}
+        weight = {
+            cls: sum(sizes[id(m)] for _, m in module.named_modules() if type(m) is cls) for cls in repeated
+        }
         # The outermost type that covers (nearly) as many parameters as any: blocks rather than their layers.
         heaviest = max(weight.values())
-        best = max((cls for cls in repeated if weight[cls] >= 0.9 * heaviest), key=lambda cls: weight[cls] / counts[cls])
-        found = [m for name, m in module.named_modules() if name and type(m) is best and sizes[id(m)] >= _MIN_BLOCK_SHARE * total]
+        best = max(
+            (cls for cls in repeated if weight[cls] >= 0.9 * heaviest),
+            key=lambda cls: weight[cls] / counts[cls],
+        )
+        found = [
+            m
+            for name, m in module.named_modules()
+            if name and type(m) is best and sizes[id(m)] >= _MIN_BLOCK_SHARE * total
+        ]
     outer: list[nn.Module] = []
     inside: set[int] = set()
     for m in found:
@@ -162,8 +173,13 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def shard(self, module: nn.Module) -> list[nn.Module]:
         """Apply ``fully_shard`` to ``module``'s units and parameter-holding children; returns what was sharded."""
-        return shard_module(module, self.device_mesh["data_parallel"], self.shard_modules,
-                            self.reshard_after_forward, self.cpu_offload)
+        return shard_module(
+            module,
+            self.device_mesh["data_parallel"],
+            self.shard_modules,
+            self.reshard_after_forward,
+            self.cpu_offload,
+        )
 
 
 def shard_module(
@@ -257,16 +273,34 @@ class StrategyPlan:
 
     def table(self) -> str:
         """The plan as a text table: bytes per device per component per candidate, the pick and why."""
-        head = ("candidate", "parameters", "gradients", "optimizer", "gathered", "activations", "total", "fits", "")
+        head = (
+            "candidate",
+            "parameters",
+            "gradients",
+            "optimizer",
+            "gathered",
+            "activations",
+            "total",
+            "fits",
+            "",
+        )
         lines = [head]
         for row in self.rows:
             e = row.estimate
             mark = "<- pick" if row.name == self.pick else row.note
-            lines.append((
-                row.name, format_bytes(e.parameters), format_bytes(e.gradients), format_bytes(e.optimizer),
-                format_bytes(e.gathered), format_bytes(e.activations), format_bytes(e.total),
-                "yes" if row.fits else "no", mark,
-            ))
+            lines.append(
+                (
+                    row.name,
+                    format_bytes(e.parameters),
+                    format_bytes(e.gradients),
+                    format_bytes(e.optimizer),
+                    format_bytes(e.gathered),
+                    format_bytes(e.activations),
+                    format_bytes(e.total),
+                    "yes" if row.fits else "no",
+                    mark,
+                )
+            )
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
         text = [
             f"gpuopt plan: {self.world_size} device(s), {format_bytes(self.device_memory)} each (budget "
@@ -307,7 +341,9 @@ def _optimizer_name(optimizer: Any) -> str:
     return optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
 
 
-def _make_strategy(candidate: Candidate, device_type: str, units: list[nn.Module], static_graph: bool) -> Strategy | str:
+def _make_strategy(
+    candidate: Candidate, device_type: str, units: list[nn.Module], static_graph: bool
+) -> Strategy | str:
     name = candidate.name
     if name == "single device":
         return "auto"
@@ -328,7 +364,11 @@ def _make_strategy(candidate: Candidate, device_type: str, units: list[nn.Module
             auto_wrap_policy=set(types) or None,
             cpu_offload=candidate.offload,
         )
-    return FSDP2Strategy(shard_modules=types or None, reshard_after_forward=candidate.shard_params, cpu_offload=candidate.offload)
+    return FSDP2Strategy(
+        shard_modules=types or None,
+        reshard_after_forward=candidate.shard_params,
+        cpu_offload=candidate.offload,
+    )
 
 
 def select_strategy(
@@ -391,12 +431,18 @@ def select_strategy(
         >>> select_strategy(big, devices=4, device_memory=80 * 2**30).pick
         'ddp'
     """
-    for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
+    for name, value in (
+        ("devices", devices),
+        ("num_nodes", num_nodes),
+        ("micro_batch_size", micro_batch_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int, got {value!r}")
     if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
         raise ValueError(f"`headroom` must be in (0, 1], got {headroom!r}")
-    if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1):
+    if device_memory is not None and (
+        isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1
+    ):
         raise ValueError(f"`device_memory` must be a positive int (bytes) or None, got {device_memory!r}")
     world = devices * num_nodes
     probe_device = torch.device(device) if device is not None else None
@@ -410,15 +456,23 @@ def select_strategy(
     elif sample_batch is not None:
         try:
             per_sample = _activations_per_sample(model, sample_batch)
-        except Exception as err:  # planning must not stop a run: say why and leave activations to the headroom
+        except (
+            Exception
+        ) as err:  # planning must not stop a run: say why and leave activations to the headroom
             activations, note = 0, f"not estimated ({type(err).__name__}: {err}); left to the headroom"
         else:
             activations = per_sample * micro_batch_size
-            note = f"{format_bytes(per_sample)} per sample estimated (saved for backward) x {micro_batch_size}"
+            note = (
+                f"{format_bytes(per_sample)} per sample estimated (saved for backward) x {micro_batch_size}"
+            )
     else:
         activations, note = 0, "not estimated (no sample batch): plan leaves them to the headroom"
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    candidates = [c for c in CANDIDATES if (c.multi_device or world == 1) and (world > 1 or c.offload or not c.multi_device)]
+    candidates = [
+        c
+        for c in CANDIDATES
+        if (c.multi_device or world == 1) and (world > 1 or c.offload or not c.multi_device)
+    ]
     rows = []
     for candidate in candidates:
         e = estimate(counts, candidate, world, precision, optimizer, activations)
@@ -427,8 +481,14 @@ def select_strategy(
             available, why = False, "estimate only (deepspeed not installed)"
         rows.append(PlanRow(e, e.total <= budget, available, why))
     optimizer_name = _optimizer_name(optimizer)
-    plan_args = dict(device_memory=device_memory, budget=budget, world_size=world, precision=str(precision),
-                     optimizer=optimizer_name, activation_note=note)
+    plan_args = dict(
+        device_memory=device_memory,
+        budget=budget,
+        world_size=world,
+        precision=str(precision),
+        optimizer=optimizer_name,
+        activation_note=note,
+    )
     notes = []
     if units:
         notes.append(f"full sharding gathers one {type(units[0]).__name__} at a time ({len(units)} units)")
@@ -447,11 +507,15 @@ def select_strategy(
     cheaper = [r for r in rows if r.estimate.candidate.cost < best.estimate.candidate.cost and r.available]
     if cheaper:
         last = max(cheaper, key=lambda r: r.estimate.candidate.cost)
-        reason = (f"{last.name} would need {format_bytes(last.estimate.total)} per device, over the budget; "
-                  f"{best.name} needs {format_bytes(best.estimate.total)}")
+        reason = (
+            f"{last.name} would need {format_bytes(last.estimate.total)} per device, over the budget; "
+            f"{best.name} needs {format_bytes(best.estimate.total)}"
+        )
     else:
         reason = f"fits with the least communication: {format_bytes(best.estimate.total)} of {format_bytes(budget)} per device"
-    device_type = probe_device.type if probe_device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = (
+        probe_device.type if probe_device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     strategy = _make_strategy(best.estimate.candidate, device_type, units, static_graph)
     return StrategyPlan(rows, best.name, reason, strategy, notes=notes, **plan_args)
 

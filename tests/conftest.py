@@ -9,7 +9,9 @@ import torch
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `pytest -m cuda` on one")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `pytest -m cuda` on one"
+    )
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

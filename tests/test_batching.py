@@ -39,7 +39,9 @@ def _recover_ids(chunks, get) -> list[int]:
     return [int(i) for chunk in chunks for i in get(chunk)]
 
 
-@pytest.mark.parametrize(("n", "k", "expected"), [(10, 3, [4, 3, 3]), (8, 4, [2, 2, 2, 2]), (5, 5, [1] * 5), (7, 1, [7])])
+@pytest.mark.parametrize(
+    ("n", "k", "expected"), [(10, 3, [4, 3, 3]), (8, 4, [2, 2, 2, 2]), (5, 5, [1] * 5), (7, 1, [7])]
+)
 def test_split_sizes_differ_by_at_most_one(n, k, expected):
     sizes = split_sizes(n, k)
     assert sizes == expected
@@ -59,9 +61,21 @@ def test_split_sizes_differ_by_at_most_one(n, k, expected):
         (lambda n: FrozenSample(_ids(n), torch.zeros(n)), lambda b: b.x),
         (lambda n: {"nested": (_ids(n), {"deep": torch.zeros(n, 1)})}, lambda b: b["nested"][0]),
     ],
-    ids=["tensor", "tuple", "list", "dict", "ordereddict", "namedtuple", "dataclass", "frozen-dataclass", "nested"],
+    ids=[
+        "tensor",
+        "tuple",
+        "list",
+        "dict",
+        "ordereddict",
+        "namedtuple",
+        "dataclass",
+        "frozen-dataclass",
+        "nested",
+    ],
 )
-@pytest.mark.parametrize(("n", "k"), [(10, 3), (9, 3), (7, 7), (5, 1)], ids=["uneven", "even", "singletons", "whole"])
+@pytest.mark.parametrize(
+    ("n", "k"), [(10, 3), (9, 3), (7, 7), (5, 1)], ids=["uneven", "even", "singletons", "whole"]
+)
 def test_split_keeps_structure_and_every_sample_once(make, get, n, k):
     batch = make(n)
     split = split_batch(batch, k)
@@ -114,8 +128,14 @@ def test_batch_of_only_per_sample_lists():
 @pytest.mark.parametrize(
     ("batch", "message"),
     [
-        ((torch.zeros(4, 2), torch.zeros(3)), r"tensors disagree on the number of samples \(batch\[1\] has 3, batch\[0\] has 4\)"),
-        ({"x": torch.zeros(4), "names": ["a", "b"]}, r"tensors have 4 samples but batch\['names'\] has 2 items"),
+        (
+            (torch.zeros(4, 2), torch.zeros(3)),
+            r"tensors disagree on the number of samples \(batch\[1\] has 3, batch\[0\] has 4\)",
+        ),
+        (
+            {"x": torch.zeros(4), "names": ["a", "b"]},
+            r"tensors have 4 samples but batch\['names'\] has 2 items",
+        ),
         (torch.tensor(3.0), r"found no tensor with a sample dimension in a batch of type Tensor"),
         ({"a": "text"}, "found no tensor with a sample dimension in a batch of type dict"),
         ({"a": ["x", "y"], "b": ["z"]}, "per-sample lists disagree"),
@@ -129,7 +149,15 @@ def test_unsplittable_batch_error_names_the_hook(batch, message):
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize(("k", "message"), [(0, r"must be in \[1, 4\]"), (5, r"must be in \[1, 4\]"), (2.0, "must be an int"), (True, "must be an int")])
+@pytest.mark.parametrize(
+    ("k", "message"),
+    [
+        (0, r"must be in \[1, 4\]"),
+        (5, r"must be in \[1, 4\]"),
+        (2.0, "must be an int"),
+        (True, "must be an int"),
+    ],
+)
 def test_invalid_k_is_a_clear_error(k, message):
     with pytest.raises(ValueError, match=message):
         split_batch(torch.zeros(4), k)
@@ -145,7 +173,13 @@ def test_merge_outputs_is_the_inverse_of_the_split_for_what_steps_return():
     chunks = split_batch(batch, 3)
     weights = [size / 10 for size in chunks.sizes]
     outputs = [
-        {"ids": c["ids"], "names": c["names"], "loss": c["ids"].double().mean(), "count": len(c["ids"]), "tag": "x"}
+        {
+            "ids": c["ids"],
+            "names": c["names"],
+            "loss": c["ids"].double().mean(),
+            "count": len(c["ids"]),
+            "tag": "x",
+        }
         for c in chunks.chunks
     ]
     merged = merge_outputs(outputs, weights)
@@ -185,10 +219,14 @@ def test_merge_outputs_bad_input():
         merge_outputs([])
     with pytest.raises(ValueError, match=r"one share per output \(2\), got 1"):
         merge_outputs([1, 2], [1.0])
+
+
 def test_first_samples_keeps_structure_and_views():
     x = torch.arange(12).reshape(6, 2)
     head = first_samples({"x": x, "names": list("abcdef"), "scale": 2.0}, 4)
     assert head["x"].data_ptr() == x.data_ptr() and head["x"].shape == (4, 2)
     assert head["names"] == list("abcd") and head["scale"] == 2.0
-    with pytest.raises(ValueError, match=r"`n` \(samples\) must be an int in \[1, 6\] for a batch of 6 samples, got 7"):
+    with pytest.raises(
+        ValueError, match=r"`n` \(samples\) must be an int in \[1, 6\] for a batch of 6 samples, got 7"
+    ):
         first_samples(x, 7)

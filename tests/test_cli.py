@@ -54,11 +54,20 @@ def test_fit_adds_oom_recovery_on_a_single_device(tmp_path):
 
     cli = run(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
     assert sum(isinstance(cb, OOMRecovery) for cb in cli.trainer.callbacks) == 1
-    off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.oom_recovery", "false", *_quiet(tmp_path)])
+    off = run(
+        ["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.oom_recovery", "false", *_quiet(tmp_path)]
+    )
     assert not any(isinstance(cb, OOMRecovery) for cb in off.trainer.callbacks)
     own = run(
-        ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.callbacks+=lightning_gpuopt.OOMRecovery",
-         "--trainer.callbacks.max_micro_batches=4", *_quiet(tmp_path)]
+        [
+            "fit",
+            *BORING,
+            "--trainer.max_steps",
+            "2",
+            "--trainer.callbacks+=lightning_gpuopt.OOMRecovery",
+            "--trainer.callbacks.max_micro_batches=4",
+            *_quiet(tmp_path),
+        ]
     )
     (cb,) = [cb for cb in own.trainer.callbacks if isinstance(cb, OOMRecovery)]
     assert cb.max_micro_batches == 4
@@ -75,13 +84,18 @@ def test_oom_recovery_is_added_under_ddp_and_fsdp2_but_not_under_tensor_parallel
 
     from lightning_gpuopt import FSDP2Strategy, OOMRecovery
 
-    chosen = {"fsdp2": FSDP2Strategy(), "tensor_parallel": ModelParallelStrategy(tensor_parallel_size=2)}.get(strategy, strategy)
+    chosen = {"fsdp2": FSDP2Strategy(), "tensor_parallel": ModelParallelStrategy(tensor_parallel_size=2)}.get(
+        strategy, strategy
+    )
     trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, logger=False)
     with caplog.at_level(logging.INFO):
         GPUOptCLI._add_oom_recovery(trainer)
     assert any(isinstance(cb, OOMRecovery) for cb in trainer.callbacks) is added
     if not added:
-        assert "OOMRecovery not added: micro-batching under ModelParallelStrategy supports FSDP2 data parallelism only" in caplog.text
+        assert (
+            "OOMRecovery not added: micro-batching under ModelParallelStrategy supports FSDP2 data parallelism only"
+            in caplog.text
+        )
 
 
 def test_fit_adds_memory_aware_batch_size_unless_turned_off(tmp_path):
@@ -89,7 +103,9 @@ def test_fit_adds_memory_aware_batch_size_unless_turned_off(tmp_path):
 
     cli = run(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
     assert sum(isinstance(cb, MemoryAwareBatchSize) for cb in cli.trainer.callbacks) == 1
-    off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.batch_size_search", "false", *_quiet(tmp_path)])
+    off = run(
+        ["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.batch_size_search", "false", *_quiet(tmp_path)]
+    )
     assert not any(isinstance(cb, MemoryAwareBatchSize) for cb in off.trainer.callbacks)
 
 
@@ -101,6 +117,8 @@ def test_fit_adds_the_report_unless_turned_off(tmp_path):
     assert report.paths["json"] == str(tmp_path / "gpuopt_report.json") and len(report.report["steps"]) == 2
     off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.report", "false", *_quiet(tmp_path)])
     assert not any(isinstance(cb, GPUOptReport) for cb in off.trainer.callbacks)
+
+
 def test_fit_adds_precision_switch_auto_or_keep(tmp_path):
     from lightning_gpuopt import PrecisionSwitch
 
@@ -110,14 +128,25 @@ def test_fit_adds_precision_switch_auto_or_keep(tmp_path):
     auto = run(["fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)])
     (cb,) = switches(auto)
     assert cb.initial == "auto" and auto.trainer.precision == "32-true"  # a CPU: bf16 is opt-in
-    kept = run(["fit", *BORING, "--trainer.max_steps", "2", "--trainer.precision", "bf16-mixed", *_quiet(tmp_path)])
+    kept = run(
+        ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.precision", "bf16-mixed", *_quiet(tmp_path)]
+    )
     (cb,) = switches(kept)
     assert cb.initial == "keep" and kept.trainer.precision == "bf16-mixed"
-    off = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.precision_switch", "false", *_quiet(tmp_path)])
+    off = run(
+        ["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.precision_switch", "false", *_quiet(tmp_path)]
+    )
     assert switches(off) == []
     own = run(
-        ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.callbacks+=lightning_gpuopt.PrecisionSwitch",
-         "--trainer.callbacks.patience=5", *_quiet(tmp_path)]
+        [
+            "fit",
+            *BORING,
+            "--trainer.max_steps",
+            "2",
+            "--trainer.callbacks+=lightning_gpuopt.PrecisionSwitch",
+            "--trainer.callbacks.patience=5",
+            *_quiet(tmp_path),
+        ]
     )
     (cb,) = switches(own)
     assert cb.patience == 5
@@ -125,7 +154,9 @@ def test_fit_adds_precision_switch_auto_or_keep(tmp_path):
 
 def test_summary_can_be_turned_off(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
-        cli = run(["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.summary", "false", *_quiet(tmp_path)])
+        cli = run(
+            ["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.summary", "false", *_quiet(tmp_path)]
+        )
     assert cli.summary is None
     assert _summary_lines(caplog) == []
 
@@ -134,9 +165,14 @@ def test_validate_runs_without_summary(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         cli = run(
             [
-                "validate", "--model", "lightning.pytorch.demos.boring_classes.BoringModel",
-                "--data", "lightning.pytorch.demos.boring_classes.BoringDataModule",
-                "--trainer.limit_val_batches", "2", *_quiet(tmp_path),
+                "validate",
+                "--model",
+                "lightning.pytorch.demos.boring_classes.BoringModel",
+                "--data",
+                "lightning.pytorch.demos.boring_classes.BoringDataModule",
+                "--trainer.limit_val_batches",
+                "2",
+                *_quiet(tmp_path),
             ]
         )
     assert cli.summary is None
@@ -156,7 +192,12 @@ def test_help_lists_subcommands_and_pack_options(capsys):
         main(["fit", "--help"])
     assert fit.value.code == 0
     text = capsys.readouterr().out
-    assert "--gpuopt.summary" in text and "--gpuopt.oom_recovery" in text and "--model" in text and "--data" in text
+    assert (
+        "--gpuopt.summary" in text
+        and "--gpuopt.oom_recovery" in text
+        and "--model" in text
+        and "--data" in text
+    )
     assert "--gpuopt.report" in text and "--gpuopt.precision_switch" in text
 
 
@@ -182,9 +223,22 @@ def _run(args: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProces
 def test_python_dash_m_runs_the_default_config_for_one_epoch(tmp_path):
     proc = _run(
         [
-            sys.executable, "-m", "lightning_gpuopt", "fit", "--config", str(DEFAULT_CONFIG),
-            "--trainer.max_epochs", "1", "--data.train_size", "256", "--data.val_size", "64",
-            "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+            sys.executable,
+            "-m",
+            "lightning_gpuopt",
+            "fit",
+            "--config",
+            str(DEFAULT_CONFIG),
+            "--trainer.max_epochs",
+            "1",
+            "--data.train_size",
+            "256",
+            "--data.val_size",
+            "64",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
         ],
         cwd=tmp_path,
         timeout=300,
@@ -197,7 +251,9 @@ def test_python_dash_m_runs_the_default_config_for_one_epoch(tmp_path):
 def test_console_script_help():
     script = Path(sys.executable).with_name("gpuopt")
     if not script.exists():
-        pytest.skip(f"the package is not installed in this environment ({script} missing); `make test` installs it")
+        pytest.skip(
+            f"the package is not installed in this environment ({script} missing); `make test` installs it"
+        )
     proc = _run([str(script), "fit", "--help"], cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--gpuopt.summary" in proc.stdout
@@ -206,8 +262,14 @@ def test_console_script_help():
 def test_console_script_exits_zero_after_fit_and_prints_nothing_extra(tmp_path):
     script = Path(sys.executable).with_name("gpuopt")
     if not script.exists():
-        pytest.skip(f"the package is not installed in this environment ({script} missing); `make test` installs it")
-    proc = _run([str(script), "fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)], cwd=tmp_path, timeout=300)
+        pytest.skip(
+            f"the package is not installed in this environment ({script} missing); `make test` installs it"
+        )
+    proc = _run(
+        [str(script), "fit", *BORING, "--trainer.max_steps", "2", *_quiet(tmp_path)],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "GPUOptCLI object" not in proc.stdout + proc.stderr
 
@@ -217,8 +279,16 @@ def test_default_job_reaches_its_accuracy(tmp_path):
     """The README's main job, as it runs: ResNet-18 on the synthetic images to val_acc >= 0.80."""
     proc = _run(
         [
-            sys.executable, "-m", "lightning_gpuopt", "fit", "--config", str(DEFAULT_CONFIG),
-            "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+            sys.executable,
+            "-m",
+            "lightning_gpuopt",
+            "fit",
+            "--config",
+            str(DEFAULT_CONFIG),
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
         ],
         cwd=tmp_path,
         timeout=600,

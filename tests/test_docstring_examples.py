@@ -11,7 +11,8 @@ import pytest
 import lightning_gpuopt
 
 MODULES = sorted(
-    name for _, name, _ in pkgutil.walk_packages(lightning_gpuopt.__path__, "lightning_gpuopt.")
+    name
+    for _, name, _ in pkgutil.walk_packages(lightning_gpuopt.__path__, "lightning_gpuopt.")
     if not name.endswith("__main__")
 )
 
@@ -19,5 +20,7 @@ MODULES = sorted(
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     module = importlib.import_module(name)
-    failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
+    failures, _ = doctest.testmod(
+        module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
+    )
     assert failures == 0, f"{failures} docstring example(s) of {name} failed (output above)"

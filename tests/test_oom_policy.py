@@ -9,8 +9,19 @@ from lightning_gpuopt.oom_policy import OOMFailure, next_micro_batch_count, pars
 
 
 def _failure(**overrides) -> OOMFailure:
-    values = dict(step=0, batch_idx=0, phase="forward", batch_size=64, k=1, micro_batch_size=64,
-                  baseline_bytes=1000, allocated_bytes=5000, tried_bytes=3000, limit_bytes=6000, message="")
+    values = dict(
+        step=0,
+        batch_idx=0,
+        phase="forward",
+        batch_size=64,
+        k=1,
+        micro_batch_size=64,
+        baseline_bytes=1000,
+        allocated_bytes=5000,
+        tried_bytes=3000,
+        limit_bytes=6000,
+        message="",
+    )
     values.update(overrides)
     return OOMFailure(**values)
 
@@ -19,7 +30,10 @@ def _failure(**overrides) -> OOMFailure:
     ("message", "expected"),
     [
         ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total capacity)", 2 * 2**30),
-        ("CUDA out of memory (simulated). Tried to allocate 16.00 KiB (16384 bytes); 1.2 MiB in use", 16 * 2**10),
+        (
+            "CUDA out of memory (simulated). Tried to allocate 16.00 KiB (16384 bytes); 1.2 MiB in use",
+            16 * 2**10,
+        ),
         ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512 MiB", 512 * 2**20),
         ("Tried to allocate 100 bytes", 100),
         ("CUDA error: out of memory", None),
@@ -99,7 +113,11 @@ def test_agreement_fatal_anywhere_stops_everyone():
 @pytest.mark.parametrize(
     ("votes", "k", "expected"),
     [
-        ([(8, 1), (8, 2)], 4, (2, "grow back", (0, 1))),  # both can grow: the larger proposal (smaller step) wins
+        (
+            [(8, 1), (8, 2)],
+            4,
+            (2, "grow back", (0, 1)),
+        ),  # both can grow: the larger proposal (smaller step) wins
         ([(8, 1), (0, 4)], 4, (4, "", ())),  # rank 1 cannot grow: nobody does
         ([(16, 5), (8, 1)], 4, (5, "thrash", (0,))),  # thrashing anywhere splits everywhere
     ],

@@ -28,7 +28,9 @@ from lightning_gpuopt.precision import (
 )
 
 
-def cuda(major: int, minor: int, name: str = "GPU", hip: bool = False, bf16: bool | None = None) -> DeviceInfo:
+def cuda(
+    major: int, minor: int, name: str = "GPU", hip: bool = False, bf16: bool | None = None
+) -> DeviceInfo:
     """A CUDA device as device_info() reports it: native bf16 from sm 8.0 on (NVIDIA)."""
     native = (major, minor) >= (8, 0) if bf16 is None else bf16
     return DeviceInfo("cuda", name, (major, minor), bf16=native, fp16_autocast=True, hip=hip)
@@ -117,8 +119,10 @@ def _fake_cuda(monkeypatch, capability, emulation=True, hip=None, name="Fake GPU
         def is_bf16_supported(including_emulation=True):
             return capability >= (8, 0) or (including_emulation and emulation)
     else:  # torch < 2.3: no including_emulation
+
         def is_bf16_supported():
             return True
+
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
     monkeypatch.setattr(torch.version, "hip", hip)
 
@@ -148,9 +152,13 @@ def test_device_info_names_rocm_and_cpu(monkeypatch):
 
 def test_unsupported_reason():
     assert unsupported_reason("bf16-mixed", cuda(7, 0, "V100")) == (
-        "V100 (sm_70) has no native bfloat16 (emulated on sm_7.x: slower than float32)")
+        "V100 (sm_70) has no native bfloat16 (emulated on sm_7.x: slower than float32)"
+    )
     assert unsupported_reason("bf16-mixed", cuda(8, 0)) is None
-    assert unsupported_reason("16-mixed", DeviceInfo("mps", fp16_autocast=False)) == "MPS has no float16 autocast"
+    assert (
+        unsupported_reason("16-mixed", DeviceInfo("mps", fp16_autocast=False))
+        == "MPS has no float16 autocast"
+    )
     assert unsupported_reason("32-true", DeviceInfo("xpu", fp16_autocast=False)) is None
 
 
@@ -191,7 +199,11 @@ def test_faster_rung_goes_one_step_up_never_above_the_start():
         (["bf16-true"], ValueError, "keep float32 weights"),
         ([], ValueError, "at least one"),
         (["32-true", "32-true"], ValueError, "must not repeat"),
-        (["32-true", "16-mixed"], ValueError, r"fastest precision to the most stable one, \('16-mixed', '32-true'\)"),
+        (
+            ["32-true", "16-mixed"],
+            ValueError,
+            r"fastest precision to the most stable one, \('16-mixed', '32-true'\)",
+        ),
     ],
     ids=["string", "unknown", "true-half", "empty", "repeat", "order"],
 )
@@ -244,7 +256,10 @@ def test_without_a_scaler_nonfinite_gradients_are_trouble():
     assert watch.observe(held) is None
     assert watch.verdict(held) == "the gradients were not finite in 2 steps in a row"
     assert watch.consecutive == 1  # verdict records nothing
-    assert StabilityWatch(patience=1).verdict(StepOutcome(False, False, False)) == "the loss was not finite in 1 step in a row"
+    assert (
+        StabilityWatch(patience=1).verdict(StepOutcome(False, False, False))
+        == "the loss was not finite in 1 step in a row"
+    )
 
 
 def test_scale_below_min_scale_switches_and_arms_the_step_before():
@@ -266,11 +281,15 @@ def test_grads_nonfinite_finds_every_inf_and_nan_and_leaves_gradients_alone():
     big = torch.full((3,), 1e18)  # finite and large
     grads = [torch.randn(4, 4), big, torch.full((2,), 300.0, dtype=torch.float16), None]
     before = [g.clone() for g in grads[:3]]
-    assert grads_nonfinite(grads, torch.device("cpu")).item() == 0.0  # float16's 300² would overflow in float16
+    assert (
+        grads_nonfinite(grads, torch.device("cpu")).item() == 0.0
+    )  # float16's 300² would overflow in float16
     assert all(torch.equal(a, b) for a, b in zip(grads[:3], before))
     for bad in (float("nan"), float("inf"), -float("inf")):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            flagged = grads_nonfinite([torch.ones(3), torch.tensor([1.0, bad], dtype=dtype)], torch.device("cpu"))
+            flagged = grads_nonfinite(
+                [torch.ones(3), torch.tensor([1.0, bad], dtype=dtype)], torch.device("cpu")
+            )
             assert flagged.item() == 1.0
     assert grads_nonfinite([torch.tensor([float("inf"), -float("inf")])], torch.device("cpu")).item() == 1.0
     # documented: a norm beyond float32 counts as not finite (never a false "finite")

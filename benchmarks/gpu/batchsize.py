@@ -94,7 +94,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
-        layer = nn.TransformerEncoderLayer(d_model, nhead=8, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=8, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
         self.head = nn.Linear(d_model, vocab)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
@@ -128,10 +130,26 @@ class Workload:
 
 
 WORKLOADS = {
-    "resnet50": Workload("resnet50", "torchvision resnet50 on 3x224x224, fp32, SGD momentum",
-                         lambda: torchvision.models.resnet50(), "sgd", _images, 2048, low=32, high=128),
-    "lm": Workload("lm", "causal transformer LM: 8 layers, d_model 512, 512 tokens, vocab 16384, AdamW",
-                   CausalLM, "adamw", _tokens, 2048, low=8, high=48),
+    "resnet50": Workload(
+        "resnet50",
+        "torchvision resnet50 on 3x224x224, fp32, SGD momentum",
+        lambda: torchvision.models.resnet50(),
+        "sgd",
+        _images,
+        2048,
+        low=32,
+        high=128,
+    ),
+    "lm": Workload(
+        "lm",
+        "causal transformer LM: 8 layers, d_model 512, 512 tokens, vocab 16384, AdamW",
+        CausalLM,
+        "adamw",
+        _tokens,
+        2048,
+        low=8,
+        high=48,
+    ),
 }
 
 
@@ -156,7 +174,9 @@ def set_limit(limit_bytes: int | None) -> None:
     """Confine this process to ``limit_bytes`` (``None``: the whole device) and drop cached blocks."""
     gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0 if limit_bytes is None else limit_bytes / device_total(), 0)
+    torch.cuda.set_per_process_memory_fraction(
+        1.0 if limit_bytes is None else limit_bytes / device_total(), 0
+    )
 
 
 class SteadyPeak(pl.Callback):
@@ -176,7 +196,9 @@ class SteadyPeak(pl.Callback):
         return max(self.peaks[1:])
 
 
-def run(workload: Workload, dataset: Dataset, batch_size: int, callbacks: list, limit: int | None) -> dict[str, Any]:
+def run(
+    workload: Workload, dataset: Dataset, batch_size: int, callbacks: list, limit: int | None
+) -> dict[str, Any]:
     """Train ``STEPS`` steps; returns the steady peak, or the OOM when it ran out of memory."""
     set_limit(limit)
     recorder = SteadyPeak()
@@ -192,22 +214,35 @@ def run(workload: Workload, dataset: Dataset, batch_size: int, callbacks: list, 
     del trainer
     set_limit(None)
     ok = failed is None and len(recorder.peaks) == STEPS
-    return {"batch_size": data.batch_size, "fits": ok, "steady_peak": recorder.steady if ok else None, "oom": failed}
+    return {
+        "batch_size": data.batch_size,
+        "fits": ok,
+        "steady_peak": recorder.steady if ok else None,
+        "oom": failed,
+    }
 
 
 def check_workload(workload: Workload) -> dict[str, Any]:
     dataset = workload.data(workload.samples)
     low, high = (run(workload, dataset, n, [], None)["steady_peak"] for n in (workload.low, workload.high))
     limit = int(low + LIMIT_POSITION * (high - low))
-    result: dict[str, Any] = {"description": workload.description, "limit_bytes": limit,
-                              "calibration": {workload.low: low, workload.high: high}}
+    result: dict[str, Any] = {
+        "description": workload.description,
+        "limit_bytes": limit,
+        "calibration": {workload.low: low, workload.high: high},
+    }
 
     finder = MemoryAwareBatchSize(mode="max", target_fraction=1.0)
     started = time.perf_counter()
     found = run(workload, dataset, 8, [finder], limit)
-    result["max_mode"] = {**found, "found": finder.micro_batch_size, "trials": finder.trials,
-                          "predicted_peak": finder.predicted_peak_bytes, "wall_s": time.perf_counter() - started,
-                          "trial_sizes": [m.size for m in finder.result.measurements]}
+    result["max_mode"] = {
+        **found,
+        "found": finder.micro_batch_size,
+        "trials": finder.trials,
+        "predicted_peak": finder.predicted_peak_bytes,
+        "wall_s": time.perf_counter() - started,
+        "trial_sizes": [m.size for m in finder.result.measurements],
+    }
 
     fits, fails, runs = (finder.micro_batch_size if found["fits"] else 0), None, {}
     step = max(1, fits)
@@ -224,8 +259,13 @@ def check_workload(workload: Workload) -> dict[str, Any]:
 
     micro = MemoryAwareBatchSize(target_fraction=1.0)
     micro_run = run(workload, dataset, 2 * fits, [micro], limit)
-    result["micro_mode"] = {**micro_run, "found": micro.micro_batch_size, "k": micro.k, "trials": micro.trials,
-                            "predicted_peak": micro.predicted_peak_bytes}
+    result["micro_mode"] = {
+        **micro_run,
+        "found": micro.micro_batch_size,
+        "k": micro.k,
+        "trials": micro.trials,
+        "predicted_peak": micro.predicted_peak_bytes,
+    }
 
     checks = {}
     for mode in ("max_mode", "micro_mode"):
@@ -233,7 +273,9 @@ def check_workload(workload: Workload) -> dict[str, Any]:
         error = abs(r["predicted_peak"] - r["steady_peak"]) / r["steady_peak"] if r["fits"] else None
         r["peak_error"] = error
         checks[f"{mode}: trains without OOM after the search"] = r["fits"]
-        checks[f"{mode}: predicted peak within {PEAK_TOLERANCE:.0%} of measured"] = error is not None and error <= PEAK_TOLERANCE
+        checks[f"{mode}: predicted peak within {PEAK_TOLERANCE:.0%} of measured"] = (
+            error is not None and error <= PEAK_TOLERANCE
+        )
     fraction = finder.micro_batch_size / fits if fits else 0.0
     result["found_fraction"] = fraction
     checks["max_mode: found within 90-100 % of the true maximum"] = BAND[0] <= fraction <= BAND[1]
@@ -244,7 +286,9 @@ def check_workload(workload: Workload) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for batchsize.json")
     parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     return parser.parse_args(argv)
@@ -253,8 +297,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/gpu/batchsize.py: no CUDA device visible (torch.cuda.is_available() is False); "
-              "this check needs a real GPU and cannot pass without one", file=sys.stderr)
+        print(
+            "benchmarks/gpu/batchsize.py: no CUDA device visible (torch.cuda.is_available() is False); "
+            "this check needs a real GPU and cannot pass without one",
+            file=sys.stderr,
+        )
         return 1
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -283,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         if "checks" in r:
             for check, ok in r["checks"].items():
                 print(f"  {'ok  ' if ok else 'FAIL'} {check}")
-            print(f"  found {r['max_mode']['found']} of true max {r['true_max']} ({r['found_fraction']:.1%}); "
-                  f"peak error max mode {r['max_mode']['peak_error']}, micro mode {r['micro_mode']['peak_error']}")
+            print(
+                f"  found {r['max_mode']['found']} of true max {r['true_max']} ({r['found_fraction']:.1%}); "
+                f"peak error max mode {r['max_mode']['peak_error']}, micro mode {r['micro_mode']['peak_error']}"
+            )
     results["passed"] = all(r["passed"] for r in results["models"].values())
     results["wall_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,9 @@ import data_pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for data.json")
     parser.add_argument("--quick", action="store_true", help="one short repeat")
     args = parser.parse_args(argv)
@@ -45,11 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     defaults, naive = runs["defaults"], runs["naive"]
     checks = {
         "defaults_faster_than_naive": defaults["speedup_vs_naive"]["median"] > 1.0,
-        "defaults_wait_less_than_naive": defaults["wait_fraction"]["median"] < naive["wait_fraction"]["median"],
+        "defaults_wait_less_than_naive": defaults["wait_fraction"]["median"]
+        < naive["wait_fraction"]["median"],
     }
-    prefetch_gain = defaults["samples_per_s"]["median"] / runs["defaults, no device prefetch"]["samples_per_s"]["median"]
-    summary = {"section": "data", **{k: results[k] for k in ("date", "device", "torch", "lightning")},
-               "checks": checks, "device_prefetch_gain": prefetch_gain, "passed": all(checks.values()), "results": results}
+    prefetch_gain = (
+        defaults["samples_per_s"]["median"] / runs["defaults, no device prefetch"]["samples_per_s"]["median"]
+    )
+    summary = {
+        "section": "data",
+        **{k: results[k] for k in ("date", "device", "torch", "lightning")},
+        "checks": checks,
+        "device_prefetch_gain": prefetch_gain,
+        "passed": all(checks.values()),
+        "results": results,
+    }
     (args.out / "data.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=2))
     return 0 if summary["passed"] else 1

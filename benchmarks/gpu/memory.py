@@ -115,15 +115,30 @@ def run(c: Checks, fraction: float) -> None:
         torch.cuda.set_per_process_memory_fraction(old_fraction, dev)
 
 
-def _checks_under_fraction(c, torch, dev, fraction, CudaMemoryProbe, get_probe, is_oom_error, free_memory) -> None:
+def _checks_under_fraction(
+    c, torch, dev, fraction, CudaMemoryProbe, get_probe, is_oom_error, free_memory
+) -> None:
     probe = get_probe(dev)
-    c.check("get_probe(cuda:0) is a CudaMemoryProbe for cuda:0", isinstance(probe, CudaMemoryProbe) and probe.device == dev,
-            probe=repr(probe))
+    c.check(
+        "get_probe(cuda:0) is a CudaMemoryProbe for cuda:0",
+        isinstance(probe, CudaMemoryProbe) and probe.device == dev,
+        probe=repr(probe),
+    )
     c.check("get_probe() picks the current CUDA device", get_probe().device == dev, probe=repr(get_probe()))
     driver_free, device_total = torch.cuda.mem_get_info(dev)
     budget = int(fraction * device_total)
-    c.check("probe.fraction is the fraction set", abs(probe.fraction - fraction) < 1e-9, probe=probe.fraction, set=fraction)
-    c.check("probe.total == int(fraction * device total)", probe.total == budget, probe=probe.total, expected=budget)
+    c.check(
+        "probe.fraction is the fraction set",
+        abs(probe.fraction - fraction) < 1e-9,
+        probe=probe.fraction,
+        set=fraction,
+    )
+    c.check(
+        "probe.total == int(fraction * device total)",
+        probe.total == budget,
+        probe=probe.total,
+        expected=budget,
+    )
     c.info["mem_get_info_ignores_fraction"] = driver_free > budget
     c.info["driver_free_at_start"] = driver_free
     c.info["budget"] = budget
@@ -131,18 +146,35 @@ def _checks_under_fraction(c, torch, dev, fraction, CudaMemoryProbe, get_probe, 
     # 1. live tensors of several sizes (small pool, large pool, odd sizes)
     blocks = [torch.empty(n, dtype=torch.uint8, device=dev) for n in (1000, MiB, 3 * MiB + 7, 64 * MiB)]
     compare_figures(c, probe, torch, "live tensors")
-    c.check("allocated counts the live tensors", probe.allocated >= sum(b.numel() for b in blocks),
-            allocated=probe.allocated, tensors=sum(b.numel() for b in blocks))
-    c.check("reserved >= allocated", probe.reserved >= probe.allocated, reserved=probe.reserved, allocated=probe.allocated)
+    c.check(
+        "allocated counts the live tensors",
+        probe.allocated >= sum(b.numel() for b in blocks),
+        allocated=probe.allocated,
+        tensors=sum(b.numel() for b in blocks),
+    )
+    c.check(
+        "reserved >= allocated",
+        probe.reserved >= probe.allocated,
+        reserved=probe.reserved,
+        allocated=probe.allocated,
+    )
 
     # 2. peak and reset_peak
     tmp = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
     del tmp
-    c.check("peak saw a freed 256 MiB temporary", probe.peak >= probe.allocated + 256 * MiB, peak=probe.peak,
-            allocated=probe.allocated)
+    c.check(
+        "peak saw a freed 256 MiB temporary",
+        probe.peak >= probe.allocated + 256 * MiB,
+        peak=probe.peak,
+        allocated=probe.allocated,
+    )
     probe.reset_peak()
-    c.check("after reset_peak, peak == allocated", probe.peak == probe.allocated == torch.cuda.max_memory_allocated(dev),
-            peak=probe.peak, allocated=probe.allocated)
+    c.check(
+        "after reset_peak, peak == allocated",
+        probe.peak == probe.allocated == torch.cuda.max_memory_allocated(dev),
+        peak=probe.peak,
+        allocated=probe.allocated,
+    )
     compare_figures(c, probe, torch, "after reset_peak")
     del blocks
     free_memory()
@@ -172,14 +204,28 @@ def _checks_under_fraction(c, torch, dev, fraction, CudaMemoryProbe, get_probe, 
         lightning_oom = "lightning not importable"
     del err
     c.check("filling the budget ends in an OOM", failed, chunks_allocated=len(held), error=err_type)
-    c.check("the OOM is torch.OutOfMemoryError and is_oom_error says so", failed and err_type == "OutOfMemoryError" and is_oom,
-            error=err_type, message=err_text)
+    c.check(
+        "the OOM is torch.OutOfMemoryError and is_oom_error says so",
+        failed and err_type == "OutOfMemoryError" and is_oom,
+        error=err_type,
+        message=err_text,
+    )
     c.check("Lightning's is_oom_error agrees", lightning_oom is True, lightning=lightning_oom)
-    wrong = [(i, state, free) for i, (state, free) in enumerate(predictions) if (state == "ok") != (free >= chunk)]
-    c.check("probe.free predicted each 256 MiB allocation (fits iff free >= 256 MiB)", failed and not wrong,
-            wrong=wrong[:5], last=predictions[-3:])
-    c.check("the fraction held: peak reserved <= budget", torch.cuda.max_memory_reserved(dev) <= budget,
-            peak_reserved=torch.cuda.max_memory_reserved(dev), budget=budget)
+    wrong = [
+        (i, state, free) for i, (state, free) in enumerate(predictions) if (state == "ok") != (free >= chunk)
+    ]
+    c.check(
+        "probe.free predicted each 256 MiB allocation (fits iff free >= 256 MiB)",
+        failed and not wrong,
+        wrong=wrong[:5],
+        last=predictions[-3:],
+    )
+    c.check(
+        "the fraction held: peak reserved <= budget",
+        torch.cuda.max_memory_reserved(dev) <= budget,
+        peak_reserved=torch.cuda.max_memory_reserved(dev),
+        budget=budget,
+    )
     c.info["driver_free_at_oom"] = torch.cuda.mem_get_info(dev)[0]
     c.info["alloc_retries_delta_at_oom"] = probe.alloc_retries - retries_before
     compare_figures(c, probe, torch, "at the OOM")
@@ -196,7 +242,12 @@ def _checks_under_fraction(c, torch, dev, fraction, CudaMemoryProbe, get_probe, 
     with_workspace = probe.allocated
     reserved_before = probe.reserved
     free_memory()
-    c.check("free_memory() returns the cache", probe.reserved < reserved_before, before=reserved_before, after=probe.reserved)
+    c.check(
+        "free_memory() returns the cache",
+        probe.reserved < reserved_before,
+        before=reserved_before,
+        after=probe.reserved,
+    )
     # Informational: whether every workspace went (cuBLASLt's may live apart from cuBLAS's on some builds).
     c.info["cublas_clear_hook"] = hasattr(torch._C, "_cuda_clearCublasWorkspaces")
     c.info["workspace_bytes_before_free_memory"] = with_workspace - base_allocated
@@ -204,7 +255,9 @@ def _checks_under_fraction(c, torch, dev, fraction, CudaMemoryProbe, get_probe, 
     compare_figures(c, probe, torch, "after free_memory")
 
     # 5. a training step: the probe's peak is torch's peak
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10)).to(dev)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10)).to(
+        dev
+    )
     opt = torch.optim.Adam(model.parameters())
     x = torch.randn(512, 1024, device=dev)
     y = torch.randint(0, 10, (512,), device=dev)
@@ -241,9 +294,15 @@ def simulated_on_this_machine(c: Checks) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="directory for memory.json")
-    parser.add_argument("--fraction", type=float, default=0.1, help="per-process memory fraction to test under")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT", "gpu_check_out"), help="directory for memory.json"
+    )
+    parser.add_argument(
+        "--fraction", type=float, default=0.1, help="per-process memory fraction to test under"
+    )
     args = parser.parse_args(argv)
     if not 0.0 < args.fraction < 1.0:
         parser.error(f"--fraction must be in (0, 1), got {args.fraction}")

@@ -103,15 +103,17 @@ class CausalLM(pl.LightningModule):
     documented exception), which would hide the leaks this check looks for.
     """
 
-    def __init__(self, vocab: int = 16384, width: int = 1024, heads: int = 16, layers: int = 4,
-                 seq_len: int = 512) -> None:
+    def __init__(
+        self, vocab: int = 16384, width: int = 1024, heads: int = 16, layers: int = 4, seq_len: int = 512
+    ) -> None:
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
             self.embed = nn.Embedding(vocab, width)
             self.position = nn.Parameter(torch.randn(seq_len, width) * 0.02)
-            layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
-                                               norm_first=True)
+            layer = nn.TransformerEncoderLayer(
+                width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+            )
             self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
             self.norm = nn.LayerNorm(width)
             self.head = nn.Linear(width, vocab)
@@ -145,11 +147,18 @@ class Cycle(Dataset):
 
 def _image_batches(batch_size: int, size: int = 224, count: int = 3) -> list[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, generator=g),
-             torch.randint(0, 1000, (batch_size,), generator=g)) for _ in range(count)]
+    return [
+        (
+            torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, generator=g),
+            torch.randint(0, 1000, (batch_size,), generator=g),
+        )
+        for _ in range(count)
+    ]
 
 
-def _token_batches(batch_size: int, seq_len: int = 512, vocab: int = 16384, count: int = 3) -> list[tuple[Tensor, ...]]:
+def _token_batches(
+    batch_size: int, seq_len: int = 512, vocab: int = 16384, count: int = 3
+) -> list[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g),) for _ in range(count)]
 
@@ -164,10 +173,20 @@ class Workload:
 
 
 WORKLOADS = {
-    "resnet50": Workload("resnet50", "torchvision resnet50(num_classes=1000), 3x224x224, SGD momentum",
-                         Classifier, lambda: _image_batches(256), batch_size=256),
-    "transformer": Workload("transformer", "causal LM: nn.TransformerEncoder 4 x 1024 wide, 16 heads, "
-                            "512 tokens, vocab 16384, AdamW", CausalLM, lambda: _token_batches(64), batch_size=64),
+    "resnet50": Workload(
+        "resnet50",
+        "torchvision resnet50(num_classes=1000), 3x224x224, SGD momentum",
+        Classifier,
+        lambda: _image_batches(256),
+        batch_size=256,
+    ),
+    "transformer": Workload(
+        "transformer",
+        "causal LM: nn.TransformerEncoder 4 x 1024 wide, 16 heads, 512 tokens, vocab 16384, AdamW",
+        CausalLM,
+        lambda: _token_batches(64),
+        batch_size=64,
+    ),
 }
 
 
@@ -206,8 +225,12 @@ def synchronize() -> None:
 @contextlib.contextmanager
 def exact_fp32() -> Iterator[None]:
     """fp32 without TF32 and with deterministic cuDNN, so two equal computations agree to rounding."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
@@ -215,8 +238,12 @@ def exact_fp32() -> Iterator[None]:
     try:
         yield
     finally:
-        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+        ) = saved
 
 
 # ----------------------------------------------------------------------------- instruments
@@ -238,8 +265,9 @@ class StepRecord(pl.Callback):
         self.ks: list[int] = []
         self._started = 0.0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx in self.collect_at:
             gc.collect()
         synchronize()
@@ -260,8 +288,9 @@ class LimitAt(pl.Callback):
     def __init__(self, batch_idx: int, limit_bytes: int) -> None:
         self.batch_idx, self.limit_bytes = batch_idx, limit_bytes
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.batch_idx:
             set_limit(self.limit_bytes)
 
@@ -275,10 +304,13 @@ class FollowSchedule(pl.Callback):
     def __init__(self, ks: list[int]) -> None:
         self.ks = ks
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         engine = MicroBatchEngine.get(trainer)
-        engine.propose(self.ks[batch_idx], "reference", "the recovered run's micro-batch count for this batch")
+        engine.propose(
+            self.ks[batch_idx], "reference", "the recovered run's micro-batch count for this batch"
+        )
 
 
 def _forced(k: int) -> OOMRecovery:
@@ -288,8 +320,9 @@ def _forced(k: int) -> OOMRecovery:
     return recovery
 
 
-def fit(workload: Workload, batches: list[tuple[Tensor, ...]], steps: int,
-        callbacks: list[pl.Callback]) -> pl.LightningModule:
+def fit(
+    workload: Workload, batches: list[tuple[Tensor, ...]], steps: int, callbacks: list[pl.Callback]
+) -> pl.LightningModule:
     """One seeded fit of ``steps`` batches; returns the trained module (on the CPU)."""
     set_limit(None)  # also collects what earlier fits left to the garbage collector
     pl.seed_everything(0, verbose=False)
@@ -336,13 +369,17 @@ def compare_states(got: nn.Module, want: nn.Module) -> dict[str, Any]:
             if not torch.equal(a, b):
                 mismatched_ints.append(key)
             continue
-        diff = (a.double() - b.double())
+        diff = a.double() - b.double()
         rel = (diff.norm() / b.double().norm().clamp_min(1e-30)).item()
         worst_abs = max(worst_abs, diff.abs().max().item())
         if rel > worst_rel:
             worst_key, worst_rel = key, rel
-    return {"max_rel_error": worst_rel, "worst_tensor": worst_key, "max_abs_error": worst_abs,
-            "mismatched_integer_buffers": mismatched_ints}
+    return {
+        "max_rel_error": worst_rel,
+        "worst_tensor": worst_key,
+        "max_abs_error": worst_abs,
+        "mismatched_integer_buffers": mismatched_ints,
+    }
 
 
 def check_workload(workload: Workload) -> dict[str, Any]:
@@ -351,8 +388,9 @@ def check_workload(workload: Workload) -> dict[str, Any]:
     result: dict[str, Any] = {"description": workload.description, "batch_size": workload.batch_size}
     result["calibration"] = calibration = calibrate(workload, batches)
     if not calibration["splitting_lowers_peak"]:  # no limit can make a split fit where the full batch fails
-        result.update(checks={"calibration_found_a_limit": False}, passed=False,
-                      wall_s=time.perf_counter() - started)
+        result.update(
+            checks={"calibration_found_a_limit": False}, passed=False, wall_s=time.perf_counter() - started
+        )
         return result
     limit = calibration["limit_bytes"]
     limit_at = WARMUP_STEPS
@@ -384,22 +422,29 @@ def check_workload(workload: Workload) -> dict[str, Any]:
         "calibration_found_a_limit": True,
         "completed": run_error is None and len(record.ks) == steps,
         "real_cuda_oom": bool(failures) and all(_is_real_cuda_oom(f["message"]) for f in failures),
-        "limit_forced_the_oom_at_its_batch": bool(failures) and failures[0]["batch_idx"] == limit_at
-                                             and failures[0]["k"] == 1,
+        "limit_forced_the_oom_at_its_batch": bool(failures)
+        and failures[0]["batch_idx"] == limit_at
+        and failures[0]["k"] == 1,
     }
     if checks["completed"]:
         before, later = record.starts[limit_at], record.starts[-1]
         drift = (later - before) / before
-        result["memory"] = {"allocated_at_failing_step_start": before, "allocated_at_later_step_start": later,
-                            "relative_change": drift, "tolerance": MEMORY_TOLERANCE,
-                            "peak_after_limit_bytes": max(record.peaks[limit_at:]), "limit_bytes": limit}
+        result["memory"] = {
+            "allocated_at_failing_step_start": before,
+            "allocated_at_later_step_start": later,
+            "relative_change": drift,
+            "tolerance": MEMORY_TOLERANCE,
+            "peak_after_limit_bytes": max(record.peaks[limit_at:]),
+            "limit_bytes": limit,
+        }
         checks["memory_returns_to_pre_oom"] = abs(drift) <= MEMORY_TOLERANCE
         checks["peaks_within_limit"] = max(record.peaks[limit_at:]) <= limit
 
         steady = record.seconds[1:limit_at]
-        after = record.seconds[limit_at + 1:]
+        after = record.seconds[limit_at + 1 :]
         result["timing"] = {
-            "steady_step_ms": 1e3 * min(steady), "recovering_step_ms": 1e3 * record.seconds[limit_at],
+            "steady_step_ms": 1e3 * min(steady),
+            "recovering_step_ms": 1e3 * record.seconds[limit_at],
             "final_k_step_ms": 1e3 * min(after),
             "ratio_vs_steady": record.seconds[limit_at] / min(steady),
             "ratio_vs_final_k_step": record.seconds[limit_at] / min(after),
@@ -407,16 +452,22 @@ def check_workload(workload: Workload) -> dict[str, Any]:
 
         reference_recovery = _forced(1)
         reference_record = StepRecord(reference_recovery)
-        reference = fit(workload, batches, steps,
-                        [reference_record, FollowSchedule(record.ks), reference_recovery])
+        reference = fit(
+            workload, batches, steps, [reference_record, FollowSchedule(record.ks), reference_recovery]
+        )
         comparison = compare_states(model, reference)
-        comparison.update(reference_k_per_batch=reference_record.ks, reference_ooms=len(reference_recovery.failures),
-                          rtol=PARAM_RTOL)
+        comparison.update(
+            reference_k_per_batch=reference_record.ks,
+            reference_ooms=len(reference_recovery.failures),
+            rtol=PARAM_RTOL,
+        )
         result["parameters"] = comparison
-        checks["reference_followed_the_schedule"] = (reference_record.ks == record.ks
-                                                     and not reference_recovery.failures)
-        checks["parameters_match_reference"] = (comparison["max_rel_error"] <= PARAM_RTOL
-                                                and not comparison["mismatched_integer_buffers"])
+        checks["reference_followed_the_schedule"] = (
+            reference_record.ks == record.ks and not reference_recovery.failures
+        )
+        checks["parameters_match_reference"] = (
+            comparison["max_rel_error"] <= PARAM_RTOL and not comparison["mismatched_integer_buffers"]
+        )
     result["checks"] = checks
     result["passed"] = all(checks.values())
     result["wall_s"] = time.perf_counter() - started
@@ -427,10 +478,17 @@ def check_workload(workload: Workload) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="directory for oom.json")
-    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS),
-                        help="which workloads to check (default: all)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(WORKLOADS),
+        default=list(WORKLOADS),
+        help="which workloads to check (default: all)",
+    )
     return parser.parse_args(argv)
 
 
@@ -439,18 +497,25 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
         return f"{name}: ERROR {r.get('error')}"
     failed = [c for c, ok in r["checks"].items() if not ok]
     calibration = r["calibration"]
-    parts = [f"{name}: {'PASS' if r['passed'] else 'FAIL ' + ', '.join(failed)}",
-             f"peak k=1 {calibration['peak_k1_bytes'] / 2**30:.2f} GiB, "
-             f"k={CALIBRATION_K} {calibration[f'peak_k{CALIBRATION_K}_bytes'] / 2**30:.2f} GiB"]
+    parts = [
+        f"{name}: {'PASS' if r['passed'] else 'FAIL ' + ', '.join(failed)}",
+        f"peak k=1 {calibration['peak_k1_bytes'] / 2**30:.2f} GiB, "
+        f"k={CALIBRATION_K} {calibration[f'peak_k{CALIBRATION_K}_bytes'] / 2**30:.2f} GiB",
+    ]
     if "retries" in r:
-        parts += [f"limit {calibration['limit_bytes'] / 2**30:.2f} GiB "
-                  f"({calibration['limit_fraction_of_device']:.1%} of the device)",
-                  f"retries {r['retries']}", f"final k {r['final_k']}"]
+        parts += [
+            f"limit {calibration['limit_bytes'] / 2**30:.2f} GiB "
+            f"({calibration['limit_fraction_of_device']:.1%} of the device)",
+            f"retries {r['retries']}",
+            f"final k {r['final_k']}",
+        ]
     if "memory" in r:
         parts.append(f"allocated drift {r['memory']['relative_change']:+.3%}")
     if "timing" in r:
-        parts.append(f"recovering step {r['timing']['recovering_step_ms']:.0f} ms "
-                     f"({r['timing']['ratio_vs_steady']:.1f}x a steady step)")
+        parts.append(
+            f"recovering step {r['timing']['recovering_step_ms']:.0f} ms "
+            f"({r['timing']['ratio_vs_steady']:.1f}x a steady step)"
+        )
     if "parameters" in r:
         parts.append(f"params max rel err {r['parameters']['max_rel_error']:.1e}")
     return "; ".join(parts)
@@ -459,13 +524,18 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/gpu/oom.py: no CUDA device visible (torch.cuda.is_available() is False); "
-              "this check needs a real GPU and cannot pass without one", file=sys.stderr)
+        print(
+            "benchmarks/gpu/oom.py: no CUDA device visible (torch.cuda.is_available() is False); "
+            "this check needs a real GPU and cannot pass without one",
+            file=sys.stderr,
+        )
         return 1
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*TF32.*")  # torch >= 2.9 prefers fp32_precision; the flags still work
+    warnings.filterwarnings(
+        "ignore", message=".*TF32.*"
+    )  # torch >= 2.9 prefers fp32_precision; the flags still work
 
     properties = torch.cuda.get_device_properties(0)
     results: dict[str, Any] = {

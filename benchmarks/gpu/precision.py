@@ -66,10 +66,20 @@ bench = _load_benchmark()
 
 def workloads() -> list[Any]:
     return [
-        bench.Workload("resnet50", "torchvision resnet50(num_classes=1000), 3x224x224, SGD momentum", Classifier,
-                       lambda: _image_batches(128), batch_size=128),
-        bench.Workload("transformer", OOM_WORKLOADS["transformer"].description, CausalLM,
-                       lambda: _token_batches(32), batch_size=32),
+        bench.Workload(
+            "resnet50",
+            "torchvision resnet50(num_classes=1000), 3x224x224, SGD momentum",
+            Classifier,
+            lambda: _image_batches(128),
+            batch_size=128,
+        ),
+        bench.Workload(
+            "transformer",
+            OOM_WORKLOADS["transformer"].description,
+            CausalLM,
+            lambda: _token_batches(32),
+            batch_size=32,
+        ),
     ]
 
 
@@ -126,8 +136,16 @@ def check_fallback(steps: int = 12, device: str = "cuda") -> dict[str, Any]:
     data = TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
     switch, applied = PrecisionSwitch(initial="16-mixed"), Applied()
     model = Overflowing()
-    trainer = pl.Trainer(max_steps=steps, accelerator=device, devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[switch, applied])
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator=device,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[switch, applied],
+    )
     trainer.fit(model, DataLoader(data, batch_size=64))
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     changes = [[c.step, c.before, c.after, c.reason] for c in switch.switches]
@@ -137,17 +155,27 @@ def check_fallback(steps: int = 12, device: str = "cuda") -> dict[str, Any]:
         "finite_parameters": finite,
         "completed": trainer.global_step == steps,
     }
-    return {"switches": changes, "applied_steps": applied.steps, "skipped_steps": switch.skipped_steps,
-            "rerun_batches": switch.rerun_batches, "final_precision": trainer.precision, "checks": checks,
-            "passed": all(checks.values())}
+    return {
+        "switches": changes,
+        "applied_steps": applied.steps,
+        "skipped_steps": switch.skipped_steps,
+        "rerun_batches": switch.rerun_batches,
+        "final_precision": trainer.precision,
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="directory for precision.json")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("gpu_check_out"), help="directory for precision.json"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per fit (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per fit (default 3)")
@@ -157,8 +185,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/gpu/precision.py: no CUDA device visible (torch.cuda.is_available() is False); "
-              "this check needs a real GPU and cannot pass without one", file=sys.stderr)
+        print(
+            "benchmarks/gpu/precision.py: no CUDA device visible (torch.cuda.is_available() is False); "
+            "this check needs a real GPU and cannot pass without one",
+            file=sys.stderr,
+        )
         return 1
     bench.quiet()
     torch.backends.cudnn.benchmark = True
@@ -169,9 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # still write what is known, and fail
         traceback.print_exc()
         results = {"models": {}, "error": f"{type(err).__name__}: {err}"}
-    results.update(section="precision", torchvision=torchvision.__version__, cuda=torch.version.cuda,
-                   cudnn=torch.backends.cudnn.version(), capability=f"{properties.major}.{properties.minor}",
-                   bf16_native=torch.cuda.is_bf16_supported(including_emulation=False))
+    results.update(
+        section="precision",
+        torchvision=torchvision.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version(),
+        capability=f"{properties.major}.{properties.minor}",
+        bf16_native=torch.cuda.is_bf16_supported(including_emulation=False),
+    )
     for r in results["models"].values():
         r["checks"] = checks_of(r)
         r["passed"] = all(r["checks"].values())
@@ -184,10 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         results["fallback"] = {"passed": False, "error": f"{type(err).__name__}: {err}"}
     fallback = results["fallback"]
-    print(f"fallback: {'PASS' if fallback['passed'] else 'FAIL'} {fallback.get('checks', fallback.get('error'))}; "
-          f"switches {fallback.get('switches')}", flush=True)
-    results["passed"] = bool(results["models"]) and all(r["passed"] for r in results["models"].values()) \
+    print(
+        f"fallback: {'PASS' if fallback['passed'] else 'FAIL'} {fallback.get('checks', fallback.get('error'))}; "
+        f"switches {fallback.get('switches')}",
+        flush=True,
+    )
+    results["passed"] = (
+        bool(results["models"])
+        and all(r["passed"] for r in results["models"].values())
         and fallback["passed"]
+    )
     results["wall_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "precision.json"

@@ -52,11 +52,17 @@ class _HostCopy:
         data = data.contiguous()
         self.buffer = bytearray(data.numel() * data.element_size())
         if self.buffer:
-            ctypes.memmove((ctypes.c_char * len(self.buffer)).from_buffer(self.buffer), data.data_ptr(), len(self.buffer))
+            ctypes.memmove(
+                (ctypes.c_char * len(self.buffer)).from_buffer(self.buffer), data.data_ptr(), len(self.buffer)
+            )
 
     def restore(self) -> Tensor:
         if self.buffer:
-            source = torch.frombuffer(self.buffer, dtype=torch.uint8).view(self.tensor.dtype).view(self.tensor.shape)
+            source = (
+                torch.frombuffer(self.buffer, dtype=torch.uint8)
+                .view(self.tensor.dtype)
+                .view(self.tensor.shape)
+            )
             with torch.no_grad():
                 self.tensor.copy_(source)
         return self.tensor
@@ -108,18 +114,29 @@ class TrainingState:
                 for p in group["params"]:
                     tensors.setdefault(id(p), p)
         self.tensors = [_HostCopy(t) for t in tensors.values()]
-        self.grads = [(t, None if t.grad is None else _HostCopy(t.grad)) for t in tensors.values() if isinstance(t, Tensor)]
+        self.grads = [
+            (t, None if t.grad is None else _HostCopy(t.grad))
+            for t in tensors.values()
+            if isinstance(t, Tensor)
+        ]
         self.optimizer_states = [self._capture_optimizer(o) for o in self.optimizers]
         self.schedulers = [
-            (config.scheduler, copy.deepcopy(config.scheduler.state_dict())) for config in trainer.lr_scheduler_configs
+            (config.scheduler, copy.deepcopy(config.scheduler.state_dict()))
+            for config in trainer.lr_scheduler_configs
         ]
         self.rng = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
         self.attributes = [(m, self._capture_attributes(m)) for m in module.modules()]
 
     @staticmethod
     def _capture_optimizer(optimizer: torch.optim.Optimizer) -> tuple:
-        state = {p: {key: _Copied(value) for key, value in per_param.items()} for p, per_param in optimizer.state.items()}
-        groups = [{key: _Copied(value) for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+        state = {
+            p: {key: _Copied(value) for key, value in per_param.items()}
+            for p, per_param in optimizer.state.items()
+        }
+        groups = [
+            {key: _Copied(value) for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups
+        ]
         flags = {key: value for key, value in vars(optimizer).items() if isinstance(value, _PLAIN)}
         return state, groups, flags
 
@@ -129,7 +146,9 @@ class TrainingState:
         for key, value in vars(module).items():
             if key in _SKIP_KEYS:
                 continue
-            if isinstance(value, (_PLAIN, Tensor)) or (isinstance(value, _CONTAINERS) and not key.startswith("_")):
+            if isinstance(value, (_PLAIN, Tensor)) or (
+                isinstance(value, _CONTAINERS) and not key.startswith("_")
+            ):
                 saved[key] = _Copied(value)
         return saved
 
@@ -141,8 +160,10 @@ class TrainingState:
             param.grad = None if grad is None else grad.restore()
         for optimizer, (state, groups, flags) in zip(self.optimizers, self.optimizer_states):
             current = optimizer.state
-            restored = {p: {key: value.restore(current.get(p, {}).get(key)) for key, value in per_param.items()}
-                        for p, per_param in state.items()}
+            restored = {
+                p: {key: value.restore(current.get(p, {}).get(key)) for key, value in per_param.items()}
+                for p, per_param in state.items()
+            }
             current.clear()  # lazily created state of the trials goes; the optimizer's own dict stays
             current.update(restored)
             for group, saved in zip(optimizer.param_groups, groups):
@@ -157,15 +178,25 @@ class TrainingState:
         _set_rng_states(self.rng)
         for module, saved in self.attributes:
             attributes = vars(module)
-            for key in [k for k, v in attributes.items() if k not in saved and not k.startswith("_")
-                        and (isinstance(v, (_PLAIN, Tensor)) or isinstance(v, _CONTAINERS))]:
+            for key in [
+                k
+                for k, v in attributes.items()
+                if k not in saved
+                and not k.startswith("_")
+                and (isinstance(v, (_PLAIN, Tensor)) or isinstance(v, _CONTAINERS))
+            ]:
                 del attributes[key]  # created by a trial (e.g. an activation kept for a later hook)
             for key, value in saved.items():
                 attributes[key] = value.restore(attributes.get(key))
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, Tensor)
+    )
 
 
 def _silent_log(*args: Any, **kwargs: Any) -> None:
@@ -184,7 +215,9 @@ class TrialSteps:
     On exit, everything is restored (see the module docstring) and memory is freed.
     """
 
-    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule, probe: MemoryProbe, batch_idx: int = 0) -> None:
+    def __init__(
+        self, trainer: pl.Trainer, module: pl.LightningModule, probe: MemoryProbe, batch_idx: int = 0
+    ) -> None:
         self.trainer = trainer
         self.module = module
         self.probe = probe
@@ -196,7 +229,9 @@ class TrialSteps:
         self._training: list[tuple[torch.nn.Module, bool]] = []
         #: Allocated bytes after the last step that completed, its outputs freed: what every step holds.
         self.held_bytes: int | None = None
-        self._params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._params = [
+            p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad
+        ]
         #: Bytes of the gradients of every trained parameter.
         self.grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         #: The first line of the last out-of-memory error.

@@ -121,7 +121,11 @@ class MemoryAwareBatchSize(Callback):
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}")
-        if isinstance(target_fraction, bool) or not isinstance(target_fraction, (int, float)) or not 0 < target_fraction <= 1:
+        if (
+            isinstance(target_fraction, bool)
+            or not isinstance(target_fraction, (int, float))
+            or not 0 < target_fraction <= 1
+        ):
             raise ValueError(f"`target_fraction` must be in (0, 1], got {target_fraction!r}")
         _check_size("multiple_of", multiple_of, allow_none=True)
         _check_size("min_batch_size", min_batch_size)
@@ -133,7 +137,9 @@ class MemoryAwareBatchSize(Callback):
         if lr_scaling not in _LR_RULES:
             raise ValueError(f"`lr_scaling` must be one of {_LR_RULES}, got {lr_scaling!r}")
         if lr_scaling is not None and mode != "max":
-            raise ValueError(f"`lr_scaling` applies to mode='max' only (the optimizer batch changes), got mode={mode!r}")
+            raise ValueError(
+                f"`lr_scaling` applies to mode='max' only (the optimizer batch changes), got mode={mode!r}"
+            )
         self.mode = mode
         self.target_fraction = float(target_fraction)
         self.multiple_of = multiple_of
@@ -207,7 +213,9 @@ class MemoryAwareBatchSize(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
+            strategy, (SingleDeviceStrategy, DDPStrategy)
+        ):
             raise RuntimeError(
                 f"MemoryAwareBatchSize measures single-device and DDP training, got {type(strategy).__name__} (a "
                 "sharded model's memory depends on the sharding, not only on the batch). Use devices=1 or "
@@ -264,11 +272,15 @@ class MemoryAwareBatchSize(Callback):
         if self.mode != "max":
             return
         if self.batch_size is not None and not self._requested:
-            lightning_setattr(pl_module, "batch_size", self.batch_size)  # resumed: the size it had, applied at batch 0
+            lightning_setattr(
+                pl_module, "batch_size", self.batch_size
+            )  # resumed: the size it had, applied at batch 0
             return
         self._search_batch_size(trainer, pl_module, probe)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         engine = self._engine
         if engine is None or batch_idx % trainer.accumulate_grad_batches != 0:
             return
@@ -283,7 +295,9 @@ class MemoryAwareBatchSize(Callback):
             n = _samples(batch)
             if n is not None:
                 engine.max_micro_batch_size = self.micro_batch_size
-                engine.propose(math.ceil(n / self.micro_batch_size), "memory", "restored from checkpoint", batch_size=n)
+                engine.propose(
+                    math.ceil(n / self.micro_batch_size), "memory", "restored from checkpoint", batch_size=n
+                )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._engine is not None:
@@ -322,16 +336,26 @@ class MemoryAwareBatchSize(Callback):
             k = math.ceil(n / size)
             return splitter(batch, k)[0], math.ceil(n / k), 0, False  # the split hook decides the micro-batch
 
-        size = self._agree(trainer, probe, smallest, lambda: self._search(
-            trainer, module, probe, micro_batch, smallest, largest, 0.0, batch_idx, largest == n))
+        size = self._agree(
+            trainer,
+            probe,
+            smallest,
+            lambda: self._search(
+                trainer, module, probe, micro_batch, smallest, largest, 0.0, batch_idx, largest == n
+            ),
+        )
         self._record(trainer, size, n)
         engine.max_micro_batch_size = size
         before = engine.k
         engine.propose(math.ceil(n / size), "memory", f"measured at {why}", batch_size=n)
         k = engine.k
         change = f"k {before} -> {k}" if k != before else f"k stays {k}"
-        self._announce(trainer, f"batches of {n} run as {k} micro-batch(es) of at most {math.ceil(n / k)} ({change}); "
-                                f"optimizer batch {n * trainer.accumulate_grad_batches * trainer.world_size} kept", why)
+        self._announce(
+            trainer,
+            f"batches of {n} run as {k} micro-batch(es) of at most {math.ceil(n / k)} ({change}); "
+            f"optimizer batch {n * trainer.accumulate_grad_batches * trainer.world_size} kept",
+            why,
+        )
 
     def _search_batch_size(self, trainer: pl.Trainer, module: pl.LightningModule, probe: MemoryProbe) -> None:
         loader = _train_loader(trainer, module)
@@ -360,8 +384,12 @@ class MemoryAwareBatchSize(Callback):
 
         per_sample = self._batch_bytes_per_sample(whole_batch, smallest)
         held = (1 + ahead) * per_sample
-        size = self._agree(trainer, probe, smallest, lambda: self._search(
-            trainer, module, probe, whole_batch, smallest, largest, held, 0, False))
+        size = self._agree(
+            trainer,
+            probe,
+            smallest,
+            lambda: self._search(trainer, module, probe, whole_batch, smallest, largest, held, 0, False),
+        )
         self._record(trainer, size, size)
         lightning_setattr(module, "batch_size", size)
         self._engine.max_micro_batch_size = size
@@ -415,7 +443,9 @@ class MemoryAwareBatchSize(Callback):
             if trainer.accumulate_grad_batches > 1:
                 extra += trials.grad_bytes
             while (size := search.next_size()) is not None:
-                batch, actual, nbytes, whole = make_batch(size)  # a split hook may choose another size: record what ran
+                batch, actual, nbytes, whole = make_batch(
+                    size
+                )  # a split hook may choose another size: record what ran
                 measurement = trials.measure(batch, actual, nbytes, whole)
                 del batch
                 if trials.held_bytes is not None:
@@ -482,8 +512,16 @@ class MemoryAwareBatchSize(Callback):
             f"(target_fraction {self.target_fraction:g} x {format_bytes(limit)}), from {self.trials} measured "
             f"step(s) [{sizes}] in {self._elapsed:.2f} s; {change}"
         )
-        record_decision(trainer, "batch size", "MemoryAwareBatchSize", message, micro_batch_size=self.micro_batch_size,
-                        predicted_peak_bytes=self.predicted_peak_bytes, trials=self.trials, mode=self.mode)
+        record_decision(
+            trainer,
+            "batch size",
+            "MemoryAwareBatchSize",
+            message,
+            micro_batch_size=self.micro_batch_size,
+            predicted_peak_bytes=self.predicted_peak_bytes,
+            trials=self.trials,
+            mode=self.mode,
+        )
         if self.verbose:
             rank_zero_info(message)
         if trainer.global_rank == 0:
@@ -497,12 +535,20 @@ class MemoryAwareBatchSize(Callback):
                     step=trainer.global_step,
                 )
 
-    def _no_fit_message(self, trainer: pl.Trainer, result: SearchResult, probe: MemoryProbe, smallest: int) -> str:
+    def _no_fit_message(
+        self, trainer: pl.Trainer, result: SearchResult, probe: MemoryProbe, smallest: int
+    ) -> str:
         params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
-        state = "not measured (no trial reached the optimizer step)" if self._state_bytes is None else format_bytes(
-            self._state_bytes)
-        parts = [f"parameters {format_bytes(params)}", f"gradients {format_bytes(self._grad_bytes)}",
-                 f"optimizer state {state}"]
+        state = (
+            "not measured (no trial reached the optimizer step)"
+            if self._state_bytes is None
+            else format_bytes(self._state_bytes)
+        )
+        parts = [
+            f"parameters {format_bytes(params)}",
+            f"gradients {format_bytes(self._grad_bytes)}",
+            f"optimizer state {state}",
+        ]
         done = [m for m in result.measurements if not m.out_of_memory]
         if done:
             m = min(done, key=lambda m: m.size)
@@ -513,7 +559,9 @@ class MemoryAwareBatchSize(Callback):
                 f"optimizer step {format_bytes(m.optimizer_bytes or 0)}",
                 f"peak {format_bytes(model.peak(m.size))}",
             ]
-        tried = ", ".join(f"{m.size}{' (out of memory)' if m.out_of_memory else ''}" for m in result.measurements)
+        tried = ", ".join(
+            f"{m.size}{' (out of memory)' if m.out_of_memory else ''}" for m in result.measurements
+        )
         error = f" Last error: {self._last_error}" if self._last_error else ""
         return (
             f"MemoryAwareBatchSize: even {smallest} sample(s) per step do not fit the memory budget of "
@@ -563,7 +611,9 @@ def _splitter(trainer: pl.Trainer, module: pl.LightningModule) -> Callable[[Any,
 
 def _train_loader(trainer: pl.Trainer, module: pl.LightningModule) -> DataLoader:
     datamodule = trainer.datamodule
-    source = datamodule if datamodule is not None and is_overridden("train_dataloader", datamodule) else module
+    source = (
+        datamodule if datamodule is not None and is_overridden("train_dataloader", datamodule) else module
+    )
     loader = source.train_dataloader()
     if not isinstance(loader, DataLoader):
         raise RuntimeError(

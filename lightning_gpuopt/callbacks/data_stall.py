@@ -132,7 +132,9 @@ class DataStallMonitor(Callback):
             raise ValueError(f"`window` must be a positive int, got {window!r}")
         if not isinstance(autotune, bool):
             raise ValueError(f"`autotune` must be True or False, got {autotune!r}")
-        if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1):
+        if max_workers is not None and (
+            isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
+        ):
             raise ValueError(f"`max_workers` must be a positive int or None, got {max_workers!r}")
         self.threshold = float(threshold)
         self.window = window
@@ -169,7 +171,11 @@ class DataStallMonitor(Callback):
         return StallMeasurement(len(self._recent), wait, compute).fraction
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_workers": self._num_workers, "trials": [list(t) for t in self._trials], "converged": self._converged}
+        return {
+            "num_workers": self._num_workers,
+            "trials": [list(t) for t in self._trials],
+            "converged": self._converged,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         workers = state_dict.get("num_workers")
@@ -189,7 +195,11 @@ class DataStallMonitor(Callback):
             return
         self._tunable = self.autotune and isinstance(trainer.datamodule, GPUOptDataModule)
         if self.autotune and not self._tunable and trainer.is_global_zero:
-            source = type(trainer.datamodule).__name__ if trainer.datamodule is not None else "dataloaders passed to fit"
+            source = (
+                type(trainer.datamodule).__name__
+                if trainer.datamodule is not None
+                else "dataloaders passed to fit"
+            )
             warn(
                 f"DataStallMonitor(autotune=True) tunes `num_workers` of a GPUOptDataModule; this run's data comes "
                 f"from {source}, whose loaders it cannot rebuild, so it measures and advises only. Set `num_workers` "
@@ -203,7 +213,9 @@ class DataStallMonitor(Callback):
         self._clock = _CudaEventClock(device) if device.type == "cuda" else _HostClock()
         if self._tunable and self._num_workers is not None:
             trainer.datamodule.num_workers = self._num_workers
-            rank_zero_info(f"DataStallMonitor: num_workers={self._num_workers} restored from the checkpoint (autotune).")
+            rank_zero_info(
+                f"DataStallMonitor: num_workers={self._num_workers} restored from the checkpoint (autotune)."
+            )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_in_epoch = True
@@ -213,7 +225,9 @@ class DataStallMonitor(Callback):
         self._epoch_workers = getattr(loader, "num_workers", None)
         self._last_end = self._clock.mark() if self._clock is not None else None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._clock is not None:
             self._start = self._clock.mark()
 
@@ -242,10 +256,19 @@ class DataStallMonitor(Callback):
             return
         self._resolve(wait_all=True)
         measured = StallMeasurement(
-            self._epoch_steps, self._epoch_wait, self._epoch_compute, trainer.current_epoch, self._epoch_workers
+            self._epoch_steps,
+            self._epoch_wait,
+            self._epoch_compute,
+            trainer.current_epoch,
+            self._epoch_workers,
         )
         self.history.append(measured)
-        if self._tunable and not self._converged and measured.steps >= self.window and measured.num_workers is not None:
+        if (
+            self._tunable
+            and not self._converged
+            and measured.steps >= self.window
+            and measured.num_workers is not None
+        ):
             self._autotune_step(trainer, measured)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -272,7 +295,11 @@ class DataStallMonitor(Callback):
     def _log(self, trainer: pl.Trainer) -> None:
         # Straight to the loggers, as a float: `LightningModule.log` would make a device tensor each step
         # from a host float, a blocking copy that stalls the very pipeline this measures.
-        if trainer.global_rank != 0 or not trainer.loggers or trainer.global_step % max(1, trainer.log_every_n_steps):
+        if (
+            trainer.global_rank != 0
+            or not trainer.loggers
+            or trainer.global_step % max(1, trainer.log_every_n_steps)
+        ):
             return
         for logger in trainer.loggers:
             logger.log_metrics({_METRIC: self.wait_fraction}, step=trainer.global_step)
@@ -313,10 +340,18 @@ class DataStallMonitor(Callback):
             datamodule.num_workers = int(workers)
             fit_loop = trainer.fit_loop
             if hasattr(fit_loop, "_combined_loader"):
-                fit_loop._combined_loader = None  # Lightning rebuilds the train loader at the next epoch's start
-        change = f"num_workers {measured.num_workers} -> {workers}" if workers != measured.num_workers else f"keeping num_workers={workers}"
+                fit_loop._combined_loader = (
+                    None  # Lightning rebuilds the train loader at the next epoch's start
+                )
+        change = (
+            f"num_workers {measured.num_workers} -> {workers}"
+            if workers != measured.num_workers
+            else f"keeping num_workers={workers}"
+        )
         message = f"DataStallMonitor: {change} after epoch {measured.epoch} ({step.reason}){'; autotune settled' if converged else ''}."
-        record_decision(trainer, "workers", "DataStallMonitor", message, before=measured.num_workers, after=int(workers))
+        record_decision(
+            trainer, "workers", "DataStallMonitor", message, before=measured.num_workers, after=int(workers)
+        )
         rank_zero_info(message)
 
 

@@ -68,7 +68,9 @@ class TokenCount:
                 f"({type(batch).__name__}). Pass `token_key` naming the labels or attention mask, or a `weight_fn`."
             ) from err
         if not isinstance(values, Tensor):
-            raise ValueError(f"batch[{self.key!r}] must be a tensor to count tokens in, got {type(values).__name__}")
+            raise ValueError(
+                f"batch[{self.key!r}] must be a tensor to count tokens in, got {type(values).__name__}"
+            )
         return int((values != self.ignore_index).sum())
 
     def __repr__(self) -> str:
@@ -164,15 +166,23 @@ class OOMRecovery(Callback):
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(f"`loss_reduction` must be one of {_REDUCTIONS}, got {loss_reduction!r}")
         if weight_fn is not None and not callable(weight_fn):
-            raise TypeError(f"`weight_fn` must be a callable(micro_batch) -> count, got {type(weight_fn).__name__}")
+            raise TypeError(
+                f"`weight_fn` must be a callable(micro_batch) -> count, got {type(weight_fn).__name__}"
+            )
         if weight_fn is not None and loss_reduction == "sum":
-            raise ValueError("`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'")
+            raise ValueError(
+                "`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'"
+            )
         if not isinstance(unsplittable, bool) and not callable(unsplittable):
-            raise TypeError(f"`unsplittable` must be a bool or a callable(batch) -> bool, got {type(unsplittable).__name__}")
+            raise TypeError(
+                f"`unsplittable` must be a bool or a callable(batch) -> bool, got {type(unsplittable).__name__}"
+            )
         if isinstance(sum_log_keys, str):
             raise TypeError(f"`sum_log_keys` must be a collection of names, got the string {sum_log_keys!r}")
         if max_micro_batches is not None and (
-            isinstance(max_micro_batches, bool) or not isinstance(max_micro_batches, int) or max_micro_batches < 1
+            isinstance(max_micro_batches, bool)
+            or not isinstance(max_micro_batches, int)
+            or max_micro_batches < 1
         ):
             raise ValueError(f"`max_micro_batches` must be a positive int or None, got {max_micro_batches!r}")
         if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
@@ -182,7 +192,8 @@ class OOMRecovery(Callback):
         if isinstance(grow_back_after, bool) or not isinstance(grow_back_after, int) or grow_back_after < 1:
             raise ValueError(f"`grow_back_after` must be a positive int (steps), got {grow_back_after!r}")
         if isinstance(checkpoint_modules, (str, type)) or not all(
-            isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module)) for t in checkpoint_modules
+            isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module))
+            for t in checkpoint_modules
         ):
             raise TypeError(
                 "`checkpoint_modules` must be a list of module classes or class names (e.g. "
@@ -345,7 +356,9 @@ class OOMRecovery(Callback):
             self._checkpointing = False
             self._enable_checkpointing(announce="restored from checkpoint")
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         engine = self._engine
         if engine is None:
             return
@@ -384,12 +397,21 @@ class OOMRecovery(Callback):
             return
         failed = [size for size, at in self._recent_failures.items() if step - at <= self._wait]
         k = grow_back_micro_batch_count(
-            engine.k, n, step_start, probe.peak, probe.total, self.headroom,
-            below_size=min(failed) if failed else None, max_micro_batch_size=engine.max_micro_batch_size,
+            engine.k,
+            n,
+            step_start,
+            probe.peak,
+            probe.total,
+            self.headroom,
+            below_size=min(failed) if failed else None,
+            max_micro_batch_size=engine.max_micro_batch_size,
         )
         if k is not None:
-            engine.next_proposal = (k, STATUS_GROW, f"grow back at step {step} (peak {format_bytes(probe.peak)} "
-                                    f"of {format_bytes(probe.total)})")
+            engine.next_proposal = (
+                k,
+                STATUS_GROW,
+                f"grow back at step {step} (peak {format_bytes(probe.peak)} of {format_bytes(probe.total)})",
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._engine is not None:
@@ -408,11 +430,17 @@ class OOMRecovery(Callback):
         self.failures.append(failure)
         if self._engine is not None:
             record_decision(
-                self._engine.trainer, "oom", "OOMRecovery",
+                self._engine.trainer,
+                "oom",
+                "OOMRecovery",
                 f"OOM in {failure.phase} with micro-batch {failure.micro_batch_size} (k {failure.k}) of a batch of "
                 f"{failure.batch_size}: the attempt is dropped and the batch retried",
-                phase=failure.phase, k=failure.k, micro_batch_size=failure.micro_batch_size,
-                batch_size=failure.batch_size, allocated_bytes=failure.allocated_bytes, limit_bytes=failure.limit_bytes,
+                phase=failure.phase,
+                k=failure.k,
+                micro_batch_size=failure.micro_batch_size,
+                batch_size=failure.batch_size,
+                allocated_bytes=failure.allocated_bytes,
+                limit_bytes=failure.limit_bytes,
             )
         if failure.phase in ("forward", "backward"):
             step = failure.step
@@ -445,9 +473,13 @@ class OOMRecovery(Callback):
         self._checkpointing = True
         names = sorted({type(m).__name__ for m in self._checkpointed})
         why = announce or "out of memory at one sample per micro-batch"
-        message = (f"OOMRecovery: activation checkpointing on for {len(self._checkpointed)} module(s) "
-                   f"({', '.join(names)}): {why}; retrying the batch.")
-        record_decision(self._engine.trainer, "checkpointing", "OOMRecovery", message, modules=len(self._checkpointed))
+        message = (
+            f"OOMRecovery: activation checkpointing on for {len(self._checkpointed)} module(s) "
+            f"({', '.join(names)}): {why}; retrying the batch."
+        )
+        record_decision(
+            self._engine.trainer, "checkpointing", "OOMRecovery", message, modules=len(self._checkpointed)
+        )
         if self.verbose:
             rank_zero_info(message)
         return True
@@ -464,14 +496,27 @@ class OOMRecovery(Callback):
         n = change.batch_size or 0
         before, after = math.ceil(n / change.k_before), math.ceil(n / change.k_after)
         if change.stage != "train":
-            message = f"{change.reason}: {change.stage} batches of {n} run as {change.k_after} chunks of {after}"
+            message = (
+                f"{change.reason}: {change.stage} batches of {n} run as {change.k_after} chunks of {after}"
+            )
         elif n:
-            message = (f"{change.reason}: micro-batch {before} -> {after} (k {change.k_before} -> {change.k_after}); "
-                       f"optimizer batch {n * trainer.accumulate_grad_batches * trainer.world_size} kept")
+            message = (
+                f"{change.reason}: micro-batch {before} -> {after} (k {change.k_before} -> {change.k_after}); "
+                f"optimizer batch {n * trainer.accumulate_grad_batches * trainer.world_size} kept"
+            )
         else:
             message = f"{change.reason}: k {change.k_before} -> {change.k_after}"
-        record_decision(trainer, "micro-batches", "OOMRecovery", message, k_before=change.k_before,
-                        k_after=change.k_after, batch_size=n, cause=change.source, stage=change.stage)
+        record_decision(
+            trainer,
+            "micro-batches",
+            "OOMRecovery",
+            message,
+            k_before=change.k_before,
+            k_after=change.k_after,
+            batch_size=n,
+            cause=change.source,
+            stage=change.stage,
+        )
         if self.verbose and n and change.source != "resume":
             rank_zero_info(message)
 
@@ -489,18 +534,24 @@ class OOMRecovery(Callback):
         state = 0
         for optimizer in trainer.optimizers:
             for per_param in optimizer.state.values():
-                state += sum(v.numel() * v.element_size() for v in per_param.values() if isinstance(v, Tensor))
+                state += sum(
+                    v.numel() * v.element_size() for v in per_param.values() if isinstance(v, Tensor)
+                )
         parts = [
             f"parameters {format_bytes(params)}",
             f"gradients {format_bytes(grads)}",
             f"optimizer state {format_bytes(state)}",
         ]
         if failure.demand_bytes is not None:
-            parts.append(f"activations >= {format_bytes(failure.demand_bytes / failure.micro_batch_size)} per sample")
+            parts.append(
+                f"activations >= {format_bytes(failure.demand_bytes / failure.micro_batch_size)} per sample"
+            )
         if failure.limit_bytes is not None:
             parts.append(f"limit {format_bytes(failure.limit_bytes)}")
-        limit = "" if self.max_micro_batches is None or failure.micro_batch_size <= 1 else (
-            f" (max_micro_batches={self.max_micro_batches} reached)"
+        limit = (
+            ""
+            if self.max_micro_batches is None or failure.micro_batch_size <= 1
+            else (f" (max_micro_batches={self.max_micro_batches} reached)")
         )
         if self._checkpointing:
             tried = " Activation checkpointing of `checkpoint_modules` was on."
@@ -508,8 +559,11 @@ class OOMRecovery(Callback):
             tried = " `OOMRecovery(checkpoint_modules=[...])` can recompute the largest blocks' activations instead."
         else:
             tried = ""
-        where = f"step {failure.step} ({failure.phase})" if failure.phase in ("forward", "backward") else (
-            f"{failure.phase} batch {failure.batch_idx}")
+        where = (
+            f"step {failure.step} ({failure.phase})"
+            if failure.phase in ("forward", "backward")
+            else (f"{failure.phase} batch {failure.batch_idx}")
+        )
         return (
             f"Out of memory at {where} even with micro-batches of "
             f"{failure.micro_batch_size} sample(s) (k {failure.k} for a batch of {failure.batch_size}){limit}. "

@@ -183,9 +183,19 @@ class PrecisionSwitch(Callback):
             raise ValueError(f"`patience` must be a positive int (troubled steps in a row), got {patience!r}")
         if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or not min_scale > 0:
             raise ValueError(f"`min_scale` must be a number > 0, got {min_scale!r}")
-        if retry_after is not None and (isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1):
-            raise ValueError(f"`retry_after` must be a positive int (optimizer steps) or None, got {retry_after!r}")
-        for name, value in (("rerun", rerun), ("cpu_bf16", cpu_bf16), ("tf32", tf32), ("fp8", fp8), ("verbose", verbose)):
+        if retry_after is not None and (
+            isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1
+        ):
+            raise ValueError(
+                f"`retry_after` must be a positive int (optimizer steps) or None, got {retry_after!r}"
+            )
+        for name, value in (
+            ("rerun", rerun),
+            ("cpu_bf16", cpu_bf16),
+            ("tf32", tf32),
+            ("fp8", fp8),
+            ("verbose", verbose),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}")
         if fp8 and not fp8_available():
@@ -262,7 +272,9 @@ class PrecisionSwitch(Callback):
         self._precision = state_dict.get("precision")
         self._resume = self._precision
         self._start = state_dict.get("start")
-        self.switches = [PrecisionChange(int(s), str(b), str(a), str(r)) for s, b, a, r in state_dict.get("switches", [])]
+        self.switches = [
+            PrecisionChange(int(s), str(b), str(a), str(r)) for s, b, a, r in state_dict.get("switches", [])
+        ]
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.nonfinite_steps = int(state_dict.get("nonfinite_steps", 0))
         self.rerun_batches = int(state_dict.get("rerun_batches", 0))
@@ -293,7 +305,9 @@ class PrecisionSwitch(Callback):
         if self.initial == "keep":
             target, reason = before, f"initial='keep' on {info.label}"
         elif self.initial == "auto":
-            choice = choose_precision(info, cpu_bf16=self.cpu_bf16, fp8=self.fp8, fp8_installed=fp8_available())
+            choice = choose_precision(
+                info, cpu_bf16=self.cpu_bf16, fp8=self.fp8, fp8_installed=fp8_available()
+            )
             target, reason = choice.precision, f"auto: {choice.reason}"
         else:
             why = unsupported_reason(self.initial, info)
@@ -338,22 +352,30 @@ class PrecisionSwitch(Callback):
         for optimizer in trainer.optimizers:
             self._wrap(optimizer)
         self._watching = True
-        can_switch = bool(fallback_ladder(self._start, self.ladder, self._info)) or self._start != self._precision
+        can_switch = (
+            bool(fallback_ladder(self._start, self.ladder, self._info)) or self._start != self._precision
+        )
         if self.rerun and can_switch and trainer.accumulate_grad_batches == 1:
             try:
                 engine = MicroBatchEngine.attach(trainer, self)
             except RuntimeError as err:
-                self._say(f"PrecisionSwitch: a batch that triggers a switch will be dropped, not run again: {err}")
+                self._say(
+                    f"PrecisionSwitch: a batch that triggers a switch will be dropped, not run again: {err}"
+                )
             else:
                 engine.attempt_checks.append(self._check_attempt)
                 self._engine = engine
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._trainer is trainer and self._precision != self._logged:
             self._logged = self._precision
             if trainer.global_rank == 0:
                 for logger in trainer.loggers:
-                    logger.log_metrics({_METRIC: float(precision_index(self._precision))}, step=trainer.global_step)
+                    logger.log_metrics(
+                        {_METRIC: float(precision_index(self._precision))}, step=trainer.global_step
+                    )
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._watching:
@@ -371,7 +393,9 @@ class PrecisionSwitch(Callback):
         if not self._watching or not self._step_attempted:
             return
         applied = self._applied
-        if self._found_inf is not None:  # a fused optimizer skipped by itself or not: read once, after its step
+        if (
+            self._found_inf is not None
+        ):  # a fused optimizer skipped by itself or not: read once, after its step
             applied = not bool(self._found_inf.item())
         losses, self._losses = self._losses, []
         self._step_attempted = self._applied = False
@@ -447,7 +471,10 @@ class PrecisionSwitch(Callback):
         self._wrapped.append((optimizer, had, previous))
 
     def _optimizer_step(
-        self, optimizer: torch.optim.Optimizer, original: Callable[..., Any], closure: Callable[[], Any] | None,
+        self,
+        optimizer: torch.optim.Optimizer,
+        original: Callable[..., Any],
+        closure: Callable[[], Any] | None,
         kwargs: dict[str, Any],
     ) -> Any:
         if not self._watching:
@@ -487,14 +514,18 @@ class PrecisionSwitch(Callback):
             if not self._verdict:
                 return False
         loss_bad, grads_bad = self._agreed(
-            torch.stack([any_nonfinite([loss], device), any_nonfinite(grad_norms(self._grads(optimizer)), device)])
+            torch.stack(
+                [any_nonfinite([loss], device), any_nonfinite(grad_norms(self._grads(optimizer)), device)]
+            )
         )
         if not (loss_bad or grads_bad):
             return False
         predicted = None
         if scaler is not None and self._watch.last_scale is not None:
             predicted = self._watch.last_scale * scaler.get_backoff_factor()
-        outcome = StepOutcome(applied=False, scaler=scaler is not None, loss_finite=not loss_bad, scale=predicted)
+        outcome = StepOutcome(
+            applied=False, scaler=scaler is not None, loss_finite=not loss_bad, scale=predicted
+        )
         reason = self._watch.verdict(outcome)
         # Same inputs on every rank (all-reduced flags, the same history): the same answer everywhere.
         if reason is None or not fallback_ladder(self._precision, self.ladder, self._info):
@@ -505,7 +536,9 @@ class PrecisionSwitch(Callback):
 
     # ------------------------------------------------------------------ switching
 
-    def _switch_down(self, trainer: pl.Trainer, reason: str, rerun: bool, batch_idx: int | None = None) -> None:
+    def _switch_down(
+        self, trainer: pl.Trainer, reason: str, rerun: bool, batch_idx: int | None = None
+    ) -> None:
         before = self._precision
         rungs = fallback_ladder(before, self.ladder, self._info)
         if not rungs:
@@ -527,8 +560,11 @@ class PrecisionSwitch(Callback):
             what = f"batch {batch_idx} runs again in {rungs[0]}"
         else:
             accumulate = trainer.accumulate_grad_batches
-            what = (f"the batch of step {step - 1} was not applied" if accumulate == 1
-                    else f"the window of step {step - 1} ({accumulate} batches) was not applied")
+            what = (
+                f"the batch of step {step - 1} was not applied"
+                if accumulate == 1
+                else f"the window of step {step - 1} ({accumulate} batches) was not applied"
+            )
             what += f" ({self.skipped_steps} step(s) not applied in this fit)"
         self._say(f"PrecisionSwitch: precision {before} → {rungs[0]} at step {step}: {reason}; {what}")
 
@@ -548,8 +584,14 @@ class PrecisionSwitch(Callback):
     def _install(self, trainer: pl.Trainer, precision: str, reason: str) -> None:
         trainer.strategy.precision_plugin = _plugin_for(precision, trainer.strategy)
         self.switches.append(PrecisionChange(trainer.global_step, self._precision, precision, reason))
-        record_decision(trainer, "precision", "PrecisionSwitch", f"precision {self._precision} -> {precision}: {reason}",
-                        before=self._precision, after=precision)
+        record_decision(
+            trainer,
+            "precision",
+            "PrecisionSwitch",
+            f"precision {self._precision} -> {precision}: {reason}",
+            before=self._precision,
+            after=precision,
+        )
         self._precision = precision
         self._last_switch_step = trainer.global_step
         self._watch.reset()
@@ -583,7 +625,9 @@ class PrecisionSwitch(Callback):
 
     def _nonfinite(self, losses: list[Tensor], optimizer: torch.optim.Optimizer) -> Tensor:
         """One device flag: a loss or a gradient is not finite (no host sync yet)."""
-        return any_nonfinite([*losses, *grad_norms(self._grads(optimizer))], self._trainer.strategy.root_device)
+        return any_nonfinite(
+            [*losses, *grad_norms(self._grads(optimizer))], self._trainer.strategy.root_device
+        )
 
     def _agreed(self, flags: Tensor) -> list[bool]:
         """Device flags, all-reduced over ranks, read with one host sync."""

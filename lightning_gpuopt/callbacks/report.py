@@ -144,7 +144,9 @@ class GPUOptReport(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_end = time.perf_counter()  # validation time is neither a step nor waiting for data
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_start = time.perf_counter()
         self._step = trainer.global_step  # the step this batch belongs to, as decisions taken in it record
         get_probe(trainer.strategy.root_device).reset_peak()
@@ -233,18 +235,27 @@ class GPUOptReport(Callback):
         json_path, png_path = write_report(self.report, folder, png=draw)
         self.paths = {"json": str(json_path), "png": str(png_path) if png_path else None}
         if self.plot == "auto" and not draw:
-            warn("GPUOptReport: matplotlib is not installed, so no gpuopt_report.png was drawn; install the plot "
-                 "extra (pip install 'lightning_gpuopt[plot]') and run `gpuopt report "
-                 f"{folder}` to draw it from the JSON.")
+            warn(
+                "GPUOptReport: matplotlib is not installed, so no gpuopt_report.png was drawn; install the plot "
+                "extra (pip install 'lightning_gpuopt[plot]') and run `gpuopt report "
+                f"{folder}` to draw it from the JSON."
+            )
         if self.table:
             print_table(self.report)
         rank_zero_info(f"GPUOptReport: wrote {json_path}" + (f" and {png_path}" if png_path else ""))
 
     def _log(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
-        if trainer.global_rank != 0 or not trainer.loggers or trainer.global_step % max(1, trainer.log_every_n_steps):
+        if (
+            trainer.global_rank != 0
+            or not trainer.loggers
+            or trainer.global_step % max(1, trainer.log_every_n_steps)
+        ):
             return
         rates = windowed_samples_per_s(self._steps[-10:])
-        metrics = {"gpuopt/memory_allocated": float(record["allocated_bytes"]), "gpuopt/memory_peak": float(record["peak_bytes"])}
+        metrics = {
+            "gpuopt/memory_allocated": float(record["allocated_bytes"]),
+            "gpuopt/memory_peak": float(record["peak_bytes"]),
+        }
         if rates and rates[-1] is not None:
             metrics["gpuopt/samples_per_s"] = float(rates[-1])
         if record["mfu"] is not None:

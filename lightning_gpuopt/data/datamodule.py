@@ -196,7 +196,9 @@ class GPUOptDataModule(pl.LightningDataModule):
         _check_positive_int("batch_size", batch_size)
         _check_positive_int("eval_batch_size", eval_batch_size, allow_none=True)
         _check_positive_int("prefetch_factor", prefetch_factor)
-        if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0):
+        if num_workers != "auto" and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+        ):
             raise ValueError(f"`num_workers` must be 'auto' or an int >= 0, got {num_workers!r}")
         if pin_memory != "auto" and not isinstance(pin_memory, bool):
             raise ValueError(f"`pin_memory` must be 'auto', True or False, got {pin_memory!r}")
@@ -223,7 +225,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         for stage in _STAGES[1:]:
             name = f"{stage}_dataloader"
             ours = (getattr(GPUOptDataModule, name), getattr(pl.LightningDataModule, name))
-            if any(name in k.__dict__ and k.__dict__[name] not in ours for k in cls.__mro__[: cls.__mro__.index(GPUOptDataModule)]):
+            if any(
+                name in k.__dict__ and k.__dict__[name] not in ours
+                for k in cls.__mro__[: cls.__mro__.index(GPUOptDataModule)]
+            ):
                 continue
             provided = getattr(cls, f"{stage}_dataset") is not getattr(GPUOptDataModule, f"{stage}_dataset")
             setattr(cls, name, ours[0] if provided else ours[1])
@@ -308,11 +313,17 @@ class GPUOptDataModule(pl.LightningDataModule):
         elif not on_cuda:
             value, why = False, f"training on {device.type}"
         elif hook := self._transfer_hook_overridden():
-            value, why = False, f"`{hook}` is overridden and would see device batches; batches are moved when used"
+            value, why = (
+                False,
+                f"`{hook}` is overridden and would see device batches; batches are moved when used",
+            )
         else:
-            value, why = True, (
-                f"training on {device}: the next batch is copied on a side CUDA stream while the current step "
-                "computes; `device_prefetch_bytes` tells the device memory it holds"
+            value, why = (
+                True,
+                (
+                    f"training on {device}: the next batch is copied on a side CUDA stream while the current step "
+                    "computes; `device_prefetch_bytes` tells the device memory it holds"
+                ),
             )
         self._announce(
             f"device_prefetch={value}",

@@ -31,7 +31,9 @@ def _as_numpy(value: Any, label: str) -> np.ndarray:
         value = value.detach().cpu().numpy()
     array = value if isinstance(value, np.ndarray) else np.asarray(value)
     if array.dtype.hasobject or array.dtype.kind in "USV":
-        raise TypeError(f"{label} must hold numbers or booleans, got dtype {array.dtype}; encode strings as integers")
+        raise TypeError(
+            f"{label} must hold numbers or booleans, got dtype {array.dtype}; encode strings as integers"
+        )
     if array.ndim == 0:
         raise ValueError(f"{label} must have a sample dimension (dim 0), got a scalar")
     return array
@@ -43,11 +45,17 @@ class _ArrayFile:
     def __init__(self, path: Path, access: str) -> None:
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
             shape, fortran_order, dtype = read_header(f)
             self.offset = f.tell()
         if fortran_order:
-            raise ValueError(f"{str(path)!r} is stored in Fortran order; write it again with `MemmapDataset.write`")
+            raise ValueError(
+                f"{str(path)!r} is stored in Fortran order; write it again with `MemmapDataset.write`"
+            )
         self.path, self.shape, self.dtype = path, shape, dtype
         self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         if access == "mmap":
@@ -71,7 +79,9 @@ class _ArrayFile:
             end = start + 1
             while end < len(rows) and rows[end] == rows[end - 1] + 1:
                 end += 1
-            self._read_into(memoryview(raw[start:end]).cast("B"), self.offset + int(rows[start]) * self.row_bytes)
+            self._read_into(
+                memoryview(raw[start:end]).cast("B"), self.offset + int(rows[start]) * self.row_bytes
+            )
             start = end
         return out
 
@@ -159,7 +169,9 @@ class MemmapDataset(Dataset):
         self.dtypes = [np.dtype(entry["dtype"]) for entry in manifest["arrays"]]
         for file in self._files:
             if not file.is_file():
-                raise FileNotFoundError(f"MemmapDataset at {str(self.path)!r} is missing {file.name}; write it again.")
+                raise FileNotFoundError(
+                    f"MemmapDataset at {str(self.path)!r} is missing {file.name}; write it again."
+                )
         self._arrays: list[_ArrayFile] | None = None
         self._pid: int | None = None
 
@@ -200,7 +212,9 @@ class MemmapDataset(Dataset):
             )
         names = list(named_arrays) if named_arrays else None
         values: Sequence[Any] = list(named_arrays.values()) if named_arrays else arrays
-        labels = [f"array {name!r}" for name in names] if names else [f"array {i}" for i in range(len(values))]
+        labels = (
+            [f"array {name!r}" for name in names] if names else [f"array {i}" for i in range(len(values))]
+        )
         prepared = [_as_numpy(v, label) for v, label in zip(values, labels)]
         lengths = {len(a) for a in prepared}
         if len(lengths) != 1:
@@ -292,4 +306,3 @@ class MemmapDataset(Dataset):
             for name, shape, dtype in zip(self.names or range(len(self.shapes)), self.shapes, self.dtypes)
         )
         return f"MemmapDataset({str(self.path)!r}, {self.length} samples; {layout})"
-

@@ -125,14 +125,18 @@ def batch_nbytes(batch: Any, device_type: str | None = None) -> int:
         80
     """
     return sum(
-        t.nbytes for t in _leaves(batch) if isinstance(t, Tensor) and (device_type is None or t.device.type == device_type)
+        t.nbytes
+        for t in _leaves(batch)
+        if isinstance(t, Tensor) and (device_type is None or t.device.type == device_type)
     )
 
 
 def _only_tensors_move(batch: Any) -> bool:
     # Objects with their own `.to` hide their tensors from `record_stream`; their device memory could be
     # reused while the compute stream still reads it. Such batches are left for Lightning to move.
-    return not any(not isinstance(leaf, Tensor) and callable(getattr(leaf, "to", None)) for leaf in _leaves(batch))
+    return not any(
+        not isinstance(leaf, Tensor) and callable(getattr(leaf, "to", None)) for leaf in _leaves(batch)
+    )
 
 
 _copy_streams: dict[int, torch.cuda.Stream] = {}
@@ -226,7 +230,11 @@ class DevicePrefetcher(Iterator[Any]):
     """
 
     def __init__(
-        self, batches: Iterable[Any], transfer: BatchTransfer, depth: int = 1, stats: PrefetchStats | None = None
+        self,
+        batches: Iterable[Any],
+        transfer: BatchTransfer,
+        depth: int = 1,
+        stats: PrefetchStats | None = None,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"`depth` must be a positive int, got {depth!r}")

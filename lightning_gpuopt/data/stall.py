@@ -179,19 +179,49 @@ def stall_advice(settings: LoaderSettings) -> list[Advice]:
     cpus = f"{settings.cpus} CPUs for {settings.local_devices} device(s)"
     if workers == 0:
         suggested = max(1, auto_num_workers(settings.cpus, settings.local_devices, cap=limit))
-        advice.append(Advice("num_workers", 0, suggested, f"batches are loaded in the training process; {cpus} leave {limit} for workers"))
+        advice.append(
+            Advice(
+                "num_workers",
+                0,
+                suggested,
+                f"batches are loaded in the training process; {cpus} leave {limit} for workers",
+            )
+        )
     elif workers < limit:
-        advice.append(Advice("num_workers", workers, min(limit, 2 * workers), f"more workers load in parallel; {cpus} run up to {limit}"))
+        advice.append(
+            Advice(
+                "num_workers",
+                workers,
+                min(limit, 2 * workers),
+                f"more workers load in parallel; {cpus} run up to {limit}",
+            )
+        )
     if workers > 0 and not settings.persistent_workers:
         advice.append(Advice("persistent_workers", False, True, "workers are restarted every epoch"))
     if settings.on_cuda and not settings.pin_memory:
-        advice.append(Advice("pin_memory", False, True, "copies to the GPU from pinned memory are asynchronous and faster"))
+        advice.append(
+            Advice(
+                "pin_memory", False, True, "copies to the GPU from pinned memory are asynchronous and faster"
+            )
+        )
     if settings.on_cuda and settings.device_prefetch is False:
-        advice.append(Advice("device_prefetch", False, True, "the next batch is copied to the GPU while the current step computes"))
+        advice.append(
+            Advice(
+                "device_prefetch",
+                False,
+                True,
+                "the next batch is copied to the GPU while the current step computes",
+            )
+        )
     if workers >= limit:
         if settings.prefetch_factor is not None and settings.prefetch_factor < _DEEP_PREFETCH:
             advice.append(
-                Advice("prefetch_factor", settings.prefetch_factor, _DEEP_PREFETCH, "deeper worker queues absorb slow samples")
+                Advice(
+                    "prefetch_factor",
+                    settings.prefetch_factor,
+                    _DEEP_PREFETCH,
+                    "deeper worker queues absorb slow samples",
+                )
             )
         advice.append(
             Advice(
@@ -205,7 +235,9 @@ def stall_advice(settings: LoaderSettings) -> list[Advice]:
     return advice
 
 
-def stall_message(measurement: StallMeasurement, threshold: float, advice: Sequence[Advice], where: str = "") -> str:
+def stall_message(
+    measurement: StallMeasurement, threshold: float, advice: Sequence[Advice], where: str = ""
+) -> str:
     """The one warning DataStallMonitor gives: the measurement, then the advice, numbered.
 
     Example:
@@ -213,10 +245,16 @@ def stall_message(measurement: StallMeasurement, threshold: float, advice: Seque
         >>> stall_message(m, 0.1, [Advice("num_workers", 0, 3, "more CPUs")])[:71]
         'DataStallMonitor: the training loop waited for data 40% of the time ove'
     """
-    per_step = f"{1e3 * measurement.wait_s / max(1, measurement.steps):.1f} ms waiting vs " \
-               f"{1e3 * measurement.compute_s / max(1, measurement.steps):.1f} ms computing per step"
+    per_step = (
+        f"{1e3 * measurement.wait_s / max(1, measurement.steps):.1f} ms waiting vs "
+        f"{1e3 * measurement.compute_s / max(1, measurement.steps):.1f} ms computing per step"
+    )
     place = f", {where}" if where else ""
-    tips = " ".join(f"{i}) {a}." for i, a in enumerate(advice, 1)) if advice else "No loader setting left to change."
+    tips = (
+        " ".join(f"{i}) {a}." for i, a in enumerate(advice, 1))
+        if advice
+        else "No loader setting left to change."
+    )
     return (
         f"DataStallMonitor: the training loop waited for data {measurement.fraction:.0%} of the time over the last "
         f"{measurement.steps} steps{place} (threshold {threshold:.0%}; {per_step}). Try: {tips}"
@@ -258,7 +296,9 @@ def autotune_num_workers(
         0
     """
     if not trials:
-        raise ValueError("`trials` must hold at least one (num_workers, step seconds, wait fraction) measurement")
+        raise ValueError(
+            "`trials` must hold at least one (num_workers, step seconds, wait fraction) measurement"
+        )
     workers, step_s, fraction = int(trials[-1][0]), float(trials[-1][1]), float(trials[-1][2])
     if len(trials) >= 2:
         before, before_s = int(trials[-2][0]), float(trials[-2][1])
@@ -270,10 +310,20 @@ def autotune_num_workers(
                 f"per step): back to {before}",
             )
     if fraction <= threshold:
-        return AutotuneStep(workers, True, f"waited {fraction:.0%} of the time (threshold {threshold:.0%}): keeping {workers} workers")
+        return AutotuneStep(
+            workers,
+            True,
+            f"waited {fraction:.0%} of the time (threshold {threshold:.0%}): keeping {workers} workers",
+        )
     if workers >= max_workers:
         return AutotuneStep(
-            workers, True, f"still waited {fraction:.0%} of the time with {workers} workers, the most allowed: loading is CPU-bound"
+            workers,
+            True,
+            f"still waited {fraction:.0%} of the time with {workers} workers, the most allowed: loading is CPU-bound",
         )
     new = min(max_workers, max(1, 2 * workers))
-    return AutotuneStep(new, False, f"waited {fraction:.0%} of the time (threshold {threshold:.0%}) with {workers} workers: trying {new}")
+    return AutotuneStep(
+        new,
+        False,
+        f"waited {fraction:.0%} of the time (threshold {threshold:.0%}) with {workers} workers: trying {new}",
+    )

@@ -96,8 +96,22 @@ def count_parameters(model: nn.Module, units: Iterable[nn.Module] | None = None)
 
 #: Optimizer state elements per parameter element, by optimizer class name (lower case).
 _STATE_ELEMENTS = {
-    "adam": 2, "adamw": 2, "nadam": 2, "radam": 2, "adamax": 2, "lamb": 2, "fusedadam": 2, "deepspeedcpuadam": 2,
-    "adagrad": 1, "rmsprop": 1, "sgd": 0, "adadelta": 2, "asgd": 1, "rprop": 2, "lion": 1, "adafactor": 1,
+    "adam": 2,
+    "adamw": 2,
+    "nadam": 2,
+    "radam": 2,
+    "adamax": 2,
+    "lamb": 2,
+    "fusedadam": 2,
+    "deepspeedcpuadam": 2,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "sgd": 0,
+    "adadelta": 2,
+    "asgd": 1,
+    "rprop": 2,
+    "lion": 1,
+    "adafactor": 1,
 }
 
 
@@ -180,12 +194,36 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("ddp", grad_copies=2, cost=1),
     Candidate("deepspeed zero-1", shard_optimizer=True, master_copy=True, deepspeed=True, cost=2),
     Candidate("fsdp: shard grads+optimizer", shard_grads=True, shard_optimizer=True, cost=3),
-    Candidate("deepspeed zero-2", shard_grads=True, shard_optimizer=True, master_copy=True, deepspeed=True, cost=3),
-    Candidate("fsdp: full shard", shard_params=True, shard_grads=True, shard_optimizer=True, gathers_units=True, cost=4),
-    Candidate("deepspeed zero-3", shard_params=True, shard_grads=True, shard_optimizer=True, gathers_units=True,
-              master_copy=True, deepspeed=True, cost=4),
-    Candidate("fsdp: full shard + cpu offload", shard_params=True, shard_grads=True, shard_optimizer=True, offload=True,
-              gathers_units=True, cost=6),
+    Candidate(
+        "deepspeed zero-2", shard_grads=True, shard_optimizer=True, master_copy=True, deepspeed=True, cost=3
+    ),
+    Candidate(
+        "fsdp: full shard",
+        shard_params=True,
+        shard_grads=True,
+        shard_optimizer=True,
+        gathers_units=True,
+        cost=4,
+    ),
+    Candidate(
+        "deepspeed zero-3",
+        shard_params=True,
+        shard_grads=True,
+        shard_optimizer=True,
+        gathers_units=True,
+        master_copy=True,
+        deepspeed=True,
+        cost=4,
+    ),
+    Candidate(
+        "fsdp: full shard + cpu offload",
+        shard_params=True,
+        shard_grads=True,
+        shard_optimizer=True,
+        offload=True,
+        gathers_units=True,
+        cost=6,
+    ),
 )
 
 
@@ -267,7 +305,9 @@ def estimate(
     )
 
 
-def activation_bytes_per_sample(model: nn.Module, sample_batch: Any, forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
+def activation_bytes_per_sample(
+    model: nn.Module, sample_batch: Any, forward: Callable[[nn.Module, Any], Any] | None = None
+) -> int:
     """Bytes the forward keeps for the backward, per sample, counted on one batch (on any device, ``meta`` too).
 
     Autograd's saved-tensor hooks see every tensor a forward saves for its backward; their bytes,

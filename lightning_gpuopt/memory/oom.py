@@ -43,7 +43,11 @@ MAYBE_SIZE_MESSAGES: tuple[str, ...] = ("CUDNN_STATUS_NOT_SUPPORTED",)
 
 # torch.OutOfMemoryError appeared in torch 2.5 (torch.cuda.OutOfMemoryError is the older spelling).
 _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
-    {t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t}
+    {
+        t
+        for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+        if t
+    }
 )
 
 

@@ -252,7 +252,9 @@ class SizeSearch:
 
     def __post_init__(self) -> None:
         if self.smallest < 1 or self.largest < self.smallest:
-            raise ValueError(f"sizes must satisfy 1 <= smallest <= largest, got smallest={self.smallest}, largest={self.largest}")
+            raise ValueError(
+                f"sizes must satisfy 1 <= smallest <= largest, got smallest={self.smallest}, largest={self.largest}"
+            )
         if self.multiple_of < 1:
             raise ValueError(f"`multiple_of` must be a positive int, got {self.multiple_of}")
 
@@ -310,9 +312,13 @@ class SizeSearch:
         size = measured = None
         if best is not None:
             size = self._round(best)
-            measured = max(self.measured_peak(m) for m in self.measurements if m.size == best and self.fits(m))
+            measured = max(
+                self.measured_peak(m) for m in self.measurements if m.size == best and self.fits(m)
+            )
         predicted = model.peak(size) if model is not None and size is not None else None
-        if self.whole_largest and size == self.largest:  # the model is of micro-batch steps: this one was measured
+        if (
+            self.whole_largest and size == self.largest
+        ):  # the model is of micro-batch steps: this one was measured
             predicted = measured
         return SearchResult(
             size=size,
@@ -349,9 +355,17 @@ class SizeSearch:
         """The next size to measure: a step toward the model's answer, or the answer itself (rounded) to verify it."""
         model = self.model
         completed = {m.size for m in self.measurements if not m.out_of_memory and m.size != self.largest}
-        target = model.largest_size(self.budget_bytes, self.smallest, self.largest) if model is not None else None
-        if whole_untried and model is not None and model.peak(self.largest) - self.grad_bytes <= self.budget_bytes:
-            target = self.largest  # whole, without the micro-batches' gradients, the batch may fit: the best answer
+        target = (
+            model.largest_size(self.budget_bytes, self.smallest, self.largest) if model is not None else None
+        )
+        if (
+            whole_untried
+            and model is not None
+            and model.peak(self.largest) - self.grad_bytes <= self.budget_bytes
+        ):
+            target = (
+                self.largest
+            )  # whole, without the micro-batches' gradients, the batch may fit: the best answer
         elif target is not None and target >= self.largest and self.whole_largest:
             target = self.largest - 1  # the micro-batch curve, below the whole batch
         if target is None or target >= worst:  # the model is wrong above `best`: halve the gap
@@ -368,7 +382,11 @@ class SizeSearch:
             else:
                 middle = (best + worst) // 2
             return max(target, middle)
-        if len(completed) == 2 and target > _CAUTIOUS_RATIO * best and self.max_trials - len(self.measurements) >= 2:
+        if (
+            len(completed) == 2
+            and target > _CAUTIOUS_RATIO * best
+            and self.max_trials - len(self.measurements) >= 2
+        ):
             return min(max(best + 1, round(math.sqrt(best * target))), self.largest - self.whole_largest)
         if target == self.largest:
             return target

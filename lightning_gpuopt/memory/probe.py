@@ -304,7 +304,9 @@ def _pop_active_probe(probe: MemoryProbe) -> None:
     """Undo :func:`_push_active_probe`; ``probe`` must be the most recent one."""
     with _active_lock:
         if not _active or _active[-1] is not probe:
-            raise RuntimeError(f"{probe!r} is not the active memory probe; probes must be removed in reverse order")
+            raise RuntimeError(
+                f"{probe!r} is not the active memory probe; probes must be removed in reverse order"
+            )
         _active.pop()
 
 
@@ -352,7 +354,9 @@ def get_probe(device: torch.device | str | int | None = None) -> MemoryProbe:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"`device` must be a torch device, a device string or a CUDA index, got {device!r}") from err
+        raise ValueError(
+            f"`device` must be a torch device, a device string or a CUDA index, got {device!r}"
+        ) from err
     if dev.type == "cuda":
         return CudaMemoryProbe(dev)
     if dev.type == "cpu":

@@ -429,7 +429,9 @@ def _load_uncached() -> ctypes.CDLL:
         if cxx is None:
             raise NativeUnavailableError("no C++ compiler found (looked for $CXX, c++, g++, clang++)")
         if not os.path.isfile(os.path.join(include, "c10", "core", "CPUAllocator.h")):
-            raise NativeUnavailableError(f"torch's C++ headers are missing (no {include}/c10/core/CPUAllocator.h)")
+            raise NativeUnavailableError(
+                f"torch's C++ headers are missing (no {include}/c10/core/CPUAllocator.h)"
+            )
         with _file_lock(target + ".lock"):
             if not os.path.isfile(target):  # another process may have built it while we waited
                 _compile(cxx, include, libdir, target)

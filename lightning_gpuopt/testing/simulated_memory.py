@@ -63,8 +63,17 @@ _fallback_logged = False
 
 #: torch.distributed functions whose own allocations never raise under the simulation (see the module docs).
 _COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all_single", "barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+    "barrier",
 )
 
 
@@ -214,7 +223,9 @@ class SimulatedMemory(MemoryProbe):
             RuntimeError: not entered.
         """
         if self._adopter is None:
-            raise RuntimeError("SimulatedMemory.track() counts tensors only while entered: call it inside `with`")
+            raise RuntimeError(
+                "SimulatedMemory.track() counts tensors only while entered: call it inside `with`"
+            )
         for obj in objs:
             if isinstance(obj, torch.nn.Module):
                 self._adopter.module(obj, recurse=True)
@@ -427,7 +438,9 @@ class _Adopter:
                 key = id(t)
                 if key in self._views:
                     return
-                self._views[key] = weakref.ref(t, lambda ref: self._on_free(self._views, key, own_bytes, session, ref))
+                self._views[key] = weakref.ref(
+                    t, lambda ref: self._on_free(self._views, key, own_bytes, session, ref)
+                )
                 self.counter.charge(own_bytes)
                 return
             self._storages[ptr] = weakref.ref(

@@ -84,7 +84,9 @@ class Transformer(SizedModule):
             torch.manual_seed(0)
             self.embed = nn.Embedding(vocab, d_model)
             self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
-            layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True)
+            layer = nn.TransformerEncoderLayer(
+                d_model, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True
+            )
             self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
             self.head = nn.Linear(d_model, vocab)
 
@@ -93,7 +95,9 @@ class Transformer(SizedModule):
 
     def training_step(self, batch, batch_idx):
         tokens, targets = batch
-        loss = F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())  # same length: token mean = sample mean
+        loss = F.cross_entropy(
+            self(tokens).flatten(0, 1), targets.flatten()
+        )  # same length: token mean = sample mean
         self.log("train_loss", loss)
         return loss
 
@@ -170,10 +174,15 @@ def fit(
     pl.seed_everything(0, verbose=False)
     model = cls()
     callbacks = list(callbacks or [])
-    trainer = pl.Trainer(max_steps=steps, precision=precision, callbacks=callbacks, **{**TRAINER_QUIET, **trainer_kwargs})
+    trainer = pl.Trainer(
+        max_steps=steps, precision=precision, callbacks=callbacks, **{**TRAINER_QUIET, **trainer_kwargs}
+    )
     # Whole batches only: every step has batch_size samples (the ground truth measures steps of a given size).
-    data = Data(cls.data(), batch_size) if datamodule else DataLoader(cls.data(), batch_size=batch_size, shuffle=True,
-                                                                      drop_last=True)
+    data = (
+        Data(cls.data(), batch_size)
+        if datamodule
+        else DataLoader(cls.data(), batch_size=batch_size, shuffle=True, drop_last=True)
+    )
     with SimulatedMemory(limit) as memory:
         trainer.fit(model, datamodule=data) if datamodule else trainer.fit(model, data)
     return Run(model, trainer, memory, callbacks)
@@ -195,7 +204,6 @@ class ChunkProbe(pl.Callback):
     def on_fit_start(self, trainer, pl_module):
         self.engine = MicroBatchEngine.attach(trainer, self)
         pl_module.split_batch = functools.partial(_exact_chunks, pl_module)  # the engine's split hook
-
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         n = len(batch[0])

@@ -27,8 +27,16 @@ def main(out: Path, accumulate: int) -> None:
     model = Troubled(overflow=(5, None) if accumulate == 1 else (3, None), rank=1)
     switch, hook = PrecisionSwitch(initial="keep", verbose=False), AppliedSteps()
     quiet = {k: v for k, v in TRAINER_QUIET.items() if k != "devices"}
-    trainer = pl.Trainer(max_steps=8, devices=2, strategy="ddp", accumulate_grad_batches=accumulate, precision=None,
-                         plugins=[MixedPrecision("16-mixed", "cpu")], callbacks=[switch, hook], **quiet)
+    trainer = pl.Trainer(
+        max_steps=8,
+        devices=2,
+        strategy="ddp",
+        accumulate_grad_batches=accumulate,
+        precision=None,
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        callbacks=[switch, hook],
+        **quiet,
+    )
     trainer.fit(model, DataLoader(Waves(length=1024), batch_size=16))
     result = {
         "state": switch.state_dict(),
@@ -37,7 +45,9 @@ def main(out: Path, accumulate: int) -> None:
         "nonfinite_applied": hook.nonfinite_applied,
         "finite": finite(model),
         "params": [p.detach().double().sum().item() for p in model.parameters()],
-        "troubled_calls": [c[:2] for c in model.calls if model.overflow[0] <= c[0] and model.rank == trainer.global_rank],
+        "troubled_calls": [
+            c[:2] for c in model.calls if model.overflow[0] <= c[0] and model.rank == trainer.global_rank
+        ],
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     # Leave gloo cleanly: its threads can abort the interpreter's exit ("terminate called without an active

@@ -39,7 +39,9 @@ class WideRegressor(pl.LightningModule):
     torchmetrics ``CatMetric``, whose state a failed attempt must not change.
     """
 
-    def __init__(self, optimizer: str = "adam", hidden: int = 2048, clip: bool = False, scheduler: bool = False) -> None:
+    def __init__(
+        self, optimizer: str = "adam", hidden: int = 2048, clip: bool = False, scheduler: bool = False
+    ) -> None:
         super().__init__()
         with torch.random.fork_rng():  # the same initial weights however many models were built before
             torch.manual_seed(0)
@@ -67,7 +69,10 @@ class WideRegressor(pl.LightningModule):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         if not self.scheduler:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5),
+        }
 
 
 class StepLog(pl.Callback):

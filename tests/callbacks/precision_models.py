@@ -27,8 +27,14 @@ class Troubled(pl.LightningModule):
     Records per ``training_step`` call: (global_step, batch_idx, precision, autocast dtype or None, ids).
     """
 
-    def __init__(self, overflow: tuple[int, int | None] = (5, None), bad_in: str | None = None, rank: int | None = None,
-                 grad_boost: float = 1.0, lr: float = 0.05) -> None:
+    def __init__(
+        self,
+        overflow: tuple[int, int | None] = (5, None),
+        bad_in: str | None = None,
+        rank: int | None = None,
+        grad_boost: float = 1.0,
+        lr: float = 0.05,
+    ) -> None:
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
@@ -49,8 +55,15 @@ class Troubled(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         ids, x, y = batch
         autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-        self.calls.append((self.trainer.global_step, batch_idx, self.trainer.precision,
-                           str(autocast).replace("torch.", "") if autocast else None, ids.tolist()))
+        self.calls.append(
+            (
+                self.trainer.global_step,
+                batch_idx,
+                self.trainer.precision,
+                str(autocast).replace("torch.", "") if autocast else None,
+                ids.tolist(),
+            )
+        )
         trouble = self.troubled()
         big = HUGE if trouble and self.bad_in is None else 1.0
         out = self.net[2](self.net[1](self.net[0](x * big) / big))

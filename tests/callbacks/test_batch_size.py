@@ -60,7 +60,9 @@ def test_micro_batch_is_within_90_percent_of_the_true_maximum(family, batch_size
     chosen = {}
     for i, limit in enumerate(limits):
         finder = MemoryAwareBatchSize(target_fraction=1.0)
-        run = fit(family, [finder], limit=limit, steps=2, batch_size=batch_size)  # trains under the limit: no OOM
+        run = fit(
+            family, [finder], limit=limit, steps=2, batch_size=batch_size
+        )  # trains under the limit: no OOM
         assert run.trainer.global_step == 2
         assert 1 <= finder.trials <= 4, finder.result.measurements
         assert finder.k == math.ceil(batch_size / finder.micro_batch_size) > 1
@@ -124,7 +126,9 @@ class Busy(pl.LightningModule):
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Dropout(0.2), nn.Linear(512, 1))
+            self.net = nn.Sequential(
+                nn.Linear(8, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Dropout(0.2), nn.Linear(512, 1)
+            )
         self.mean = torchmetrics.MeanMetric()
         self.steps_seen = 0
         self.ids: list[list[int]] = []
@@ -141,7 +145,10 @@ class Busy(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
+        }
 
 
 class Witness(pl.Callback):
@@ -153,21 +160,23 @@ class Witness(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         optimizer = trainer.optimizers[0]
-        self.at_start.append((
-            batch_idx,
-            trainer.global_step,
-            len(optimizer.state),
-            [p.detach().clone() for p in pl_module.parameters()],
-            [b.detach().clone() for b in pl_module.buffers()],
-            torch.get_rng_state().clone(),
-            random.getstate(),
-            np.random.get_state()[1].copy(),
-            dict(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
-            pl_module.steps_seen,
-            float(pl_module.mean.compute()) if pl_module.mean.update_count else None,
-            {key: float(value) for key, value in trainer.callback_metrics.items()},
-            [p.grad is None for p in pl_module.parameters()],
-        ))
+        self.at_start.append(
+            (
+                batch_idx,
+                trainer.global_step,
+                len(optimizer.state),
+                [p.detach().clone() for p in pl_module.parameters()],
+                [b.detach().clone() for b in pl_module.buffers()],
+                torch.get_rng_state().clone(),
+                random.getstate(),
+                np.random.get_state()[1].copy(),
+                dict(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+                pl_module.steps_seen,
+                float(pl_module.mean.compute()) if pl_module.mean.update_count else None,
+                {key: float(value) for key, value in trainer.callback_metrics.items()},
+                [p.grad is None for p in pl_module.parameters()],
+            )
+        )
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.backward_calls += 1
@@ -208,8 +217,12 @@ def test_trial_steps_leave_no_trace(tmp_path, monkeypatch):
             finder = _never_searched(runs["searched"][1], target_fraction=1.0)
         pl.seed_everything(0, verbose=False)
         model = Busy()
-        trainer = pl.Trainer(max_steps=5, callbacks=[finder, witness], default_root_dir=tmp_path / name,
-                             **{**TRAINER_QUIET, "logger": False})
+        trainer = pl.Trainer(
+            max_steps=5,
+            callbacks=[finder, witness],
+            default_root_dir=tmp_path / name,
+            **{**TRAINER_QUIET, "logger": False},
+        )
         with SimulatedMemory(limit_bytes=limit):
             trainer.fit(model, DataLoader(Waves(length=1024), batch_size=128, shuffle=True))
         runs[name] = (model, finder, witness, trainer)
@@ -247,7 +260,9 @@ def test_micro_mode_keeps_batch_size_and_optimizer_batch():
     assert finder.batch_size == 128 and finder.k == math.ceil(128 / n) > 1
     assert finder.predicted_peak_bytes <= finder.budget_bytes == _wide_limit(0.6)
     assert len(finder.result.measurements) == finder.trials <= 4
-    assert max(size for size, *_ in run.model.marks) <= n  # every training_step ran a micro-batch of at most n
+    assert (
+        max(size for size, *_ in run.model.marks) <= n
+    )  # every training_step ran a micro-batch of at most n
     assert optimizer_step_ids(run.model, 1) == [list(range(s * 128, (s + 1) * 128)) for s in range(3)]
 
 
@@ -285,15 +300,28 @@ def test_max_batch_size_caps_and_min_batch_size_floors():
     fit_wide(WideRegressor("adam"), [capped], limit=64 * MiB, steps=1)
     assert capped.micro_batch_size == 20 and capped.k == math.ceil(128 / 20)
     with pytest.raises(MicroBatchOOMError, match=r"even 100 sample\(s\) per step do not fit"):
-        fit_wide(WideRegressor("adam"), [MemoryAwareBatchSize(min_batch_size=100)], limit=_wide_limit(0.6), steps=1)
+        fit_wide(
+            WideRegressor("adam"), [MemoryAwareBatchSize(min_batch_size=100)], limit=_wide_limit(0.6), steps=1
+        )
 
 
 def test_nothing_fits_explains_the_measured_memory():
     with pytest.raises(MicroBatchOOMError) as info:
-        fit_wide(WideRegressor("adam"), [MemoryAwareBatchSize(target_fraction=1.0)], limit=_wide_limit(0.12), steps=1)
+        fit_wide(
+            WideRegressor("adam"),
+            [MemoryAwareBatchSize(target_fraction=1.0)],
+            limit=_wide_limit(0.12),
+            steps=1,
+        )
     message = str(info.value)
-    for part in ("even 1 sample(s) per step do not fit", "Measured steps:", "parameters", "gradients",
-                 "optimizer state", "Next steps:"):
+    for part in (
+        "even 1 sample(s) per step do not fit",
+        "Measured steps:",
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "Next steps:",
+    ):
         assert part in message, message
 
 
@@ -306,8 +334,11 @@ class BatchSizeData(GPUOptDataModule):
         return self.data
 
 
-@pytest.mark.parametrize(("rule", "factor"), [(None, None), ("linear", lambda r: r), ("sqrt", math.sqrt)],
-                         ids=["no-lr-scaling", "linear", "sqrt"])
+@pytest.mark.parametrize(
+    ("rule", "factor"),
+    [(None, None), ("linear", lambda r: r), ("sqrt", math.sqrt)],
+    ids=["no-lr-scaling", "linear", "sqrt"],
+)
 def test_max_mode_raises_batch_size_and_says_so(rule, factor, caplog):
     finder = MemoryAwareBatchSize(mode="max", lr_scaling=rule)
     model = WideRegressor("sgd", scheduler=True)
@@ -338,11 +369,30 @@ def test_max_mode_needs_a_batch_size_attribute():
         ({"multiple_of": 0}, ValueError, r"`multiple_of` must be a positive int or None, got 0"),
         ({"min_batch_size": 2.5}, ValueError, r"`min_batch_size` must be a positive int, got 2.5"),
         ({"max_batch_size": -1}, ValueError, r"`max_batch_size` must be a positive int or None, got -1"),
-        ({"min_batch_size": 8, "max_batch_size": 4}, ValueError, r"`max_batch_size` must be >= `min_batch_size` \(8\), got 4"),
-        ({"mode": "max", "lr_scaling": "cubic"}, ValueError, r"`lr_scaling` must be one of \(None, 'linear', 'sqrt'\), got 'cubic'"),
+        (
+            {"min_batch_size": 8, "max_batch_size": 4},
+            ValueError,
+            r"`max_batch_size` must be >= `min_batch_size` \(8\), got 4",
+        ),
+        (
+            {"mode": "max", "lr_scaling": "cubic"},
+            ValueError,
+            r"`lr_scaling` must be one of \(None, 'linear', 'sqrt'\), got 'cubic'",
+        ),
         ({"lr_scaling": "linear"}, ValueError, r"`lr_scaling` applies to mode='max' only"),
     ],
-    ids=["mode", "fraction-0", "fraction-1.5", "fraction-bool", "multiple_of", "min", "max", "min>max", "lr", "lr-micro"],
+    ids=[
+        "mode",
+        "fraction-0",
+        "fraction-1.5",
+        "fraction-bool",
+        "multiple_of",
+        "min",
+        "max",
+        "min>max",
+        "lr",
+        "lr-micro",
+    ],
 )
 def test_bad_arguments_fail_in_init(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -372,7 +422,11 @@ class ClosureOptimizer(WideRegressor):
     ("make_model", "extra", "message"),
     [
         (Manual, [], r"needs automatic optimization.*Choose the batch size yourself"),
-        (lambda: torch.compile(WideRegressor("sgd")), [], r"does not support a torch.compile'd LightningModule"),
+        (
+            lambda: torch.compile(WideRegressor("sgd")),
+            [],
+            r"does not support a torch.compile'd LightningModule",
+        ),
     ],
     ids=["manual-optimization", "compiled"],
 )
@@ -388,7 +442,9 @@ def test_batch_size_finder_in_the_same_trainer_is_refused():
 
 
 def test_setups_the_engine_cannot_run_are_refused_by_it():
-    with pytest.raises(RuntimeError, match=r"MemoryAwareBatchSize: Micro-batching cannot run closure optimizers"):
+    with pytest.raises(
+        RuntimeError, match=r"MemoryAwareBatchSize: Micro-batching cannot run closure optimizers"
+    ):
         fit_wide(ClosureOptimizer("sgd"), [MemoryAwareBatchSize()], limit=64 * MiB, steps=1)
 
 
@@ -403,7 +459,9 @@ def test_sharded_strategies_are_refused():
 def test_sync_batchnorm_under_several_processes_is_refused():
     module = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
     trainer = types.SimpleNamespace(world_size=2)
-    with pytest.raises(RuntimeError, match=r"cannot measure a model with SyncBatchNorm.*sync_batchnorm=False"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot measure a model with SyncBatchNorm.*sync_batchnorm=False"
+    ):
         MemoryAwareBatchSize().on_fit_start(trainer, module)
 
 
@@ -422,14 +480,21 @@ def test_on_cpu_without_simulated_memory_there_is_nothing_to_measure(caplog):
 def test_resume_does_not_search_again(tmp_path):
     limit = _wide_limit(0.6)
     finder = MemoryAwareBatchSize()
-    fit_wide(WideRegressor("adam"), [finder, ModelCheckpoint(dirpath=tmp_path, save_last=True)], limit=limit,
-             steps=2, enable_checkpointing=True)
+    fit_wide(
+        WideRegressor("adam"),
+        [finder, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        limit=limit,
+        steps=2,
+        enable_checkpointing=True,
+    )
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"][finder.state_key]
     assert saved["micro_batch_size"] == finder.micro_batch_size and saved["trials"] == finder.trials
     resumed = MemoryAwareBatchSize()
     trainer = pl.Trainer(max_steps=4, precision="64-true", callbacks=[resumed], **TRAINER_QUIET)
     with SimulatedMemory(limit):
-        trainer.fit(WideRegressor("adam"), DataLoader(Waves(), batch_size=128), ckpt_path=str(tmp_path / "last.ckpt"))
+        trainer.fit(
+            WideRegressor("adam"), DataLoader(Waves(), batch_size=128), ckpt_path=str(tmp_path / "last.ckpt")
+        )
     assert resumed.result is None  # nothing measured in this fit
     assert (resumed.micro_batch_size, resumed.k) == (finder.micro_batch_size, finder.k)
     assert trainer.global_step == 4
@@ -451,7 +516,9 @@ def test_a_precision_switch_is_measured_again(caplog):
     limit = _wide_limit(0.6)
     with caplog.at_level(logging.INFO):
         # Runs before MemoryAwareBatchSize at step 2: the switch is seen at the same batch start.
-        fit_wide(WideRegressor("adam"), [SwitchPrecision(2), finder], limit=limit, steps=4, precision="32-true")
+        fit_wide(
+            WideRegressor("adam"), [SwitchPrecision(2), finder], limit=limit, steps=4, precision="32-true"
+        )
     lines = [line for line in caplog.text.splitlines() if "MemoryAwareBatchSize (" in line]
     assert len(lines) == 2 and "(fit start)" in lines[0] and "(precision switch)" in lines[1]
     assert finder.state_dict()["precision"] == "MixedPrecision:bf16-mixed"
@@ -500,7 +567,10 @@ def test_one_log_line_with_the_numbers_and_logger_metrics(caplog):
     assert len(lines) == 1
     n = finder.micro_batch_size
     assert f"the largest micro-batch that fits is {n} sample(s)" in lines[0]
-    assert f"batches of 128 run as {finder.k} micro-batch(es) of at most {math.ceil(128 / finder.k)} (k 1 -> {finder.k})" in lines[0]
+    assert (
+        f"batches of 128 run as {finder.k} micro-batch(es) of at most {math.ceil(128 / finder.k)} (k 1 -> {finder.k})"
+        in lines[0]
+    )
     assert "optimizer batch 128 kept" in lines[0]
     logged = [m for m, _ in recording.metrics if "gpuopt/micro_batch_size" in m]
     assert logged[0]["gpuopt/micro_batch_size"] == n
@@ -510,7 +580,9 @@ def test_one_log_line_with_the_numbers_and_logger_metrics(caplog):
 
 def test_verbose_false_is_silent(caplog):
     with caplog.at_level(logging.INFO):
-        fit_wide(WideRegressor("adam"), [MemoryAwareBatchSize(verbose=False)], limit=_wide_limit(0.6), steps=1)
+        fit_wide(
+            WideRegressor("adam"), [MemoryAwareBatchSize(verbose=False)], limit=_wide_limit(0.6), steps=1
+        )
     assert "MemoryAwareBatchSize" not in caplog.text
 
 
@@ -524,7 +596,9 @@ def test_beside_oom_recovery_in_either_order(order):
     run = fit_wide(WideRegressor("adam"), callbacks, limit=_wide_limit(0.6), steps=3)
     assert recovery.failures == []  # the measured answer leaves nothing to recover from
     assert recovery.k == finder.k > 1
-    reference = fit_wide(WideRegressor("adam"), [_never_searched(finder, target_fraction=1.0)], limit=_wide_limit(0.6), steps=3)
+    reference = fit_wide(
+        WideRegressor("adam"), [_never_searched(finder, target_fraction=1.0)], limit=_wide_limit(0.6), steps=3
+    )
     assert _same(run.params(), reference.params())
 
 
@@ -533,8 +607,12 @@ def test_an_unsplittable_batch_is_measured_whole():
     fit_wide(WideRegressor("adam"), [finder, recovery], limit=64 * MiB, steps=1)
     assert [m.size for m in finder.result.measurements] == [128] and finder.k == 1
     with pytest.raises(MicroBatchOOMError, match=r"even 128 sample\(s\) per step do not fit"):
-        fit_wide(WideRegressor("adam"), [MemoryAwareBatchSize(), OOMRecovery(unsplittable=True)],
-                 limit=_wide_limit(0.6), steps=1)
+        fit_wide(
+            WideRegressor("adam"),
+            [MemoryAwareBatchSize(), OOMRecovery(unsplittable=True)],
+            limit=_wide_limit(0.6),
+            steps=1,
+        )
 
 
 def test_accumulation_is_kept_and_measured_with_the_window_gradients():
@@ -556,7 +634,9 @@ def test_engine_counts_its_own_copies():
     assert engine.snapshot_bytes() == 0  # not installed
     engine._installed, engine._norms, engine._metrics = True, [model.net[1]], [model.mean]
     norm = sum(b.numel() * b.element_size() for b in model.net[1].buffers())
-    metric = sum(getattr(model.mean, n).numel() * getattr(model.mean, n).element_size() for n in model.mean._defaults)
+    metric = sum(
+        getattr(model.mean, n).numel() * getattr(model.mean, n).element_size() for n in model.mean._defaults
+    )
     assert engine.snapshot_bytes() == norm + metric
 
 
@@ -593,8 +673,12 @@ class PerRankLimit(pl.Callback):
 def test_ddp_ranks_use_the_smallest_answer(tmp_path):
     limits = [_wide_limit(0.5), _wide_limit(0.8)]
     finder = MemoryAwareBatchSize(target_fraction=1.0)
-    trainer = pl.Trainer(max_steps=2, precision="64-true", callbacks=[PerRankLimit(str(tmp_path), limits), finder],
-                         **{**TRAINER_QUIET, "strategy": "ddp_spawn", "devices": 2})
+    trainer = pl.Trainer(
+        max_steps=2,
+        precision="64-true",
+        callbacks=[PerRankLimit(str(tmp_path), limits), finder],
+        **{**TRAINER_QUIET, "strategy": "ddp_spawn", "devices": 2},
+    )
     trainer.fit(WideRegressor("adam"), DataLoader(Waves(length=1024), batch_size=128))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["local"] < ranks[1]["local"], ranks  # rank 0 has less memory
@@ -602,7 +686,9 @@ def test_ddp_ranks_use_the_smallest_answer(tmp_path):
     assert ranks[0]["k"] == ranks[1]["k"] > 1 and ranks[0]["steps"] == ranks[1]["steps"] == 2, ranks
 
 
-@pytest.mark.parametrize("module", ["lightning_gpuopt.callbacks.batch_size", "lightning_gpuopt.memory.peak_model"])
+@pytest.mark.parametrize(
+    "module", ["lightning_gpuopt.callbacks.batch_size", "lightning_gpuopt.memory.peak_model"]
+)
 def test_docstring_examples_run(module):
     import doctest
     import importlib

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 import lightning_gpuopt.callbacks as pack_callbacks
 
 CALLBACKS = [
-    obj for name in pack_callbacks.__all__
+    obj
+    for name in pack_callbacks.__all__
     if inspect.isclass(obj := getattr(pack_callbacks, name)) and issubclass(obj, Callback)
 ]
 
@@ -29,8 +30,12 @@ def test_every_exported_callback_is_in_the_battery():
 def _fit(callback, steps, root, ckpt_path=None, extra=()):
     pl.seed_everything(0, verbose=False)
     model = WideRegressor("adam", hidden=64)
-    trainer = pl.Trainer(max_steps=steps, callbacks=[callback, *extra], default_root_dir=root,
-                         **{**TRAINER_QUIET, "enable_checkpointing": bool(extra)})
+    trainer = pl.Trainer(
+        max_steps=steps,
+        callbacks=[callback, *extra],
+        default_root_dir=root,
+        **{**TRAINER_QUIET, "enable_checkpointing": bool(extra)},
+    )
     trainer.fit(model, DataLoader(Waves(length=256), batch_size=32), ckpt_path=ckpt_path)
     return model, trainer
 
@@ -71,14 +76,18 @@ def test_resume_reaches_the_same_result_as_without_the_callback(cls, tmp_path):
     results = {}
     for name, make in (("plain", Callback), ("with", cls)):
         folder = tmp_path / name
-        _, first = _fit(make(), steps=8, root=tmp_path, extra=[ModelCheckpoint(dirpath=folder, save_last=True)])
+        _, first = _fit(
+            make(), steps=8, root=tmp_path, extra=[ModelCheckpoint(dirpath=folder, save_last=True)]
+        )
         saved = first.callbacks[0].state_dict()
         callback = make()
         resumed, trainer = _fit(callback, steps=16, root=tmp_path, ckpt_path=str(folder / "last.ckpt"))
         assert trainer.global_step == 16
         if name == "with" and saved:  # a callback without state has nothing in the checkpoint
             restored = cls()
-            restored.load_state_dict(torch.load(folder / "last.ckpt", weights_only=True)["callbacks"][callback.state_key])
+            restored.load_state_dict(
+                torch.load(folder / "last.ckpt", weights_only=True)["callbacks"][callback.state_key]
+            )
             assert restored.state_dict() == saved
         results[name] = resumed
     for a, b in zip(results["with"].parameters(), results["plain"].parameters()):

@@ -24,7 +24,10 @@ def _precision_kwargs(precision: str) -> dict:
     if precision == "16-mixed-cpu":  # real fp16 autocast with a GradScaler on CPU
         from lightning.pytorch.plugins import MixedPrecision
 
-        return {"precision": None, "plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+        return {
+            "precision": None,
+            "plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+        }
     return {"precision": precision}
 
 
@@ -45,20 +48,34 @@ def _limit(phase: str, precision: str = "64-true") -> int:
 
 def _reference(optimizer: str, accumulate: int, precision: str = "64-true", **kwargs):
     log = StepLog()
-    run = fit(WideRegressor(optimizer, clip=True, scheduler=True), [log], accumulate=accumulate,
-              precision=precision, gradient_clip_val=0.5, **kwargs)
+    run = fit(
+        WideRegressor(optimizer, clip=True, scheduler=True),
+        [log],
+        accumulate=accumulate,
+        precision=precision,
+        gradient_clip_val=0.5,
+        **kwargs,
+    )
     return run, log
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-@pytest.mark.parametrize(("optimizer", "accumulate"), [("sgd", 1), ("adam", 1), ("sgd", 3), ("adam", 3)],
-                         ids=["sgd-A1", "adam-A1", "sgd-A3", "adam-A3"])
+@pytest.mark.parametrize(
+    ("optimizer", "accumulate"),
+    [("sgd", 1), ("adam", 1), ("sgd", 3), ("adam", 3)],
+    ids=["sgd-A1", "adam-A1", "sgd-A3", "adam-A3"],
+)
 def test_recovered_run_equals_the_run_that_never_ran_out_of_memory(phase, optimizer, accumulate):
     ref, ref_log = _reference(optimizer, accumulate)
     oom = OOMRecovery()
     log = StepLog()
-    run = fit(WideRegressor(optimizer, clip=True, scheduler=True), [oom, log], limit=_limit(phase),
-              accumulate=accumulate, gradient_clip_val=0.5)
+    run = fit(
+        WideRegressor(optimizer, clip=True, scheduler=True),
+        [oom, log],
+        limit=_limit(phase),
+        accumulate=accumulate,
+        gradient_clip_val=0.5,
+    )
 
     assert oom.failures, "the limit must force an OOM, or the test proves nothing"
     assert oom.failures[0].phase == phase and oom.failures[0].k == 1
@@ -83,10 +100,17 @@ def test_fp32_difference_stays_at_the_micro_batching_noise_floor():
     ref, _ = _reference("adam", 1, precision="32-true")
     forced = OOMRecovery()
     forced.load_state_dict({"k": 2})  # k=2 from the start, no OOM: the rounding floor of splitting
-    floor_run = fit(WideRegressor("adam", clip=True, scheduler=True), [forced], precision="32-true", gradient_clip_val=0.5)
+    floor_run = fit(
+        WideRegressor("adam", clip=True, scheduler=True), [forced], precision="32-true", gradient_clip_val=0.5
+    )
     oom = OOMRecovery()
-    run = fit(WideRegressor("adam", clip=True, scheduler=True), [oom], limit=_limit("forward") // 2 + 1,
-              precision="32-true", gradient_clip_val=0.5)
+    run = fit(
+        WideRegressor("adam", clip=True, scheduler=True),
+        [oom],
+        limit=_limit("forward") // 2 + 1,
+        precision="32-true",
+        gradient_clip_val=0.5,
+    )
     assert oom.failures and forced.failures == []
     floor = max((a - b).abs().max().item() for a, b in zip(floor_run.params(), ref.params()))
     diff = max((a - b).abs().max().item() for a, b in zip(run.params(), ref.params()))
@@ -146,7 +170,9 @@ def test_micro_batch_size_goes_to_the_logger():
     logger = Collect()
     oom = OOMRecovery()
     fit(WideRegressor("adam"), [oom], limit=_limit("forward"), steps=3, logger=logger)
-    sizes = [(step, m["gpuopt/micro_batch_size"]) for step, m in logger.rows if "gpuopt/micro_batch_size" in m]
+    sizes = [
+        (step, m["gpuopt/micro_batch_size"]) for step, m in logger.rows if "gpuopt/micro_batch_size" in m
+    ]
     assert sizes[0] == (0, 128.0)
     assert sizes[-1][1] == float(-(-128 // oom.k))  # ceil(128 / k)
 
@@ -167,7 +193,7 @@ class Padded(Dataset):
 
     def __getitem__(self, i):
         labels = self.tokens[i].clone()
-        labels[self.lengths[i]:] = -100
+        labels[self.lengths[i] :] = -100
         return {"input_ids": self.tokens[i], "labels": labels}
 
 
@@ -336,7 +362,15 @@ def test_out_of_memory_at_one_sample_explains_the_memory():
         fit(WideRegressor("adam"), [OOMRecovery()], limit=first_step_start + 8_000, steps=3)
     text = str(info.value)
     assert "even with micro-batches of 1 sample(s)" in text
-    for part in ("parameters ", "gradients ", "optimizer state ", "per sample", "limit ", "Next steps:", "sharded strategy"):
+    for part in (
+        "parameters ",
+        "gradients ",
+        "optimizer state ",
+        "per sample",
+        "limit ",
+        "Next steps:",
+        "sharded strategy",
+    ):
         assert part in text
     assert isinstance(info.value, torch.OutOfMemoryError)
 
@@ -357,7 +391,10 @@ class _Manual(WideRegressor):
 
 class _TwoOptimizers(WideRegressor):
     def configure_optimizers(self):
-        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+        return [
+            torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+            torch.optim.SGD(self.net[2].parameters(), lr=0.1),
+        ]
 
 
 class _LBFGS(WideRegressor):
@@ -389,7 +426,10 @@ def test_unsupported_setups_are_refused_with_the_alternative(make_model, extra_c
 def test_batch_size_finder_in_the_same_trainer_is_refused():
     cb = OOMRecovery()
     trainer = pl.Trainer(max_steps=1, callbacks=[cb, BatchSizeFinder()], **TRAINER_QUIET)
-    with pytest.raises(RuntimeError, match=r"cannot run beside Lightning's BatchSizeFinder.*without changing the optimizer batch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot run beside Lightning's BatchSizeFinder.*without changing the optimizer batch",
+    ):
         cb.setup(trainer, WideRegressor(), "fit")
 
 
@@ -405,19 +445,32 @@ def test_tensor_parallelism_and_fsdp1_are_refused_naming_the_alternative():
 
     cb = OOMRecovery()
     trainer = pl.Trainer(max_steps=1, strategy=ModelParallelStrategy(tensor_parallel_size=2), **TRAINER_QUIET)
-    with pytest.raises(RuntimeError, match=r"OOMRecovery: micro-batching under ModelParallelStrategy supports FSDP2 data parallelism only, got tensor_parallel_size=2 .* Use tensor_parallel_size=1"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"OOMRecovery: micro-batching under ModelParallelStrategy supports FSDP2 data parallelism only, got tensor_parallel_size=2 .* Use tensor_parallel_size=1",
+    ):
         cb.setup(trainer, WideRegressor(), "fit")
     reason = unsupported_strategy(FSDPStrategy(), sharded=True)
-    assert "supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got FSDPStrategy" in reason
+    assert (
+        "supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got FSDPStrategy" in reason
+    )
     assert "FSDP2Strategy for a sharded model" in reason
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"loss_reduction": "avg"}, ValueError, r"`loss_reduction` must be one of \('mean', 'sum', 'tokens'\), got 'avg'"),
+        (
+            {"loss_reduction": "avg"},
+            ValueError,
+            r"`loss_reduction` must be one of \('mean', 'sum', 'tokens'\), got 'avg'",
+        ),
         ({"weight_fn": 3}, TypeError, r"`weight_fn` must be a callable"),
-        ({"weight_fn": len, "loss_reduction": "sum"}, ValueError, r"cannot be combined with loss_reduction='sum'"),
+        (
+            {"weight_fn": len, "loss_reduction": "sum"},
+            ValueError,
+            r"cannot be combined with loss_reduction='sum'",
+        ),
         ({"unsplittable": "yes"}, TypeError, r"`unsplittable` must be a bool or a callable"),
         ({"sum_log_keys": "loss"}, TypeError, r"`sum_log_keys` must be a collection of names"),
         ({"max_micro_batches": 0}, ValueError, r"`max_micro_batches` must be a positive int or None, got 0"),
@@ -425,7 +478,11 @@ def test_tensor_parallelism_and_fsdp1_are_refused_naming_the_alternative():
         ({"headroom": 1.5}, ValueError, r"`headroom` must be in \(0, 1\], got 1.5"),
         ({"grow_back": "yes"}, ValueError, r"`grow_back` must be True or False, got 'yes'"),
         ({"grow_back_after": 0}, ValueError, r"`grow_back_after` must be a positive int \(steps\), got 0"),
-        ({"checkpoint_modules": "Linear"}, TypeError, r"`checkpoint_modules` must be a list of module classes"),
+        (
+            {"checkpoint_modules": "Linear"},
+            TypeError,
+            r"`checkpoint_modules` must be a list of module classes",
+        ),
         ({"checkpoint_modules": [3]}, TypeError, r"`checkpoint_modules` must be a list of module classes"),
     ],
 )
@@ -446,12 +503,18 @@ def test_resume_from_a_checkpoint_taken_after_a_change_starts_with_that_k(tmp_pa
 
     second = OOMRecovery()
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(max_steps=8, precision="64-true", callbacks=[second],
-                         **{**TRAINER_QUIET, "enable_checkpointing": False})
+    trainer = pl.Trainer(
+        max_steps=8,
+        precision="64-true",
+        callbacks=[second],
+        **{**TRAINER_QUIET, "enable_checkpointing": False},
+    )
     from oom_models import Waves
 
     with SimulatedMemory(limit):
-        trainer.fit(WideRegressor("adam"), DataLoader(Waves(), batch_size=128), ckpt_path=str(tmp_path / "last.ckpt"))
+        trainer.fit(
+            WideRegressor("adam"), DataLoader(Waves(), batch_size=128), ckpt_path=str(tmp_path / "last.ckpt")
+        )
     assert trainer.global_step == 8
     assert second.k == first.k
     assert second.failures == []  # it started with the split it had: no OOM to rediscover
@@ -473,7 +536,13 @@ def _relative_distance(a: Run, b: Run) -> float:
 def test_mixed_precision_recovers_and_stays_on_the_reference_path(precision):
     ref = fit(WideRegressor("adam"), [], steps=10, **_precision_kwargs(precision))
     oom = OOMRecovery()
-    run = fit(WideRegressor("adam"), [oom], steps=10, limit=_limit("forward", precision), **_precision_kwargs(precision))
+    run = fit(
+        WideRegressor("adam"),
+        [oom],
+        steps=10,
+        limit=_limit("forward", precision),
+        **_precision_kwargs(precision),
+    )
     assert oom.failures and oom.k > 1
     assert all(torch.isfinite(p).all() for p in run.params())
     # Half-precision rounding differs with the split; the runs must still follow the same path.

@@ -72,7 +72,7 @@ def test_micro_batch_grows_back_when_memory_returns_and_the_result_is_unchanged(
     k_up = ooms[-1][2]
     # Three clean steps (3, 4, 5) under the low limit predict no room; memory is back at step 6, whose
     # peak predicts room for the whole batch: proposed after step 6, agreed at step 7's vote.
-    assert history.changes[len(ooms):] == [(7, k_up, 1, "grow back")]
+    assert history.changes[len(ooms) :] == [(7, k_up, 1, "grow back")]
     assert len(cb.failures) == len([f for f in cb.failures if f.step == 3])  # no OOM after the limit went
     for got, want in zip(run.params(), ref.params()):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
@@ -126,9 +126,17 @@ def test_allocator_thrashing_splits_before_an_oom_and_keeps_the_result():
     cb, history = OOMRecovery(grow_back_after=100), History()
     pl.seed_everything(0, verbose=False)
     model = PlainWide("adam")
-    trainer = pl.Trainer(max_steps=10, precision="64-true", callbacks=[cb, history, CountSteps()], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1)
+    trainer = pl.Trainer(
+        max_steps=10,
+        precision="64-true",
+        callbacks=[cb, history, CountSteps()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
     from oom_models import Waves
     from torch.utils.data import DataLoader
 
@@ -198,8 +206,18 @@ def test_checkpointing_is_the_fallback_when_one_sample_does_not_fit(caplog):
     without, with_ckpt = _deep_peak(False), _deep_peak(True)
     assert with_ckpt < without
     limit = (without + with_ckpt) // 2  # one sample fits only with checkpointing
-    with pytest.raises(MicroBatchOOMError, match=r"OOMRecovery\(checkpoint_modules=\[\.\.\.\]\)` can recompute"):
-        fit(Deep(), [OOMRecovery()], limit=limit, steps=3, batch_size=16, precision="32-true", dataset=Vectors())
+    with pytest.raises(
+        MicroBatchOOMError, match=r"OOMRecovery\(checkpoint_modules=\[\.\.\.\]\)` can recompute"
+    ):
+        fit(
+            Deep(),
+            [OOMRecovery()],
+            limit=limit,
+            steps=3,
+            batch_size=16,
+            precision="32-true",
+            dataset=Vectors(),
+        )
     cb = OOMRecovery(checkpoint_modules=["Block"])
     with caplog.at_level(logging.INFO):
         run = fit(Deep(), [cb], limit=limit, steps=4, batch_size=16, precision="32-true", dataset=Vectors())
@@ -210,5 +228,14 @@ def test_checkpointing_is_the_fallback_when_one_sample_does_not_fit(caplog):
 
 
 def test_checkpoint_modules_must_name_a_submodule():
-    with pytest.raises(ValueError, match=r"names \['Transformer'\], but Deep has no such submodule; its module types are: Sequential, Block"):
-        fit(Deep(), [OOMRecovery(checkpoint_modules=["Transformer"])], steps=1, batch_size=16, dataset=Vectors())
+    with pytest.raises(
+        ValueError,
+        match=r"names \['Transformer'\], but Deep has no such submodule; its module types are: Sequential, Block",
+    ):
+        fit(
+            Deep(),
+            [OOMRecovery(checkpoint_modules=["Transformer"])],
+            steps=1,
+            batch_size=16,
+            dataset=Vectors(),
+        )

@@ -92,8 +92,6 @@ class RankMemory(pl.Callback):
         self._save(trainer, pl_module)
 
 
-
-
 class NormRegressor(WideRegressor):
     """WideRegressor with BatchNorm after the wide layer: running statistics that ranks must agree on."""
 
@@ -109,15 +107,27 @@ def ddp_fit(tmp_path, name, model, callbacks, rule=None, steps=8, accumulate=1, 
     out.mkdir()
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        strategy=DDPStrategy(start_method="spawn", **ddp_kwargs), accelerator="cpu", devices=2, max_steps=steps,
-        precision="64-true", accumulate_grad_batches=accumulate, callbacks=[RankMemory(str(out), rule), *callbacks],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=DDPStrategy(start_method="spawn", **ddp_kwargs),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        precision="64-true",
+        accumulate_grad_batches=accumulate,
+        callbacks=[RankMemory(str(out), rule), *callbacks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     try:
-        trainer.fit(model, DataLoader(Waves(length=128 * 2 * steps * accumulate), batch_size=128, shuffle=False))
+        trainer.fit(
+            model, DataLoader(Waves(length=128 * 2 * steps * accumulate), batch_size=128, shuffle=False)
+        )
     finally:
-        results = [torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else None
-                   for r in (0, 1)]
+        results = [
+            torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else None
+            for r in (0, 1)
+        ]
     return results
 
 
@@ -141,7 +151,9 @@ def reference(tmp_path_factory):
     [("forward", {}), ("backward", {"gradient_as_bucket_view": True})],
     ids=["forward", "mid-backward-bucket-view"],
 )
-def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(tmp_path, reference, rule, ddp_kwargs):
+def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(
+    tmp_path, reference, rule, ddp_kwargs
+):
     ranks = ddp_fit(tmp_path, rule, WideRegressor("adam"), [OOMRecovery()], rule=rule, **ddp_kwargs)
     zero, one = ranks
     assert one["failures"] >= 1 and zero["failures"] == 0, "only rank 1 ran out of memory"
@@ -154,11 +166,15 @@ def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(t
 
 @pytest.mark.slow
 def test_batchnorm_statistics_stay_identical_across_ranks_after_recovery(tmp_path):
-    zero, one = ddp_fit(tmp_path, "norm", NormRegressor("adam"), [OOMRecovery()], rule="forward", accumulate=2)
+    zero, one = ddp_fit(
+        tmp_path, "norm", NormRegressor("adam"), [OOMRecovery()], rule="forward", accumulate=2
+    )
     assert one["failures"] >= 1 and zero["history"] == one["history"]
     _assert_same(zero["params"], one["params"], exact=True)
     _assert_same(zero["buffers"], one["buffers"], exact=True)
-    assert int(one["buffers"]["net.1.num_batches_tracked"]) > 8  # the statistics did move, micro-batch by micro-batch
+    assert (
+        int(one["buffers"]["net.1.num_batches_tracked"]) > 8
+    )  # the statistics did move, micro-batch by micro-batch
 
 
 @pytest.mark.slow
@@ -166,8 +182,14 @@ def test_nothing_left_to_split_on_one_rank_stops_every_rank_without_hanging(tmp_
     with pytest.raises(Exception, match=r"ran out of memory|Out of memory"):
         ddp_fit(tmp_path, "fatal", WideRegressor("adam"), [OOMRecovery()], rule="tiny")
     zero, one = (torch.load(tmp_path / "fatal" / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert one["error"][0] == MicroBatchOOMError.__name__ and "even with micro-batches of 1 sample" in one["error"][1]
-    assert zero["error"][0] == RankOutOfMemoryError.__name__ and "Rank(s) 1 ran out of memory" in zero["error"][1]
+    assert (
+        one["error"][0] == MicroBatchOOMError.__name__
+        and "even with micro-batches of 1 sample" in one["error"][1]
+    )
+    assert (
+        zero["error"][0] == RankOutOfMemoryError.__name__
+        and "Rank(s) 1 ran out of memory" in zero["error"][1]
+    )
 
 
 # ---------------------------------------------------------------------------- what is refused (no processes)
@@ -183,8 +205,16 @@ def _ddp_strategy(model_attrs: dict, **kwargs) -> DDPStrategy:
     ("module", "strategy", "message"),
     [
         (nn.SyncBatchNorm(4), _ddp_strategy({}), r"cannot run SyncBatchNorm.*Use plain BatchNorm"),
-        (nn.Linear(2, 2), _ddp_strategy({"_comm_hooks": [("hook", None)]}), r"communication hook .* would never run"),
-        (nn.Linear(2, 2), _ddp_strategy({}, ddp_comm_hook=lambda *a: None), r"communication hook .* would never run"),
+        (
+            nn.Linear(2, 2),
+            _ddp_strategy({"_comm_hooks": [("hook", None)]}),
+            r"communication hook .* would never run",
+        ),
+        (
+            nn.Linear(2, 2),
+            _ddp_strategy({}, ddp_comm_hook=lambda *a: None),
+            r"communication hook .* would never run",
+        ),
         (nn.Linear(2, 2), _ddp_strategy({"static_graph": True}), r"static_graph=True"),
     ],
     ids=["sync-batchnorm", "registered-hook", "strategy-hook", "static-graph"],
@@ -232,13 +262,28 @@ class EpochLogged(WideRegressor):
 def test_a_good_attempt_dropped_for_another_rank_leaves_no_trace(accumulate):
     from oom_models import fit, optimizer_step_ids
 
-    ref = fit(EpochLogged("adam"), [], steps=6, accumulate=accumulate, limit_train_batches=6 * accumulate, max_epochs=1)
+    ref = fit(
+        EpochLogged("adam"),
+        [],
+        steps=6,
+        accumulate=accumulate,
+        limit_train_batches=6 * accumulate,
+        max_epochs=1,
+    )
     cb, remote = OOMRecovery(), RemoteOOM(step=2)
-    run = fit(EpochLogged("adam"), [cb, remote], steps=6, accumulate=accumulate, limit_train_batches=6 * accumulate,
-              max_epochs=1)
+    run = fit(
+        EpochLogged("adam"),
+        [cb, remote],
+        steps=6,
+        accumulate=accumulate,
+        limit_train_batches=6 * accumulate,
+        max_epochs=1,
+    )
     assert remote.done and not cb.failures and cb.k == 4  # retried with the other rank's k, no OOM here
     for got, want in zip(run.params(), ref.params()):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-    assert optimizer_step_ids(run.model, accumulate) == optimizer_step_ids(ref.model, accumulate)  # metric: once
+    assert optimizer_step_ids(run.model, accumulate) == optimizer_step_ids(
+        ref.model, accumulate
+    )  # metric: once
     logged, expected = run.trainer.callback_metrics["epoch_loss"], ref.trainer.callback_metrics["epoch_loss"]
     torch.testing.assert_close(logged, expected, rtol=1e-9, atol=0)  # the dropped attempt logged nothing

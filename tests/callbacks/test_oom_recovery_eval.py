@@ -142,7 +142,9 @@ def test_validation_inside_fit_recovers_and_training_is_untouched():
     cb = OOMRecovery()
     model, trainer = fit([cb], _limit())
     assert cb.failures and cb.k == 1 and cb.eval_k["validation"] > 1  # training never split
-    assert trainer.callback_metrics["val_loss"] == pytest.approx(float(ref_trainer.callback_metrics["val_loss"]), rel=1e-12)
+    assert trainer.callback_metrics["val_loss"] == pytest.approx(
+        float(ref_trainer.callback_metrics["val_loss"]), rel=1e-12
+    )
     for got, want in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert cb.state_dict()["eval_k"] == [["validation", cb.eval_k["validation"]]]
@@ -150,5 +152,7 @@ def test_validation_inside_fit_recovers_and_training_is_untouched():
 
 def test_evaluation_at_one_sample_still_out_of_memory_names_eval_batch_size():
     cb = OOMRecovery()
-    with pytest.raises(MicroBatchOOMError, match=r"Out of memory at validation batch 0 .* smaller `eval_batch_size`"):
+    with pytest.raises(
+        MicroBatchOOMError, match=r"Out of memory at validation batch 0 .* smaller `eval_batch_size`"
+    ):
         _run("validate", _eval_step_memory()[0] + 8 * 1024, [cb])  # not even one sample's 16 KiB activation

@@ -97,16 +97,24 @@ def test_fp16_overflow_switches_down_and_the_batch_that_triggered_it_runs_again(
     assert hook.nonfinite_applied == 0 and finite(model)
     assert hook.steps() == [0, 1, 2, 3, 4, *range(6, 12)]
     after = [ids for step, ids in hook.applied if step >= 6]
-    assert [i for ids in after for i in ids] == ids_of_steps(range(6, 12))  # every batch after the switch, once
+    assert [i for ids in after for i in ids] == ids_of_steps(
+        range(6, 12)
+    )  # every batch after the switch, once
     assert (switch.skipped_steps, switch.nonfinite_steps, switch.rerun_batches) == (1, 0, 1)
     assert trainer.global_step == 12 and log.steps == [(i, i + 1) for i in range(12)]
     assert torch.isfinite(torch.tensor(log.losses[6:])).all()  # the failed attempt's log is gone
     said = lines(caplog)
-    assert said[0] == ("PrecisionSwitch: precision 16-mixed (initial='keep' on CPU); falls back to bf16-mixed → "
-                       "32-true on persistent non-finite values")
-    assert said[1] == ("PrecisionSwitch: precision 16-mixed → bf16-mixed at step 6: the loss was not finite in 2 "
-                       "steps in a row; batch 6 runs again in bf16-mixed")
-    assert said[2].startswith("PrecisionSwitch: fit ended in bf16-mixed after 1 switch; 1 optimizer step(s) not applied")
+    assert said[0] == (
+        "PrecisionSwitch: precision 16-mixed (initial='keep' on CPU); falls back to bf16-mixed → "
+        "32-true on persistent non-finite values"
+    )
+    assert said[1] == (
+        "PrecisionSwitch: precision 16-mixed → bf16-mixed at step 6: the loss was not finite in 2 "
+        "steps in a row; batch 6 runs again in bf16-mixed"
+    )
+    assert said[2].startswith(
+        "PrecisionSwitch: fit ended in bf16-mixed after 1 switch; 1 optimizer step(s) not applied"
+    )
 
 
 def test_with_accumulation_the_window_is_dropped_and_reported(caplog):
@@ -120,12 +128,17 @@ def test_with_accumulation_the_window_is_dropped_and_reported(caplog):
     assert [i for step, ids in hook.applied if step >= 5 for i in ids] == ids_of_steps(range(10, 16))
     assert (switch.skipped_steps, switch.rerun_batches) == (2, 0)
     assert {c[1] for c in model.calls if c[2] == "bf16-mixed"} == set(range(10, 16))
-    assert "the window of step 4 (2 batches) was not applied (2 step(s) not applied in this fit)" in lines(caplog)[1]
+    assert (
+        "the window of step 4 (2 batches) was not applied (2 step(s) not applied in this fit)"
+        in lines(caplog)[1]
+    )
 
 
 def test_rerun_false_drops_the_batch_and_leaves_the_engine_alone():
     engines = []
-    probe = LambdaCallback(on_train_batch_start=lambda trainer, *args: engines.append(MicroBatchEngine.get(trainer)))
+    probe = LambdaCallback(
+        on_train_batch_start=lambda trainer, *args: engines.append(MicroBatchEngine.get(trainer))
+    )
     model = Troubled(overflow=(5, None))
     switch = PrecisionSwitch(initial="keep", rerun=False)
     _, hook = fit(model, switch, callbacks=[probe])
@@ -137,7 +150,9 @@ def test_rerun_false_drops_the_batch_and_leaves_the_engine_alone():
 
 def test_the_engine_is_attached_for_a_rerun_and_released():
     engines = []
-    probe = LambdaCallback(on_train_batch_start=lambda trainer, *args: engines.append(MicroBatchEngine.get(trainer)))
+    probe = LambdaCallback(
+        on_train_batch_start=lambda trainer, *args: engines.append(MicroBatchEngine.get(trainer))
+    )
     trainer, _ = fit(Troubled(overflow=NEVER), PrecisionSwitch(initial="keep"), steps=2, callbacks=[probe])
     assert all(e is not None for e in engines)
     assert MicroBatchEngine.get(trainer) is None
@@ -155,7 +170,9 @@ def test_with_oom_recovery_the_engine_is_shared():
 def test_an_optimizer_that_unscales_in_its_own_step_is_watched_too():
     class Fused(Troubled):
         def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)  # GradScaler passes found_inf to it
+            return torch.optim.Adam(
+                self.parameters(), lr=1e-3, fused=True
+            )  # GradScaler passes found_inf to it
 
     model = Fused(overflow=(5, None))
     switch = PrecisionSwitch(initial="keep")
@@ -193,7 +210,9 @@ def test_an_isolated_nonfinite_step_in_fp32_is_held_back():
 
 def test_persistent_nonfinite_steps_with_no_rung_left_raise():
     model = Troubled(overflow=(4, None), bad_in="always")
-    with pytest.raises(FloatingPointError, match=r"not finite in 2 steps in a row in 32-true, and no more stable precision"):
+    with pytest.raises(
+        FloatingPointError, match=r"not finite in 2 steps in a row in 32-true, and no more stable precision"
+    ):
         fit(model, PrecisionSwitch(), fp16=False)
     assert finite(model)
 
@@ -217,7 +236,14 @@ def test_gradscaler_calibration_is_not_trouble_but_min_scale_is():
 def test_patience():
     switch = PrecisionSwitch(initial="keep", patience=3)
     _, hook = fit(Troubled(overflow=(5, None)), switch)
-    assert changes(switch) == [(7, "16-mixed", "bf16-mixed")] and hook.steps() == [0, 1, 2, 3, 4, *range(7, 12)]
+    assert changes(switch) == [(7, "16-mixed", "bf16-mixed")] and hook.steps() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        *range(7, 12),
+    ]
 
 
 def test_a_custom_ladder_skips_bf16():
@@ -239,7 +265,11 @@ def test_a_relapse_doubles_the_wait_before_the_next_retry():
     switch = PrecisionSwitch(initial="keep", retry_after=2)
     _, hook = fit(Troubled(overflow=(5, None)), switch)
     # down at 6, up at 8 (a fresh GradScaler), step 8 skipped, down again at 9 with batch 9 run again
-    assert changes(switch) == [(6, "16-mixed", "bf16-mixed"), (8, "bf16-mixed", "16-mixed"), (9, "16-mixed", "bf16-mixed")]
+    assert changes(switch) == [
+        (6, "16-mixed", "bf16-mixed"),
+        (8, "bf16-mixed", "16-mixed"),
+        (9, "16-mixed", "bf16-mixed"),
+    ]
     assert switch.state_dict()["retry_interval"] == 4
     assert hook.nonfinite_applied == 0
 
@@ -269,7 +299,9 @@ def test_resume_after_a_switch_continues_in_the_switched_precision(tmp_path, cap
     model, second = Troubled(overflow=(5, None)), PrecisionSwitch(initial="keep")
     with caplog.at_level(logging.INFO):
         trainer, hook = fit(model, second, ckpt_path=str(tmp_path / "switched.ckpt"))
-    assert [c[2:4] for c in model.calls] == [("bf16-mixed", "bfloat16")] * 4  # steps 8-11, and no fp16 attempt
+    assert [c[2:4] for c in model.calls] == [
+        ("bf16-mixed", "bfloat16")
+    ] * 4  # steps 8-11, and no fp16 attempt
     assert hook.steps() == [8, 9, 10, 11] and trainer.global_step == 12
     assert changes(second) == [(6, "16-mixed", "bf16-mixed")] and second.skipped_steps == 1
     assert "PrecisionSwitch: precision 16-mixed → bf16-mixed (restored from the checkpoint)" in lines(caplog)
@@ -282,10 +314,18 @@ def test_resume_restores_the_precision_and_its_gradscaler_state(tmp_path):
     trainer.save_checkpoint(tmp_path / "fp16.ckpt")
 
     scales = []
-    probe = LambdaCallback(on_train_start=lambda trainer, *a: scales.append(trainer.precision_plugin.scaler.get_scale()))
+    probe = LambdaCallback(
+        on_train_start=lambda trainer, *a: scales.append(trainer.precision_plugin.scaler.get_scale())
+    )
     second = PrecisionSwitch(initial="keep")  # the Trainer itself is set up in 32-true
-    trainer, _ = fit(Troubled(overflow=NEVER), second, steps=5, fp16=False, callbacks=[probe],
-                     ckpt_path=str(tmp_path / "fp16.ckpt"))
+    trainer, _ = fit(
+        Troubled(overflow=NEVER),
+        second,
+        steps=5,
+        fp16=False,
+        callbacks=[probe],
+        ckpt_path=str(tmp_path / "fp16.ckpt"),
+    )
     assert trainer.precision == "16-mixed" and scales == [1234.0]
 
 
@@ -303,7 +343,9 @@ def test_resume_restores_the_precision_and_its_gradscaler_state(tmp_path):
     ],
     ids=["V100", "A100", "K80", "CPU", "CPU-cpu_bf16"],
 )
-def test_auto_chooses_by_device_before_the_strategy_wraps(on_device, info, kwargs, precision, autocast, caplog):
+def test_auto_chooses_by_device_before_the_strategy_wraps(
+    on_device, info, kwargs, precision, autocast, caplog
+):
     on_device(info)
     model = Troubled(overflow=NEVER)
     with caplog.at_level(logging.INFO):
@@ -320,8 +362,12 @@ def test_keep_keeps_the_trainers_precision(on_device):
 
 @pytest.mark.parametrize(
     ("info", "initial", "tf32", "during"),
-    [(A100, "32-true", True, "tf32"), (A100, "32-true", False, "none"), (V100, "32-true", True, "none"),
-     (A100, "auto", True, "none")],
+    [
+        (A100, "32-true", True, "tf32"),
+        (A100, "32-true", False, "none"),
+        (V100, "32-true", True, "none"),
+        (A100, "auto", True, "none"),
+    ],
     ids=["ampere-fp32", "told-not-to", "volta", "ampere-bf16"],
 )
 def test_tf32_for_fp32_on_ampere_restored_at_teardown(on_device, initial, info, tf32, during):
@@ -329,19 +375,34 @@ def test_tf32_for_fp32_on_ampere_restored_at_teardown(on_device, initial, info, 
         pytest.skip("torch < 2.9: the legacy flag is covered in tests/test_precision.py")
     on_device(info)
     seen = []
-    probe = LambdaCallback(on_train_batch_start=lambda *a: seen.append(torch.backends.cuda.matmul.fp32_precision))
+    probe = LambdaCallback(
+        on_train_batch_start=lambda *a: seen.append(torch.backends.cuda.matmul.fp32_precision)
+    )
     before = torch.backends.cuda.matmul.fp32_precision
-    fit(Troubled(overflow=NEVER), PrecisionSwitch(initial=initial, tf32=tf32), steps=2, fp16=False, callbacks=[probe])
+    fit(
+        Troubled(overflow=NEVER),
+        PrecisionSwitch(initial=initial, tf32=tf32),
+        steps=2,
+        fp16=False,
+        callbacks=[probe],
+    )
     assert seen == [during, during]
     assert torch.backends.cuda.matmul.fp32_precision == before == "none"
 
 
 def test_a_ladder_or_initial_the_device_cannot_run_raises_in_setup(on_device):
     on_device(V100)
-    with pytest.raises(ValueError, match=r"names 'bf16-mixed', which this device cannot run: Tesla V100 \(sm_70\) "
-                                         r"has no native bfloat16.*ladder=\('16-mixed', '32-true'\)"):
-        fit(Troubled(), PrecisionSwitch(initial="keep", ladder=("16-mixed", "bf16-mixed", "32-true")), steps=1)
-    with pytest.raises(ValueError, match=r"`initial='bf16-mixed'`: this device cannot run it.*initial='auto'"):
+    with pytest.raises(
+        ValueError,
+        match=r"names 'bf16-mixed', which this device cannot run: Tesla V100 \(sm_70\) "
+        r"has no native bfloat16.*ladder=\('16-mixed', '32-true'\)",
+    ):
+        fit(
+            Troubled(), PrecisionSwitch(initial="keep", ladder=("16-mixed", "bf16-mixed", "32-true")), steps=1
+        )
+    with pytest.raises(
+        ValueError, match=r"`initial='bf16-mixed'`: this device cannot run it.*initial='auto'"
+    ):
         fit(Troubled(), PrecisionSwitch(initial="bf16-mixed"), steps=1)
     # the default ladder leaves out what the device cannot run: V100 falls back from 16-mixed to 32-true
     switch = PrecisionSwitch(initial="keep")
@@ -354,7 +415,11 @@ def test_a_ladder_or_initial_the_device_cannot_run_raises_in_setup(on_device):
     [
         ({"initial": "fp16"}, ValueError, r"`initial` must be one of \('auto', 'keep', '16-mixed'"),
         ({"ladder": ["16-mixed", "fp8"]}, ValueError, "`ladder` names must be among"),
-        ({"ladder": ["32-true", "bf16-mixed"]}, ValueError, "from the fastest precision to the most stable one"),
+        (
+            {"ladder": ["32-true", "bf16-mixed"]},
+            ValueError,
+            "from the fastest precision to the most stable one",
+        ),
         ({"ladder": "32-true"}, TypeError, "sequence of precision names"),
         ({"patience": 0}, ValueError, "`patience` must be a positive int"),
         ({"patience": True}, ValueError, "`patience` must be a positive int"),
@@ -401,7 +466,9 @@ class _Manual(Troubled):
 def test_manual_optimization_gets_the_setup_time_choice_only(on_device, caplog):
     on_device(V100)
     steps_wrapped = []
-    probe = LambdaCallback(on_train_batch_start=lambda trainer, *a: steps_wrapped.append("step" in vars(trainer.optimizers[0])))
+    probe = LambdaCallback(
+        on_train_batch_start=lambda trainer, *a: steps_wrapped.append("step" in vars(trainer.optimizers[0]))
+    )
     model = _Manual()
     with caplog.at_level(logging.INFO):
         trainer, _ = fit(model, PrecisionSwitch(), steps=2, fp16=False, callbacks=[probe])
@@ -428,7 +495,10 @@ def test_under_fsdp_only_the_setup_time_choice_applies(on_device, caplog):
     with caplog.at_level(logging.INFO):
         switch.setup(trainer, BoringModel(), "fit")
         switch.on_fit_start(trainer, BoringModel())
-    assert isinstance(strategy.precision_plugin, FSDPPrecision) and strategy.precision_plugin.precision == "bf16-mixed"
+    assert (
+        isinstance(strategy.precision_plugin, FSDPPrecision)
+        and strategy.precision_plugin.precision == "bf16-mixed"
+    )
     assert lines(caplog) == [
         "PrecisionSwitch: precision 32-true → bf16-mixed (auto: A100 (sm_80) runs bfloat16 natively); "
         "no runtime fallback: FSDPStrategy fixes the precision when it wraps the model, so only the setup-time choice applies"
@@ -476,10 +546,21 @@ SCRIPT = Path(__file__).with_name("ddp_precision_run.py")
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["A1", "A2"])
 def test_ddp_overflow_on_one_rank_switches_both_at_the_same_step(tmp_path, accumulate):
-    paths = [str(SCRIPT.parents[2]), str(SCRIPT.parents[1]), str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")]
+    paths = [
+        str(SCRIPT.parents[2]),
+        str(SCRIPT.parents[1]),
+        str(SCRIPT.parent),
+        os.environ.get("PYTHONPATH", ""),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(accumulate)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), str(accumulate)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     expected = [[6, "16-mixed", "bf16-mixed"]] if accumulate == 1 else [[5, "16-mixed", "bf16-mixed"]]
@@ -489,7 +570,9 @@ def test_ddp_overflow_on_one_rank_switches_both_at_the_same_step(tmp_path, accum
         assert rank["precision"] == "bf16-mixed"
     assert ranks[0]["params"] == ranks[1]["params"]  # the same steps applied on both ranks
     assert ranks[0]["applied"] == ranks[1]["applied"]
-    assert [c for c in ranks[1]["troubled_calls"]] and not ranks[0]["troubled_calls"]  # only rank 1 overflowed
+    assert [c for c in ranks[1]["troubled_calls"]] and not ranks[0][
+        "troubled_calls"
+    ]  # only rank 1 overflowed
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -501,18 +584,32 @@ def test_auto_matches_the_real_device_table():
 
     expected = choose_precision(device_info("cuda:0")).precision
     switch = PrecisionSwitch()
-    trainer = pl.Trainer(max_steps=2, accelerator="cuda", devices=1, callbacks=[switch],
-                         **{k: v for k, v in TRAINER_QUIET.items() if k not in ("accelerator", "devices")})
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cuda",
+        devices=1,
+        callbacks=[switch],
+        **{k: v for k, v in TRAINER_QUIET.items() if k not in ("accelerator", "devices")},
+    )
     trainer.fit(Troubled(overflow=NEVER), DataLoader(Waves(length=1024), batch_size=BATCH))
     major, _ = torch.cuda.get_device_capability(0)
-    assert trainer.precision == expected == ("bf16-mixed" if major >= 8 else "16-mixed" if major >= 7 else "32-true")
+    assert (
+        trainer.precision
+        == expected
+        == ("bf16-mixed" if major >= 8 else "16-mixed" if major >= 7 else "32-true")
+    )
 
 
 @pytest.mark.cuda
 def test_fp16_overflow_on_cuda_switches_and_never_applies_a_nonfinite_step():
     switch, hook = PrecisionSwitch(initial="16-mixed"), AppliedSteps()
-    trainer = pl.Trainer(max_steps=12, accelerator="cuda", devices=1, callbacks=[switch, hook],
-                         **{k: v for k, v in TRAINER_QUIET.items() if k not in ("accelerator", "devices")})
+    trainer = pl.Trainer(
+        max_steps=12,
+        accelerator="cuda",
+        devices=1,
+        callbacks=[switch, hook],
+        **{k: v for k, v in TRAINER_QUIET.items() if k not in ("accelerator", "devices")},
+    )
     model = Troubled(overflow=(5, None))
     trainer.fit(model, DataLoader(Waves(length=1024), batch_size=BATCH))
     assert changes(switch)[0][:2] == (6, "16-mixed") and hook.nonfinite_applied == 0 and finite(model)

@@ -54,7 +54,9 @@ def oom_run(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("run")
     report, logger = GPUOptReport(dirpath=str(folder)), Recorder()
-    run = fit(WideRegressor("adam"), [LimitAt(), OOMRecovery(), report], steps=8, logger=logger, log_every_n_steps=2)
+    run = fit(
+        WideRegressor("adam"), [LimitAt(), OOMRecovery(), report], steps=8, logger=logger, log_every_n_steps=2
+    )
     return run, report, folder, limit, logger
 
 
@@ -73,7 +75,11 @@ def test_json_holds_every_step_the_memory_series_and_the_oom_at_its_step(oom_run
     ooms = [d for d in saved["decisions"] if d["kind"] == "oom"]
     changes = [d for d in saved["decisions"] if d["kind"] == "micro-batches"]
     assert ooms and {d["step"] for d in ooms} == {3} and ooms[0]["data"]["phase"] == "forward"
-    assert changes and changes[-1]["data"]["k_after"] == steps[-1]["k"] and "optimizer batch 128 kept" in changes[-1]["message"]
+    assert (
+        changes
+        and changes[-1]["data"]["k_after"] == steps[-1]["k"]
+        and "optimizer batch 128 kept" in changes[-1]["message"]
+    )
     assert saved["run"]["memory_kind"] == "simulated" and saved["run"]["device"] == "cpu"
 
 
@@ -115,16 +121,21 @@ def test_without_matplotlib_the_json_and_table_are_written_and_the_extra_is_name
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     report = GPUOptReport(dirpath=str(tmp_path), table=False)
     with pytest.warns(GPUOptWarning, match=r"pip install 'lightning_gpuopt\[plot\]'"):
-        pl.Trainer(max_steps=2, callbacks=[report], **TRAINER_QUIET).fit(WideRegressor("adam", hidden=16), _tiny_loader())
+        pl.Trainer(max_steps=2, callbacks=[report], **TRAINER_QUIET).fit(
+            WideRegressor("adam", hidden=16), _tiny_loader()
+        )
     assert (tmp_path / "gpuopt_report.json").is_file() and not (tmp_path / "gpuopt_report.png").exists()
     with pytest.raises(ImportError, match=r"pip install 'lightning_gpuopt\[plot\]'"):
-        pl.Trainer(max_steps=2, callbacks=[GPUOptReport(dirpath=str(tmp_path), plot=True)], **TRAINER_QUIET).fit(
-            WideRegressor("adam", hidden=16), _tiny_loader())
+        pl.Trainer(
+            max_steps=2, callbacks=[GPUOptReport(dirpath=str(tmp_path), plot=True)], **TRAINER_QUIET
+        ).fit(WideRegressor("adam", hidden=16), _tiny_loader())
 
 
 def test_plot_and_table_can_be_turned_off_and_every_n_steps_thins_the_record(tmp_path, capsys):
     report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False, every_n_steps=2)
-    pl.Trainer(max_steps=6, callbacks=[report], **TRAINER_QUIET).fit(WideRegressor("adam", hidden=16), _tiny_loader())
+    pl.Trainer(max_steps=6, callbacks=[report], **TRAINER_QUIET).fit(
+        WideRegressor("adam", hidden=16), _tiny_loader()
+    )
     assert [s["step"] for s in report.report["steps"]] == [0, 2, 4]
     assert not (tmp_path / "gpuopt_report.png").exists() and report.paths["png"] is None
     assert "gpuopt report" not in capsys.readouterr().out
@@ -132,9 +143,11 @@ def test_plot_and_table_can_be_turned_off_and_every_n_steps_thins_the_record(tmp
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"plot": "yes"}, r"`plot` must be True, False or 'auto', got 'yes'"),
-     ({"table": 1}, r"`table` must be True or False, got 1"),
-     ({"every_n_steps": 0}, r"`every_n_steps` must be a positive int, got 0")],
+    [
+        ({"plot": "yes"}, r"`plot` must be True, False or 'auto', got 'yes'"),
+        ({"table": 1}, r"`table` must be True or False, got 1"),
+        ({"every_n_steps": 0}, r"`every_n_steps` must be a positive int, got 0"),
+    ],
     ids=["plot", "table", "every-n"],
 )
 def test_bad_arguments(kwargs, message):
@@ -146,8 +159,9 @@ def test_mfu_uses_the_compute_dtype_of_the_precision():
     from lightning_gpuopt.callbacks.report import _compute_dtype
     from lightning_gpuopt.report import mfu
 
-    assert [_compute_dtype(p) for p in ("bf16-mixed", "16-mixed", "32-true", "64-true", "transformer-engine")] == [
-        torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float32]
+    assert [
+        _compute_dtype(p) for p in ("bf16-mixed", "16-mixed", "32-true", "64-true", "transformer-engine")
+    ] == [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float32]
     assert mfu(1e12, 0.01, 1e15) == pytest.approx(0.1) and mfu(None, 0.01, 1e15) is None
 
 

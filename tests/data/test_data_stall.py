@@ -32,7 +32,13 @@ from lightning_gpuopt.data import (
 
 @pytest.mark.parametrize(
     ("wait", "compute", "fraction", "stalled"),
-    [(0.0, 0.0, 0.0, False), (1.0, 9.0, 0.1, False), (1.1, 8.9, 0.11, True), (3.0, 1.0, 0.75, True), (-1.0, 1.0, 0.0, False)],
+    [
+        (0.0, 0.0, 0.0, False),
+        (1.0, 9.0, 0.1, False),
+        (1.1, 8.9, 0.11, True),
+        (3.0, 1.0, 0.75, True),
+        (-1.0, 1.0, 0.0, False),
+    ],
     ids=["nothing", "at-threshold", "above", "mostly-waiting", "clock-jitter"],
 )
 def test_classification(wait, compute, fraction, stalled):
@@ -43,8 +49,15 @@ def test_classification(wait, compute, fraction, stalled):
 
 def _settings(**overrides) -> LoaderSettings:
     base = {
-        "num_workers": 0, "pin_memory": False, "persistent_workers": True, "prefetch_factor": None, "cpus": 16,
-        "local_devices": 2, "on_cuda": True, "device_prefetch": True, "owner": "GPUOptDataModule",
+        "num_workers": 0,
+        "pin_memory": False,
+        "persistent_workers": True,
+        "prefetch_factor": None,
+        "cpus": 16,
+        "local_devices": 2,
+        "on_cuda": True,
+        "device_prefetch": True,
+        "owner": "GPUOptDataModule",
     }
     return LoaderSettings(**{**base, **overrides})
 
@@ -55,27 +68,50 @@ def _settings(**overrides) -> LoaderSettings:
         ({}, [("num_workers", 0, 7), ("pin_memory", False, True)]),
         ({"num_workers": 2, "prefetch_factor": 2, "pin_memory": True}, [("num_workers", 2, 4)]),
         ({"num_workers": 5, "prefetch_factor": 2, "pin_memory": True}, [("num_workers", 5, 7)]),
-        ({"num_workers": 3, "prefetch_factor": 2, "persistent_workers": False, "pin_memory": True},
-         [("num_workers", 3, 6), ("persistent_workers", False, True)]),
-        ({"num_workers": 7, "prefetch_factor": 2, "pin_memory": True, "device_prefetch": False},
-         [("device_prefetch", False, True), ("prefetch_factor", 2, 4), ("data pipeline", None, None)]),
-        ({"num_workers": 1, "prefetch_factor": 8, "pin_memory": True, "cpus": 2, "local_devices": 1},
-         [("data pipeline", None, None)]),
+        (
+            {"num_workers": 3, "prefetch_factor": 2, "persistent_workers": False, "pin_memory": True},
+            [("num_workers", 3, 6), ("persistent_workers", False, True)],
+        ),
+        (
+            {"num_workers": 7, "prefetch_factor": 2, "pin_memory": True, "device_prefetch": False},
+            [("device_prefetch", False, True), ("prefetch_factor", 2, 4), ("data pipeline", None, None)],
+        ),
+        (
+            {"num_workers": 1, "prefetch_factor": 8, "pin_memory": True, "cpus": 2, "local_devices": 1},
+            [("data pipeline", None, None)],
+        ),
         ({"on_cuda": False, "device_prefetch": None}, [("num_workers", 0, 7)]),
         ({"is_dataloader": False}, [("training data", None, None)]),
     ],
-    ids=["no-workers", "double", "up-to-the-limit", "restarting-workers", "cpu-bound", "two-cpus", "cpu-training", "not-a-loader"],
+    ids=[
+        "no-workers",
+        "double",
+        "up-to-the-limit",
+        "restarting-workers",
+        "cpu-bound",
+        "two-cpus",
+        "cpu-training",
+        "not-a-loader",
+    ],
 )
 def test_advice_names_the_knob_and_the_value(overrides, expected):
     advice = stall_advice(_settings(**overrides))
-    got = [(a.knob, a.current, a.suggested) if isinstance(a.suggested, (bool, int)) else (a.knob, None, None) for a in advice]
+    got = [
+        (a.knob, a.current, a.suggested) if isinstance(a.suggested, (bool, int)) else (a.knob, None, None)
+        for a in advice
+    ]
     assert got == expected
 
 
 def test_message_carries_the_figures_and_the_numbered_advice():
     m = StallMeasurement(steps=50, wait_s=1.0, compute_s=1.5)
-    text = stall_message(m, 0.1, [Advice("num_workers", 0, 7, "why"), Advice("pin_memory", False, True, "fast")], "epoch 2")
-    assert "waited for data 40% of the time over the last 50 steps, epoch 2 (threshold 10%; 20.0 ms waiting vs 30.0 ms" in text
+    text = stall_message(
+        m, 0.1, [Advice("num_workers", 0, 7, "why"), Advice("pin_memory", False, True, "fast")], "epoch 2"
+    )
+    assert (
+        "waited for data 40% of the time over the last 50 steps, epoch 2 (threshold 10%; 20.0 ms waiting vs 30.0 ms"
+        in text
+    )
     assert "1) `num_workers=7` (now 0): why. 2) `pin_memory=True` (now False): fast." in text
 
 
@@ -104,7 +140,9 @@ def test_autotune_needs_a_measurement():
 
 # ---------------------------------------------------------------------------- the callback on real fits
 
-COMPUTE_S = 0.05  # a training step "computes" this long (sleeps: the classification, not CPU speed, is tested)
+COMPUTE_S = (
+    0.05  # a training step "computes" this long (sleeps: the classification, not CPU speed, is tested)
+)
 
 
 class Sleepy(Dataset):
@@ -182,12 +220,18 @@ def _fit(monitor, data, epochs: int = 1, model=None, **trainer_kwargs):
 
 def test_slow_dataset_is_classified_stalled_with_concrete_advice():
     monitor, logger = DataStallMonitor(window=4), Recorder()
-    with pytest.warns(GPUOptWarning, match=r"waited for data \d+% .* 1\) `num_workers=1` \(now 0\)") as record:
+    with pytest.warns(
+        GPUOptWarning, match=r"waited for data \d+% .* 1\) `num_workers=1` \(now 0\)"
+    ) as record:
         _fit(monitor, SleepyData(delay=SLOW, batch_size=4, num_workers=0), logger=logger, log_every_n_steps=2)
     assert len([w for w in record if issubclass(w.category, GPUOptWarning)]) == 1  # once
     epoch = monitor.history[0]
     assert epoch.steps == 5 and epoch.num_workers == 0 and epoch.stalled(monitor.threshold)
-    logged = [(step, m["gpuopt/data_wait_fraction"]) for step, m in logger.metrics if "gpuopt/data_wait_fraction" in m]
+    logged = [
+        (step, m["gpuopt/data_wait_fraction"])
+        for step, m in logger.metrics
+        if "gpuopt/data_wait_fraction" in m
+    ]
     assert [step for step, _ in logged] == [2, 4, 6]  # every log_every_n_steps, from the first measured step
     assert all(isinstance(v, float) and v > monitor.threshold for _, v in logged)
     assert monitor.wait_fraction == logged[-1][1]
@@ -207,7 +251,13 @@ def test_validation_time_is_not_counted_as_waiting():
             return Sleepy(4)
 
     monitor = DataStallMonitor(window=4)
-    _fit(monitor, WithVal(batch_size=4, num_workers=0), epochs=2, model=SteadyModel(val_delay=0.05), limit_val_batches=1)
+    _fit(
+        monitor,
+        WithVal(batch_size=4, num_workers=0),
+        epochs=2,
+        model=SteadyModel(val_delay=0.05),
+        limit_val_batches=1,
+    )
     assert not any(m.stalled(monitor.threshold) for m in monitor.history)
 
 

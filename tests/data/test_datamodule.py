@@ -139,7 +139,15 @@ def test_subclass_of_subclass_keeps_stages():
         ({"device_prefetch": "on"}, r"`device_prefetch` must be 'auto', True or False, got 'on'"),
     ],
     ids=[
-        "bs-zero", "bs-negative", "bs-float", "bs-bool", "eval-bs", "workers-negative", "workers-str", "pin", "prefetch",
+        "bs-zero",
+        "bs-negative",
+        "bs-float",
+        "bs-bool",
+        "eval-bs",
+        "workers-negative",
+        "workers-str",
+        "pin",
+        "prefetch",
         "device-prefetch",
     ],
 )
@@ -228,17 +236,30 @@ def test_datamodule_pickles_with_its_settings():
 def _fake_trainer(device: str = "cpu", num_devices: int = 1, module=None) -> SimpleNamespace:
     """What the datamodule reads from its Trainer, without a Trainer (and without a GPU for "cuda")."""
     return SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=num_devices, lightning_module=module
+        strategy=SimpleNamespace(root_device=torch.device(device)),
+        num_devices=num_devices,
+        lightning_module=module,
     )
 
 
 @pytest.mark.parametrize(
     ("affinity", "quota", "devices", "expected"),
     [(16, None, 1, 8), (16, None, 4, 3), (16, 4, 1, 3), (64, None, 8, 7), (2, 8, 1, 1), (3, None, 4, 0)],
-    ids=["16cpu-1dev", "16cpu-4dev", "quota-4", "64cpu-8dev", "quota-above-affinity", "fewer-cpus-than-devices"],
+    ids=[
+        "16cpu-1dev",
+        "16cpu-4dev",
+        "quota-4",
+        "64cpu-8dev",
+        "quota-above-affinity",
+        "fewer-cpus-than-devices",
+    ],
 )
-def test_auto_workers_from_mocked_cpus_quota_and_trainer_devices(monkeypatch, affinity, quota, devices, expected):
-    monkeypatch.setattr(datamodule_mod.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+def test_auto_workers_from_mocked_cpus_quota_and_trainer_devices(
+    monkeypatch, affinity, quota, devices, expected
+):
+    monkeypatch.setattr(
+        datamodule_mod.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
+    )
     monkeypatch.setattr(datamodule_mod, "_cgroup_cpu_limit", lambda: quota)
     dm = TrainVal(batch_size=4)
     dm.trainer = _fake_trainer(num_devices=devices)
@@ -262,7 +283,10 @@ def test_auto_workers_without_a_trainer_count_visible_gpus_and_fall_back_to_cpu_
     [
         ({"cpu.max": "max 100000"}, None),
         ({"cpu.max": "150000 100000"}, 2),
-        ({"cpu.max": "400000 100000", "job/cpu.max": "200000 100000"}, 2),  # the tighter quota, here the child's
+        (
+            {"cpu.max": "400000 100000", "job/cpu.max": "200000 100000"},
+            2,
+        ),  # the tighter quota, here the child's
         ({"cpu.max": "100000 100000", "job/cpu.max": "max 100000"}, 1),  # a parent's quota binds its children
         ({"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"}, 3),  # cgroup v1
         ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
@@ -313,13 +337,36 @@ class AugmentsOnHost(TrainVal):
         ("auto", None, None, TrainVal, False, "no Trainer attached"),
         ("auto", "cpu", None, TrainVal, False, "training on cpu"),
         ("auto", "cuda", RecordingRegressor(), TrainVal, True, "copied on a side CUDA stream"),
-        ("auto", "cuda", MovesItself(), TrainVal, False, "`MovesItself.transfer_batch_to_device` is overridden"),
-        ("auto", "cuda", None, AugmentsOnHost, False, "`AugmentsOnHost.on_before_batch_transfer` is overridden"),
+        (
+            "auto",
+            "cuda",
+            MovesItself(),
+            TrainVal,
+            False,
+            "`MovesItself.transfer_batch_to_device` is overridden",
+        ),
+        (
+            "auto",
+            "cuda",
+            None,
+            AugmentsOnHost,
+            False,
+            "`AugmentsOnHost.on_before_batch_transfer` is overridden",
+        ),
         (True, "cuda", MovesItself(), TrainVal, True, None),
         (True, "cpu", None, TrainVal, False, None),  # nothing to do off CUDA
         (False, "cuda", None, TrainVal, False, None),
     ],
-    ids=["no-trainer", "cpu", "gpu", "module-moves-itself", "host-hook", "forced-on", "forced-on-cpu", "forced-off"],
+    ids=[
+        "no-trainer",
+        "cpu",
+        "gpu",
+        "module-moves-itself",
+        "host-hook",
+        "forced-on",
+        "forced-on-cpu",
+        "forced-off",
+    ],
 )
 def test_device_prefetch_decisions(caplog, setting, device, module, datamodule, expected, reason):
     dm = datamodule(batch_size=4, num_workers=0, device_prefetch=setting)

@@ -36,7 +36,10 @@ def test_tuple_samples_keep_values_dtypes_and_shapes(tmp_path, access):
 @pytest.mark.parametrize("access", ["read", "mmap"])
 def test_named_arrays_give_dict_samples_and_batched_reads_keep_the_asked_order(tmp_path, access):
     ds = MemmapDataset.write(
-        tmp_path, image=np.arange(40, dtype=np.float32).reshape(10, 4), label=np.arange(10) * 10, access=access
+        tmp_path,
+        image=np.arange(40, dtype=np.float32).reshape(10, 4),
+        label=np.arange(10) * 10,
+        access=access,
     )
     samples = ds.__getitems__([7, 2, 9, 2, 3, 4])  # unsorted, a repeat, a run of consecutive rows
     assert [s["label"].item() for s in samples] == [70, 20, 90, 20, 30, 40]
@@ -69,7 +72,12 @@ def test_writes_larger_arrays_in_chunks_from_a_memory_map(tmp_path, monkeypatch)
         ((np.zeros(3),), {"y": np.zeros(3)}, ValueError, r"got 1 positional and 1 named"),
         ((np.zeros(3), np.zeros(4)), {}, ValueError, r"same length along dim 0, got array 0: 3, array 1: 4"),
         ((np.array(["a", "b"]),), {}, TypeError, r"array 0 must hold numbers or booleans, got dtype <U1"),
-        ((torch.zeros(2, dtype=torch.bfloat16),), {}, TypeError, r"bfloat16 tensor, which numpy cannot store"),
+        (
+            (torch.zeros(2, dtype=torch.bfloat16),),
+            {},
+            TypeError,
+            r"bfloat16 tensor, which numpy cannot store",
+        ),
         ((np.float32(1.0),), {}, ValueError, r"must have a sample dimension"),
     ],
     ids=["nothing", "both", "lengths", "strings", "bfloat16", "scalar"],
@@ -84,7 +92,9 @@ def test_existing_missing_and_foreign_datasets(tmp_path):
     with pytest.raises(FileExistsError, match="pass `overwrite=True`"):
         MemmapDataset.write(tmp_path / "d", np.ones(2))
     assert len(MemmapDataset.write(tmp_path / "d", np.ones(2), overwrite=True)) == 2
-    with pytest.raises(FileNotFoundError, match=r"No MemmapDataset at .*MemmapDataset.write\(path, \*arrays\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"No MemmapDataset at .*MemmapDataset.write\(path, \*arrays\)"
+    ):
         MemmapDataset(tmp_path / "nothing")
     manifest = tmp_path / "d" / "memmap.json"
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": "other/9"}))
@@ -165,7 +175,9 @@ def test_workers_read_every_sample_while_resident_memory_stays_far_below_the_fil
     _, pids, growth = _worker_growth(ds)
     assert len(pids) == 2 and os.getpid() not in pids
     # Each worker read half the file (64 MiB); what it keeps resident must stay far below that.
-    assert growth < size / 8, f"a worker grew by {growth / 2**20:.0f} MiB reading half of a {size / 2**20:.0f} MiB file"
+    assert growth < size / 8, (
+        f"a worker grew by {growth / 2**20:.0f} MiB reading half of a {size / 2**20:.0f} MiB file"
+    )
     assert ds._arrays is None  # the main process never opened the files: each worker opened its own
 
     # The test can fail: reading through a memory mapping keeps every page touched resident.

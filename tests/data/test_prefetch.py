@@ -33,7 +33,9 @@ class RecordingTransfer(BatchTransfer):
         self.events: list[tuple[str, int]] = []
         self.copies: list[Any] = []
         self.fail_at = fail_at
-        self.error = error or torch.OutOfMemoryError("CUDA out of memory (simulated). Tried to allocate 2.00 MiB")
+        self.error = error or torch.OutOfMemoryError(
+            "CUDA out of memory (simulated). Tried to allocate 2.00 MiB"
+        )
 
     def start(self, batch: Any) -> InFlight:
         n = sum(1 for kind, _ in self.events if kind == "start")
@@ -67,7 +69,9 @@ def _ids(batches) -> list[list[int]]:
 
 @pytest.mark.parametrize("depth", [1, 2, 3], ids=["depth1", "depth2", "depth3"])
 def test_prefetcher_yields_the_same_batches_in_the_same_order_as_plain_iteration(depth):
-    loader = DataLoader(IndexedRegression(50), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+    loader = DataLoader(
+        IndexedRegression(50), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3)
+    )
     plain = list(loader)
     loader.generator.manual_seed(3)
     transfer = RecordingTransfer()
@@ -119,7 +123,11 @@ def test_out_of_memory_in_a_copy_falls_back_to_host_batches_and_loses_nothing():
 
 def test_other_errors_in_a_copy_propagate():
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        list(DevicePrefetcher([torch.zeros(1)], RecordingTransfer(fail_at=0, error=RuntimeError("illegal memory access"))))
+        list(
+            DevicePrefetcher(
+                [torch.zeros(1)], RecordingTransfer(fail_at=0, error=RuntimeError("illegal memory access"))
+            )
+        )
 
 
 class Pair(NamedTuple):
@@ -145,7 +153,11 @@ class OwnTo:
 
 @pytest.mark.parametrize(
     "batch",
-    [{"x": torch.ones(2, 3), "meta": ["a", "b"]}, Pair(torch.ones(2), torch.zeros(2)), Sample(torch.ones(2), "s")],
+    [
+        {"x": torch.ones(2, 3), "meta": ["a", "b"]},
+        Pair(torch.ones(2), torch.zeros(2)),
+        Sample(torch.ones(2), "s"),
+    ],
     ids=["dict", "namedtuple", "dataclass"],
 )
 def test_structures_come_out_whole_and_equal(batch):
@@ -171,7 +183,9 @@ class Stream(IterableDataset):
 
 def test_loader_reports_device_bytes_held_ahead():
     stats = PrefetchStats()
-    loader = DevicePrefetchLoader(IndexedRegression(20, dim=8), batch_size=5, transfer=RecordingTransfer(), prefetch_stats=stats)
+    loader = DevicePrefetchLoader(
+        IndexedRegression(20, dim=8), batch_size=5, transfer=RecordingTransfer(), prefetch_stats=stats
+    )
     assert [len(b[0]) for b in loader] == [5, 5, 5, 5]
     per_batch = 5 * 8 + 5 * 8 * 4 + 5 * 1 * 4  # int64 ids, float32 x (dim 8), float32 y
     assert (stats.batches, stats.max_batch_bytes, stats.batches_ahead) == (4, per_batch, 1)
@@ -191,7 +205,9 @@ def test_loader_without_transfer_is_a_plain_loader():
 def test_lightning_reinstantiation_keeps_the_prefetch_settings():
     """What Lightning does under DDP (distributed sampler) and in predict: re-create the loader."""
     transfer, stats = RecordingTransfer(), PrefetchStats()
-    loader = DevicePrefetchLoader(IndexedRegression(12), batch_size=4, transfer=transfer, prefetch_stats=stats)
+    loader = DevicePrefetchLoader(
+        IndexedRegression(12), batch_size=4, transfer=transfer, prefetch_stats=stats
+    )
     new = _update_dataloader(loader, SequentialSampler(range(6)))
     assert type(new) is DevicePrefetchLoader and new.transfer is transfer and new.prefetch_stats is stats
     assert _ids(new) == [[0, 1, 2, 3], [4, 5]]
@@ -244,7 +260,10 @@ def test_fit_trains_on_the_prefetched_batches_every_sample_once(num_workers):
     for epoch in range(2):
         seen = [i for b in model.train_ids[epoch * 5 : (epoch + 1) * 5] for i in b]
         assert collections.Counter(seen) == collections.Counter(range(40))
-    assert dm.prefetched_batch_bytes == 8 * 8 + 8 * 8 * 4 + 8 * 4 and dm.device_prefetch_bytes == dm.prefetched_batch_bytes
+    assert (
+        dm.prefetched_batch_bytes == 8 * 8 + 8 * 8 * 4 + 8 * 4
+        and dm.device_prefetch_bytes == dm.prefetched_batch_bytes
+    )
 
 
 def test_engine_splits_the_prefetched_batch_inside_the_step():
@@ -299,6 +318,8 @@ def test_cuda_fit_prefetches_by_default_with_the_engine_splitting():
     recovery.load_state_dict({"k": 2})
     trainer = pl.Trainer(max_epochs=1, callbacks=[recovery], **{**TRAINER_QUIET, "accelerator": "cuda"})
     trainer.fit(model, dm)
-    assert dm.resolved_device_prefetch() is True and isinstance(trainer.train_dataloader, DevicePrefetchLoader)
+    assert dm.resolved_device_prefetch() is True and isinstance(
+        trainer.train_dataloader, DevicePrefetchLoader
+    )
     assert sorted(i for ids in model.train_ids for i in ids) == list(range(64))
     assert dm.device_prefetch_bytes == dm.prefetched_batch_bytes == 16 * 8 + 16 * 8 * 4 + 16 * 4

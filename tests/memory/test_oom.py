@@ -75,11 +75,20 @@ def test_simulated_message_is_oom_for_lightning_too():
         ValueError("shapes (2, 3) and (4, 5) do not match"),
         RuntimeError("out of memory"),  # no device named: not one of the known wordings
         RuntimeError("Expected all tensors to be on the same device, but found cuda:0 and cpu"),
-        RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."),
+        RuntimeError(
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+        ),
         KeyboardInterrupt(),
         SystemExit("CUDA out of memory"),  # not an Exception: never swallowed as an OOM
     ],
-    ids=["value-error", "bare-wording", "device-mismatch", "cudnn-not-supported", "keyboard-interrupt", "system-exit"],
+    ids=[
+        "value-error",
+        "bare-wording",
+        "device-mismatch",
+        "cudnn-not-supported",
+        "keyboard-interrupt",
+        "system-exit",
+    ],
 )
 def test_not_oom(err):
     assert not is_oom_error(err)
@@ -116,7 +125,9 @@ def test_free_memory_clears_workspaces_before_emptying_the_cache(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear_cublas"), raising=False)
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear_cublas"), raising=False
+    )
     monkeypatch.setattr("gc.collect", lambda *a: calls.append("gc") or 0)
     free_memory()
     assert calls == ["gc", "clear_cublas", "empty_cache"]

@@ -22,12 +22,16 @@ def _run(search: SizeSearch, forward_backward, optimizer: int = 0, limit: int | 
         sizes.append(n)
         fb = forward_backward(n)
         peak = search.base_bytes + search.held_bytes_per_sample * n + max(fb, optimizer)
-        search.record(StepMeasurement(n, None, None) if peak > limit else StepMeasurement(n, int(fb), optimizer))
+        search.record(
+            StepMeasurement(n, None, None) if peak > limit else StepMeasurement(n, int(fb), optimizer)
+        )
     return sizes
 
 
 def _true_max(forward_backward, optimizer, base, budget, largest, held=0.0) -> int:
-    return max(n for n in range(1, largest + 1) if base + held * n + max(forward_backward(n), optimizer) <= budget)
+    return max(
+        n for n in range(1, largest + 1) if base + held * n + max(forward_backward(n), optimizer) <= budget
+    )
 
 
 SHAPES = {
@@ -75,7 +79,9 @@ def test_one_point_counts_every_byte_per_sample():
 
 
 def test_peak_is_the_larger_phase_plus_what_every_step_holds():
-    model = PeakModel(base_bytes=1000, intercept_bytes=10, per_sample_bytes=5, optimizer_bytes=200, held_bytes_per_sample=2)
+    model = PeakModel(
+        base_bytes=1000, intercept_bytes=10, per_sample_bytes=5, optimizer_bytes=200, held_bytes_per_sample=2
+    )
     assert model.peak(10) == 1000 + 20 + 200  # the optimizer step dominates
     assert model.peak(100) == 1000 + 200 + 510
     assert model.largest_size(1710, 1, 10_000) == 100
@@ -91,8 +97,14 @@ def test_first_size_out_of_memory_falls_back_to_the_smallest_then_fails():
 def test_whole_batch_is_judged_apart_and_preferred():
     """Micro-batch steps hold all gradients; the whole batch starts without them and may fit when they do not."""
     grads = 1_000_000
-    search = SizeSearch(budget_bytes=3_000_000, base_bytes=1_500_000, smallest=1, largest=64, whole_largest=True,
-                        grad_bytes=grads)
+    search = SizeSearch(
+        budget_bytes=3_000_000,
+        base_bytes=1_500_000,
+        smallest=1,
+        largest=64,
+        whole_largest=True,
+        grad_bytes=grads,
+    )
 
     def used(n: int) -> int:  # a micro-batch step: 500 kB of temporaries + 20 kB per sample
         return 500_000 + 20_000 * n
@@ -108,8 +120,14 @@ def test_whole_batch_is_judged_apart_and_preferred():
 
 
 def test_whole_batch_that_does_not_fit_leaves_the_micro_batch_answer():
-    search = SizeSearch(budget_bytes=3_000_000, base_bytes=1_000_000, smallest=1, largest=64, whole_largest=True,
-                        grad_bytes=10_000)
+    search = SizeSearch(
+        budget_bytes=3_000_000,
+        base_bytes=1_000_000,
+        smallest=1,
+        largest=64,
+        whole_largest=True,
+        grad_bytes=10_000,
+    )
     sizes = _run(search, lambda n: 40_000 * n)
     assert 0.9 * 50 <= search.result.size <= 50 and len(sizes) <= MAX_TRIALS
 
@@ -124,7 +142,9 @@ def test_multiple_of_rounds_the_answer_down_but_not_the_largest():
 
 
 def test_held_bytes_per_sample_count_in_every_phase():
-    search = SizeSearch(budget_bytes=2_000, base_bytes=1_000, smallest=1, largest=10_000, held_bytes_per_sample=10)
+    search = SizeSearch(
+        budget_bytes=2_000, base_bytes=1_000, smallest=1, largest=10_000, held_bytes_per_sample=10
+    )
     sizes = _run(search, lambda n: 10 * n, 500)
     truth = _true_max(lambda n: 10 * n, 500, 1_000, 2_000, 10_000, held=10)
     assert truth == 50 and 0.9 * truth <= search.result.size <= truth
@@ -133,8 +153,11 @@ def test_held_bytes_per_sample_count_in_every_phase():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"smallest": 0, "largest": 4}, "1 <= smallest <= largest"), ({"smallest": 5, "largest": 4}, "smallest=5, largest=4"),
-     ({"smallest": 1, "largest": 4, "multiple_of": 0}, "`multiple_of` must be a positive int, got 0")],
+    [
+        ({"smallest": 0, "largest": 4}, "1 <= smallest <= largest"),
+        ({"smallest": 5, "largest": 4}, "smallest=5, largest=4"),
+        ({"smallest": 1, "largest": 4, "multiple_of": 0}, "`multiple_of` must be a positive int, got 0"),
+    ],
     ids=["zero", "inverted", "multiple_of"],
 )
 def test_bad_bounds_are_refused(kwargs, message):

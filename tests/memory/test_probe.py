@@ -39,12 +39,20 @@ class FakeCuda:
         c = torch.cuda
         monkeypatch.setattr(c, "is_available", lambda: True)
         monkeypatch.setattr(c, "current_device", lambda: 0)
-        monkeypatch.setattr(c, "mem_get_info", record("mem_get_info", lambda: (self.driver_free, self.device_total)))
+        monkeypatch.setattr(
+            c, "mem_get_info", record("mem_get_info", lambda: (self.driver_free, self.device_total))
+        )
         monkeypatch.setattr(c, "memory_allocated", record("memory_allocated", lambda: self.allocated))
         monkeypatch.setattr(c, "memory_reserved", record("memory_reserved", lambda: self.reserved))
-        monkeypatch.setattr(c, "max_memory_allocated", record("max_memory_allocated", lambda: self.peak_allocated))
-        monkeypatch.setattr(c, "max_memory_reserved", record("max_memory_reserved", lambda: self.peak_reserved))
-        monkeypatch.setattr(c, "memory_stats", record("memory_stats", lambda: {"num_alloc_retries": self.retries}))
+        monkeypatch.setattr(
+            c, "max_memory_allocated", record("max_memory_allocated", lambda: self.peak_allocated)
+        )
+        monkeypatch.setattr(
+            c, "max_memory_reserved", record("max_memory_reserved", lambda: self.peak_reserved)
+        )
+        monkeypatch.setattr(
+            c, "memory_stats", record("memory_stats", lambda: {"num_alloc_retries": self.retries})
+        )
         monkeypatch.setattr(c, "reset_peak_memory_stats", record("reset_peak_memory_stats", None))
         if with_fraction_getter:
             monkeypatch.setattr(
@@ -123,14 +131,22 @@ def test_torch_without_fraction_getter_uses_the_whole_device(monkeypatch):
 
 @pytest.mark.parametrize(
     ("device", "expected"),
-    [(None, "cuda:0"), (2, "cuda:2"), ("cuda", "cuda:0"), ("cuda:1", "cuda:1"), (torch.device("cuda", 5), "cuda:5")],
+    [
+        (None, "cuda:0"),
+        (2, "cuda:2"),
+        ("cuda", "cuda:0"),
+        ("cuda:1", "cuda:1"),
+        (torch.device("cuda", 5), "cuda:5"),
+    ],
     ids=["none", "int", "bare-cuda", "str", "torch-device"],
 )
 def test_device_forms(fake_cuda, device, expected):
     assert str(CudaMemoryProbe(device).device) == expected
 
 
-@pytest.mark.parametrize("device", ["cpu", torch.device("meta"), 1.5, True], ids=["cpu", "meta", "float", "bool"])
+@pytest.mark.parametrize(
+    "device", ["cpu", torch.device("meta"), 1.5, True], ids=["cpu", "meta", "float", "bool"]
+)
 def test_cuda_probe_rejects_other_devices(fake_cuda, device):
     with pytest.raises(ValueError, match="`device` must be a CUDA device"):
         CudaMemoryProbe(device)
@@ -236,7 +252,9 @@ def test_cuda_probe_matches_torch_cuda(memory_fraction):
     assert probe.allocated == torch.cuda.memory_allocated(device)
     assert probe.reserved == torch.cuda.memory_reserved(device)
     assert probe.peak == torch.cuda.max_memory_allocated(device)
-    assert probe.free == max(0, min(driver_free, int(0.3 * device_total) - torch.cuda.memory_reserved(device)))
+    assert probe.free == max(
+        0, min(driver_free, int(0.3 * device_total) - torch.cuda.memory_reserved(device))
+    )
     del x
 
 

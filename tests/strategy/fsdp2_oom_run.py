@@ -43,7 +43,9 @@ class Deep(pl.LightningModule):
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 4096), nn.Tanh(), nn.Linear(4096, 16), nn.Tanh(), nn.Linear(16, 1))
+            self.net = nn.Sequential(
+                nn.Linear(8, 4096), nn.Tanh(), nn.Linear(4096, 16), nn.Tanh(), nn.Linear(16, 1)
+            )
         self.marks: list[tuple[int, int, int]] = []
         self.val_losses: list[tuple[int, float]] = []
 
@@ -101,7 +103,9 @@ class RankMemory(pl.Callback):
 
     def on_validation_start(self, trainer, pl_module):
         if self.rule == "validation" and trainer.global_rank == LIMITED_RANK:
-            self.mem.limit_bytes = self.mem.allocated_bytes + 2**20  # the largest unit gathered, and a few samples
+            self.mem.limit_bytes = (
+                self.mem.allocated_bytes + 2**20
+            )  # the largest unit gathered, and a few samples
 
     def on_validation_end(self, trainer, pl_module):
         if self.rule == "validation":
@@ -115,7 +119,9 @@ class RankMemory(pl.Callback):
             params = {n: p.full_tensor().detach().clone() for n, p in pl_module.named_parameters()}
         result = {
             "params": params,
-            "history": [(c.step, c.k_before, c.k_after, c.source, c.stage) for c in engine.history] if engine else [],
+            "history": [(c.step, c.k_before, c.k_after, c.source, c.stage) for c in engine.history]
+            if engine
+            else [],
             "failures": len(oom.failures) if oom else 0,
             "peer_stops": getattr(engine.exchange, "peer_stops", 0) if engine else 0,
             "steps": trainer.global_step,
@@ -139,10 +145,19 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     steps = 6
     trainer = pl.Trainer(
-        strategy=FSDP2Strategy(shard_modules=["Linear"] if units == "linear" else None), accelerator="cpu", devices=2, max_steps=steps,
-        precision="32-true", callbacks=[RankMemory(out_dir, rule), *([OOMRecovery()] if callback else [])],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=3, val_check_interval=4, num_sanity_val_steps=0,
+        strategy=FSDP2Strategy(shard_modules=["Linear"] if units == "linear" else None),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        precision="32-true",
+        callbacks=[RankMemory(out_dir, rule), *([OOMRecovery()] if callback else [])],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=3,
+        val_check_interval=4,
+        num_sanity_val_steps=0,
     )
     train = DataLoader(Waves(length=128 * 2 * steps), batch_size=128, shuffle=False)
     val = DataLoader(Waves(length=64 * 2 * 3), batch_size=64, shuffle=False)

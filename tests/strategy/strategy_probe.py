@@ -8,8 +8,10 @@ from pathlib import Path
 
 
 def report(trainer, pl_module) -> None:
-    line = (f"strategy-probe: rank {trainer.global_rank} of {trainer.world_size}, {type(trainer.strategy).__name__}, "
-            f"step {trainer.global_step}")
+    line = (
+        f"strategy-probe: rank {trainer.global_rank} of {trainer.world_size}, {type(trainer.strategy).__name__}, "
+        f"step {trainer.global_step}"
+    )
     Path(f"strategy-probe-rank{trainer.global_rank}.txt").write_text(line + "\n")
 
 

@@ -13,12 +13,27 @@ import strategy_probe
 from lightning_gpuopt.cli import main
 
 BORING = [
-    "--model", "lightning.pytorch.demos.boring_classes.BoringModel",
-    "--data", "lightning.pytorch.demos.boring_classes.BoringDataModule",
+    "--model",
+    "lightning.pytorch.demos.boring_classes.BoringModel",
+    "--data",
+    "lightning.pytorch.demos.boring_classes.BoringDataModule",
 ]
-CPU2 = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_steps", "3",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false"]
+CPU2 = [
+    "--trainer.accelerator",
+    "cpu",
+    "--trainer.devices",
+    "2",
+    "--trainer.max_steps",
+    "3",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.logger",
+    "false",
+    "--trainer.enable_checkpointing",
+    "false",
+]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -28,15 +43,41 @@ def _no_pytest_argv(monkeypatch):
 
 
 def test_gpuopt_plan_prints_the_table_the_pick_and_the_reason(capsys):
-    main(["plan", *BORING, "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--gpuopt.device_memory", "500"])
+    main(
+        [
+            "plan",
+            *BORING,
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "2",
+            "--gpuopt.device_memory",
+            "500",
+        ]
+    )
     out = capsys.readouterr().out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("candidate"))
-    assert lines[header].split() == ["candidate", "parameters", "gradients", "optimizer", "gathered", "activations", "total", "fits"]
+    assert lines[header].split() == [
+        "candidate",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "gathered",
+        "activations",
+        "total",
+        "fits",
+    ]
     rows = lines[header + 2 : header + 9]
     assert [r.split("  ")[0] for r in rows] == [
-        "ddp", "deepspeed zero-1", "fsdp: shard grads+optimizer", "deepspeed zero-2", "fsdp: full shard",
-        "deepspeed zero-3", "fsdp: full shard + cpu offload"]
+        "ddp",
+        "deepspeed zero-1",
+        "fsdp: shard grads+optimizer",
+        "deepspeed zero-2",
+        "fsdp: full shard",
+        "deepspeed zero-3",
+        "fsdp: full shard + cpu offload",
+    ]
     assert "<- pick" in rows[2] and rows[0].split()[-1] == "no"
     assert "pick: fsdp: shard grads+optimizer: ddp would need 792 B per device, over the budget" in out
     assert "2 device(s), 500 B each (budget 450 B), precision 32-true, optimizer SGD" in out
@@ -44,15 +85,29 @@ def test_gpuopt_plan_prints_the_table_the_pick_and_the_reason(capsys):
 
 def test_gpuopt_plan_when_nothing_fits_prints_the_table_and_exits_1(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["plan", *BORING, "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--gpuopt.device_memory", "100"])
+        main(
+            [
+                "plan",
+                *BORING,
+                "--trainer.accelerator",
+                "cpu",
+                "--trainer.devices",
+                "2",
+                "--gpuopt.device_memory",
+                "100",
+            ]
+        )
     assert info.value.code == 1
     out = capsys.readouterr().out
     assert "No way of training this model fits 2 device(s) of 100 B" in out and "pick: none" in out
 
 
 def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "LIGHTNING_DISABLE_TIPS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "LIGHTNING_DISABLE_TIPS": "1",
+    }
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -67,14 +122,21 @@ def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 def test_fit_on_two_processes_uses_the_selected_strategy(tmp_path, memory, pick, strategy):
     extra = ["--gpuopt.device_memory", memory] if memory else []
     probe = "--trainer.callbacks+=lightning.pytorch.callbacks.LambdaCallback"
-    report = ("--trainer.callbacks.on_train_end=" "tests.strategy.strategy_probe.report")
-    proc = _run([sys.executable, "-m", "lightning_gpuopt", "fit", *BORING, *CPU2, *extra, probe, report], tmp_path)
+    report = "--trainer.callbacks.on_train_end=tests.strategy.strategy_probe.report"
+    proc = _run(
+        [sys.executable, "-m", "lightning_gpuopt", "fit", *BORING, *CPU2, *extra, probe, report], tmp_path
+    )
     out = proc.stdout + proc.stderr
     assert f"pick: {pick}:" in out
-    assert strategy_probe.lines(tmp_path) == [f"strategy-probe: rank {r} of 2, {strategy}, step 3" for r in (0, 1)], out[-3000:]
+    assert strategy_probe.lines(tmp_path) == [
+        f"strategy-probe: rank {r} of 2, {strategy}, step 3" for r in (0, 1)
+    ], out[-3000:]
     if strategy == "FSDP2Strategy":  # OOMRecovery trains under FSDP2; MemoryAwareBatchSize measures DDP only
         assert "OOMRecovery not added" not in out
-        assert "MemoryAwareBatchSize not added: micro-batching supports single-device and DDP training, got FSDP2Strategy" in out
+        assert (
+            "MemoryAwareBatchSize not added: micro-batching supports single-device and DDP training, got FSDP2Strategy"
+            in out
+        )
 
 
 @pytest.mark.slow
@@ -82,8 +144,23 @@ def test_torchrun_launches_the_cli(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip(f"torchrun is not installed next to {sys.executable}")
-    proc = _run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "lightning_gpuopt", "fit", *BORING,
-                 *CPU2, "--trainer.callbacks+=lightning.pytorch.callbacks.LambdaCallback",
-                 "--trainer.callbacks.on_train_end=tests.strategy.strategy_probe.report"], tmp_path)
+    proc = _run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "lightning_gpuopt",
+            "fit",
+            *BORING,
+            *CPU2,
+            "--trainer.callbacks+=lightning.pytorch.callbacks.LambdaCallback",
+            "--trainer.callbacks.on_train_end=tests.strategy.strategy_probe.report",
+        ],
+        tmp_path,
+    )
     out = proc.stdout + proc.stderr
-    assert strategy_probe.lines(tmp_path) == [f"strategy-probe: rank {r} of 2, DDPStrategy, step 3" for r in (0, 1)], out[-3000:]
+    assert strategy_probe.lines(tmp_path) == [
+        f"strategy-probe: rank {r} of 2, DDPStrategy, step 3" for r in (0, 1)
+    ], out[-3000:]

@@ -78,7 +78,9 @@ def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        results = {config: _state_after_a_step(*config, shard=lambda m: shard_module(m, mesh)) for config in CONFIGS}
+        results = {
+            config: _state_after_a_step(*config, shard=lambda m: shard_module(m, mesh)) for config in CONFIGS
+        }
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

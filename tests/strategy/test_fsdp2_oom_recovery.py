@@ -29,12 +29,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def fsdp2_fit(out: Path, rule: str, callback: bool = True, expect_failure: bool = False, units: str = "linear") -> list[dict]:
+def fsdp2_fit(
+    out: Path, rule: str, callback: bool = True, expect_failure: bool = False, units: str = "linear"
+) -> list[dict]:
     out.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "LIGHTNING_DISABLE_TIPS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), rule, "1" if callback else "0", units], cwd=out, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "LIGHTNING_DISABLE_TIPS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), rule, "1" if callback else "0", units],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (proc.returncode != 0) == expect_failure, (proc.stdout + proc.stderr)[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
@@ -80,16 +91,21 @@ def test_validation_oom_on_one_rank_splits_both_ranks_batches_and_keeps_every_lo
     assert one["failures"] >= 1 and zero["history"] == one["history"]
     assert {h[4] for h in one["history"]} == {"validation"}
     for got, want in zip((zero, one), reference):
-        assert [i for i, _ in got["val_losses"]] == [i for i, _ in want["val_losses"]]  # each sample once, in order
-        torch.testing.assert_close([v for _, v in got["val_losses"]], [v for _, v in want["val_losses"]],
-                                   rtol=1e-5, atol=1e-6)
+        assert [i for i, _ in got["val_losses"]] == [
+            i for i, _ in want["val_losses"]
+        ]  # each sample once, in order
+        torch.testing.assert_close(
+            [v for _, v in got["val_losses"]], [v for _, v in want["val_losses"]], rtol=1e-5, atol=1e-6
+        )
     _assert_params((zero, one), reference)
 
 
 @pytest.mark.slow
 def test_nothing_left_to_split_on_one_rank_stops_both_without_hanging(tmp_path):
     zero, one = fsdp2_fit(tmp_path / "tiny", "tiny", expect_failure=True)
-    assert one["error"][0] == "MicroBatchOOMError" and "even with micro-batches of 1 sample" in one["error"][1]
+    assert (
+        one["error"][0] == "MicroBatchOOMError" and "even with micro-batches of 1 sample" in one["error"][1]
+    )
     assert zero["error"][0] == "RankOutOfMemoryError" and "Rank(s) 1 ran out of memory" in zero["error"][1]
 
 
@@ -101,7 +117,9 @@ def test_ranks_that_would_run_different_numbers_of_micro_batches_stop_alike_with
     exchange = FSDP2Exchange.__new__(FSDP2Exchange)  # the check alone: one process, the ranks' counts given
     exchange.prepare = exchange.install = lambda: None
     exchange.vote = lambda status, k: [Vote(0, 2), Vote(0, 3)]
-    with pytest.raises(RuntimeError, match=r"same number of micro-batches .* would run \[2, 3\].*batches of the same size"):
+    with pytest.raises(
+        RuntimeError, match=r"same number of micro-batches .* would run \[2, 3\].*batches of the same size"
+    ):
         exchange.begin(2)
     exchange.vote = lambda status, k: [Vote(0, 2), Vote(0, 2)]
     exchange.begin(2)

@@ -30,16 +30,24 @@ def _total(name: str, world: int, **kw) -> int:
 # optimizer state 7 B (1.75 GiB); full sharding 4 B + two gathered blocks (1.25 GiB); offload: the blocks (0.25 GiB).
 @pytest.mark.parametrize(
     ("memory_mib", "expected", "strategy_type"),
-    [(80 * 1024, "ddp", DDPStrategy), (4096, "fsdp: shard grads+optimizer", FSDP2Strategy),
-     (1638, "fsdp: full shard", FSDP2Strategy), (512, "fsdp: full shard + cpu offload", FSDP2Strategy)],
+    [
+        (80 * 1024, "ddp", DDPStrategy),
+        (4096, "fsdp: shard grads+optimizer", FSDP2Strategy),
+        (1638, "fsdp: full shard", FSDP2Strategy),
+        (512, "fsdp: full shard + cpu offload", FSDP2Strategy),
+    ],
     ids=["fits-ddp", "shard-grads-optimizer", "full-shard", "offload"],
 )
 def test_the_cheapest_way_that_fits_is_picked(memory_mib, expected, strategy_type):
-    plan = select_strategy(_model(), devices=4, optimizer="adam", device_memory=memory_mib * 2**20, device="cpu")
+    plan = select_strategy(
+        _model(), devices=4, optimizer="adam", device_memory=memory_mib * 2**20, device="cpu"
+    )
     assert plan.pick == expected and isinstance(plan.strategy, strategy_type)
     picked = next(r for r in plan.rows if r.name == expected)
     assert picked.fits and picked.estimate.total <= plan.budget
-    cheaper = [r for r in plan.rows if r.estimate.candidate.cost < picked.estimate.candidate.cost and r.available]
+    cheaper = [
+        r for r in plan.rows if r.estimate.candidate.cost < picked.estimate.candidate.cost and r.available
+    ]
     assert all(not r.fits for r in cheaper)  # nothing with less communication would have fitted
     if expected == "ddp":
         assert plan.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
@@ -51,11 +59,16 @@ def test_the_cheapest_way_that_fits_is_picked(memory_mib, expected, strategy_typ
 
 def test_one_device_that_fits_trains_there_and_one_that_does_not_offloads():
     assert select_strategy(_model(), devices=1, device_memory=80 * GiB).strategy == "auto"
-    assert select_strategy(_model(), devices=1, device_memory=4 * GiB, device="cpu").pick == "fsdp: full shard + cpu offload"
+    assert (
+        select_strategy(_model(), devices=1, device_memory=4 * GiB, device="cpu").pick
+        == "fsdp: full shard + cpu offload"
+    )
 
 
 def test_fits_nowhere_is_a_clear_error_carrying_the_plan():
-    with pytest.raises(StrategyPlanError, match=r"No way of training this model fits 2 device\(s\) of 64.00 MiB") as info:
+    with pytest.raises(
+        StrategyPlanError, match=r"No way of training this model fits 2 device\(s\) of 64.00 MiB"
+    ) as info:
         select_strategy(_model(), devices=2, device_memory=64 * 2**20)
     plan = info.value.plan
     assert plan.pick is None and not any(r.fits for r in plan.rows)
@@ -63,35 +76,60 @@ def test_fits_nowhere_is_a_clear_error_carrying_the_plan():
 
 
 def test_precision_optimizer_and_activations_change_the_estimate():
-    assert _total("ddp", 4, precision="bf16-true", optimizer="sgd") < _total("ddp", 4, precision="32-true", optimizer="adam")
+    assert _total("ddp", 4, precision="bf16-true", optimizer="sgd") < _total(
+        "ddp", 4, precision="32-true", optimizer="adam"
+    )
     with torch.device("meta"):
         sample = torch.empty(16, 2048)
-    plan = select_strategy(_model(), devices=4, device_memory=80 * GiB, sample_batch=sample, micro_batch_size=32)
+    plan = select_strategy(
+        _model(), devices=4, device_memory=80 * GiB, sample_batch=sample, micro_batch_size=32
+    )
     activations = {r.estimate.activations for r in plan.rows}
-    assert len(activations) == 1 and activations.pop() > 32 * 8 * 4 * 2048 * 4  # 8 blocks x the 4x-wide hidden layer
+    assert (
+        len(activations) == 1 and activations.pop() > 32 * 8 * 4 * 2048 * 4
+    )  # 8 blocks x the 4x-wide hidden layer
     assert "per sample estimated" in plan.activation_note
     measured = select_strategy(_model(), devices=4, device_memory=80 * GiB, activation_bytes=123_456_789)
-    assert all(r.estimate.activations == 123_456_789 for r in measured.rows) and "measured" in measured.activation_note
+    assert (
+        all(r.estimate.activations == 123_456_789 for r in measured.rows)
+        and "measured" in measured.activation_note
+    )
 
 
 def test_deepspeed_is_estimated_but_not_picked_without_the_package():
     plan = select_strategy(_model(), devices=4, device_memory=4 * GiB, device="cpu")
     zero2 = next(r for r in plan.rows if r.name == "deepspeed zero-2")
-    assert not zero2.available and "deepspeed not installed" in zero2.note and not plan.pick.startswith("deepspeed")
+    assert (
+        not zero2.available
+        and "deepspeed not installed" in zero2.note
+        and not plan.pick.startswith("deepspeed")
+    )
 
 
 def test_plan_table_has_a_row_per_candidate_the_pick_and_the_reason():
     text = select_strategy(_model(), devices=4, device_memory=4 * GiB, device="cpu").table()
     lines = text.splitlines()
-    assert lines[1].split() == ["candidate", "parameters", "gradients", "optimizer", "gathered", "activations", "total", "fits"]
+    assert lines[1].split() == [
+        "candidate",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "gathered",
+        "activations",
+        "total",
+        "fits",
+    ]
     assert sum("<- pick" in line for line in lines) == 1
     assert "pick: fsdp: shard grads+optimizer: ddp would need" in text and "over the budget" in text
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"devices": 0}, r"`devices` must be a positive int, got 0"), ({"headroom": 1.5}, r"`headroom` must be in \(0, 1\]"),
-     ({"device_memory": -1}, r"`device_memory` must be a positive int \(bytes\) or None")],
+    [
+        ({"devices": 0}, r"`devices` must be a positive int, got 0"),
+        ({"headroom": 1.5}, r"`headroom` must be in \(0, 1\]"),
+        ({"device_memory": -1}, r"`device_memory` must be a positive int \(bytes\) or None"),
+    ],
 )
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -112,7 +150,9 @@ def test_under_fsdp2_oom_recovery_runs_and_memory_aware_batch_size_refuses_with_
 
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)
     OOMRecovery().setup(trainer, pl.LightningModule(), "fit")  # accepted: test_fsdp2_oom_recovery.py runs it
-    with pytest.raises(RuntimeError, match=r"MemoryAwareBatchSize measures single-device and DDP training, got FSDP2Strategy"):
+    with pytest.raises(
+        RuntimeError, match=r"MemoryAwareBatchSize measures single-device and DDP training, got FSDP2Strategy"
+    ):
         MemoryAwareBatchSize().setup(trainer, pl.LightningModule(), "fit")
 
 
@@ -127,5 +167,8 @@ def test_fsdp2_strategy_refuses_a_module_holding_parameters_itself():
 
     with pytest.raises(ValueError, match=r"holds parameters itself \(scale\). Move them into a submodule"):
         shard_module(Flat(), mesh=None)
-    with pytest.raises(ValueError, match=r"`shard_modules` names \['Block'\], but Sequential has no such submodule; its module types are: Linear"):
+    with pytest.raises(
+        ValueError,
+        match=r"`shard_modules` names \['Block'\], but Sequential has no such submodule; its module types are: Linear",
+    ):
         shard_module(nn.Sequential(nn.Linear(2, 2)), mesh=None, types=["Block"])

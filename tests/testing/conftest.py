@@ -76,4 +76,7 @@ def _no_simulation_left_behind():
         leaked.__exit__(None, None, None)
         pytest.fail(f"a test left {leaked!r} entered")
     assert get_probe("cpu").kind == "cpu"
-    assert torch.utils.data.dataloader._BaseDataLoaderIter.__next__.__qualname__ == "_BaseDataLoaderIter.__next__"
+    assert (
+        torch.utils.data.dataloader._BaseDataLoaderIter.__next__.__qualname__
+        == "_BaseDataLoaderIter.__next__"
+    )

@@ -66,7 +66,10 @@ def test_without_a_working_compiler_auto_falls_back_and_allocator_says_why(tmp_p
     assert proc.returncode == 0, proc.stderr
     assert "oom-ok" in proc.stdout
     assert "backend dispatch" in proc.stdout
-    assert "allocator-error SimulatedMemory(backend='allocator') is unavailable: compiling the counting allocator failed" in proc.stdout
+    assert (
+        "allocator-error SimulatedMemory(backend='allocator') is unavailable: compiling the counting allocator failed"
+        in proc.stdout
+    )
     assert "use backend='dispatch'" in proc.stdout
     assert "uses its pure-Python backend" in proc.stderr  # said once, as a log record
 

@@ -89,7 +89,9 @@ def test_over_limit_raises_cuda_like_oom(backend):
         assert _bytes(m.group("req")) == MiB
         assert _bytes(m.group("use")) == MiB // 2
         assert _bytes(m.group("lim")) == MiB
-        assert message.startswith("CUDA out of memory (simulated). Tried to allocate 1.00 MiB (1048576 bytes); ")
+        assert message.startswith(
+            "CUDA out of memory (simulated). Tried to allocate 1.00 MiB (1048576 bytes); "
+        )
         assert mem.num_ooms == 1
         assert mem.allocated_bytes == MiB // 2  # the failed request left nothing behind
         torch.empty(MiB // 4, dtype=torch.uint8)  # still fits
@@ -362,7 +364,10 @@ def test_repr_names_the_figures():
     mem = SimulatedMemory(limit_bytes=2048, backend="dispatch")
     with mem:
         x = torch.zeros(8)
-    assert repr(mem) == "SimulatedMemory(limit_bytes=2048, backend='dispatch', allocated_bytes=32, peak_bytes=32)"
+    assert (
+        repr(mem)
+        == "SimulatedMemory(limit_bytes=2048, backend='dispatch', allocated_bytes=32, peak_bytes=32)"
+    )
     del x
 
 
@@ -406,9 +411,16 @@ def test_profiler_still_sees_memory_under_the_allocator(profiler_peak):
 def _conv_net():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(), nn.Linear(32, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
     )
 
 

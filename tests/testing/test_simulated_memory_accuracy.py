@@ -26,7 +26,9 @@ def _one_thread():
 
 def _mlp():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    model = nn.Sequential(
+        nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
     return model, torch.randn(64, 512), torch.randint(0, 10, (64,))
 
 
@@ -106,7 +108,9 @@ def test_peak_matches_the_profiler(backend, model_name, first_step, profiler_pea
 
     for upto in PHASES:
         peak, ref = simulated[upto], reference[upto][0]
-        print(f"{model_name} {backend} first_step={first_step} {upto}: simulated {peak} / profiler {ref} = {peak / ref:.5f}")
+        print(
+            f"{model_name} {backend} first_step={first_step} {upto}: simulated {peak} / profiler {ref} = {peak / ref:.5f}"
+        )
         if backend == "dispatch" and model_name == "resnet18":
             # Op outputs only: the buffers conv kernels allocate internally (oneDNN im2col and
             # workspaces, in forward and backward) are invisible to it. How much depends on the

@@ -36,7 +36,9 @@ class Net(L.LightningModule):
         super().__init__()
         self.batch_size = batch_size
         self.num_workers = num_workers
-        self.net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+        self.net = nn.Sequential(
+            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+        )
         self.squeeze_in_backward_at: int | None = None
         self.memory_at_oom: int | None = None
         self.net[0].register_full_backward_pre_hook(self._squeeze)
@@ -64,7 +66,9 @@ class Net(L.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(BATCH * 6, 64, generator=g), torch.randint(0, 10, (BATCH * 6,), generator=g))
+        data = TensorDataset(
+            torch.randn(BATCH * 6, 64, generator=g), torch.randint(0, 10, (BATCH * 6,), generator=g)
+        )
         return DataLoader(data, batch_size=self.batch_size, num_workers=self.num_workers)
 
 
@@ -269,9 +273,7 @@ class PerRankMemory(L.Callback):
 def test_ddp_ranks_each_enter_their_own(native, tmp_path, monkeypatch):
     # A fresh cache: both ranks build the allocator at the same time (the file lock serialises them).
     monkeypatch.setenv("LIGHTNING_GPUOPT_CACHE_DIR", str(tmp_path / "cache"))
-    trainer = _trainer(
-        tmp_path, [PerRankMemory(str(tmp_path))], strategy="ddp_spawn", devices=2, max_steps=3
-    )
+    trainer = _trainer(tmp_path, [PerRankMemory(str(tmp_path))], strategy="ddp_spawn", devices=2, max_steps=3)
     trainer.fit(Net(num_workers=0))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results[0]["pid"] != results[1]["pid"], results
