@@ -29,7 +29,8 @@ report-image: install
 	cp build/report-image/default/version_0/gpuopt_report.png docs/images/gpuopt_report.png
 
 lint: install
-	$(VENV)/bin/ruff check lightning_gpuopt tests benchmarks examples
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache
