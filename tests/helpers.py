@@ -78,3 +78,64 @@ class MetricsLogger(Logger):
 
     def log_metrics(self, metrics, step=None) -> None:
         self.rows.append((step, dict(metrics)))
+
+
+# --- "Same training": the one measure every parity test uses (DESIGN.md, "Semantics that must hold").
+
+
+def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached float64 copy of every parameter, by name: a θ to compare."""
+    return {name: p.detach().to("cpu", torch.float64).clone() for name, p in module.named_parameters()}
+
+
+def _flat(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([tensors[n].reshape(-1).to(torch.float64) for n in names])
+
+
+def training_distance(
+    theta0: dict[str, torch.Tensor], theta: dict[str, torch.Tensor], theta_ref: dict[str, torch.Tensor]
+) -> float:
+    """‖Δθ − Δθ_ref‖ / ‖Δθ_ref‖ with Δθ = θ_N − θ_0, over all parameters (a run against its reference).
+
+    Both runs must start from the same θ_0. The measure ignores how far training moved in absolute terms:
+    0 is identical training, 1 is as far off as not training at all.
+    """
+    if set(theta) != set(theta_ref) or set(theta0) != set(theta):
+        raise ValueError("the three parameter sets must name the same parameters")
+    names = sorted(theta)
+    start = _flat(theta0, names)
+    delta, delta_ref = _flat(theta, names) - start, _flat(theta_ref, names) - start
+    norm = delta_ref.norm()
+    if norm == 0:
+        raise ValueError("the reference run did not move its parameters: nothing to compare against")
+    return float((delta - delta_ref).norm() / norm)
+
+
+def gradient_distance(grads: dict[str, torch.Tensor], grads_ref: dict[str, torch.Tensor]) -> float:
+    """‖g − g_ref‖ / ‖g_ref‖ over all gradients (the first batch's, which scale-invariant optimizers hide)."""
+    names = sorted(grads_ref)
+    ref = _flat(grads_ref, names)
+    return float((_flat(grads, names) - ref).norm() / ref.norm())
+
+
+def assert_same_training(
+    theta0: dict[str, torch.Tensor],
+    theta: dict[str, torch.Tensor],
+    theta_ref: dict[str, torch.Tensor],
+    floor: float,
+    factor: float = 2.0,
+    elementwise: bool = False,
+) -> float:
+    """Assert the run trained like its reference: distance ≤ ``factor`` × the case's own ``floor``.
+
+    ``floor`` is the distance the case reaches with k = 2 and the exact weighting (measured, not guessed);
+    it is clamped to at least 1e-12 so a bit-exact floor still leaves rounding room. ``elementwise`` adds
+    an allclose per parameter (64-true runs). Returns the distance so tests can report it.
+    """
+    distance = training_distance(theta0, theta, theta_ref)
+    bound = factor * max(floor, 1e-12)
+    assert distance <= bound, f"training distance {distance:.3g} > {factor} x floor {floor:.3g}"
+    if elementwise:
+        for name in theta_ref:
+            torch.testing.assert_close(theta[name], theta_ref[name], rtol=1e-9, atol=1e-12, msg=name)
+    return distance
