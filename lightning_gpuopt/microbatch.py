@@ -520,7 +520,9 @@ class MicroBatchEngine:
                     self._raise_if_too_small(err, n, k)
                     raise
                 if size_error:
-                    first_size_error = err.with_traceback(None)  # re-raised later; its frames must not pin memory
+                    first_size_error = err.with_traceback(
+                        None
+                    )  # re-raised later; its frames must not pin memory
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline, params)
             fatal: BaseException | None = None
             if failure is not None or peer_votes is not None:
