@@ -25,9 +25,11 @@ __all__ = [
     "Status",
     "Vote",
     "agree",
+    "allocator_thrashing",
     "grow_back_micro_batch_count",
     "next_micro_batch_count",
     "parse_tried_bytes",
+    "recently_failed_size",
     "smaller_micro_batch_count",
     "smallest_split_cannot_fit",
 ]
@@ -212,6 +214,39 @@ def smaller_micro_batch_count(k: int, batch_size: int) -> int:
     while k2 < batch_size and math.ceil(batch_size / k2) >= size:
         k2 += 1
     return min(k2, batch_size)
+
+
+def allocator_thrashing(retries: list[int]) -> bool:
+    """Whether the allocator thrashes: its cumulative retry count rose at each of the last two steps.
+
+    Args:
+        retries: the allocator's cumulative retries, read at the end of each of the last steps (oldest first).
+
+    Example:
+        >>> allocator_thrashing([4, 5, 7]), allocator_thrashing([4, 4, 7]), allocator_thrashing([5, 6])
+        (True, False, False)
+    """
+    return len(retries) >= 3 and retries[-3] < retries[-2] < retries[-1]
+
+
+def recently_failed_size(failures: dict[int, int], step: int, window: int) -> int | None:
+    """The smallest micro-batch size that ran out of memory within ``window`` steps before ``step``.
+
+    Growing back never aims at or above it (a size that failed recently would likely fail again).
+
+    Args:
+        failures: micro-batch size -> the global step of its last OOM.
+        step: the current global step.
+        window: how many steps back a failure counts.
+
+    Example:
+        >>> recently_failed_size({64: 10, 32: 40}, step=45, window=10)
+        32
+        >>> recently_failed_size({64: 10}, step=45, window=10) is None
+        True
+    """
+    recent = [size for size, at in failures.items() if step - at <= window]
+    return min(recent) if recent else None
 
 
 def grow_back_micro_batch_count(

@@ -36,8 +36,10 @@ from lightning_gpuopt.oom_policy import (
     Recovery,
     Source,
     Status,
+    allocator_thrashing,
     grow_back_micro_batch_count,
     next_micro_batch_count,
+    recently_failed_size,
     smaller_micro_batch_count,
     smallest_split_cannot_fit,
 )
@@ -415,8 +417,7 @@ class OOMRecovery(Callback):
         self._clean_steps += 1
         self._retries = [*self._retries[-2:], probe.alloc_retries]
         step = trainer.global_step
-        rising = len(self._retries) == 3 and self._retries[0] < self._retries[1] < self._retries[2]
-        if rising and engine.k < n:
+        if allocator_thrashing(self._retries) and engine.k < n:
             self._retries = []
             k = smaller_micro_batch_count(engine.k, n)
             engine.next_proposal = Proposal(
@@ -425,7 +426,7 @@ class OOMRecovery(Callback):
             return
         if self._clean_steps < self._wait or not engine.splittable(batch):
             return
-        failed = [size for size, at in self._recent_failures.items() if step - at <= self._wait]
+        below = recently_failed_size(self._recent_failures, step, self._wait)
         k = grow_back_micro_batch_count(
             engine.k,
             n,
@@ -433,7 +434,7 @@ class OOMRecovery(Callback):
             probe.peak,
             probe.total,
             self.headroom,
-            below_size=min(failed) if failed else None,
+            below_size=below,
             max_micro_batch_size=engine.max_micro_batch_size,
         )
         if k is not None:
