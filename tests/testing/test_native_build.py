@@ -108,6 +108,9 @@ def test_a_built_wheel_ships_the_allocator_source_that_simulated_memory_builds_f
 
     from lightning_gpuopt.testing import _native
 
+    pytest.importorskip(
+        "setuptools", reason="building the wheel without network needs setuptools in this env"
+    )
     repo = Path(__file__).resolve().parents[2]
     subprocess.run(
         [
