@@ -1,0 +1,121 @@
+"""Fault injection: a training subprocess is killed (SIGKILL) or signalled (SIGTERM), resumed from its last
+checkpoint, and compared with the run that was never interrupted (tests/resume_child.py)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import assert_same_training, parameters_of
+
+from lightning_gpuopt import ExactResume
+from lightning_gpuopt.callbacks.exact_resume import at_optimizer_step_boundary
+
+CHILD = Path(__file__).resolve().parents[1] / "resume_child.py"
+sys.path.insert(0, str(CHILD.parent))
+import resume_child  # noqa: E402
+
+BATCHES = resume_child.LENGTH // resume_child.BATCH  # per epoch, one process
+
+
+def _run(root: Path, *args: str, expect: int = 0, subprocess_: bool = True) -> None:
+    """One training run of resume_child.py: a subprocess (to be killed, or DDP), or in this process (cheaper)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if not subprocess_:
+        resume_child.main([str(root), *args])
+        return
+    done = subprocess.run(
+        [sys.executable, str(CHILD), str(root), *args], capture_output=True, text=True, timeout=300, cwd=root
+    )
+    assert done.returncode == expect, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _ids(path: Path) -> dict[tuple[int, int], list[int]]:
+    """``(epoch, batch_idx) -> sample ids`` of each training batch a rank ran."""
+    lines = path.read_text().split()
+    return {
+        (int(e), int(b)): [int(i) for i in ids.split(",")]
+        for e, b, ids in zip(lines[::3], lines[1::3], lines[2::3])
+    }
+
+
+def _theta0() -> dict[str, torch.Tensor]:
+    pl.seed_everything(0, verbose=False)
+    return parameters_of(resume_child.DropoutRegressor())
+
+
+def _params(root: Path) -> dict[str, torch.Tensor]:
+    return {n: p.to(torch.float64) for n, p in torch.load(root / "params.pt").items()}
+
+
+def _interrupted_runs(
+    tmp_path: Path,
+    args: tuple[str, ...],
+    faults: list[tuple[str, ...]],
+    ranks: int = 1,
+    in_process: bool = True,
+) -> Path:
+    """The uninterrupted run, then the same run interrupted by each fault in turn and resumed from ``last``.
+
+    Checks that, on every rank, the batches kept by each interrupted run (those before the next run's first
+    batch) and the last run's batches are the uninterrupted run's, that every sample is seen once, and that
+    the parameters are equal. Returns the interrupted run's folder.
+    """
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _run(ref, *args, subprocess_=not in_process)
+    logs = []
+    for n, fault in enumerate([*faults, ()]):
+        resume = ("--resume",) if n else ()
+        killed = "--kill-batch" in fault
+        _run(run, *args, *fault, *resume, expect=-9 if killed else 0, subprocess_=killed or not in_process)
+        for rank in range(ranks):  # keep each run's log apart
+            (run / f"ids_rank{rank}.txt").rename(run / f"run{n}_rank{rank}.txt")
+        logs.append(n)
+    seen = []
+    for rank in range(ranks):
+        merged: list[list[int]] = []
+        runs = [_ids(run / f"run{n}_rank{rank}.txt") for n in logs]
+        for this, following in zip(runs, [*runs[1:], None]):
+            cut = min(following) if following else (1 << 30, 0)
+            merged += [this[k] for k in sorted(this) if k < cut]
+        reference = [ids for _, ids in sorted(_ids(ref / f"ids_rank{rank}.txt").items())]
+        assert merged == reference, (
+            f"rank {rank}: the resumed run's samples differ from the uninterrupted run's"
+        )
+        seen += [i for ids in merged for i in ids]
+    assert collections.Counter(seen) == collections.Counter(range(resume_child.LENGTH))  # each sample once
+    # 64-true: the floor (k = 2, exact weighting) of this case is 0; equal to rounding, elementwise.
+    assert_same_training(_theta0(), _params(run), _params(ref), floor=0.0, elementwise=True)
+    return run
+
+
+def test_sigkill_inside_an_accumulation_window_resumes_exactly(tmp_path):
+    # A seeded random batch that opens a window (even batch_idx with A = 2): its gradients die with the
+    # process and the resume starts from the optimizer-step boundary before it.
+    kill = 2 * random.Random(17).randrange(1, BATCHES // 2 - 1)
+    _interrupted_runs(tmp_path, ("--accumulate", "2", "--workers", "2"), [("--kill-batch", str(kill))])
+
+
+def test_at_optimizer_step_boundary():
+    assert [at_optimizer_step_boundary(i, 3, is_last_batch=i == 6) for i in range(7)] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+        True,
+    ]
+
+
+def test_signal_names_are_checked():
+    with pytest.raises(ValueError, match="SIGTERM"):
+        ExactResume(signals=("SIGNOPE",))
+    assert json.dumps(ExactResume(signals=()).signals) == "[]"
