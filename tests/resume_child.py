@@ -4,7 +4,7 @@
 GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt`` every optimizer step.
 
     python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--kill-batch N]
-        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--resume]
+        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H] [--batch-size B] [--resume]
 
 Each rank appends ``epoch batch_idx id,id,...`` per training batch to ``ROOT/ids_rank{r}.txt`` (flushed,
 so a killed run keeps its lines); at the end of fit rank 0 saves the parameters to ``ROOT/params.pt`` and
@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import sys
 
 import lightning.pytorch as pl
 import numpy as np
@@ -27,11 +26,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from lightning_gpuopt import ExactResume, GPUOptDataModule, OOMRecovery  # noqa: E402
-from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint  # noqa: E402
-from lightning_gpuopt.decisions import decisions  # noqa: E402
+from lightning_gpuopt import ExactResume, GPUOptDataModule, OOMRecovery
+from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+from lightning_gpuopt.decisions import decisions
 
 LENGTH, DIM, BATCH = 64, 8, 4
 
@@ -63,11 +60,13 @@ class Data(GPUOptDataModule):
 
 
 class DropoutRegressor(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 32) -> None:
         super().__init__()
         # float64 from the start: Lightning loads a checkpoint's weights before 64-true converts the module,
         # so a float32 module would round the float64 weights it resumes from.
-        self.net = nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Dropout(0.3), nn.Linear(32, 1)).double()
+        self.net = nn.Sequential(
+            nn.Linear(DIM, hidden), nn.Tanh(), nn.Dropout(0.3), nn.Linear(hidden, 1)
+        ).double()
 
     def training_step(self, batch, batch_idx):
         _, x, y = batch
@@ -105,22 +104,34 @@ class Fault(pl.Callback):
 
 
 class MemoryLimit(pl.Callback):
-    """From batch ``start`` on, the step runs under a SimulatedMemory limit (an OOM at k = 1)."""
+    """From batch ``start`` on, forward and backward run under a SimulatedMemory limit (an OOM at k = 1).
 
-    def __init__(self, limit: int, start: int) -> None:
+    The limit is lifted for the optimizer step (the OOM to recover from is the activations'). ``limit`` 0:
+    measure only; the largest forward-and-backward peak goes to ``ROOT/peak.txt``.
+    """
+
+    def __init__(self, root: str, limit: int, start: int) -> None:
         from lightning_gpuopt.testing import SimulatedMemory
 
-        self.memory, self.limit, self.start = SimulatedMemory(None), limit, start
+        self.memory, self.limit, self.start, self.root = SimulatedMemory(None), limit, start, root
+        self.peak = 0
 
     def on_fit_start(self, trainer, pl_module):
         self.memory.__enter__()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.fit_loop.total_batch_idx >= self.start:
+        self.memory.reset_peak()
+        if self.limit and trainer.fit_loop.total_batch_idx >= self.start:
             self.memory.limit_bytes = self.limit
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.peak = max(self.peak, self.memory.peak_bytes)
+        self.memory.limit_bytes = None
 
     def on_fit_end(self, trainer, pl_module):
         self.memory.__exit__(None, None, None)
+        with open(os.path.join(self.root, "peak.txt"), "w") as f:
+            f.write(str(self.peak))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,8 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--term-ranks", default="all")
     parser.add_argument("--oom-limit", type=int, default=None)
     parser.add_argument("--oom-from", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
+    os.makedirs(args.root, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     callbacks = [
         ExactResume(),
@@ -146,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
     ]
     if args.oom_limit is not None:
-        callbacks += [OOMRecovery(), MemoryLimit(args.oom_limit, args.oom_from)]
+        callbacks += [OOMRecovery(), MemoryLimit(args.root, args.oom_limit, args.oom_from)]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -160,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = DropoutRegressor()
-    data = Data(batch_size=BATCH, num_workers=args.workers, persistent_workers=False)
+    model = DropoutRegressor(args.hidden)
+    data = Data(batch_size=args.batch_size, num_workers=args.workers, persistent_workers=False)
     trainer.fit(model, data, ckpt_path="last" if args.resume else None)
     rank = trainer.global_rank
     with open(os.path.join(args.root, f"decisions_rank{rank}.json"), "w") as f:

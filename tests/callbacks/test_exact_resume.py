@@ -46,9 +46,9 @@ def _ids(path: Path) -> dict[tuple[int, int], list[int]]:
     }
 
 
-def _theta0() -> dict[str, torch.Tensor]:
+def _theta0(hidden: int) -> dict[str, torch.Tensor]:
     pl.seed_everything(0, verbose=False)
-    return parameters_of(resume_child.DropoutRegressor())
+    return parameters_of(resume_child.DropoutRegressor(hidden))
 
 
 def _params(root: Path) -> dict[str, torch.Tensor]:
@@ -75,8 +75,10 @@ def _interrupted_runs(
         resume = ("--resume",) if n else ()
         killed = "--kill-batch" in fault
         _run(run, *args, *fault, *resume, expect=-9 if killed else 0, subprocess_=killed or not in_process)
-        for rank in range(ranks):  # keep each run's log apart
+        for rank in range(ranks):  # keep each run's logs apart
             (run / f"ids_rank{rank}.txt").rename(run / f"run{n}_rank{rank}.txt")
+            if (run / f"decisions_rank{rank}.json").exists():
+                (run / f"decisions_rank{rank}.json").rename(run / f"run{n}_decisions_rank{rank}.json")
         logs.append(n)
     seen = []
     for rank in range(ranks):
@@ -92,7 +94,8 @@ def _interrupted_runs(
         seen += [i for ids in merged for i in ids]
     assert collections.Counter(seen) == collections.Counter(range(resume_child.LENGTH))  # each sample once
     # 64-true: the floor (k = 2, exact weighting) of this case is 0; equal to rounding, elementwise.
-    assert_same_training(_theta0(), _params(run), _params(ref), floor=0.0, elementwise=True)
+    hidden = int(args[args.index("--hidden") + 1]) if "--hidden" in args else 32
+    assert_same_training(_theta0(hidden), _params(run), _params(ref), floor=0.0, elementwise=True)
     return run
 
 
@@ -119,3 +122,30 @@ def test_signal_names_are_checked():
     with pytest.raises(ValueError, match="SIGTERM"):
         ExactResume(signals=("SIGNOPE",))
     assert json.dumps(ExactResume(signals=()).signals) == "[]"
+
+
+def test_sigkill_right_after_an_oom_recovery_changed_k_resumes_exactly(tmp_path):
+    # Measure forward-and-backward memory once, then limit it from batch 1 on so that k goes 1 -> 2 there.
+    shape = ("--hidden", "512", "--batch-size", "16")
+    _run(tmp_path / "measure", *shape, "--oom-limit", "0", subprocess_=False)
+    peak = int((tmp_path / "measure" / "peak.txt").read_text())
+    static = 4 * sum(
+        p.numel() * 8 for p in resume_child.DropoutRegressor(512).parameters()
+    )  # θ, grads, AdamW
+    args = (*shape, "--oom-limit", str(int(static + 0.7 * (peak - static))), "--oom-from", "1")
+    run = _interrupted_runs(tmp_path, args, [("--kill-batch", "2")])
+    reference = json.loads((tmp_path / "ref" / "decisions_rank0.json").read_text())
+    assert [(d["step"], d["kind"]) for d in reference] == [(1, "oom"), (1, "micro-batches")]
+    # The resumed run starts at step 2 with k = 2 from the checkpoint: no new OOM, search or precision switch.
+    resumed = json.loads((run / "run1_decisions_rank0.json").read_text())
+    changes = [d for d in resumed if d["kind"] in ("oom", "micro-batches", "batch size", "precision")]
+    assert [d["message"] for d in changes] == ["restored from checkpoint: k 1 -> 2"]
+
+
+def test_sigterm_stops_at_the_next_optimizer_step_boundary_and_resumes_exactly(tmp_path):
+    # SIGTERM arrives at the start of batch 3, inside the window of batches 2-3 (A = 2): the stop waits for
+    # that window's optimizer step, writes last.ckpt there, and fit returns normally.
+    args = ("--accumulate", "2")
+    run = _interrupted_runs(tmp_path, args, [("--term-batch", "2")])
+    stopped = json.loads((run / "run0_decisions_rank0.json").read_text())
+    assert [(d["step"], d["kind"], d["data"]["signal"]) for d in stopped] == [(2, "stop", "SIGTERM")]
