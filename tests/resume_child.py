@@ -4,7 +4,7 @@
 GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt`` every optimizer step.
 
     python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--kill-batch N]
-        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H] [--batch-size B] [--resume]
+        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H] [--batch-size B] [--onecycle] [--resume]
 
 Each rank appends ``epoch batch_idx id,id,...`` per training batch to ``ROOT/ids_rank{r}.txt`` (flushed,
 so a killed run keeps its lines); at the end of fit rank 0 saves the parameters to ``ROOT/params.pt`` and
@@ -60,8 +60,9 @@ class Data(GPUOptDataModule):
 
 
 class DropoutRegressor(pl.LightningModule):
-    def __init__(self, hidden: int = 32) -> None:
+    def __init__(self, hidden: int = 32, onecycle: bool = False) -> None:
         super().__init__()
+        self.onecycle = onecycle
         # float64 from the start: Lightning loads a checkpoint's weights before 64-true converts the module,
         # so a float32 module would round the float64 weights it resumes from.
         self.net = nn.Sequential(
@@ -73,7 +74,13 @@ class DropoutRegressor(pl.LightningModule):
         return F.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        if not self.onecycle:
+            return optimizer
+        # Reads `estimated_stepping_batches`, which makes Lightning drop a stateful loader's state (#20550).
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.02, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class Recorder(pl.Callback):
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--oom-from", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=BATCH)
+    parser.add_argument("--onecycle", action="store_true")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
     os.makedirs(args.root, exist_ok=True)
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = DropoutRegressor(args.hidden)
+    model = DropoutRegressor(args.hidden, args.onecycle)
     data = Data(batch_size=args.batch_size, num_workers=args.workers, persistent_workers=False)
     trainer.fit(model, data, ckpt_path="last" if args.resume else None)
     rank = trainer.global_rank

@@ -149,3 +149,21 @@ def test_sigterm_stops_at_the_next_optimizer_step_boundary_and_resumes_exactly(t
     run = _interrupted_runs(tmp_path, args, [("--term-batch", "2")])
     stopped = json.loads((run / "run0_decisions_rank0.json").read_text())
     assert [(d["step"], d["kind"], d["data"]["signal"]) for d in stopped] == [(2, "stop", "SIGTERM")]
+
+
+def test_ddp_sigterm_to_rank_1_then_to_every_rank_then_sigkill_resumes_exactly(tmp_path):
+    # Two CPU ranks over gloo, dropout on each, a OneCycle schedule reading `estimated_stepping_batches`: rank 1 alone gets SIGTERM at batch 1 (every rank must stop at
+    # the same step, no hang, exit 0), the resumed run gets SIGTERM on every rank at batch 3, the next one is
+    # SIGKILLed at a seeded random batch; the last resume runs to the end. Each rank's shard is seen once.
+    kill = random.Random(17).randrange(4, BATCHES // 2 - 1)
+    faults = [
+        ("--term-batch", "1", "--term-ranks", "1"),
+        ("--term-batch", "3", "--term-ranks", "all"),
+        ("--kill-batch", str(kill)),
+    ]
+    run = _interrupted_runs(tmp_path, ("--devices", "2", "--onecycle"), faults, ranks=2, in_process=False)
+    for n, (step, signal_) in enumerate([(2, "SIGTERM"), (4, "SIGTERM")]):
+        for rank in range(2):
+            stops = json.loads((run / f"run{n}_decisions_rank{rank}.json").read_text())
+            expected = signal_ if rank == 1 or n == 1 else "another rank's signal"
+            assert [(d["step"], d["kind"], d["data"]["signal"]) for d in stops] == [(step, "stop", expected)]
