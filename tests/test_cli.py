@@ -129,7 +129,15 @@ def test_fit_adds_precision_switch_auto_or_keep(tmp_path):
     (cb,) = switches(auto)
     assert cb.initial == "auto" and auto.trainer.precision == "32-true"  # a CPU: bf16 is opt-in
     kept = run(
-        ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.precision", "bf16-mixed", *_quiet(tmp_path)]
+        [
+            "fit",
+            *BORING,
+            "--trainer.max_steps",
+            "2",
+            "--trainer.precision",
+            "bf16-mixed",
+            *_quiet(tmp_path / "kept"),
+        ]
     )
     (cb,) = switches(kept)
     assert cb.initial == "keep" and kept.trainer.precision == "bf16-mixed"
@@ -306,3 +314,31 @@ def test_default_job_reaches_its_accuracy(tmp_path):
 def _no_pytest_argv(monkeypatch):
     # LightningCLI warns when sys.argv (pytest's here) and `args` are both given.
     monkeypatch.setattr(sys, "argv", ["gpuopt"])
+
+
+def test_fit_keeps_last_checkpoint_and_resumes_from_it_by_default(tmp_path):
+    from lightning_gpuopt import ExactResume
+    from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+
+    args = ["fit", *BORING, *_quiet(tmp_path), "--gpuopt.report", "false", "--gpuopt.summary", "false"]
+    first = run([*args, "--trainer.max_steps", "3"])
+    assert sum(isinstance(cb, ExactResume) for cb in first.trainer.callbacks) == 1
+    (boundary,) = [cb for cb in first.trainer.callbacks if isinstance(cb, StepBoundaryCheckpoint)]
+    assert boundary.save_last and boundary._train_time_interval.total_seconds() == 15 * 60
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    again = run([*args, "--trainer.max_steps", "5"])  # the same folder: it goes on from step 3
+    assert again.trainer.ckpt_path == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert again.trainer.global_step == 5
+    fresh = run(
+        [
+            *args,
+            "--trainer.max_steps",
+            "2",
+            "--gpuopt.resume",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path / "other"),
+        ]
+    )
+    assert fresh.trainer.ckpt_path is None
+    assert not any(isinstance(cb, ExactResume) for cb in fresh.trainer.callbacks)

@@ -99,6 +99,7 @@ def _interrupted_runs(
     return run
 
 
+@pytest.mark.slow
 def test_sigkill_inside_an_accumulation_window_resumes_exactly(tmp_path):
     # A seeded random batch that opens a window (even batch_idx with A = 2): its gradients die with the
     # process and the resume starts from the optimizer-step boundary before it.
@@ -124,6 +125,7 @@ def test_signal_names_are_checked():
     assert json.dumps(ExactResume(signals=()).signals) == "[]"
 
 
+@pytest.mark.slow
 def test_sigkill_right_after_an_oom_recovery_changed_k_resumes_exactly(tmp_path):
     # Measure forward-and-backward memory once, then limit it from batch 1 on so that k goes 1 -> 2 there.
     shape = ("--hidden", "512", "--batch-size", "16")
@@ -151,6 +153,7 @@ def test_sigterm_stops_at_the_next_optimizer_step_boundary_and_resumes_exactly(t
     assert [(d["step"], d["kind"], d["data"]["signal"]) for d in stopped] == [(2, "stop", "SIGTERM")]
 
 
+@pytest.mark.slow
 def test_ddp_sigterm_to_rank_1_then_to_every_rank_then_sigkill_resumes_exactly(tmp_path):
     # Two CPU ranks over gloo, dropout on each, a OneCycle schedule reading `estimated_stepping_batches`: rank 1 alone gets SIGTERM at batch 1 (every rank must stop at
     # the same step, no hang, exit 0), the resumed run gets SIGTERM on every rank at batch 3, the next one is
