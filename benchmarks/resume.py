@@ -1,6 +1,6 @@
 """What exact resume costs: checkpoint and resume time as multiples of one training step, and step overhead.
 
-    python benchmarks/resume.py [--hidden 1024] [--steps 30] [--json build/resume.json]
+    python benchmarks/resume.py [--hidden 1024] [--steps 30] [--out benchmarks/results]
 
 One process on the CPU (or the first GPU with ``--device cuda``): an MLP (4 layers of ``--hidden``) with
 AdamW, a GPUOptDataModule over random data, ExactResume. Measured:
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--out", default="benchmarks/results", help="folder for resume.json")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     _, plain_step, _ = _fit(args, root / "plain", args.steps, resumable=False, exact=False)
@@ -155,9 +155,9 @@ def main() -> None:
     )
     print(f"| step time, resumable loader vs plain | {result['resumable_loader_overhead']:+.1%} |")
     print(f"| step time, + ExactResume | {result['exact_resume_overhead']:+.1%} |")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resume.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

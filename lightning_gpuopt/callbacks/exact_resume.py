@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.data.resume import capture_rng, restore_rng
 from lightning_gpuopt.decisions import record_decision
 
-__all__ = ["ExactResume", "StepBoundaryCheckpoint", "at_optimizer_step_boundary"]
+__all__ = ["ExactResume", "StepBoundaryCheckpoint", "at_optimizer_step_boundary", "slurm_requeue_command"]
 
 _SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -28,6 +30,20 @@ def at_optimizer_step_boundary(batch_idx: int, accumulate_grad_batches: int, is_
         [False, True, False, True, True]
     """
     return (batch_idx + 1) % accumulate_grad_batches == 0 or is_last_batch
+
+
+def slurm_requeue_command(environ: dict[str, str] | os._Environ = os.environ) -> list[str] | None:
+    """``scontrol requeue JOB`` for this SLURM job (array jobs: ``ARRAYJOB_TASK``); ``None`` outside SLURM.
+
+    Example:
+        >>> slurm_requeue_command({"SLURM_JOB_ID": "123"})
+        ['scontrol', 'requeue', '123']
+        >>> slurm_requeue_command({"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9"})
+        ['scontrol', 'requeue', '7_2']
+    """
+    array_job = environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{environ['SLURM_ARRAY_TASK_ID']}" if array_job else environ.get("SLURM_JOB_ID")
+    return ["scontrol", "requeue", job] if job else None
 
 
 def _gather(trainer: pl.Trainer, value: Any) -> list[Any]:
@@ -79,6 +95,9 @@ class ExactResume(Callback):
       one device), so a signal to one rank stops every rank at the same step: each writes its part of
       ``last.ckpt`` in the first ``ModelCheckpoint``'s folder and the run ends normally (exit status 0).
       Lightning's own SIGTERM handler, which broadcasts inside the handler, is replaced while training.
+      Under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the default there), the
+      requeue signal (SIGUSR1 unless set otherwise) also stops at the boundary, and rank 0 then requeues
+      the job (``scontrol requeue``) in place of Lightning's handler, which saves mid-step.
     * **Clean checkpoints only.** A checkpoint is marked with whether it was written at an optimizer-step
       boundary of a run without an exception. Resuming from one that was not (a ``ModelCheckpoint`` with
       ``save_on_exception=True``, a time trigger inside an accumulation window) raises a clear error.
@@ -150,7 +169,15 @@ class ExactResume(Callback):
         # Lightning registered its handlers just before training; ours replace them until training ends.
         if threading.current_thread() is not threading.main_thread():
             return
-        for name in self.signals:
+        names = set(self.signals)
+        environment = trainer._accelerator_connector.cluster_environment
+        if names and isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            requeue = environment.requeue_signal
+            if requeue is not None:
+                names.add(
+                    signal.Signals(requeue).name
+                )  # Lightning's requeue signal: stop cleanly, then requeue
+        for name in sorted(names):
             signum = getattr(signal, name)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 
@@ -215,6 +242,12 @@ class ExactResume(Callback):
                 callback.last_model_path = path
         self.stop_checkpoint = path
         trainer.should_stop = True
+        environment = trainer._accelerator_connector.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero:
+            command = slurm_requeue_command()
+            if command is not None:
+                status = subprocess.call(command)
+                rank_zero_info(f"ExactResume: `{' '.join(command)}` exited with {status}.")
         record_decision(
             trainer,
             "stop",
