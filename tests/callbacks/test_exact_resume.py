@@ -14,9 +14,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import assert_same_training, parameters_of
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gpuopt import ExactResume
-from lightning_gpuopt.callbacks.exact_resume import at_optimizer_step_boundary
+from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint, at_optimizer_step_boundary
 
 CHILD = Path(__file__).resolve().parents[1] / "resume_child.py"
 sys.path.insert(0, str(CHILD.parent))
@@ -170,3 +171,67 @@ def test_ddp_sigterm_to_rank_1_then_to_every_rank_then_sigkill_resumes_exactly(t
             stops = json.loads((run / f"run{n}_decisions_rank{rank}.json").read_text())
             expected = signal_ if rank == 1 or n == 1 else "another rank's signal"
             assert [(d["step"], d["kind"], d["data"]["signal"]) for d in stops] == [(step, "stop", expected)]
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAt(pl.Callback):
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == self.batch:
+            raise _Crash
+
+
+def _small_fit(root: Path, callbacks, ckpt_path=None, accumulate: int = 1):
+    from helpers import TRAINER_QUIET, RecordingRegressor
+    from test_resume import Forty
+
+    pl.seed_everything(0, verbose=False)
+    model = RecordingRegressor()
+    quiet = {**TRAINER_QUIET, "enable_checkpointing": True}
+    trainer = pl.Trainer(
+        max_epochs=1, accumulate_grad_batches=accumulate, callbacks=callbacks, default_root_dir=root, **quiet
+    )
+    trainer.fit(model, Forty(batch_size=4, num_workers=0), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def test_a_checkpoint_written_after_an_exception_is_never_resumed_from(tmp_path):
+    sys.path.insert(0, str(CHILD.parent / "data"))
+    boundary = StepBoundaryCheckpoint(
+        dirpath=tmp_path / "ours", every_n_train_steps=1, save_top_k=0, save_last=True
+    )
+    theirs = ModelCheckpoint(
+        dirpath=tmp_path / "theirs", save_on_exception=True, save_top_k=0, save_last=True
+    )
+    with pytest.raises(_Crash):
+        _small_fit(tmp_path, [ExactResume(), boundary, theirs, _CrashAt(4)])
+    ours = torch.load(tmp_path / "ours" / "last.ckpt", weights_only=False)
+    assert (
+        ours["global_step"] == 4
+    )  # the boundary checkpoint before the crash; nothing written on the exception
+    with pytest.raises(ValueError, match="written mid-step"):
+        _small_fit(tmp_path, [ExactResume()], ckpt_path=tmp_path / "theirs" / "last.ckpt")
+    model, _ = _small_fit(tmp_path, [ExactResume()], ckpt_path=tmp_path / "ours" / "last.ckpt")
+    assert len(model.train_ids) == 10 - 4  # the 6 batches after step 4 (batch 4 died with the crash)
+
+
+def test_the_report_of_a_resumed_run_covers_the_whole_run_and_marks_the_resume(tmp_path):
+    from lightning_gpuopt import GPUOptReport
+
+    sys.path.insert(0, str(CHILD.parent / "data"))
+    boundary = StepBoundaryCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=0, save_last=True
+    )
+    first = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False)
+    with pytest.raises(_Crash):
+        _small_fit(tmp_path, [ExactResume(), first, boundary, _CrashAt(5)])
+    report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False)
+    _small_fit(tmp_path, [ExactResume(), report], ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert [s["step"] for s in report.report["steps"]] == list(range(10))
+    assert report.report["resumes"] == [{"step": 5, "steps_before": 5}]
+    assert [(d["step"], d["kind"]) for d in report.report["decisions"]] == [(5, "resume")]
