@@ -96,7 +96,9 @@ class Recorder(pl.Callback):
 class Fault(pl.Callback):
     """SIGKILL at the end of a batch (before its checkpoint), or SIGTERM at the start of one."""
 
-    def __init__(self, kill_batch: int | None, term_batch: int | None, term_ranks: str) -> None:
+    def __init__(
+        self, kill_batch: int | None = None, term_batch: int | None = None, term_ranks: str = "all"
+    ) -> None:
         self.kill_batch, self.term_batch, self.term_ranks = kill_batch, term_batch, term_ranks
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

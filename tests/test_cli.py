@@ -342,3 +342,28 @@ def test_fit_keeps_last_checkpoint_and_resumes_from_it_by_default(tmp_path):
     )
     assert fresh.trainer.ckpt_path is None
     assert not any(isinstance(cb, ExactResume) for cb in fresh.trainer.callbacks)
+
+
+@pytest.mark.slow
+def test_gpuopt_fit_stops_on_sigterm_at_the_next_step_with_a_checkpoint_and_exits_zero(tmp_path):
+    # The child sends itself SIGTERM at the start of batch 3 (tests/resume_child.py's Fault callback).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = [*BORING, *_quiet(tmp_path), "--trainer.max_steps", "50", "--gpuopt.report", "false"]
+    fault = ["--trainer.callbacks+=resume_child.Fault", "--trainer.callbacks.term_batch=3"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_gpuopt", "fit", *args, *fault],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import torch
+
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 4  # the step batch 3 completed: within one optimizer step
+    assert "SIGTERM" in done.stdout + done.stderr
