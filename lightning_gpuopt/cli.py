@@ -181,6 +181,11 @@ class GPUOptCLI(LightningCLI):
         ):
             return  # checkpointing is off, or a boundary checkpoint is there already
         minutes = float(self._gpuopt_option("checkpoint_minutes"))
+        if not minutes > 0:
+            raise ValueError(
+                f"`--gpuopt.checkpoint_minutes` must be > 0, got {minutes}; use `--gpuopt.resume false` for no "
+                "time-based last.ckpt"
+            )
         trainer.callbacks.append(
             StepBoundaryCheckpoint(
                 save_top_k=0, save_last=True, train_time_interval=timedelta(minutes=minutes)
