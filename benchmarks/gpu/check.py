@@ -306,7 +306,7 @@ SECTIONS: dict[str, Section] = {
                 "warmup": 5,
                 "mfu_target": 0.30,
                 "nominal_peak_flops": None,
-                "default_job": {"batch": 64, "steps": 40, "warmup": 10},
+                "default_job": {"batch": 64, "steps": 40, "warmup": 10, "image_size": 32},
             },
             dry_sizes={
                 **_GPT_TINY,
@@ -315,7 +315,7 @@ SECTIONS: dict[str, Section] = {
                 "warmup": 2,
                 "mfu_target": 0.30,
                 "nominal_peak_flops": 1e12,
-                "default_job": {"batch": 8, "steps": 2, "warmup": 1},
+                "default_job": {"batch": 8, "steps": 2, "warmup": 1, "image_size": 8},
             },
         ),
         Section(

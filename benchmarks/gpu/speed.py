@@ -197,7 +197,10 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
         StepTimer(default["warmup"]),
     )
     data = SyntheticImageDataModule(
-        train_size=default["batch"] * default["steps"], val_size=default["batch"], batch_size=default["batch"]
+        train_size=default["batch"] * default["steps"],
+        val_size=default["batch"],
+        image_size=default["image_size"],
+        batch_size=default["batch"],
     )
     pl.seed_everything(42, verbose=False)
     trainer = pl.Trainer(
