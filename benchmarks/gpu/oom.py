@@ -202,6 +202,14 @@ WORKLOADS = {
     ),
 }
 
+
+def sized(name: str, batch_size: int) -> Workload:
+    """The GPU workload ``name`` at another batch size (check.py's table fits it under the section's cap)."""
+    workload = WORKLOADS[name]
+    batches = {"resnet50": _image_batches, "transformer": _token_batches}[name]
+    return dataclasses.replace(workload, batches=lambda: batches(batch_size), batch_size=batch_size)
+
+
 #: The dry run's stand-ins (CPU under SimulatedMemory): the same code paths, tiny sizes.
 DRY_WORKLOADS = {
     "resnet50": Workload(
