@@ -85,7 +85,12 @@ def cuda_tests(sizes: dict[str, Any]) -> dict[str, Any]:
     remaining = sizes["slice_s"] - 2
     try:
         done = subprocess.run(
-            [*command, str(REPO / "tests")], cwd=REPO, capture_output=True, text=True, timeout=remaining
+            [*command, str(REPO / "tests")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=remaining,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
         )
     except subprocess.TimeoutExpired as err:
         raise device.SliceOver(f"pytest -m cuda still running after {remaining:.0f} s") from err
