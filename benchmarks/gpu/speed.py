@@ -168,10 +168,11 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     peak = run["peak_flops"]
     mfu = flops / per_step / peak if flops and per_step and peak else None
     tokens_per_s = sizes["batch"] * sizes["seq"] / per_step if per_step else None
+    shape = f"GPT ({sizes['layers']} layers, width {sizes['width']}, seq {sizes['seq']}, batch {sizes['batch']}), bf16-mixed"
     figures = [
-        figure("GPT-2-124M-shaped, bf16-mixed: tokens/s", tokens_per_s, "tokens/s"),
+        figure(f"{shape}: tokens/s", tokens_per_s, "tokens/s"),
         figure(
-            "GPT-2-124M-shaped, bf16-mixed: MFU",
+            f"{shape}: MFU",
             mfu,
             "",
             f">= {sizes['mfu_target']:.0%}" if on_cuda else "reported (CPU: nominal peak)",
@@ -221,7 +222,10 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     job_rate = default["batch"] / job_timer.seconds_per_step if job_timer.seconds_per_step else None
     figures.append(
         figure(
-            "default job (ResNet-18, 32x32, batch 64, the CLI's callbacks): samples/s", job_rate, "samples/s"
+            f"default job (ResNet-18, {default['image_size']}x{default['image_size']}, batch {default['batch']}, "
+            "the CLI's callbacks): samples/s",
+            job_rate,
+            "samples/s",
         )
     )
     details["default_job"] = {
