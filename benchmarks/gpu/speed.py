@@ -282,7 +282,7 @@ def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
 def tf32(enabled: bool) -> Iterator[None]:
     """TF32 matmuls and convolutions on or off (torch's ``fp32_precision`` API where it exists), restored after."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
+    if hasattr(matmul, "fp32_precision") and hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
         saved = (matmul.fp32_precision, cudnn.conv.fp32_precision)
         matmul.fp32_precision = cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
         try:
