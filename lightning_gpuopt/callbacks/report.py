@@ -32,9 +32,10 @@ class GPUOptReport(Callback):
     micro-batch size (from the micro-batch engine when OOMRecovery or MemoryAwareBatchSize run), the
     Trainer's precision, the data-wait fraction (DataStallMonitor's when it runs, else the host's
     wait before each step), samples and wall time per step, and on CUDA the model FLOPs utilisation
-    (FLOPs of one training step counted once with ``torch.utils.flop_counter``, over the device's dense
-    peak FLOP/s for the step's compute dtype from :mod:`lightning_gpuopt.peak_flops`, or ``peak_flops``;
-    on a CUDA device the table does not know, the report says ``MFU unknown for NAME (pass peak_flops=)``). Every decision the pack's callbacks record
+    (FLOPs of one training step counted once with ``torch.utils.flop_counter``, over the device's
+    dense peak FLOP/s for the step's compute dtype from :mod:`lightning_gpuopt.peak_flops`, or
+    ``peak_flops``; on a CUDA device the table does not know, the report says
+    ``MFU unknown for NAME (pass peak_flops=)``). Every decision the pack's callbacks record
     (:mod:`lightning_gpuopt.decisions`: OOM retries, changes of k, growing back, precision switches,
     batch-size searches, worker changes) is kept with its step and reason.
 
@@ -179,11 +180,11 @@ class GPUOptReport(Callback):
             n = batch_size_of(batch)
         except UnsplittableBatchError:
             n = 1
-        k = engine._effective_k(n, batch) if engine is not None and "train" in engine._installed else 1
+        k = engine.effective_k(batch) if engine is not None and engine.installed("train") else 1
         step_time = now - last_end if last_end is not None and batch_idx > 0 else None
         monitor = next((c for c in trainer.callbacks if isinstance(c, DataStallMonitor)), None)
         if monitor is not None:
-            wait = monitor.wait_fraction if monitor.history or monitor._recent else None
+            wait = monitor.wait_fraction if monitor.measured else None
         elif step_time and start is not None and last_end is not None:
             wait = max(0.0, start - last_end) / step_time
         else:
