@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+sys.path.append(str(ROOT / "benchmarks" / "gpu"))
 
 import check  # noqa: E402
 import device  # noqa: E402
