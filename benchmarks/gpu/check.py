@@ -41,7 +41,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 for path in (str(HERE), str(HERE.parent), str(REPO)):  # gpu/ sections, benchmarks/ scripts, the package
     if path not in sys.path:
-        sys.path.append(path)  # after what is there: a test session importing this keeps its own modules first
+        sys.path.append(
+            path
+        )  # after what is there: a test session importing this keeps its own modules first
 
 import device  # noqa: E402
 import lightning  # noqa: E402

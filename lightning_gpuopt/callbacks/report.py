@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
-from lightning_gpuopt.decisions import decisions
+from lightning_gpuopt.decisions import decisions, record_decision
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.peak_flops import resolve_peak_flops
@@ -111,13 +111,46 @@ class GPUOptReport(Callback):
         self._mfu_note: str | None = None
         self._peak_precision = ""
         self._step = 0
+        self._resumes: list[dict[str, Any]] = []
+        self._earlier_decisions: list[dict[str, Any]] = []
+        self._loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        # A resumed run's report covers the whole run: the steps and decisions before each resume travel
+        # in the checkpoint (the decision log lives on the Trainer, which a resume replaces).
+        if self._loaded is not None:
+            return dict(self._loaded)
+        trainer = getattr(self, "_trainer", None)
+        current = [d.as_dict() for d in decisions(trainer)] if trainer is not None else []
+        return {
+            "steps": list(self._steps),
+            "decisions": self._earlier_decisions + current,
+            "resumes": list(self._resumes),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = dict(state_dict) if state_dict.get("steps") or state_dict.get("decisions") else None
+
+    def _apply_loaded(self, trainer: pl.Trainer) -> None:
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            return
+        self._steps = list(loaded.get("steps", [])) + self._steps
+        self._earlier_decisions = list(loaded.get("decisions", []))
+        self._resumes = list(loaded.get("resumes", []))
+        self._resumes.append({"step": trainer.global_step, "steps_before": len(loaded.get("steps", []))})
+        record_decision(
+            trainer,
+            "resume",
+            "GPUOptReport",
+            f"resumed from a checkpoint at step {trainer.global_step}; the report covers the run before it",
+            resume=len(self._resumes),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_counter"] = None
+        state["_trainer"] = None
         return state
 
     # ------------------------------------------------------------------ lifecycle
@@ -129,7 +162,10 @@ class GPUOptReport(Callback):
             _plt()  # fail now, not after a long run
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaded = self._loaded
         self._reset()
+        self._loaded = loaded
+        self._trainer = trainer
         self.report, self.paths = {}, {}
         self._started = time.perf_counter()
         self._peak_precision = str(trainer.precision)
@@ -138,6 +174,9 @@ class GPUOptReport(Callback):
         )
         if self._mfu_note:
             rank_zero_info(f"GPUOptReport: {self._mfu_note}")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply_loaded(trainer)  # every restore is done by now, whatever the strategy
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_end = time.perf_counter()
@@ -235,7 +274,8 @@ class GPUOptReport(Callback):
                 "torch": torch.__version__,
             },
             "steps": self._steps,
-            "decisions": [d.as_dict() for d in decisions(trainer)],
+            "decisions": self._earlier_decisions + [d.as_dict() for d in decisions(trainer)],
+            "resumes": self._resumes,
         }
         # `trainer.log_dir` broadcasts from rank 0: every rank asks, or rank 0 would wait for the others.
         folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
