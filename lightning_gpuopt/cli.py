@@ -44,6 +44,18 @@ _DESCRIPTION = (
 )
 
 
+def _require_jsonargparse() -> None:
+    """The command line needs jsonargparse (LightningCLI's parser); the Python API does not."""
+    from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE as available
+
+    if not available:
+        raise ModuleNotFoundError(
+            "The gpuopt command line (GPUOptCLI) needs 'jsonargparse[signatures]>=4.27.7', which is not installed: "
+            "pip install 'jsonargparse[signatures]>=4.27.7', or use the Python API (callbacks on a Trainer), "
+            "which works without it."
+        )
+
+
 class GPUOptCLI(LightningCLI):
     """LightningCLI with the pack's defaults: ``fit``, ``validate``, ``test`` and ``predict``.
 
@@ -91,6 +103,7 @@ class GPUOptCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _require_jsonargparse()
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
