@@ -60,6 +60,7 @@ from lightning_gpuopt.batching import (
     merge_outputs,
     split_batch,
 )
+from lightning_gpuopt.loss_weighting import LossWeighting, is_final
 from lightning_gpuopt.memory import free_memory, get_probe, is_oom_error
 from lightning_gpuopt.oom_policy import (
     STATUS_CHECKPOINT,
@@ -154,10 +155,9 @@ class MicroBatchEngine:
         #: ``(k, status bit, reason)`` a callback proposes for the batch after the next vote (grow back,
         #: thrashing); consumed by that vote. The ranks' proposals are agreed with :func:`agree`.
         self.next_proposal: tuple[int, int, str] | None = None
-        #: Counts a micro-batch's share of the loss; ``None``: samples (``batch_size_of``).
-        self.weight_fn: WeightFn | None = None
-        #: ``"mean"``: losses weighted by their share; ``"sum"``: summed unweighted.
-        self.loss_reduction = "mean"
+        #: How micro-batch losses are weighted (``loss_weighting.py``): ``"auto"`` checks the user's loss at
+        #: the first split; OOMRecovery replaces it with its own settings.
+        self.loss_weighting = LossWeighting(source="MicroBatchEngine")
         #: Logged keys summed over micro-batches instead of averaged.
         self.sum_log_keys: frozenset[str] = frozenset()
         #: Whether the current batch may be split; a predicate on the batch.
@@ -398,7 +398,7 @@ class MicroBatchEngine:
             except PeerFailure as err:
                 peer_votes = err.votes
             except Exception as err:
-                if self.oom_handler is None or not is_oom_error(err):
+                if self.oom_handler is None or not is_oom_error(err) or is_final(err):
                     self._restore_grads(params, stash)
                     raise
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
@@ -608,7 +608,7 @@ class MicroBatchEngine:
     ) -> tuple[Any, tuple[list, list[float], int]]:
         """The step's output and its captured logs (emitted by the caller once the step is kept)."""
         chunks = self._micro_batches(batch, k)
-        weights = self._weights(chunks)
+        weights = self.loss_weighting.weights(self, chunks)  # the training's decision, or its fallback
         attempt = _Attempt()
         outputs = []
         self._attempt = attempt
@@ -656,26 +656,12 @@ class MicroBatchEngine:
                 return chunks
         return split_batch(batch, k).chunks
 
-    def _weights(self, chunks: list[Any]) -> list[float]:
-        if len(chunks) == 1:
-            return [1.0]
-        if self.loss_reduction == "sum":
-            return [1.0] * len(chunks)
-        counts = [
-            float(self.weight_fn(c)) if self.weight_fn is not None else float(batch_size_of(c))
-            for c in chunks
-        ]
-        total = sum(counts)
-        if total <= 0:
-            raise ValueError(
-                f"The micro-batch weights sum to {total}: the weight function found nothing to count "
-                "(no samples or tokens) in this batch. Check `weight_fn` / the token key."
-            )
-        return [c / total for c in counts]
-
     def _run(self, batch: Any, rest: tuple, kwargs: dict, n: int, k: int, accumulate: int) -> Any:
         chunks = self._micro_batches(batch, k)
-        weights = self._weights(chunks)
+        # The loss weighting's one call site: at the first split it runs the step on a piece of the batch.
+        weights = self.loss_weighting.weights(
+            self, chunks, lambda piece: self._orig_training_step(piece, *rest, **kwargs), batch
+        )
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         attempt = _Attempt()
         total: Tensor | None = None

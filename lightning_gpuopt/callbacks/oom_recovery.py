@@ -19,6 +19,7 @@ from lightning_gpuopt.activation_checkpointing import (
     uncheckpoint_modules,
 )
 from lightning_gpuopt.decisions import record_decision
+from lightning_gpuopt.loss_weighting import MODES, ON_MISMATCH, LossWeighting
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.microbatch import KChange, MicroBatchEngine, WeightFn, unsupported_strategy
 from lightning_gpuopt.oom_policy import (
@@ -33,7 +34,7 @@ from lightning_gpuopt.oom_policy import (
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
 
-_REDUCTIONS = ("mean", "sum", "tokens")
+_REDUCTIONS = MODES
 
 
 class MicroBatchOOMError(torch.OutOfMemoryError):
@@ -97,18 +98,27 @@ class OOMRecovery(Callback):
     together in order. Before giving up at one sample per micro-batch, activation checkpointing of
     ``checkpoint_modules`` is tried (opt-in).
 
-    Each micro-batch's loss is weighted by its share of the batch: its samples (``"mean"``), its
-    tokens (``"tokens"``, for token-mean losses over padded sequences), or what ``weight_fn`` counts;
-    with ``"sum"`` the micro-batch losses are added unweighted. Values logged with ``self.log`` in
+    Each micro-batch's loss is weighted by its share of the batch. With ``loss_reduction="auto"`` (the
+    default) the share is found once per run, at the first split: your ``training_step`` runs without
+    gradients on a piece of the real batch and on that piece's two parts, and the weighting whose
+    combination of the parts' losses reproduces the piece's loss is used (sample shares; tokens of
+    ``token_key != ignore_index``, also shifted by one for causal LMs; attention-mask tokens; a sum).
+    A Hugging Face head inside the module breaks ties. When none reproduces it (in-batch negatives,
+    batch statistics) the split is refused with :class:`MicroBatchOOMError` before it runs. An explicit
+    ``"mean"`` (samples), ``"tokens"``, ``"sum"`` or ``weight_fn`` is used as given, and checked the same
+    way. The choice is a decision (``"loss weighting"``) and one line on rank zero. Values logged with ``self.log`` in
     ``training_step`` are combined into one value per batch with the same shares (keys in
     ``sum_log_keys`` are summed), torchmetrics states and BatchNorm statistics touched by a failed
     attempt are restored, so a retry leaves no trace.
 
     Args:
-        loss_reduction: ``"mean"`` (the loss is a mean over samples), ``"tokens"`` (a mean over the
-            tokens counted by ``token_key``/``ignore_index``) or ``"sum"``.
+        loss_reduction: ``"auto"`` (found by the check), ``"mean"`` (the loss is a mean over samples),
+            ``"tokens"`` (a mean over the tokens counted by ``token_key``/``ignore_index``) or ``"sum"``.
         weight_fn: counts what a micro-batch contributes to the batch's loss (overrides ``loss_reduction``'s
-            count); the shares are the counts normalised to sum to one.
+            count); the shares are the counts normalised to sum to one. Checked like the presets.
+        on_mismatch: when the weighting (found or given) does not reproduce the loss: ``"raise"`` refuses
+            to split with :class:`MicroBatchOOMError`; ``"warn"`` warns once and splits with it (sample
+            shares when nothing matched).
         token_key: the batch entry holding labels (or an attention mask) for ``"tokens"``.
         ignore_index: the padding value in ``token_key`` (``-100`` for labels, ``0`` for a mask).
         unsplittable: ``True`` when no batch may be split (losses that couple samples, such as in-batch
@@ -150,10 +160,11 @@ class OOMRecovery(Callback):
 
     def __init__(
         self,
-        loss_reduction: str = "mean",
+        loss_reduction: str = "auto",
         weight_fn: WeightFn | None = None,
         token_key: str | int = "labels",
         ignore_index: int = -100,
+        on_mismatch: str = "raise",
         unsplittable: bool | Callable[[Any], bool] = False,
         sum_log_keys: Iterable[str] = (),
         max_micro_batches: int | None = None,
@@ -173,6 +184,8 @@ class OOMRecovery(Callback):
             raise ValueError(
                 "`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'"
             )
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"`on_mismatch` must be one of {ON_MISMATCH}, got {on_mismatch!r}")
         if not isinstance(unsplittable, bool) and not callable(unsplittable):
             raise TypeError(
                 f"`unsplittable` must be a bool or a callable(batch) -> bool, got {type(unsplittable).__name__}"
@@ -203,6 +216,9 @@ class OOMRecovery(Callback):
         self.weight_fn = weight_fn
         self.token_key = token_key
         self.ignore_index = ignore_index
+        self.on_mismatch = on_mismatch
+        #: The weighting the engine uses (its decision is kept in checkpoints).
+        self.loss_weighting = LossWeighting(loss_reduction, weight_fn, token_key, ignore_index, on_mismatch)
         self.unsplittable = unsplittable
         self.sum_log_keys = frozenset(sum_log_keys)
         self.max_micro_batches = max_micro_batches
@@ -261,6 +277,7 @@ class OOMRecovery(Callback):
             "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
             "checkpointing": self._checkpointing,
             "grow_back_wait": self._wait,
+            "loss_weighting": self.loss_weighting.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -269,6 +286,7 @@ class OOMRecovery(Callback):
         self._eval_k = {str(stage): int(k) for stage, k in state_dict.get("eval_k", [])}
         self._checkpointing = bool(state_dict.get("checkpointing", False))
         self._wait = int(state_dict.get("grow_back_wait", self.grow_back_after))
+        self.loss_weighting.load_state_dict(state_dict.get("loss_weighting", {}))
 
     _restored_oom_count = 0
 
@@ -335,11 +353,7 @@ class OOMRecovery(Callback):
         except RuntimeError as err:
             raise RuntimeError(f"OOMRecovery: {err}") from None
         engine.oom_handler = self._on_oom
-        engine.loss_reduction = "sum" if self.loss_reduction == "sum" else "mean"
-        if self.weight_fn is not None:
-            engine.weight_fn = self.weight_fn
-        elif self.loss_reduction == "tokens":
-            engine.weight_fn = TokenCount(self.token_key, self.ignore_index)
+        engine.loss_weighting = self.loss_weighting
         engine.sum_log_keys = self.sum_log_keys
         if self.unsplittable is True:
             engine.splittable = lambda batch: False
