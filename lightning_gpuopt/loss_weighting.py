@@ -316,7 +316,7 @@ def choose(
                 return CheckResult(option, errors, tol, tied=True)
     piece = merge_outputs(list(parts)) if len(parts) > 1 else parts[0]
     if all(_same_per_sample(matched[0], o, piece) for o in matched[1:]):
-        return CheckResult(matched[0], errors, tol)  # they count alike on every sample: no real tie
+        return CheckResult(matched[0], errors, tol)  # proportional counts on every sample: no real tie
     for option in matched:
         if option.kind is Weighting.SAMPLES:
             return CheckResult(option, errors, tol, tied=True)
@@ -330,7 +330,10 @@ def _same_per_sample(a: Candidate, b: Candidate, piece: Any) -> bool:
         counts_b = [b.count(_slice(piece, n, i, i + 1)) for i in range(n)]
     except Exception:
         return False
-    return counts_a == counts_b
+    total_a, total_b = sum(counts_a), sum(counts_b)
+    if total_a <= 0 or total_b <= 0:
+        return False
+    return all(abs(x / total_a - y / total_b) <= 1e-12 for x, y in zip(counts_a, counts_b))
 
 
 def _piece(batch: Any, size: int, options: Sequence[Candidate]) -> Any:
@@ -469,6 +472,8 @@ class LossWeighting:
         self.decided: Candidate | None = self._given()
         #: The check's result, once it ran.
         self.result: CheckResult | None = None
+        #: Print the decision on rank zero (it is recorded either way).
+        self.verbose = True
         self._checked = False
         self._warned = False
 
@@ -538,8 +543,8 @@ class LossWeighting:
                     piece_loss = _as_float(run_piece(piece))
                     part_losses = [_as_float(run_piece(p)) for p in parts]
             except Exception as err:
-                if not is_oom_error(err):
-                    raise
+                if not is_oom_error(err) or type(engine.exchange).__name__ == "FSDP2Exchange":
+                    raise  # FSDP2: an OOM here is the attempt's, voted on like any other (the check runs again)
                 # Out of memory in the check: every rank still reaches the broadcast below; the batch runs with
                 # the fallback and the check runs again at the next split.
                 out_of_memory = True
@@ -605,7 +610,8 @@ class LossWeighting:
             tolerance=result.tolerance,
             checked=result.checked,
         )
-        rank_zero_info(message)
+        if self.verbose:
+            rank_zero_info(message)
 
     def _mismatch(self, engine: Any, result: CheckResult, given: Candidate | None) -> None:
         measured = ", ".join(f"{d}: {e:.2g}" for d, e in result.errors.items())

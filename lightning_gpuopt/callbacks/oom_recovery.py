@@ -135,7 +135,7 @@ class OOMRecovery(Callback):
         checkpoint_modules: module types (classes, class names or qualified names) whose activations
             are recomputed in the backward (``torch.utils.checkpoint``) when even one sample per
             micro-batch does not fit; tried once, before the error. Empty: no checkpointing.
-        verbose: print one line per change of k on rank zero.
+        verbose: print one line per change of k (and the loss weighting found) on rank zero.
 
     Raises:
         ValueError: an argument is out of range, or ``checkpoint_modules`` names no submodule of the model.
@@ -227,6 +227,7 @@ class OOMRecovery(Callback):
         self.grow_back_after = grow_back_after
         self.checkpoint_modules = list(checkpoint_modules)
         self.verbose = verbose
+        self.loss_weighting.verbose = verbose
         #: Every failed attempt of this fit, in order (training and evaluation).
         self.failures: list[OOMFailure] = []
         self._k = 1
