@@ -355,10 +355,10 @@ def _piece(batch: Any, size: int, options: Sequence[Candidate]) -> Any:
         value = float(found.std() / found.mean().clamp_min(1e-12)) if n > 1 else 0.0
         if value > spread:
             spread, counts = value, found
-    if counts is None or size >= n:
-        order = list(range(n))
-        if counts is not None:
-            order = sorted(order, key=lambda i: float(counts[i]))
+    if counts is None:
+        order = list(range(min(size, n)))
+    elif size >= n:
+        order = sorted(range(n), key=lambda i: float(counts[i]))
     else:
         ranked = sorted(range(n), key=lambda i: float(counts[i]))
         order = sorted(

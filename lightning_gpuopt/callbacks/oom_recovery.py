@@ -278,7 +278,7 @@ class OOMRecovery(Callback):
             "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
             "checkpointing": self._checkpointing,
             "grow_back_wait": self._wait,
-            "loss_weighting": self.loss_weighting.state_dict(),
+            **{f"loss_weighting_{key}": value for key, value in self.loss_weighting.state_dict().items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -287,7 +287,10 @@ class OOMRecovery(Callback):
         self._eval_k = {str(stage): int(k) for stage, k in state_dict.get("eval_k", [])}
         self._checkpointing = bool(state_dict.get("checkpointing", False))
         self._wait = int(state_dict.get("grow_back_wait", self.grow_back_after))
-        self.loss_weighting.load_state_dict(state_dict.get("loss_weighting", {}))
+        prefix = "loss_weighting_"
+        self.loss_weighting.load_state_dict(
+            {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
+        )
 
     _restored_oom_count = 0
 

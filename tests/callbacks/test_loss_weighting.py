@@ -121,13 +121,39 @@ class Images(Dataset):
         return self.x[i], self.y[i]
 
 
+class Block(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN plus the identity."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+        )
+
+    def forward(self, x):
+        return F.relu(x + self.body(x))
+
+
 class BatchNormResNet(pl.LightningModule):
+    """A small ResNet (stem, two basic blocks, pooled linear head) with BatchNorm in training mode."""
+
     def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__()
-        from torchvision.models import resnet18
-
         torch.manual_seed(0)
-        self.net = resnet18(num_classes=4)
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            Block(8),
+            Block(8),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 4),
+        )
         self.optimizer = optimizer
 
     def training_step(self, batch, batch_idx):
@@ -154,8 +180,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_models_without_hf_split_with_the_defaults_within_their_floor(case, optimizer):
     make, data, exact, expected = CASES[case]
-    steps = 2 if case == "batchnorm-resnet" else 3
-    _, _, auto, _ = _assert_parity(lambda: make(optimizer), data(), exact, steps=steps)
+    _, _, auto, _ = _assert_parity(lambda: make(optimizer), data(), exact)
     assert auto.loss_weighting.decided.kind is expected
 
 
@@ -272,13 +297,13 @@ def test_the_check_leaves_no_trace_and_its_decision_is_kept_in_the_checkpoint():
     assert float(model.first["seen"]) == 0.0
     assert float(model.seen.compute()) == 32.0  # the check's updates were undone: every sample once
     assert float(trainer.callback_metrics["train_loss"]) > 0
-    state = oom.state_dict()["loss_weighting"]
+    state = {k: v for k, v in oom.state_dict().items() if k.startswith("loss_weighting_")}
     assert state == {
-        "checked": True,
-        "kind": "samples",
-        "description": "sample shares",
-        "key": None,
-        "ignore_index": -100,
+        "loss_weighting_checked": True,
+        "loss_weighting_kind": "samples",
+        "loss_weighting_description": "sample shares",
+        "loss_weighting_key": None,
+        "loss_weighting_ignore_index": -100,
     }
     resumed = OOMRecovery()
     resumed.load_state_dict(oom.state_dict())
