@@ -406,24 +406,22 @@ def _eager() -> Any:
 
 
 @contextlib.contextmanager
-def quiet_forward(module: torch.nn.Module, restore: Callable[[], Callable[[], None]]) -> Any:
+def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextManager) -> Any:
     """Run forwards that leave no trace: no gradients, dropout off, BatchNorm on running statistics.
 
-    ``restore`` is called first and returns the function that undoes what the forwards touched
-    (the engine's own snapshot of torchmetrics and BatchNorm states and its capture of ``self.log``).
-    The RNG is forked (CPU and the module's CUDA device), and ``torch.compile`` runs eagerly.
+    ``no_trace`` is the engine's :meth:`~lightning_gpuopt.microbatch.MicroBatchEngine.leave_no_trace`
+    (``self.log`` captured and dropped, torchmetrics and BatchNorm states restored). The RNG is forked
+    (CPU and the module's CUDA devices), and ``torch.compile`` runs eagerly.
     """
-    undo = restore()
     modes = [(m, m.training) for m in module.modules()]
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     try:
         module.eval()
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), _eager():
+        with no_trace, torch.random.fork_rng(devices=devices), torch.no_grad(), _eager():
             yield
     finally:
         for m, mode in modes:
             m.training = mode
-        undo()
 
 
 def _as_float(loss: Any) -> float:
@@ -539,7 +537,7 @@ class LossWeighting:
             tol = tolerance(getattr(trainer, "precision", None))
             out_of_memory = False
             try:
-                with quiet_forward(module, lambda: _engine_undo(engine)):
+                with quiet_forward(module, engine.leave_no_trace()):
                     piece_loss = _as_float(run_piece(piece))
                     part_losses = [_as_float(run_piece(p)) for p in parts]
             except Exception as err:
@@ -674,21 +672,6 @@ class LossWeighting:
 def is_final(err: BaseException) -> bool:
     """Whether ``err`` is a refusal the engine must raise as it is, not retry as an OOM."""
     return bool(getattr(err, "gpuopt_final", False))
-
-
-def _engine_undo(engine: Any) -> Callable[[], None]:
-    """Take the engine's snapshot of what a forward may touch; return the function that restores it."""
-    snapshot = engine._snapshot()
-    previous = engine._attempt
-    from lightning_gpuopt.microbatch import _Attempt
-
-    engine._attempt = _Attempt()  # self.log calls of the check are captured and dropped
-
-    def undo() -> None:
-        engine._attempt = previous
-        engine._restore(snapshot)
-
-    return undo
 
 
 def _agree(result: CheckResult, pool: Sequence[Candidate]) -> CheckResult:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,6 +349,21 @@ class MicroBatchEngine:
     def world_size(self) -> int:
         """Ranks that vote on every batch (1 on a single device)."""
         return self.exchange.world_size
+
+    @contextlib.contextmanager
+    def leave_no_trace(self) -> Iterator[None]:
+        """Run extra forwards whose side effects are undone (the loss-weighting check uses it).
+
+        Values logged with ``self.log`` inside are dropped, and torchmetrics states and BatchNorm
+        statistics are restored on exit, with the same snapshot a failed attempt is undone with.
+        """
+        snapshot = self._snapshot()
+        previous, self._attempt = self._attempt, _Attempt()
+        try:
+            yield
+        finally:
+            self._attempt = previous
+            self._restore(snapshot)
 
     def snapshot_bytes(self) -> int:
         """Device bytes the engine's own copies hold through a training step, for memory budgets.
