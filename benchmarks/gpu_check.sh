@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# GPU checks, one named section per call, each meant to finish in under 5 minutes.
+# GPU checks.
 #
-#   bash benchmarks/gpu_check.sh SECTION [OUT_DIR]
+#   bash benchmarks/gpu_check.sh all OUT_DIR [--budget SECONDS] [--only A,B] [--dry-run]
+#       Every section in ONE Python process (imports and CUDA start-up once), each in its time slice
+#       from the table in benchmarks/gpu/check.py (default budget 300 s); writes OUT_DIR/gpu_check.json
+#       and OUT_DIR/gpu_check.md; exit 0 when every section ran. --dry-run: the same code on the CPU
+#       with SimulatedMemory and tiny sizes (no GPU needed). This is the call to make on a GPU machine.
+#
+#   bash benchmarks/gpu_check.sh SECTION [OUT_DIR]     (older per-section scripts, one at a time)
 #
 # Sections: smoke (pytest -m cuda + an import/CPU subset under the machine's own torch), and one
 # script per feature under benchmarks/gpu/SECTION.py (memory, oom, batchsize, precision, data, ...).
@@ -16,6 +22,13 @@ out=${2:-${OUT:-$repo/gpu_check_out}}
 mkdir -p "$out"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+
+if [ "$section" = all ]; then
+  shift
+  out=${1:?usage: gpu_check.sh all OUT_DIR [--budget SECONDS] [--only A,B] [--dry-run]}
+  shift
+  exec "$py" "$here/gpu/check.py" "$out" "$@"
+fi
 
 # A skipped GPU suite must not pass: fail loudly when there is no CUDA device.
 "$py" - <<'PY'

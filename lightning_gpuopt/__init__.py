@@ -8,6 +8,7 @@ __version__ = "0.1.0.dev0"
 from lightning_gpuopt._warnings import GPUOptWarning
 from lightning_gpuopt.callbacks import (
     DataStallMonitor,
+    ExactResume,
     GPUOptReport,
     MemoryAwareBatchSize,
     MicroBatchOOMError,
@@ -21,6 +22,7 @@ from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlan, StrategyPlanE
 
 __all__ = [
     "DataStallMonitor",
+    "ExactResume",
     "FSDP2Strategy",
     "GPUOptCLI",
     "GPUOptDataModule",

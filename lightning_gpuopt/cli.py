@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -21,7 +22,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
-from lightning_gpuopt.callbacks import GPUOptReport, MemoryAwareBatchSize, OOMRecovery, PrecisionSwitch
+from lightning_gpuopt.callbacks import (
+    ExactResume,
+    GPUOptReport,
+    MemoryAwareBatchSize,
+    OOMRecovery,
+    PrecisionSwitch,
+)
+from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
 from lightning_gpuopt.support import Feature
@@ -34,6 +42,18 @@ _DESCRIPTION = (
     "`gpuopt plan --config X.yaml [--trainer.devices N]` prints the memory plan (which strategy, why) without "
     "training; `gpuopt report RUN_DIR` prints a finished run's report table and draws its picture again."
 )
+
+
+def _require_jsonargparse() -> None:
+    """The command line needs jsonargparse (LightningCLI's parser); the Python API does not."""
+    from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE as available
+
+    if not available:
+        raise ModuleNotFoundError(
+            "The gpuopt command line (GPUOptCLI) needs 'jsonargparse[signatures]>=4.27.7', which is not installed: "
+            "pip install 'jsonargparse[signatures]>=4.27.7', or use the Python API (callbacks on a Trainer), "
+            "which works without it."
+        )
 
 
 class GPUOptCLI(LightningCLI):
@@ -59,6 +79,15 @@ class GPUOptCLI(LightningCLI):
     * ``--gpuopt.select_strategy`` (default true): on several devices with ``--trainer.strategy auto``,
       the strategy comes from :func:`~lightning_gpuopt.select_strategy` (memory plan printed first);
       ``--gpuopt.device_memory BYTES`` plans against another device size.
+    * ``--gpuopt.resume`` (default true): ``fit`` survives preemption. It adds
+      :class:`~lightning_gpuopt.ExactResume` (SIGTERM and SIGUSR1 stop every rank at the next
+      optimizer-step boundary with a checkpoint, exit status 0; RNG streams restored on resume) unless
+      ``--trainer.callbacks`` has one, and a
+      :class:`~lightning_gpuopt.callbacks.exact_resume.StepBoundaryCheckpoint` that keeps ``last.ckpt``
+      at least every ``--gpuopt.checkpoint_minutes`` (default 15) of training, beside any
+      ``ModelCheckpoint`` of the user's (``--trainer.enable_checkpointing false`` leaves it out). ``fit``
+      then resumes from the newest ``last*.ckpt`` of its checkpoint folders unless ``--ckpt_path`` is
+      given (``ckpt_path="last"``).
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -74,6 +103,7 @@ class GPUOptCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _require_jsonargparse()
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -135,6 +165,47 @@ class GPUOptCLI(LightningCLI):
             help="Bytes per device to plan against instead of the device's own (to plan for another machine).",
         )
 
+        parser.add_argument(
+            "--gpuopt.resume",
+            type=bool,
+            default=True,
+            help="Survive preemption in fit: add ExactResume (SIGTERM/SIGUSR1 stop at the next optimizer step with a "
+            "checkpoint, exit 0; RNG restored), keep last.ckpt every --gpuopt.checkpoint_minutes, and resume from "
+            "the last checkpoint when --ckpt_path is not given.",
+        )
+        parser.add_argument(
+            "--gpuopt.checkpoint_minutes",
+            type=float,
+            default=15.0,
+            help="With --gpuopt.resume: write last.ckpt at least this often (minutes of training wall time), at an "
+            "optimizer-step boundary.",
+        )
+
+    def before_fit(self) -> None:
+        """Resume from the last checkpoint unless ``--ckpt_path`` is given (``--gpuopt.resume``)."""
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        if self._gpuopt_option("resume") and config.get("ckpt_path") is None:
+            config["ckpt_path"] = "last"
+
+    def _add_resume(self, trainer: Trainer) -> None:
+        if not any(isinstance(cb, ExactResume) for cb in trainer.callbacks):
+            trainer.callbacks.append(ExactResume())
+        if trainer.checkpoint_callback is None or any(
+            isinstance(cb, StepBoundaryCheckpoint) for cb in trainer.callbacks
+        ):
+            return  # checkpointing is off, or a boundary checkpoint is there already
+        minutes = float(self._gpuopt_option("checkpoint_minutes"))
+        if not minutes > 0:
+            raise ValueError(
+                f"`--gpuopt.checkpoint_minutes` must be > 0, got {minutes}; use `--gpuopt.resume false` for no "
+                "time-based last.ckpt"
+            )
+        trainer.callbacks.append(
+            StepBoundaryCheckpoint(
+                save_top_k=0, save_last=True, train_time_interval=timedelta(minutes=minutes)
+            )
+        )
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self.subcommand in (None, "fit") and self._gpuopt_option("summary"):
             self.summary = RunSummary()
@@ -160,6 +231,8 @@ class GPUOptCLI(LightningCLI):
         if self.subcommand in (None, "fit") and self._gpuopt_option("report"):
             if not any(isinstance(cb, GPUOptReport) for cb in trainer.callbacks):
                 trainer.callbacks.append(GPUOptReport())
+        if self.subcommand in (None, "fit") and self._gpuopt_option("resume"):
+            self._add_resume(trainer)
         return trainer
 
     def _add_precision_switch(self, trainer: Trainer) -> None:

@@ -105,6 +105,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         utilisation = _median([s.get("mfu") for s in steps])
         if utilisation is not None:
             rows.append(("model FLOPs utilisation", f"{utilisation:.1%} (median)"))
+        elif run.get("mfu_note"):
+            rows.append(("model FLOPs utilisation", str(run["mfu_note"])))
         peak = max(s["peak_bytes"] for s in steps)
         limit = last.get("limit_bytes")
         share = f" ({peak / limit:.0%} of {format_bytes(limit)})" if limit else ""

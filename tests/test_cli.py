@@ -129,7 +129,15 @@ def test_fit_adds_precision_switch_auto_or_keep(tmp_path):
     (cb,) = switches(auto)
     assert cb.initial == "auto" and auto.trainer.precision == "32-true"  # a CPU: bf16 is opt-in
     kept = run(
-        ["fit", *BORING, "--trainer.max_steps", "2", "--trainer.precision", "bf16-mixed", *_quiet(tmp_path)]
+        [
+            "fit",
+            *BORING,
+            "--trainer.max_steps",
+            "2",
+            "--trainer.precision",
+            "bf16-mixed",
+            *_quiet(tmp_path / "kept"),
+        ]
     )
     (cb,) = switches(kept)
     assert cb.initial == "keep" and kept.trainer.precision == "bf16-mixed"
@@ -306,3 +314,56 @@ def test_default_job_reaches_its_accuracy(tmp_path):
 def _no_pytest_argv(monkeypatch):
     # LightningCLI warns when sys.argv (pytest's here) and `args` are both given.
     monkeypatch.setattr(sys, "argv", ["gpuopt"])
+
+
+def test_fit_keeps_last_checkpoint_and_resumes_from_it_by_default(tmp_path):
+    from lightning_gpuopt import ExactResume
+    from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+
+    args = ["fit", *BORING, *_quiet(tmp_path), "--gpuopt.report", "false", "--gpuopt.summary", "false"]
+    first = run([*args, "--trainer.max_steps", "3"])
+    assert sum(isinstance(cb, ExactResume) for cb in first.trainer.callbacks) == 1
+    (boundary,) = [cb for cb in first.trainer.callbacks if isinstance(cb, StepBoundaryCheckpoint)]
+    assert boundary.save_last and boundary._train_time_interval.total_seconds() == 15 * 60
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    again = run([*args, "--trainer.max_steps", "5"])  # the same folder: it goes on from step 3
+    assert again.trainer.ckpt_path == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert again.trainer.global_step == 5
+    fresh = run(
+        [
+            *args,
+            "--trainer.max_steps",
+            "2",
+            "--gpuopt.resume",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path / "other"),
+        ]
+    )
+    assert fresh.trainer.ckpt_path is None
+    assert not any(isinstance(cb, ExactResume) for cb in fresh.trainer.callbacks)
+
+
+@pytest.mark.slow
+def test_gpuopt_fit_stops_on_sigterm_at_the_next_step_with_a_checkpoint_and_exits_zero(tmp_path):
+    # The child sends itself SIGTERM at the start of batch 3 (tests/resume_child.py's Fault callback).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = [*BORING, *_quiet(tmp_path), "--trainer.max_steps", "50", "--gpuopt.report", "false"]
+    fault = ["--trainer.callbacks+=resume_child.Fault", "--trainer.callbacks.term_batch=3"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_gpuopt", "fit", *args, *fault],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import torch
+
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 4  # the step batch 3 completed: within one optimizer step
+    assert "SIGTERM" in done.stdout + done.stderr

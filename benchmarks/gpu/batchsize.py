@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import logging
 import sys
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import device
 import lightning
 import lightning.pytorch as pl
 import torch
@@ -56,7 +56,6 @@ BAND = (0.9, 1.0)
 STEPS = 3  # per run: the first creates the optimizer state, the others are steady
 LIMIT_POSITION = 0.6
 TRAINER = {
-    "accelerator": "cuda",
     "devices": 1,
     "precision": "32-true",
     "logger": False,
@@ -110,9 +109,9 @@ def _images(n: int) -> Dataset:
     return TensorDataset(torch.randn(n, 3, 224, 224, generator=g), torch.randint(0, 1000, (n,), generator=g))
 
 
-def _tokens(n: int) -> Dataset:
+def _tokens(n: int, vocab: int = 16384, seq: int = 512) -> Dataset:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 16384, (n, 512), generator=g)
+    tokens = torch.randint(0, vocab, (n, seq), generator=g)
     return TensorDataset(tokens, torch.roll(tokens, -1, dims=1))
 
 
@@ -152,10 +151,28 @@ WORKLOADS = {
     ),
 }
 
+#: The dry run's stand-in (CPU under SimulatedMemory): the same code paths, tiny sizes.
+DRY_WORKLOADS = {
+    "lm": Workload(
+        "lm",
+        "dry run: causal transformer LM 2 layers, d_model 32, 32 tokens, vocab 256, AdamW",
+        lambda: CausalLM(vocab=256, d_model=32, layers=2, seq=32),
+        "adamw",
+        lambda n: _tokens(n, vocab=256, seq=32),
+        512,
+        low=4,
+        high=24,
+    ),
+}
+#: DataLoader workers per run (the dry run uses 0: each fit would start its own worker processes).
+NUM_WORKERS = {"cuda": 2, "simulated": 0}
+
 
 class Data(GPUOptDataModule):
     def __init__(self, dataset: Dataset, batch_size: int) -> None:
-        super().__init__(batch_size=batch_size, num_workers=2, drop_last=True)
+        super().__init__(
+            batch_size=batch_size, num_workers=NUM_WORKERS.get(device.current().kind, 0), drop_last=True
+        )
         self.dataset = dataset
 
     def train_dataset(self) -> Dataset:
@@ -167,16 +184,12 @@ class Data(GPUOptDataModule):
 
 
 def device_total() -> int:
-    return torch.cuda.get_device_properties(0).total_memory
+    return device.current().total()
 
 
 def set_limit(limit_bytes: int | None) -> None:
-    """Confine this process to ``limit_bytes`` (``None``: the whole device) and drop cached blocks."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(
-        1.0 if limit_bytes is None else limit_bytes / device_total(), 0
-    )
+    """Confine this process to ``limit_bytes`` (``None``: the section's cap) and drop cached blocks."""
+    device.current().set_limit(limit_bytes)
 
 
 class SteadyPeak(pl.Callback):
@@ -186,10 +199,10 @@ class SteadyPeak(pl.Callback):
         self.peaks: list[int] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        torch.cuda.reset_peak_memory_stats(0)
+        device.current().reset_peak()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.peaks.append(torch.cuda.max_memory_allocated(0))
+        self.peaks.append(device.current().peak())
 
     @property
     def steady(self) -> int:
@@ -203,7 +216,12 @@ def run(
     set_limit(limit)
     recorder = SteadyPeak()
     data = Data(dataset, batch_size)
-    trainer = pl.Trainer(max_steps=STEPS, callbacks=[*callbacks, recorder], **TRAINER)
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        callbacks=[device.Deadline(), *callbacks, recorder],
+        accelerator=device.current().accelerator,
+        **TRAINER,
+    )
     failed = None
     try:
         trainer.fit(Classifier(workload.build, workload.optimizer), datamodule=data)

@@ -60,6 +60,7 @@ class TokenCount:
         ignore_index: the value that marks padding.
 
     Example:
+        >>> import torch
         >>> TokenCount("labels")({"labels": torch.tensor([[5, 7, -100], [1, -100, -100]])})
         3
     """

@@ -14,22 +14,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
-from lightning_gpuopt.decisions import decisions
+from lightning_gpuopt.decisions import decisions, record_decision
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.peak_flops import resolve_peak_flops
 from lightning_gpuopt.report import FORMAT, mfu, print_table, windowed_samples_per_s, write_report
 
 __all__ = ["GPUOptReport"]
-
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
-
-
-def _compute_dtype(precision: str) -> torch.dtype:
-    """The dtype the matmuls run in under a Lightning precision string (for the device's peak FLOP/s)."""
-    for prefix, dtype in _COMPUTE_DTYPES.items():
-        if str(precision).startswith(prefix):
-            return dtype
-    return torch.float32
 
 
 class GPUOptReport(Callback):
@@ -41,8 +32,10 @@ class GPUOptReport(Callback):
     micro-batch size (from the micro-batch engine when OOMRecovery or MemoryAwareBatchSize run), the
     Trainer's precision, the data-wait fraction (DataStallMonitor's when it runs, else the host's
     wait before each step), samples and wall time per step, and on CUDA the model FLOPs utilisation
-    (FLOPs of one training step counted once with ``torch.utils.flop_counter``, over Lightning's table
-    of the device's peak FLOP/s). Every decision the pack's callbacks record
+    (FLOPs of one training step counted once with ``torch.utils.flop_counter``, over the device's
+    dense peak FLOP/s for the step's compute dtype from :mod:`lightning_gpuopt.peak_flops`, or
+    ``peak_flops``; on a CUDA device the table does not know, the report says
+    ``MFU unknown for NAME (pass peak_flops=)``). Every decision the pack's callbacks record
     (:mod:`lightning_gpuopt.decisions`: OOM retries, changes of k, growing back, precision switches,
     batch-size searches, worker changes) is kept with its step and reason.
 
@@ -59,6 +52,8 @@ class GPUOptReport(Callback):
             (draw when matplotlib is installed, else say once how to get it).
         table: print the summary table at the end of ``fit``.
         every_n_steps: record every n-th training step (1: all).
+        peak_flops: the peak FLOP/s the MFU divides by, overriding the table (for a device it does not
+            know, or another dtype's peak); given, the MFU is also computed on a CPU.
 
     Raises:
         ValueError: an argument is out of range.
@@ -82,6 +77,7 @@ class GPUOptReport(Callback):
         plot: bool | Literal["auto"] = "auto",
         table: bool = True,
         every_n_steps: int = 1,
+        peak_flops: float | None = None,
     ) -> None:
         if plot != "auto" and not isinstance(plot, bool):
             raise ValueError(f"`plot` must be True, False or 'auto', got {plot!r}")
@@ -89,6 +85,11 @@ class GPUOptReport(Callback):
             raise ValueError(f"`table` must be True or False, got {table!r}")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}")
+        if peak_flops is not None and (
+            isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0
+        ):
+            raise ValueError(f"`peak_flops` must be a positive number of FLOP/s or None, got {peak_flops!r}")
+        self.peak_flops = peak_flops
         self.dirpath = dirpath
         self.plot = plot
         self.table = table
@@ -107,14 +108,49 @@ class GPUOptReport(Callback):
         self._flops: float | None = None
         self._counter: Any = None
         self._peak_flops: float | None = None
+        self._mfu_note: str | None = None
+        self._peak_precision = ""
         self._step = 0
+        self._resumes: list[dict[str, Any]] = []
+        self._earlier_decisions: list[dict[str, Any]] = []
+        self._loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        # A resumed run's report covers the whole run: the steps and decisions before each resume travel
+        # in the checkpoint (the decision log lives on the Trainer, which a resume replaces).
+        if self._loaded is not None:
+            return dict(self._loaded)
+        trainer = getattr(self, "_trainer", None)
+        current = [d.as_dict() for d in decisions(trainer)] if trainer is not None else []
+        return {
+            "steps": list(self._steps),
+            "decisions": self._earlier_decisions + current,
+            "resumes": list(self._resumes),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = dict(state_dict) if state_dict.get("steps") or state_dict.get("decisions") else None
+
+    def _apply_loaded(self, trainer: pl.Trainer) -> None:
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            return
+        self._steps = list(loaded.get("steps", [])) + self._steps
+        self._earlier_decisions = list(loaded.get("decisions", []))
+        self._resumes = list(loaded.get("resumes", []))
+        self._resumes.append({"step": trainer.global_step, "steps_before": len(loaded.get("steps", []))})
+        record_decision(
+            trainer,
+            "resume",
+            "GPUOptReport",
+            f"resumed from a checkpoint at step {trainer.global_step}; the report covers the run before it",
+            resume=len(self._resumes),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_counter"] = None
+        state["_trainer"] = None
         return state
 
     # ------------------------------------------------------------------ lifecycle
@@ -126,17 +162,21 @@ class GPUOptReport(Callback):
             _plt()  # fail now, not after a long run
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaded = self._loaded
         self._reset()
+        self._loaded = loaded
+        self._trainer = trainer
         self.report, self.paths = {}, {}
         self._started = time.perf_counter()
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            from lightning.fabric.utilities.throughput import get_available_flops
+        self._peak_precision = str(trainer.precision)
+        self._peak_flops, self._mfu_note = resolve_peak_flops(
+            trainer.strategy.root_device, self._peak_precision, self.peak_flops
+        )
+        if self._mfu_note:
+            rank_zero_info(f"GPUOptReport: {self._mfu_note}")
 
-            try:
-                self._peak_flops = get_available_flops(device, _compute_dtype(trainer.precision))
-            except RuntimeError:  # torch refuses its legacy TF32 getter once the new API set it: no MFU then
-                self._peak_flops = None
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply_loaded(trainer)  # every restore is done by now, whatever the strategy
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_end = time.perf_counter()
@@ -169,6 +209,11 @@ class GPUOptReport(Callback):
         if step % self.every_n_steps:
             return
         probe = get_probe(trainer.strategy.root_device)
+        if str(trainer.precision) != self._peak_precision:  # a precision switch changes the peak
+            self._peak_precision = str(trainer.precision)
+            self._peak_flops, _ = resolve_peak_flops(
+                trainer.strategy.root_device, self._peak_precision, self.peak_flops
+            )
         engine = MicroBatchEngine.get(trainer)
         try:
             n = batch_size_of(batch)
@@ -221,11 +266,16 @@ class GPUOptReport(Callback):
                 "precision_at_end": str(trainer.precision),
                 "flops_per_batch": self._flops,
                 "peak_flops": self._peak_flops,
+                "peak_flops_source": ("peak_flops=" if self.peak_flops is not None else "table")
+                if self._peak_flops
+                else None,
+                "mfu_note": self._mfu_note,
                 "wall_s": time.perf_counter() - self._started,
                 "torch": torch.__version__,
             },
             "steps": self._steps,
-            "decisions": [d.as_dict() for d in decisions(trainer)],
+            "decisions": self._earlier_decisions + [d.as_dict() for d in decisions(trainer)],
+            "resumes": self._resumes,
         }
         # `trainer.log_dir` broadcasts from rank 0: every rank asks, or rank 0 would wait for the others.
         folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)

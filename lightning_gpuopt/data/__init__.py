@@ -11,6 +11,7 @@ from lightning_gpuopt.data.prefetch import (
     PrefetchStats,
     batch_nbytes,
 )
+from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
 from lightning_gpuopt.data.stall import (
     Advice,
     AutotuneStep,
@@ -36,6 +37,8 @@ __all__ = [
     "LoaderSettings",
     "MemmapDataset",
     "PrefetchStats",
+    "ResumableSampler",
+    "SeededSamples",
     "StallMeasurement",
     "auto_num_workers",
     "autotune_num_workers",

@@ -19,6 +19,7 @@ from lightning_gpuopt.data.prefetch import (
     DevicePrefetchLoader,
     PrefetchStats,
 )
+from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
 
 __all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
 
@@ -164,6 +165,13 @@ class GPUOptDataModule(pl.LightningDataModule):
             ``"auto"``: on when training runs on CUDA, unless the LightningModule or this datamodule
             overrides ``on_before_batch_transfer``/``transfer_batch_to_device`` (those hooks would get
             device batches). Has no effect off CUDA.
+        resumable: the training loader of a map-style dataset resumes exactly mid-epoch: the datamodule's
+            checkpoint state holds the epoch and the batches the training loop consumed, and a resumed run
+            starts after them, in the order the uninterrupted run used (per rank under DDP). Its sampler is a
+            :class:`~lightning_gpuopt.data.resume.ResumableSampler` (a ``DistributedSampler``; the order is
+            drawn from ``PL_GLOBAL_SEED`` + epoch, set by ``seed_everything``), and each sample is loaded
+            under RNG seeds drawn from (seed, epoch, sample index), so random augmentation resumes exactly
+            and does not depend on ``num_workers``. ``False``: PyTorch's own samplers and worker seeds.
 
     Raises:
         ValueError: an argument is out of range.
@@ -191,6 +199,7 @@ class GPUOptDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         drop_last: bool = False,
         device_prefetch: bool | Literal["auto"] = "auto",
+        resumable: bool = True,
     ) -> None:
         super().__init__()
         _check_positive_int("batch_size", batch_size)
@@ -204,6 +213,8 @@ class GPUOptDataModule(pl.LightningDataModule):
             raise ValueError(f"`pin_memory` must be 'auto', True or False, got {pin_memory!r}")
         if device_prefetch != "auto" and not isinstance(device_prefetch, bool):
             raise ValueError(f"`device_prefetch` must be 'auto', True or False, got {device_prefetch!r}")
+        if not isinstance(resumable, bool):
+            raise ValueError(f"`resumable` must be True or False, got {resumable!r}")
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
@@ -213,6 +224,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.device_prefetch = device_prefetch
+        self.resumable = resumable
+        self._train_sampler: ResumableSampler | None = None
+        self._resume_from: dict[str, Any] | None = None
+        self._loader_batch_size = batch_size
         self._datasets: dict[str, Dataset] = {}
         self._announced: set[str] = set()
         self._prefetch_stats: dict[str, PrefetchStats] = {}
@@ -366,6 +381,8 @@ class GPUOptDataModule(pl.LightningDataModule):
             pin_memory=self.resolved_pin_memory(),
             collate_fn=self.collate_fn(),
         )
+        if train and self.resumable and not isinstance(dataset, IterableDataset):
+            dataset, kwargs = self._resumable_train(dataset, kwargs)
         transfer = self._batch_transfer(stage)
         if transfer is None:
             # Lightning moves each batch when it is used, non-blocking on CUDA (its `move_data_to_device`).
@@ -373,6 +390,67 @@ class GPUOptDataModule(pl.LightningDataModule):
         stats = self._prefetch_stats.setdefault(stage, PrefetchStats())
         stats.disabled = False  # a new loader gets a new chance after an out-of-memory fallback
         return DevicePrefetchLoader(dataset, transfer=transfer, prefetch_stats=stats, **kwargs)
+
+    # Exact resume: the training loader's place in the epoch.
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loader stands: epoch, batches the training loop consumed, batch size and seed.
+
+        Batches consumed are the Trainer's count of batches whose training step ran, not the batches the
+        loader has read: workers, Lightning and device prefetch read ahead of the step.
+        """
+        sampler = self._train_sampler
+        if sampler is None or not self.resumable:
+            return {}
+        trainer = self.trainer
+        loop = getattr(trainer, "fit_loop", None)
+        consumed = 0 if loop is None else loop.epoch_loop.batch_progress.current.processed
+        return {
+            "train_loader": {
+                "epoch": int(sampler.epoch),
+                "batches": int(consumed),
+                "batch_size": int(self._loader_batch_size),
+                "seed": int(sampler.seed),
+                "world_size": int(sampler.num_replicas),
+            }
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the training loader where :meth:`state_dict` says (applied when the training loader is built)."""
+        state = state_dict.get("train_loader")
+        self._resume_from = dict(state) if state else None
+        if self._resume_from and self._train_sampler is not None:
+            self._apply_resume(self._train_sampler)
+
+    def _resumable_train(self, dataset: Dataset, kwargs: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
+        trainer = self.trainer
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        rank = int(getattr(trainer, "global_rank", 0) or 0)
+        resume = self._resume_from or {}
+        seed = int(resume.get("seed", os.environ.get("PL_GLOBAL_SEED", 0)))
+        sampler = ResumableSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=bool(kwargs.pop("shuffle")), seed=seed
+        )
+        self._train_sampler = sampler
+        self._loader_batch_size = kwargs["batch_size"]
+        if resume:
+            self._apply_resume(sampler)
+        # The loader's own generator draws the workers' base seed, so building an iterator leaves the
+        # global RNG (dropout's stream) where it was.
+        generator = torch.Generator().manual_seed(seed)
+        return SeededSamples(dataset, seed=seed), {**kwargs, "sampler": sampler, "generator": generator}
+
+    def _apply_resume(self, sampler: ResumableSampler) -> None:
+        resume = self._resume_from or {}
+        world = int(resume.get("world_size", sampler.num_replicas))
+        if world != sampler.num_replicas:
+            rank_zero_info(
+                f"GPUOptDataModule: the checkpoint was written by {world} rank(s), this run has {sampler.num_replicas}; "
+                "the interrupted epoch restarts from its beginning on every rank (shards differ)."
+            )
+            return
+        samples = int(resume.get("batches", 0)) * int(resume.get("batch_size", self.batch_size))
+        sampler.skip(epoch=int(resume.get("epoch", 0)), samples=samples)
 
     def _batch_transfer(self, stage: str) -> BatchTransfer | None:
         """How batches of ``stage`` reach the device ahead of use; ``None``: Lightning moves each when used."""

@@ -8,7 +8,6 @@ import sys
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from helpers import TRAINER_QUIET
 from lightning.pytorch.loggers import Logger
 from oom_models import WideRegressor, fit, step_marks
@@ -153,16 +152,6 @@ def test_plot_and_table_can_be_turned_off_and_every_n_steps_thins_the_record(tmp
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPUOptReport(**kwargs)
-
-
-def test_mfu_uses_the_compute_dtype_of_the_precision():
-    from lightning_gpuopt.callbacks.report import _compute_dtype
-    from lightning_gpuopt.report import mfu
-
-    assert [
-        _compute_dtype(p) for p in ("bf16-mixed", "16-mixed", "32-true", "64-true", "transformer-engine")
-    ] == [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float32]
-    assert mfu(1e12, 0.01, 1e15) == pytest.approx(0.1) and mfu(None, 0.01, 1e15) is None
 
 
 def _tiny_loader():

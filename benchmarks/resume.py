@@ -1,0 +1,164 @@
+"""What exact resume costs: checkpoint and resume time as multiples of one training step, and step overhead.
+
+    python benchmarks/resume.py [--hidden 1024] [--steps 30] [--out benchmarks/results]
+
+One process on the CPU (or the first GPU with ``--device cuda``): an MLP (4 layers of ``--hidden``) with
+AdamW, a GPUOptDataModule over random data, ExactResume. Measured:
+
+* one training step: the median step time (wall clock between batch ends) of a plain run;
+* checkpoint: ``trainer.save_checkpoint`` (model, AdamW state, the datamodule's loader state, every rank's
+  RNG) to local disk, median of 5;
+* resume: time from ``fit(ckpt_path=...)`` to the first training batch, minus the same for a fresh ``fit``;
+* the step-time overhead of the resumable loader (per-sample seeded loading) and of ExactResume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from lightning_gpuopt import ExactResume, GPUOptDataModule
+
+
+class Data(GPUOptDataModule):
+    def __init__(self, dim: int, n: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dim, self.n = dim, n
+
+    def train_dataset(self):
+        g = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randn(self.n, self.dim, generator=g), torch.randn(self.n, 1, generator=g))
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(dim, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 1),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Clock(pl.Callback):
+    def __init__(self) -> None:
+        self.fit_start = self.first_batch = 0.0
+        self.ends: list[float] = []
+
+    def on_fit_start(self, trainer, pl_module):
+        self.fit_start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not self.first_batch:
+            self.first_batch = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+
+
+def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=None):
+    pl.seed_everything(0, verbose=False)
+    clock = Clock()
+    callbacks = [clock] + ([ExactResume()] if exact else [])
+    trainer = pl.Trainer(
+        accelerator=args.device,
+        devices=1,
+        max_steps=steps,
+        callbacks=callbacks,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = Data(
+        args.dim,
+        args.batch_size * (steps + 5),
+        batch_size=args.batch_size,
+        num_workers=0,
+        resumable=resumable,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(MLP(args.dim, args.hidden), data, ckpt_path=ckpt_path)
+    step_times = [b - a for a, b in zip(clock.ends[1:], clock.ends[2:])]
+    return trainer, statistics.median(step_times) if step_times else None, clock.first_batch - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", default="benchmarks/results", help="folder for resume.json")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp())
+    _, plain_step, _ = _fit(args, root / "plain", args.steps, resumable=False, exact=False)
+    _, resumable_step, _ = _fit(args, root / "resumable", args.steps, resumable=True, exact=False)
+    trainer, exact_step, fresh_first = _fit(args, root / "exact", args.steps, resumable=True, exact=True)
+    path = root / "exact" / "step.ckpt"
+    saves = []
+    for _ in range(5):
+        t = time.perf_counter()
+        trainer.save_checkpoint(path)
+        saves.append(time.perf_counter() - t)
+    save = statistics.median(saves)
+    _, _, resumed_first = _fit(
+        args, root / "exact", args.steps + 3, resumable=True, exact=True, ckpt_path=path
+    )
+    resume = max(0.0, resumed_first - fresh_first)
+    params = sum(p.numel() for p in MLP(args.dim, args.hidden).parameters())
+    result = {
+        "device": args.device,
+        "parameters": params,
+        "checkpoint_bytes": path.stat().st_size,
+        "step_s": plain_step,
+        "checkpoint_s": save,
+        "resume_s": resume,
+        "checkpoint_steps": save / plain_step,
+        "resume_steps": resume / plain_step,
+        "resumable_loader_overhead": resumable_step / plain_step - 1,
+        "exact_resume_overhead": exact_step / plain_step - 1,
+    }
+    print(f"| {params / 1e6:.1f} M parameters, AdamW, {args.device} | value |")
+    print("|---|---|")
+    print(f"| checkpoint file | {result['checkpoint_bytes'] / 2**20:.1f} MiB |")
+    print(f"| one training step (batch {args.batch_size}) | {plain_step * 1e3:.1f} ms |")
+    print(
+        f"| checkpoint (`save_checkpoint`) | {save * 1e3:.1f} ms = {result['checkpoint_steps']:.1f} steps |"
+    )
+    print(
+        f"| resume (extra time to the first step) | {resume * 1e3:.1f} ms = {result['resume_steps']:.1f} steps |"
+    )
+    print(f"| step time, resumable loader vs plain | {result['resumable_loader_overhead']:+.1%} |")
+    print(f"| step time, + ExactResume | {result['exact_resume_overhead']:+.1%} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resume.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

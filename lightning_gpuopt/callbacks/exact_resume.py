@@ -1,0 +1,274 @@
+"""ExactResume: a run killed at any step and resumed from its last checkpoint trains like the run never stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gpuopt.data.resume import capture_rng, restore_rng
+from lightning_gpuopt.decisions import record_decision
+
+__all__ = ["ExactResume", "StepBoundaryCheckpoint", "at_optimizer_step_boundary", "slurm_requeue_command"]
+
+_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def at_optimizer_step_boundary(batch_idx: int, accumulate_grad_batches: int, is_last_batch: bool) -> bool:
+    """Whether the optimizer has just stepped after training batch ``batch_idx`` (no accumulation window open).
+
+    Example:
+        >>> [at_optimizer_step_boundary(i, 2, is_last_batch=i == 4) for i in range(5)]
+        [False, True, False, True, True]
+    """
+    return (batch_idx + 1) % accumulate_grad_batches == 0 or is_last_batch
+
+
+def slurm_requeue_command(environ: dict[str, str] | os._Environ = os.environ) -> list[str] | None:
+    """``scontrol requeue JOB`` for this SLURM job (array jobs: ``ARRAYJOB_TASK``); ``None`` outside SLURM.
+
+    Example:
+        >>> slurm_requeue_command({"SLURM_JOB_ID": "123"})
+        ['scontrol', 'requeue', '123']
+        >>> slurm_requeue_command({"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9"})
+        ['scontrol', 'requeue', '7_2']
+    """
+    array_job = environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{environ['SLURM_ARRAY_TASK_ID']}" if array_job else environ.get("SLURM_JOB_ID")
+    return ["scontrol", "requeue", job] if job else None
+
+
+def _gather(trainer: pl.Trainer, value: Any) -> list[Any]:
+    """Every rank's ``value``, by global rank (``[value]`` in one process)."""
+    if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        values: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(values, value)
+        return values
+    return [value]
+
+
+class StepBoundaryCheckpoint(ModelCheckpoint):
+    """A ``ModelCheckpoint`` that saves during an epoch only where the optimizer has just stepped.
+
+    With ``accumulate_grad_batches`` > 1 a time-based trigger (``train_time_interval``) can fall inside
+    an accumulation window, whose partial gradients a checkpoint does not hold; this one waits for the
+    window's last batch. It never writes a checkpoint when an exception stops the run, whatever
+    ``save_on_exception`` says: a checkpoint written mid-step is never one ``ckpt_path="last"`` may pick.
+    Takes every ``ModelCheckpoint`` argument.
+    """
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        if at_optimizer_step_boundary(batch_idx, trainer.accumulate_grad_batches, last):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        return None
+
+
+class ExactResume(Callback):
+    """Resume exactly: RNG streams as of the checkpoint, preemption signals stop at an optimizer-step boundary.
+
+    With :class:`~lightning_gpuopt.GPUOptDataModule` (whose training loader resumes at the next unseen
+    sample) a run killed at any step and resumed from its last checkpoint sees every remaining sample of
+    the epoch once, in the uninterrupted order, and draws the same random numbers (dropout, random
+    augmentation), so its parameters equal the uninterrupted run's.
+
+    * **RNG.** Each checkpoint holds every rank's torch, Python, NumPy (and CUDA) RNG states, gathered
+      from all ranks (only rank 0 writes the file); on resume each rank restores its own just before its
+      first training batch. The datamodule seeds sample loading per sample, so the workers' streams need
+      no saving.
+    * **Signals.** ``signals`` (default ``SIGTERM`` and ``SIGUSR1``) ask for a stop. The ranks decide
+      together at the next optimizer-step boundary (one all-reduce per optimizer step under DDP, none on
+      one device), so a signal to one rank stops every rank at the same step: each writes its part of
+      ``last.ckpt`` in the first ``ModelCheckpoint``'s folder and the run ends normally (exit status 0).
+      Lightning's own SIGTERM handler, which broadcasts inside the handler, is replaced while training.
+      Under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the default there), the
+      requeue signal (SIGUSR1 unless set otherwise) also stops at the boundary, and rank 0 then requeues
+      the job (``scontrol requeue``) in place of Lightning's handler, which saves mid-step.
+    * **Clean checkpoints only.** A checkpoint is marked with whether it was written at an optimizer-step
+      boundary of a run without an exception. Resuming from one that was not (a ``ModelCheckpoint`` with
+      ``save_on_exception=True``, a time trigger inside an accumulation window) raises a clear error.
+
+    Args:
+        signals: names of the signals that ask for a stop (``"SIGTERM"``, ``"SIGUSR1"``, ...); ``()``: none.
+        restore_rng: restore the RNG states on resume.
+
+    Raises:
+        ValueError: a signal name is not a signal of this platform.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(callbacks=[ExactResume()], logger=False, enable_progress_bar=False)
+    """
+
+    def __init__(self, signals: tuple[str, ...] | list[str] = _SIGNALS, restore_rng: bool = True) -> None:
+        names = tuple(signals)
+        for name in names:
+            if not isinstance(name, str) or not isinstance(getattr(signal, name, None), signal.Signals):
+                raise ValueError(
+                    f"`signals` must name signals of this platform (like 'SIGTERM'), got {name!r}; pass () for none"
+                )
+        if not isinstance(restore_rng, bool):
+            raise ValueError(f"`restore_rng` must be True or False, got {restore_rng!r}")
+        self.signals = names
+        self.restore_rng = restore_rng
+        #: The signal that asked this run to stop, if any (its name).
+        self.stop_signal: str | None = None
+        #: Where the last signal-triggered stop wrote its checkpoint (``None`` before any).
+        self.stop_checkpoint: str | None = None
+        self._trainer: pl.Trainer | None = None
+        self._pending: dict[str, Any] | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._failed = False
+        self._boundary = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_trainer"], state["_previous_handlers"] = None, {}
+        return state
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending is not None:  # loaded and not applied yet: hand it on unchanged
+            return dict(self._pending)
+        trainer = self._trainer
+        rng = [capture_rng()] if trainer is None else _gather(trainer, capture_rng())
+        return {"rng": rng, "clean": not self._failed and self._boundary, "world_size": len(rng)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict.get("clean", True):
+            raise ValueError(
+                "ExactResume: this checkpoint was written mid-step (after an exception, or inside an "
+                "accumulation window), so resuming from it would lose or repeat work; resume from an earlier "
+                "checkpoint (`ckpt_path=` a file written at an optimizer-step boundary) or start again."
+            )
+        self._pending = dict(state_dict) if state_dict.get("rng") else None
+
+    # ------------------------------------------------------------------ hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        self._failed = False
+        self.stop_signal = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning registered its handlers just before training; ours replace them until training ends.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        names = set(self.signals)
+        environment = trainer._accelerator_connector.cluster_environment
+        if names and isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            requeue = environment.requeue_signal
+            if requeue is not None:
+                names.add(
+                    signal.Signals(requeue).name
+                )  # Lightning's requeue signal: stop cleanly, then requeue
+        for name in sorted(names):
+            signum = getattr(signal, name)
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only a flag: collectives and file writes wait for the next optimizer-step boundary.
+        self.stop_signal = signal.Signals(signum).name
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or not self.restore_rng:
+            return
+        states = pending.get("rng") or []
+        rank = trainer.global_rank
+        if len(states) != trainer.world_size or rank >= len(states):
+            rank_zero_info(
+                f"ExactResume: the checkpoint holds RNG states of {len(states)} rank(s), this run has "
+                f"{trainer.world_size}; RNG streams are not restored."
+            )
+            return
+        restore_rng(states[rank])
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        self._boundary = at_optimizer_step_boundary(batch_idx, trainer.accumulate_grad_batches, last)
+        if not self._boundary or not self.signals:
+            return
+        # Every rank reaches this point at every optimizer step, so the vote cannot hang.
+        stop = trainer.strategy.reduce_boolean_decision(self.stop_signal is not None, all=False)
+        if stop:
+            self._stop(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._boundary = True  # the epoch's last batch always steps
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._failed = True  # a checkpoint written from here on is not one to resume from
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handlers()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_handlers()
+
+    # ------------------------------------------------------------------ stop
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        path = self._last_path(trainer)
+        why = self.stop_signal or "another rank's signal"
+        trainer.save_checkpoint(path)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                # Lightning's own skip rule: nothing more is saved at this step (the epoch-end save of a
+                # stopped epoch would mark the epoch finished and lose its remaining samples on resume).
+                callback._last_global_step_saved = trainer.global_step
+                callback._last_checkpoint_saved = path  # nor at train end (`save_last`)
+                callback.last_model_path = path
+        self.stop_checkpoint = path
+        trainer.should_stop = True
+        environment = trainer._accelerator_connector.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero:
+            command = slurm_requeue_command()
+            if command is not None:
+                status = subprocess.call(command)
+                rank_zero_info(f"ExactResume: `{' '.join(command)}` exited with {status}.")
+        record_decision(
+            trainer,
+            "stop",
+            "ExactResume",
+            f"{why} at step {trainer.global_step}: checkpoint {path} written at the optimizer-step boundary; "
+            "stopping every rank. Resume with `ckpt_path='last'`.",
+            signal=why,
+            path=path,
+        )
+        rank_zero_info(f"ExactResume: {why}: wrote {path} at step {trainer.global_step}; stopping.")
+
+    @staticmethod
+    def _last_path(trainer: pl.Trainer) -> str:
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+        return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous_handlers = {}

@@ -1,0 +1,234 @@
+"""Exact mid-epoch resume of a training loader: which samples remain, in which order, with which augmentation RNG.
+
+The pieces:
+
+- :class:`ResumableSampler` is a ``DistributedSampler`` (one replica in a single process) whose order is a
+  function of ``(seed, epoch)`` and which, after :meth:`~ResumableSampler.skip`, starts the epoch past the
+  samples already consumed. Lightning leaves a ``DistributedSampler`` in place under DDP, so each rank
+  keeps its own shard. Like ``DistributedSampler`` it pads when the dataset does not divide by the world
+  size: a few samples of the last round are seen twice in that epoch, on different ranks.
+- The sampler yields ``(epoch, index)`` pairs; :class:`SeededSamples` wraps the dataset, seeds the torch,
+  Python and NumPy RNGs of the process that loads (a worker, or the main process with workers off) from
+  ``(seed, epoch, index)`` before it loads sample ``index``, and hands ``dataset[index]`` out. Random
+  augmentation is thus a function of the sample and the epoch: it does not depend on the worker count or
+  on where a run was interrupted. In the main process the RNG states are put back after each batch, so
+  loading does not move the training step's streams (dropout).
+- :func:`loader_state` is what the datamodule saves: the epoch, the batches the training loop consumed
+  (from the Trainer's progress, not the loader's: workers and device prefetch read ahead) and the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+__all__ = ["ResumableSampler", "SeededSamples", "capture_rng", "restore_rng", "sample_seed"]
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    # splitmix64's finaliser: nearby inputs give unrelated seeds.
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The RNG seed a sample is loaded under: a function of the run's seed, the epoch and the sample index.
+
+    Example:
+        >>> sample_seed(0, 0, 1) == sample_seed(0, 0, 1), sample_seed(0, 0, 1) == sample_seed(0, 1, 1)
+        (True, False)
+    """
+    return _mix(_mix(_mix(seed & _MASK) ^ (epoch & _MASK)) ^ (index & _MASK)) >> 1  # 63 bits: numpy's limit
+
+
+def _seed_all(seed: int) -> None:
+    # The CPU generator only: `torch.manual_seed` also seeds every accelerator, ~100x slower per sample.
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed & 0xFFFFFFFF)
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # numpy is optional: without it there is no NumPy RNG to seed
+        return None
+    return numpy
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` whose epoch can start past the samples a resumed run already consumed.
+
+    The order of an epoch is ``DistributedSampler``'s: a permutation drawn from ``seed + epoch`` (or the
+    index order without ``shuffle``), padded to a multiple of ``num_replicas`` and dealt round-robin to
+    the ranks. Items are ``(epoch, index)`` pairs for :class:`SeededSamples`.
+
+    Args:
+        dataset: the map-style dataset.
+        num_replicas: ranks sharing the dataset (1 in a single process).
+        rank: this rank.
+        shuffle: a new permutation each epoch.
+        seed: the permutation seed (the same on every rank).
+        drop_last: drop the tail that does not divide by ``num_replicas`` instead of padding.
+
+    Example:
+        >>> sampler = ResumableSampler(range(10), num_replicas=1, rank=0, shuffle=False)
+        >>> sampler.skip(epoch=0, samples=7)
+        >>> [i for _, i in sampler]
+        [7, 8, 9]
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset,  # type: ignore[arg-type]
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self._skip_epoch: int | None = None
+        self._skip_samples = 0
+
+    def skip(self, epoch: int, samples: int) -> None:
+        """Start ``epoch`` past its first ``samples`` samples of this rank (those a resumed run consumed)."""
+        if samples < 0:
+            raise ValueError(f"`samples` must be >= 0, got {samples}")
+        self._skip_epoch, self._skip_samples = epoch, samples
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        epoch = self.epoch
+        indices = list(super().__iter__())
+        if self._skip_epoch == epoch:
+            indices = indices[self._skip_samples :]
+        return iter([(epoch, int(i)) for i in indices])
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._skip_epoch is not None and epoch != self._skip_epoch:
+            self._skip_epoch, self._skip_samples = None, 0  # the resumed epoch is over
+        super().set_epoch(epoch)
+
+
+class SeededSamples(Dataset):
+    """A dataset view whose item ``(epoch, index)`` is ``dataset[index]`` loaded under :func:`sample_seed`.
+
+    Args:
+        dataset: the map-style dataset.
+        seed: the run's seed.
+
+    Example:
+        >>> view = SeededSamples([10, 11, 12], seed=0)
+        >>> view[(0, 2)], len(view)
+        (12, 3)
+    """
+
+    def __init__(self, dataset: Any, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, tuple):
+            return self.dataset[key]  # an index from elsewhere (a user's own sampler): no seeding
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[Any]) -> list[Any]:
+        in_main = torch.utils.data.get_worker_info() is None
+        saved = _raw_rng() if in_main else None
+        try:
+            items = []
+            for key in keys:
+                if isinstance(key, tuple):
+                    epoch, index = key
+                    _seed_all(sample_seed(self.seed, epoch, index))
+                    items.append(self.dataset[index])
+                else:
+                    items.append(self.dataset[key])
+            return items
+        finally:
+            if saved is not None:
+                _set_raw_rng(saved)  # loading ahead must not move the training step's streams
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes of the user's dataset stay reachable through the loader's `dataset`.
+        if name in ("dataset", "seed"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _raw_rng() -> tuple[Any, Any, Any]:
+    np = _numpy()
+    return (
+        torch.default_generator.get_state(),
+        random.getstate(),
+        None if np is None else np.random.get_state(),
+    )
+
+
+def _set_raw_rng(state: tuple[Any, Any, Any]) -> None:
+    torch_state, python_state, numpy_state = state
+    torch.default_generator.set_state(torch_state)
+    random.setstate(python_state)
+    if numpy_state is not None:
+        _numpy().random.set_state(numpy_state)
+
+
+def capture_rng(cuda: bool = True) -> dict[str, Any]:
+    """This process's torch, Python and NumPy RNG states (and CUDA's when initialised) as plain values.
+
+    Example:
+        >>> state = capture_rng()
+        >>> a = torch.rand(1)
+        >>> restore_rng(state)
+        >>> bool(torch.rand(1) == a)
+        True
+    """
+    version, mt, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state().tolist(),
+        "python": [version, list(mt), gauss],
+    }
+    np = _numpy()
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set this process's RNGs to a state :func:`capture_rng` returned (keys it lacks are left alone)."""
+    if "torch" in state:
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "python" in state:
+        version, mt, gauss = state["python"]
+        random.setstate((version, tuple(mt), gauss))
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in states])

@@ -1,0 +1,127 @@
+"""Exact mid-epoch resume of GPUOptDataModule's training loader (the 40-sample case of issue 17)."""
+
+from __future__ import annotations
+
+import collections
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_gpuopt import GPUOptDataModule
+from lightning_gpuopt.data import BatchTransfer, InFlight
+from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
+
+
+class Forty(GPUOptDataModule):
+    def train_dataset(self):
+        return IndexedRegression(40)
+
+
+class HostClone(BatchTransfer):
+    """Device prefetch's machinery on CPU: batches are copied ahead of use, as on CUDA."""
+
+    def start(self, batch):
+        return InFlight(batch, nbytes=1)
+
+    def ready(self, item):
+        return item.batch
+
+
+class PrefetchingForty(Forty):
+    def _batch_transfer(self, stage):
+        return HostClone()
+
+
+class OneCycleRegressor(RecordingRegressor):
+    """Reads `estimated_stepping_batches` in `configure_optimizers`, as warm-up and OneCycle schedules do."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class Killed(Exception):
+    pass
+
+
+class KillAfter(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise Killed
+
+
+def _fit(dm_cls, tmp_path, num_workers, kill=None, ckpt_path=None):
+    pl.seed_everything(0, verbose=False)
+    model = OneCycleRegressor()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    callbacks = [checkpoint] + ([KillAfter(kill)] if kill else [])
+    quiet = {**TRAINER_QUIET, "enable_checkpointing": True}
+    trainer = pl.Trainer(max_epochs=1, callbacks=callbacks, default_root_dir=tmp_path, **quiet)
+    dm = dm_cls(batch_size=4, num_workers=num_workers, persistent_workers=False)
+    if kill:
+        with pytest.raises(Killed):
+            trainer.fit(model, dm)
+    else:
+        trainer.fit(model, dm, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("dm_cls", "num_workers"),
+    [(Forty, 0), (Forty, 2), (PrefetchingForty, 0)],
+    ids=["in-process", "two-workers", "device-prefetch"],
+)
+def test_killed_after_step_6_and_resumed_from_step_4_sees_every_sample_once(dm_cls, num_workers, tmp_path):
+    reference = _fit(dm_cls, tmp_path / "ref", num_workers)
+    killed = _fit(dm_cls, tmp_path / "run", num_workers, kill=6)
+    resumed = _fit(dm_cls, tmp_path / "run2", num_workers, ckpt_path=tmp_path / "run" / "step=4.ckpt")
+    seen = [i for b in killed.train_ids[:4] + resumed.train_ids for i in b]
+    counts = collections.Counter(seen)
+    repeated = sum(c - 1 for c in counts.values() if c > 1)
+    missing = 40 - len(counts)
+    assert (len(counts), repeated, missing) == (40, 0, 0)
+    # In the order the uninterrupted run used, and shuffled.
+    assert killed.train_ids[:4] + resumed.train_ids == reference.train_ids
+    assert seen != sorted(seen)
+
+
+def test_sampler_skips_consumed_samples_of_its_rank_only():
+    shards = [ResumableSampler(range(10), num_replicas=2, rank=r, shuffle=True, seed=3) for r in (0, 1)]
+    full = [[i for _, i in s] for s in shards]
+    assert sorted(full[0] + full[1]) == list(range(10))
+    shards[1].skip(epoch=0, samples=2)
+    assert [i for _, i in shards[1]] == full[1][2:]
+    shards[1].set_epoch(1)  # the resumed epoch is over: the next one starts at its beginning
+    assert len(list(shards[1])) == 5
+
+
+def test_padding_when_the_dataset_does_not_divide_by_the_world_size():
+    shards = [
+        [i for _, i in ResumableSampler(range(5), num_replicas=2, rank=r, shuffle=False)] for r in (0, 1)
+    ]
+    assert shards == [[0, 2, 4], [1, 3, 0]]  # DistributedSampler's padding: sample 0 twice in this epoch
+
+
+def test_random_augmentation_is_a_function_of_sample_and_epoch():
+    class Noisy(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return float(torch.rand(()))
+
+    view = SeededSamples(Noisy(), seed=1)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    a = view.__getitems__([(0, 1), (0, 2)])
+    assert torch.equal(torch.get_rng_state(), before)  # loading leaves the training step's stream alone
+    assert view.__getitems__([(0, 2)]) == a[1:]
+    assert view.__getitems__([(1, 2)]) != a[1:]

@@ -1,0 +1,200 @@
+"""A training run the exact-resume tests start as a subprocess, kill, signal and resume.
+
+64-true, an MLP with dropout, random augmentation (torch, Python and NumPy draws), AdamW, a
+GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt`` every optimizer step.
+
+    python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--kill-batch N]
+        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H] [--batch-size B] [--onecycle] [--resume]
+
+Each rank appends ``epoch batch_idx id,id,...`` per training batch to ``ROOT/ids_rank{r}.txt`` (flushed,
+so a killed run keeps its lines); at the end of fit rank 0 saves the parameters to ``ROOT/params.pt`` and
+every rank writes the decisions of its run to ``ROOT/decisions_rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from lightning_gpuopt import ExactResume, GPUOptDataModule, OOMRecovery
+from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+from lightning_gpuopt.decisions import decisions
+
+LENGTH, DIM, BATCH = 64, 8, 4
+
+
+class Augmented(Dataset):
+    """Sample i is (i, x_i + noise, y_i); the noise draws from torch, Python and NumPy."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(LENGTH, DIM, generator=g, dtype=torch.float64)
+        self.y = self.x @ torch.randn(DIM, 1, generator=g, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return LENGTH
+
+    def __getitem__(self, i: int):
+        noise = (
+            0.1
+            * torch.randn(DIM, dtype=torch.float64)
+            * random.uniform(0.5, 1.5)
+            * np.random.uniform(0.5, 1.5)
+        )
+        return i, self.x[i] + noise, self.y[i]
+
+
+class Data(GPUOptDataModule):
+    def train_dataset(self):
+        return Augmented()
+
+
+class DropoutRegressor(pl.LightningModule):
+    def __init__(self, hidden: int = 32, onecycle: bool = False) -> None:
+        super().__init__()
+        self.onecycle = onecycle
+        # float64 from the start: Lightning loads a checkpoint's weights before 64-true converts the module,
+        # so a float32 module would round the float64 weights it resumes from.
+        self.net = nn.Sequential(
+            nn.Linear(DIM, hidden), nn.Tanh(), nn.Dropout(0.3), nn.Linear(hidden, 1)
+        ).double()
+
+    def training_step(self, batch, batch_idx):
+        _, x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        if not self.onecycle:
+            return optimizer
+        # Reads `estimated_stepping_batches`, which makes Lightning drop a stateful loader's state (#20550).
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.02, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class Recorder(pl.Callback):
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ids = ",".join(str(int(i)) for i in batch[0])
+        with open(os.path.join(self.root, f"ids_rank{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{trainer.current_epoch} {batch_idx} {ids}\n")
+
+
+class Fault(pl.Callback):
+    """SIGKILL at the end of a batch (before its checkpoint), or SIGTERM at the start of one."""
+
+    def __init__(
+        self, kill_batch: int | None = None, term_batch: int | None = None, term_ranks: str = "all"
+    ) -> None:
+        self.kill_batch, self.term_batch, self.term_ranks = kill_batch, term_batch, term_ranks
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == self.term_batch and (
+            self.term_ranks == "all" or str(trainer.global_rank) == self.term_ranks
+        ):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == self.kill_batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class MemoryLimit(pl.Callback):
+    """From batch ``start`` on, forward and backward run under a SimulatedMemory limit (an OOM at k = 1).
+
+    The limit is lifted for the optimizer step (the OOM to recover from is the activations'). ``limit`` 0:
+    measure only; the largest forward-and-backward peak goes to ``ROOT/peak.txt``.
+    """
+
+    def __init__(self, root: str, limit: int, start: int) -> None:
+        from lightning_gpuopt.testing import SimulatedMemory
+
+        self.memory, self.limit, self.start, self.root = SimulatedMemory(None), limit, start, root
+        self.peak = 0
+
+    def on_fit_start(self, trainer, pl_module):
+        self.memory.__enter__()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.memory.reset_peak()
+        if self.limit and trainer.fit_loop.total_batch_idx >= self.start:
+            self.memory.limit_bytes = self.limit
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.peak = max(self.peak, self.memory.peak_bytes)
+        self.memory.limit_bytes = None
+
+    def on_fit_end(self, trainer, pl_module):
+        self.memory.__exit__(None, None, None)
+        with open(os.path.join(self.root, "peak.txt"), "w") as f:
+            f.write(str(self.peak))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--kill-batch", type=int, default=None)
+    parser.add_argument("--term-batch", type=int, default=None)
+    parser.add_argument("--term-ranks", default="all")
+    parser.add_argument("--oom-limit", type=int, default=None)
+    parser.add_argument("--oom-from", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=BATCH)
+    parser.add_argument("--onecycle", action="store_true")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    os.makedirs(args.root, exist_ok=True)
+    pl.seed_everything(0, verbose=False)
+    callbacks = [
+        ExactResume(),
+        Recorder(args.root),
+        Fault(args.kill_batch, args.term_batch, args.term_ranks),
+        StepBoundaryCheckpoint(
+            dirpath=os.path.join(args.root, "ckpt"), every_n_train_steps=1, save_top_k=0, save_last=True
+        ),
+    ]
+    if args.oom_limit is not None:
+        callbacks += [OOMRecovery(), MemoryLimit(args.root, args.oom_limit, args.oom_from)]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        precision="64-true",
+        max_epochs=1,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks,
+        default_root_dir=args.root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = DropoutRegressor(args.hidden, args.onecycle)
+    data = Data(batch_size=args.batch_size, num_workers=args.workers, persistent_workers=False)
+    trainer.fit(model, data, ckpt_path="last" if args.resume else None)
+    rank = trainer.global_rank
+    with open(os.path.join(args.root, f"decisions_rank{rank}.json"), "w") as f:
+        json.dump([d.as_dict() for d in decisions(trainer)], f)
+    if rank == 0:
+        torch.save(
+            {n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(args.root, "params.pt")
+        )
+
+
+if __name__ == "__main__":
+    main()
