@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ from lightning_gpuopt.batching import (
     merge_outputs,
     split_batch,
 )
+from lightning_gpuopt.loss_weighting import LossWeighting, is_final
 from lightning_gpuopt.memory import free_memory, get_probe, is_maybe_size_error, is_oom_error
 from lightning_gpuopt.oom_policy import (
     Agreement,
@@ -209,10 +210,9 @@ class MicroBatchEngine:
         #: The :class:`~lightning_gpuopt.oom_policy.Proposal` a callback makes for the batch after the next vote (grow back,
         #: thrashing); consumed by that vote. The ranks' proposals are agreed with :func:`agree`.
         self.next_proposal: Proposal | None = None
-        #: Counts a micro-batch's share of the loss; ``None``: samples (``batch_size_of``).
-        self.weight_fn: WeightFn | None = None
-        #: ``"mean"``: losses weighted by their share; ``"sum"``: summed unweighted.
-        self.loss_reduction = "mean"
+        #: How micro-batch losses are weighted (``loss_weighting.py``): ``"auto"`` checks the user's loss at
+        #: the first split; OOMRecovery replaces it with its own settings.
+        self.loss_weighting = LossWeighting(source="MicroBatchEngine")
         #: Logged keys summed over micro-batches instead of averaged.
         self.sum_log_keys: frozenset[str] = frozenset()
         #: Whether the current batch may be split; a predicate on the batch.
@@ -349,6 +349,21 @@ class MicroBatchEngine:
     def world_size(self) -> int:
         """Ranks that vote on every batch (1 on a single device)."""
         return self.exchange.world_size
+
+    @contextlib.contextmanager
+    def leave_no_trace(self) -> Iterator[None]:
+        """Run extra forwards whose side effects are undone (the loss-weighting check uses it).
+
+        Values logged with ``self.log`` inside are dropped, and torchmetrics states and BatchNorm
+        statistics are restored on exit, with the same snapshot a failed attempt is undone with.
+        """
+        snapshot = self._snapshot()
+        previous, self._attempt = self._attempt, _Attempt()
+        try:
+            yield
+        finally:
+            self._attempt = previous
+            self._restore(snapshot)
 
     def snapshot_bytes(self) -> int:
         """Device bytes the engine's own copies hold through a training step, for memory budgets.
@@ -515,6 +530,9 @@ class MicroBatchEngine:
                 if size_error and first_size_error is not None:
                     self._restore_grads(params, stash)
                     raise first_size_error from None
+                if is_final(err):  # the loss-weighting check refused to split: not an OOM to retry
+                    self._restore_grads(params, stash)
+                    raise
                 if self.oom_handler is None or not (is_oom_error(err) or size_error):
                     self._restore_grads(params, stash)
                     self._raise_if_too_small(err, n, k)
@@ -736,7 +754,7 @@ class MicroBatchEngine:
     ) -> tuple[Any, tuple[list, list[float], int]]:
         """The step's output and its captured logs (emitted by the caller once the step is kept)."""
         chunks = self._micro_batches(batch, k)
-        weights = self._weights(chunks)
+        weights = self.loss_weighting.weights(self, chunks)  # the training's decision, or its fallback
         attempt = _Attempt()
         outputs = []
         self._attempt = attempt
@@ -784,26 +802,12 @@ class MicroBatchEngine:
                 return chunks
         return split_batch(batch, k).chunks
 
-    def _weights(self, chunks: list[Any]) -> list[float]:
-        if len(chunks) == 1:
-            return [1.0]
-        if self.loss_reduction == "sum":
-            return [1.0] * len(chunks)
-        counts = [
-            float(self.weight_fn(c)) if self.weight_fn is not None else float(batch_size_of(c))
-            for c in chunks
-        ]
-        total = sum(counts)
-        if total <= 0:
-            raise ValueError(
-                f"The micro-batch weights sum to {total}: the weight function found nothing to count "
-                "(no samples or tokens) in this batch. Check `weight_fn` / the token key."
-            )
-        return [c / total for c in counts]
-
     def _run(self, batch: Any, rest: tuple, kwargs: dict, n: int, k: int, accumulate: int) -> Any:
         chunks = self._micro_batches(batch, k)
-        weights = self._weights(chunks)
+        # The loss weighting's one call site: at the first split it runs the step on a piece of the batch.
+        weights = self.loss_weighting.weights(
+            self, chunks, lambda piece: self._orig_training_step(piece, *rest, **kwargs), batch
+        )
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         attempt = _Attempt()
         total: Tensor | None = None

@@ -20,6 +20,7 @@ from lightning_gpuopt.activation_checkpointing import (
     uncheckpoint_modules,
 )
 from lightning_gpuopt.decisions import record_decision
+from lightning_gpuopt.loss_weighting import MODES, ON_MISMATCH, LossWeighting
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.microbatch import (
     CHECKPOINTING,
@@ -47,7 +48,7 @@ from lightning_gpuopt.support import Feature, supports
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
 
-_REDUCTIONS = ("mean", "sum", "tokens")
+_REDUCTIONS = MODES
 
 
 class TokenCount:
@@ -108,18 +109,27 @@ class OOMRecovery(Callback):
     together in order. Before giving up at one sample per micro-batch, activation checkpointing of
     ``checkpoint_modules`` is tried (opt-in).
 
-    Each micro-batch's loss is weighted by its share of the batch: its samples (``"mean"``), its
-    tokens (``"tokens"``, for token-mean losses over padded sequences), or what ``weight_fn`` counts;
-    with ``"sum"`` the micro-batch losses are added unweighted. Values logged with ``self.log`` in
+    Each micro-batch's loss is weighted by its share of the batch. With ``loss_reduction="auto"`` (the
+    default) the share is found once per run, at the first split: your ``training_step`` runs without
+    gradients on a piece of the real batch and on that piece's two parts, and the weighting whose
+    combination of the parts' losses reproduces the piece's loss is used (sample shares; tokens of
+    ``token_key != ignore_index``, also shifted by one for causal LMs; attention-mask tokens; a sum).
+    A Hugging Face head inside the module breaks ties. When none reproduces it (in-batch negatives,
+    batch statistics) the split is refused with :class:`MicroBatchOOMError` before it runs. An explicit
+    ``"mean"`` (samples), ``"tokens"``, ``"sum"`` or ``weight_fn`` is used as given, and checked the same
+    way. The choice is a decision (``"loss weighting"``) and one line on rank zero. Values logged with ``self.log`` in
     ``training_step`` are combined into one value per batch with the same shares (keys in
     ``sum_log_keys`` are summed), torchmetrics states and BatchNorm statistics touched by a failed
     attempt are restored, so a retry leaves no trace.
 
     Args:
-        loss_reduction: ``"mean"`` (the loss is a mean over samples), ``"tokens"`` (a mean over the
-            tokens counted by ``token_key``/``ignore_index``) or ``"sum"``.
+        loss_reduction: ``"auto"`` (found by the check), ``"mean"`` (the loss is a mean over samples),
+            ``"tokens"`` (a mean over the tokens counted by ``token_key``/``ignore_index``) or ``"sum"``.
         weight_fn: counts what a micro-batch contributes to the batch's loss (overrides ``loss_reduction``'s
-            count); the shares are the counts normalised to sum to one.
+            count); the shares are the counts normalised to sum to one. Checked like the presets.
+        on_mismatch: when the weighting (found or given) does not reproduce the loss: ``"raise"`` refuses
+            to split with :class:`MicroBatchOOMError`; ``"warn"`` warns once and splits with it (sample
+            shares when nothing matched).
         token_key: the batch entry holding labels (or an attention mask) for ``"tokens"``.
         ignore_index: the padding value in ``token_key`` (``-100`` for labels, ``0`` for a mask).
         unsplittable: ``True`` when no batch may be split (losses that couple samples, such as in-batch
@@ -136,7 +146,7 @@ class OOMRecovery(Callback):
         checkpoint_modules: module types (classes, class names or qualified names) whose activations
             are recomputed in the backward (``torch.utils.checkpoint``) when even one sample per
             micro-batch does not fit; tried once, before the error. Empty: no checkpointing.
-        verbose: print one line per change of k on rank zero.
+        verbose: print one line per change of k (and the loss weighting found) on rank zero.
         min_micro_batch_size: the fewest samples a micro-batch may have; ``None``: 2 when the model has
             BatchNorm in training mode (it needs more than one value per channel), else 1. As soon as the
             failures show that no micro-batch of this size can fit (every micro-batch after the first runs
@@ -166,10 +176,11 @@ class OOMRecovery(Callback):
 
     def __init__(
         self,
-        loss_reduction: str = "mean",
+        loss_reduction: str = "auto",
         weight_fn: WeightFn | None = None,
         token_key: str | int = "labels",
         ignore_index: int = -100,
+        on_mismatch: str = "raise",
         unsplittable: bool | Callable[[Any], bool] = False,
         sum_log_keys: Iterable[str] = (),
         max_micro_batches: int | None = None,
@@ -190,6 +201,8 @@ class OOMRecovery(Callback):
             raise ValueError(
                 "`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'"
             )
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"`on_mismatch` must be one of {ON_MISMATCH}, got {on_mismatch!r}")
         if not isinstance(unsplittable, bool) and not callable(unsplittable):
             raise TypeError(
                 f"`unsplittable` must be a bool or a callable(batch) -> bool, got {type(unsplittable).__name__}"
@@ -228,6 +241,9 @@ class OOMRecovery(Callback):
         self.weight_fn = weight_fn
         self.token_key = token_key
         self.ignore_index = ignore_index
+        self.on_mismatch = on_mismatch
+        #: The weighting the engine uses (its decision is kept in checkpoints).
+        self.loss_weighting = LossWeighting(loss_reduction, weight_fn, token_key, ignore_index, on_mismatch)
         self.unsplittable = unsplittable
         self.sum_log_keys = frozenset(sum_log_keys)
         self.max_micro_batches = max_micro_batches
@@ -236,6 +252,7 @@ class OOMRecovery(Callback):
         self.grow_back_after = grow_back_after
         self.checkpoint_modules = list(checkpoint_modules)
         self.verbose = verbose
+        self.loss_weighting.verbose = verbose
         self.min_micro_batch_size = min_micro_batch_size
         #: Every failed attempt of this fit, in order (training and evaluation).
         self.failures: list[OOMFailure] = []
@@ -286,6 +303,7 @@ class OOMRecovery(Callback):
         return {
             "oom_count": len(self.failures) + self._restored_oom_count,
             "grow_back_wait": self._wait,
+            **{f"loss_weighting_{key}": value for key, value in self.loss_weighting.state_dict().items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -294,6 +312,10 @@ class OOMRecovery(Callback):
         self._eval_k = {str(stage): int(k) for stage, k in state_dict.get("eval_k", [])}
         self._checkpointing = bool(state_dict.get("checkpointing", False))
         self._wait = int(state_dict.get("grow_back_wait", self.grow_back_after))
+        prefix = "loss_weighting_"
+        self.loss_weighting.load_state_dict(
+            {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
+        )
 
     _restored_oom_count = 0
     _resumed = False
@@ -363,11 +385,7 @@ class OOMRecovery(Callback):
         except RuntimeError as err:
             raise RuntimeError(f"OOMRecovery: {err}") from None
         engine.oom_handler = self._on_oom
-        engine.loss_reduction = "sum" if self.loss_reduction == "sum" else "mean"
-        if self.weight_fn is not None:
-            engine.weight_fn = self.weight_fn
-        elif self.loss_reduction == "tokens":
-            engine.weight_fn = TokenCount(self.token_key, self.ignore_index)
+        engine.loss_weighting = self.loss_weighting
         engine.sum_log_keys = self.sum_log_keys
         if self.unsplittable is True:
             engine.splittable = lambda batch: False

@@ -135,7 +135,8 @@ class Busy(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids, x, y = batch
-        self.steps_seen += 1
+        if self.training:  # the loss-weighting check calls training_step in eval mode, once per run
+            self.steps_seen += 1
         self.ids.append(ids.tolist())
         loss = F.mse_loss(self.net(x), y)
         self.mean.update(loss.detach())

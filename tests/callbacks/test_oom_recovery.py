@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt import MicroBatchOOMError, OOMRecovery, TokenCount
+from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery, TokenCount
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.testing import SimulatedMemory
 
@@ -238,11 +238,23 @@ def test_token_weighting_keeps_a_token_mean_loss_exact():
     assert tokens.failures
     for a, b in zip(got.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
-    # Sample shares would be wrong here: the test could fail.
-    samples = OOMRecovery(loss_reduction="mean")
-    wrong, _ = _lm_run([samples], limit=_lm_limit())
+    # Sample shares would be wrong here: the test could fail. The check flags them (warned, not refused here).
+    samples = OOMRecovery(loss_reduction="mean", on_mismatch="warn")
+    with pytest.warns(
+        GPUOptWarning, match=r"the given weighting, sample shares, does not reproduce your loss"
+    ):
+        wrong, _ = _lm_run([samples], limit=_lm_limit())
     assert samples.failures
     assert max((a - b).abs().max().item() for a, b in zip(wrong.parameters(), ref.parameters())) > 1e-6
+
+
+def test_default_weighting_finds_the_token_mean_after_a_real_oom():
+    ref, _ = _lm_run([])
+    auto = OOMRecovery()
+    got, _ = _lm_run([auto], limit=_lm_limit())
+    assert auto.failures and auto.loss_weighting.decided.description == "tokens (labels != -100)"
+    for a, b in zip(got.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
 def test_weight_fn_counts_like_the_token_preset():
@@ -464,7 +476,7 @@ def test_tensor_parallelism_and_fsdp1_are_refused_naming_the_alternative():
         (
             {"loss_reduction": "avg"},
             ValueError,
-            r"`loss_reduction` must be one of \('mean', 'sum', 'tokens'\), got 'avg'",
+            r"`loss_reduction` must be one of \('auto', 'mean', 'tokens', 'sum'\), got 'avg'",
         ),
         ({"weight_fn": 3}, TypeError, r"`weight_fn` must be a callable"),
         (

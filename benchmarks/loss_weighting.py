@@ -1,0 +1,177 @@
+"""Loss weighting: the one-time cost of ``loss_reduction="auto"``'s check, in ms and in % of one step.
+
+    python benchmarks/loss_weighting.py            # about a minute on 2 shared CPU cores
+    python benchmarks/loss_weighting.py --quick    # smoke run for CI
+    python benchmarks/loss_weighting.py --device cuda --out DIR
+
+For each workload (a Hugging Face GPT-2 from a config, no weights downloaded, on right-padded
+variable-length batches with ``labels=-100`` on the padding; and a BERT masked LM), ``OOMRecovery()`` runs
+every batch as k = 2 micro-batches from the start, so the check runs at the first batch. Measured: the
+check's own time (three forwards without gradients: a piece of the batch the size of one micro-batch,
+and its two parts), and the median time of the later training steps (all k micro-batches, backward and
+optimizer step). On a CPU, with one intra-op thread, times are this process's CPU time (shared cores make
+wall time useless); on CUDA, wall time synchronised at both ends. Writes ``loss_weighting.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_gpuopt import OOMRecovery
+from lightning_gpuopt import loss_weighting as lw
+
+
+class Padded(Dataset):
+    def __init__(self, n: int, length: int, vocab: int, masked: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, vocab, (n, length), generator=g)
+        lengths = torch.randint(length // 4, length + 1, (n,), generator=g)
+        self.mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+        self.ids = ids * self.mask
+        if masked:
+            chosen = (torch.rand(n, length, generator=g) < 0.15) & (self.mask == 1)
+            chosen[:, 0] = True
+            self.labels = self.ids.masked_fill(~chosen, -100)
+        else:
+            self.labels = self.ids.masked_fill(self.mask == 0, -100)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+class Module(pl.LightningModule):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _model(kind: str, width: int, layers: int, vocab: int, length: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if kind == "gpt2-causal-lm":
+        return tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=4)
+        )
+    config = tf.BertConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=4 * width,
+        max_position_embeddings=length,
+    )
+    return tf.BertForMaskedLM(config)
+
+
+class _Clock:
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+
+class StepTimes(pl.Callback):
+    def __init__(self, clock: _Clock) -> None:
+        self.clock, self.times, self._start = clock, [], 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = self.clock.now()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(self.clock.now() - self._start)
+
+
+def measure(kind: str, device: str, quick: bool) -> dict:
+    width, layers, vocab, length, batch = (64, 2, 500, 32, 16) if quick else (128, 4, 2000, 64, 32)
+    steps = 3 if quick else 8
+    clock = _Clock(device)
+    check_times: list[float] = []
+    decide = lw.LossWeighting._decide
+
+    def timed(self, *args, **kwargs):
+        start = clock.now()
+        try:
+            return decide(self, *args, **kwargs)
+        finally:
+            check_times.append(clock.now() - start)
+
+    lw.LossWeighting._decide = timed
+    try:
+        oom = OOMRecovery(verbose=False)
+        oom.load_state_dict({"k": 2})
+        timer = StepTimes(clock)
+        trainer = pl.Trainer(
+            accelerator=device,
+            devices=1,
+            max_steps=steps,
+            callbacks=[oom, timer],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        data = Padded(batch * steps, length, vocab, masked=kind != "gpt2-causal-lm")
+        trainer.fit(Module(_model(kind, width, layers, vocab, length)), DataLoader(data, batch_size=batch))
+    finally:
+        lw.LossWeighting._decide = decide
+    step = statistics.median(timer.times[1:])
+    return {
+        "workload": kind,
+        "batch": batch,
+        "k": 2,
+        "weighting": oom.loss_weighting.decided.description,
+        "check_ms": 1e3 * check_times[0],
+        "step_ms": 1e3 * step,
+        "check_percent_of_step": 100 * check_times[0] / step,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default="build/benchmarks")
+    args = parser.parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    rows = [measure(kind, args.device, args.quick) for kind in ("gpt2-causal-lm", "bert-masked-lm")]
+    print(f"{'workload':<16} {'weighting':<42} {'check ms':>9} {'step ms':>9} {'% of step':>10}")
+    for r in rows:
+        print(
+            f"{r['workload']:<16} {r['weighting']:<42} {r['check_ms']:>9.1f} {r['step_ms']:>9.1f} "
+            f"{r['check_percent_of_step']:>9.1f}%"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "device": args.device, "quick": args.quick}
+    (out / "loss_weighting.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The pure parts of loss_weighting.py: candidates, the choice, ties, tolerance, HF head detection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpuopt.loss_weighting import (
+    Candidate,
+    HFHead,
+    LossWeighting,
+    Weighting,
+    candidates,
+    choose,
+    hf_head,
+    tolerance,
+)
+
+
+def _batch(lengths: list[int], width: int = 6) -> dict[str, torch.Tensor]:
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    labels = torch.ones(len(lengths), width, dtype=torch.long).masked_fill(mask == 0, -100)
+    return {"input_ids": torch.ones_like(labels), "attention_mask": mask, "labels": labels}
+
+
+def _token_mean(per_sample_loss: list[float], lengths: list[int], shift: int = 0) -> float:
+    counts = [n - shift for n in lengths]
+    return sum(v * c for v, c in zip(per_sample_loss, counts)) / sum(counts)
+
+
+def test_the_token_mean_is_found_and_sample_shares_are_not():
+    short, long = _batch([1, 2]), _batch([6, 5, 6])
+    losses = [1.0, 2.0]  # each part's token mean
+    piece = _token_mean(losses, [3, 17])  # the piece's token mean: tokens of both parts
+    result = choose(piece, losses, [short, long], candidates(short), 1e-6)
+    assert result.chosen.kind is Weighting.TOKENS and not result.tied
+    assert result.errors["sample shares"] > 1e-2
+
+
+def test_the_shifted_token_mean_of_a_causal_lm_is_found():
+    parts = [_batch([2, 3]), _batch([6, 6, 5])]
+    losses = [1.0, 3.0]
+    piece = (1.0 * 3 + 3.0 * 14) / 17  # labels[:, 1:]: (1 + 2) and (5 + 5 + 4) tokens
+    assert choose(piece, losses, parts, candidates(parts[0]), 1e-6).chosen.kind is Weighting.TOKENS_SHIFTED
+
+
+def test_a_loss_nothing_reproduces_is_a_mismatch():
+    parts = [_batch([2]), _batch([6, 6, 5])]
+    result = choose(7.0, [1.0, 3.0], parts, candidates(parts[0]), 1e-6)
+    assert result.chosen is None and result.mismatch > 0.1
+
+
+def test_a_tie_goes_to_the_hf_head_else_to_sample_shares_with_the_tie_reported():
+    parts = [_batch([2]), _batch([6, 6, 5])]
+    losses = [2.0, 2.0]  # equal parts' losses: every mean candidate reproduces the piece's loss
+    by_head = choose(2.0, losses, parts, candidates(parts[0]), 1e-6, head=HFHead.CAUSAL_LM)
+    assert by_head.tied and by_head.chosen.kind is Weighting.TOKENS_SHIFTED
+    plain = choose(2.0, losses, parts, candidates(parts[0]), 1e-6)
+    assert plain.tied and plain.chosen.kind is Weighting.SAMPLES
+
+
+def test_candidates_that_count_alike_on_every_sample_are_no_tie():
+    parts = [_batch([6]), _batch([6, 6, 6])]  # full length: samples and tokens count alike
+    result = choose(2.0, [1.0, 7 / 3], parts, candidates(parts[0])[:2], 1e-6)
+    assert result.chosen.kind is Weighting.SAMPLES and not result.tied
+
+
+def test_tolerance_per_precision():
+    assert tolerance("64-true") == 1e-6
+    assert tolerance("32-true") == tolerance(None) == 2e-5
+    assert tolerance("16-mixed") == 1e-2
+    assert tolerance("bf16-true") == 4e-2
+    assert tolerance("64-true", torch.bfloat16) == 4e-2
+
+
+def test_hf_head_from_class_names_without_importing_transformers():
+    def fake(name: str) -> type:
+        base = type("PreTrainedModel", (nn.Module,), {})
+        return type(name, (base,), {})
+
+    assert hf_head(nn.Sequential(nn.Linear(2, 2), fake("GPT2LMHeadModel")())) is HFHead.CAUSAL_LM
+    assert hf_head(fake("LlamaForCausalLM")()) is HFHead.CAUSAL_LM
+    assert hf_head(fake("BertForMaskedLM")()) is HFHead.MASKED_LM
+    assert hf_head(fake("BertForTokenClassification")()) is HFHead.TOKEN_CLASSIFICATION
+    assert hf_head(fake("BertForSequenceClassification")()) is HFHead.SEQUENCE_CLASSIFICATION
+    assert hf_head(fake("BertModel")()) is None
+    assert hf_head(nn.Linear(2, 2)) is None
+
+
+def test_the_package_does_not_import_transformers():
+    import lightning_gpuopt.loss_weighting as lw
+
+    with open(lw.__file__) as f:
+        source = f.read()
+    assert "import transformers" not in source and "from transformers" not in source
+
+
+def test_weights_of_a_sum_and_an_empty_count():
+    chunks = [_batch([2]), _batch([3])]
+    assert Candidate(Weighting.SUM, "sum").weights(chunks) == [1.0, 1.0]
+    empty = [{"labels": torch.full((1, 3), -100)}] * 2
+    with pytest.raises(ValueError, match="sum to 0"):
+        Candidate(Weighting.TOKENS, "tokens", "labels").weights(empty)
+
+
+def test_bad_arguments_and_checkpoint_state():
+    with pytest.raises(ValueError, match="`loss_reduction` must be one of"):
+        LossWeighting("avg")
+    with pytest.raises(ValueError, match="`on_mismatch` must be one of"):
+        LossWeighting(on_mismatch="ignore")
+    restored = LossWeighting()
+    restored.load_state_dict(
+        {"checked": True, "kind": "tokens-shifted", "description": "d", "key": "labels", "ignore_index": -100}
+    )
+    assert restored.decided.kind is Weighting.TOKENS_SHIFTED
+    assert restored.state_dict()["kind"] == "tokens-shifted"
