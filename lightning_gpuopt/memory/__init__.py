@@ -17,9 +17,12 @@ from lightning_gpuopt.memory.predict import (
     ParallelLayout,
     PeakLine,
     PeakPrediction,
+    PhasePeak,
     PredictionMethod,
     predict_peak,
+    predict_peak_deep,
     predict_peak_line,
+    scale_to_batch,
 )
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, CudaMemoryProbe, MemoryProbe, get_probe
 from lightning_gpuopt.memory.units import format_bytes
@@ -34,6 +37,7 @@ __all__ = [
     "ParallelLayout",
     "PeakLine",
     "PeakPrediction",
+    "PhasePeak",
     "PredictionMethod",
     "format_bytes",
     "free_memory",
@@ -41,5 +45,7 @@ __all__ = [
     "is_maybe_size_error",
     "is_oom_error",
     "predict_peak",
+    "predict_peak_deep",
     "predict_peak_line",
+    "scale_to_batch",
 ]

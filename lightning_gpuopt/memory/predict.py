@@ -25,6 +25,7 @@ statistics, and it lives in a private package. docs/memory.md says what is model
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import inspect
 import math
@@ -42,13 +43,18 @@ from torch.utils._pytree import tree_map
 from lightning_gpuopt.memory.units import format_bytes
 
 __all__ = [
+    "BATCH_CATEGORIES",
     "MemoryCategory",
     "ParallelLayout",
     "PeakLine",
     "PeakPrediction",
+    "PhasePeak",
     "PredictionMethod",
     "predict_peak",
+    "predict_peak_deep",
     "predict_peak_line",
+    "repeated_blocks",
+    "scale_to_batch",
 ]
 
 
@@ -126,6 +132,19 @@ class ParallelLayout:
 
 
 @dataclass(frozen=True)
+class PhasePeak:
+    """The highest device bytes within one phase of one step, with the breakdown at that moment."""
+
+    phase: str
+    step: int
+    peak_bytes: int
+    categories: dict[str, int]
+    modules: dict[str, int]
+    module: str
+    host_bytes: int
+
+
+@dataclass(frozen=True)
 class PeakPrediction:
     """A training step's predicted peak device memory and what it was made of at that moment.
 
@@ -142,7 +161,8 @@ class PeakPrediction:
         batch_size: samples in the batch predicted for.
         method: traced, or estimated when tracing failed (:attr:`decision` says why).
         device: the device type traced for.
-        decision: why the prediction is an estimate (``None`` when traced).
+        decision: why the prediction is an estimate, and what was guessed or extrapolated (``None``: nothing).
+        phases: the peak of every phase of the two steps (forward, backward, optimizer step).
     """
 
     peak_bytes: int
@@ -156,6 +176,7 @@ class PeakPrediction:
     method: PredictionMethod
     device: str
     decision: str | None = None
+    phases: tuple[PhasePeak, ...] = ()
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.categories.items() if v)
@@ -224,6 +245,7 @@ class _Counter(TorchDispatchMode):
         self._peak_where: tuple = (Phase.OTHER, 0, "", 0)
         self.by_category: dict[MemoryCategory, int] = {}
         self.by_module: dict[str, int] = {}
+        self.phase_peaks: list[tuple[int, tuple]] = []
         self.phase = Phase.OTHER
         self.step = 0
         self.module_stack: list[str] = []
@@ -338,9 +360,36 @@ class _Counter(TorchDispatchMode):
         if self._peak_pending:
             self._snapshot()
 
-    def peak_breakdown(self) -> tuple[dict[str, int], dict[str, int]]:
-        categories = {c.value: self.peak_state[4].get(c, 0) for c in MemoryCategory}
-        modules = {k: v for k, v in self.peak_state[5].items() if v}
+    def start_phase(self, phase: Phase) -> None:
+        """Close the running phase (its peak is kept) and start ``phase`` with a fresh peak."""
+        self.finish()
+        if self.peak_state[1]:  # a step's phase: keep its peak
+            self.phase_peaks.append((self.peak, self.peak_state))
+        self.phase = phase
+        self.peak = self.device_total
+        self._peak_where = (phase, self.step, "", self.host_total)
+        self._snapshot()
+
+    def add_second_step(self, extra: dict[Phase, dict[MemoryCategory, int]]) -> None:
+        """The second step's phase peaks: the first step's, with ``extra`` bytes alive."""
+        for peak, (phase, _step, module, host, cats, mods) in list(self.phase_peaks):
+            add = extra.get(phase)
+            if add is None:
+                continue
+            cats = dict(cats)
+            for category, nbytes in add.items():
+                cats[category] = cats.get(category, 0) + nbytes
+            mods = dict(mods)
+            mods[""] = mods.get("", 0) + sum(add.values())
+            self.phase_peaks.append((peak + sum(add.values()), (phase, 2, module, host, cats, mods)))
+
+    def best(self) -> tuple:
+        """The highest phase peak (the earliest of equal ones)."""
+        return max(self.phase_peaks, key=lambda item: item[0], default=(self.peak, self.peak_state))
+
+    def peak_breakdown(self, state: tuple) -> tuple[dict[str, int], dict[str, int]]:
+        categories = {c.value: state[4].get(c, 0) for c in MemoryCategory}
+        modules = {k: v for k, v in state[5].items() if v}
         return categories, dict(sorted(modules.items(), key=lambda kv: -kv[1]))
 
     # --- the mode ------------------------------------------------------------------------------------
@@ -632,15 +681,29 @@ def predict_peak(
         raise ValueError(
             "`optimizer` must be an optimizer or a factory when the model has no `configure_optimizers`, got None"
         )
-    state = _FakeState(model, dev, weight_dtype)
+    # The autograd engine needs a real CUDA device for CUDA tensors, even fake ones: without one, trace
+    # with the CPU's kernels (the same saved tensors for matmuls and attention, in the same dtypes).
+    traced_on = dev if dev.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
+    state = _FakeState(model, traced_on, weight_dtype)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    counter = _Counter(dev.type, rounding)
+    counter = _Counter(traced_on.type, rounding)
     try:
         with fake_mode:
             state.swap()
-            fake_batch = _fake_batch(batch, dev, weight_dtype)
+            fake_batch = _fake_batch(batch, traced_on, weight_dtype)
             with counter:
-                _trace(model, fake_batch, optimizer, step, layout, state, counter, autocast_dtype, dev)
+                _trace(
+                    model,
+                    fake_batch,
+                    optimizer,
+                    step,
+                    layout,
+                    state,
+                    counter,
+                    autocast_dtype,
+                    traced_on,
+                    dev.type == "cuda",
+                )
     except _InputError:
         raise
     except Exception as err:
@@ -649,25 +712,40 @@ def predict_peak(
         return _estimated(model, batch, optimizer, precision, layout, n, dev, err)
     finally:
         state.restore()
-    counter.finish()
-    categories, modules = counter.peak_breakdown()
-    phase, step_index, module, host, _, _ = counter.peak_state
+    phases = []
+    for peak, state_at in counter.phase_peaks:
+        categories, modules = counter.peak_breakdown(state_at)
+        phase, step_index, module, host, _, _ = state_at
+        if phase is not Phase.OTHER:
+            phases.append(PhasePeak(phase.value, step_index, peak, categories, modules, module, host))
+    best = max(phases, key=lambda ph: ph.peak_bytes)
     return PeakPrediction(
-        peak_bytes=counter.peak,
-        categories=categories,
-        modules=modules,
-        phase=phase.value,
-        step=step_index,
-        module=module,
-        host_bytes=host,
+        peak_bytes=best.peak_bytes,
+        categories=best.categories,
+        modules=best.modules,
+        phase=best.phase,
+        step=best.step,
+        module=best.module,
+        host_bytes=best.host_bytes,
+        phases=tuple(phases),
         batch_size=n,
         method=PredictionMethod.TRACED,
         device=dev.type,
-        decision=(
-            f"data-dependent values guessed ({', '.join(sorted(counter.guessed))}): masks taken as checked, counts as 1"
-            if counter.guessed
-            else None
-        ),
+        decision="; ".join(
+            (
+                [f"traced with {traced_on.type} kernels (no {dev.type} device here)"]
+                if traced_on != dev
+                else []
+            )
+            + (
+                [
+                    f"data-dependent values guessed ({', '.join(sorted(counter.guessed))}): masks taken as checked, counts as 1"
+                ]
+                if counter.guessed
+                else []
+            )
+        )
+        or None,
     )
 
 
@@ -685,6 +763,7 @@ def _trace(
     counter: _Counter,
     autocast_dtype: torch.dtype | None,
     dev: torch.device,
+    target_cuda: bool,
 ) -> None:
     import warnings
 
@@ -796,46 +875,62 @@ def _trace(
 
     try:
         opt = _build_optimizer(model, optimizer, state, counter)
-        for i in (1, 2):
-            counter.step = i
-            for _, u in units:
-                pending[id(u)] = len(list(u.parameters()))
-            counter.phase = Phase.FORWARD
-            ctx = (
-                torch.autocast(dev.type, dtype=autocast_dtype)
-                if autocast_dtype is not None
-                else contextlib.nullcontext()
+        if target_cuda:
+            for group in opt.param_groups:  # on CUDA, torch's optimizers default to their foreach kernels
+                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                    group["foreach"] = True
+        counter.step = 1
+        grads_before = counter.by_category.get(MemoryCategory.GRADIENTS, 0)
+        counter.start_phase(Phase.FORWARD)
+        ctx = (
+            torch.autocast(dev.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with ctx, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = _run_step(model, batch, step)
+        loss = _loss_of(out)
+        if loss is None:
+            raise _InputError(
+                "The training step must return a loss (a tensor, a dict with 'loss', or an object with "
+                f"`.loss`), got {type(out).__name__}: pass `step=` returning the loss"
             )
-            with ctx, warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                out = _run_step(model, batch, step)
-            loss = _loss_of(out)
-            if loss is None:
-                raise ValueError(
-                    f"The training step must return a loss (a tensor, a dict with 'loss', or an object with `.loss`), "
-                    f"got {type(out).__name__}: pass `step=` returning the loss"
-                )
-            counter.phase = Phase.OTHER
-            opt.zero_grad(set_to_none=True)
-            counter.phase = Phase.BACKWARD
-            counter.in_backward = True
-            loss.backward()
-            counter.in_backward = False
-            del loss, out
-            for _, u in units:
-                release(u)
-            counter.phase = Phase.OPTIMIZER
-            if sharded:
-                counter.scale = world
-                counter.host_phase = offload
-            opt.step()
-            counter.scale = 1
-            counter.host_phase = False
-            for st in opt.state.values():
-                for v in st.values() if isinstance(st, Mapping) else ():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        counter.update(v, MemoryCategory.OPTIMIZER_STATE)
-            counter.phase = Phase.OTHER
+        counter.start_phase(Phase.OTHER)
+        opt.zero_grad(set_to_none=True)
+        counter.start_phase(Phase.BACKWARD)
+        counter.in_backward = True
+        loss.backward()
+        counter.in_backward = False
+        del loss, out
+        for _, u in units:
+            release(u)
+        counter.start_phase(Phase.OPTIMIZER)
+        if sharded:
+            counter.scale = world
+            counter.host_phase = offload
+        opt.step()
+        counter.scale = 1
+        counter.host_phase = False
+        for st in opt.state.values():
+            for v in st.values() if isinstance(st, Mapping) else ():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    counter.update(v, MemoryCategory.OPTIMIZER_STATE)
+        counter.start_phase(Phase.OTHER)
+        # The second step runs the same operators with more alive: the first step's gradients during
+        # its forward (zero_grad comes after it, Lightning's order), the optimizer state throughout,
+        # and no state to create in its optimizer step.
+        state_bytes = counter.by_category.get(MemoryCategory.OPTIMIZER_STATE, 0)
+        grads_bytes = counter.by_category.get(MemoryCategory.GRADIENTS, 0) - grads_before
+        counter.add_second_step(
+            {
+                Phase.FORWARD: {
+                    MemoryCategory.GRADIENTS: grads_bytes,
+                    MemoryCategory.OPTIMIZER_STATE: state_bytes,
+                },
+                Phase.BACKWARD: {MemoryCategory.OPTIMIZER_STATE: state_bytes},
+            }
+        )
     finally:
         for h in handles:
             h.remove()
@@ -996,3 +1091,123 @@ def predict_peak_line(
     slope = max(0.0, (b.peak_bytes - a.peak_bytes) / (large - small))
     fixed = b.peak_bytes - slope * large
     return PeakLine(fixed, slope, (a, b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Deep models: trace one and two repeated blocks, extrapolate in depth
+# ---------------------------------------------------------------------------------------------------
+#: Categories that grow with the batch (the rest is model state: parameters, gradients, optimizer state, ...).
+BATCH_CATEGORIES = (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES, MemoryCategory.INPUTS)
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The ``nn.ModuleList`` holding the most parameters in blocks of one type (a transformer's layers), or None.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(8, 8), nn.ModuleList(nn.Linear(8, 8) for _ in range(4)))
+        >>> repeated_blocks(net)[0]
+        '1'
+    """
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 3:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size and (best is None or size > best[0]):
+            best = (size, name, module)
+    return (best[1], best[2]) if best else None
+
+
+@contextlib.contextmanager
+def _first_blocks(blocks: nn.ModuleList, k: int):
+    saved = blocks._modules
+    blocks._modules = {key: saved[key] for key in list(saved)[:k]}
+    try:
+        yield
+    finally:
+        blocks._modules = saved
+
+
+def predict_peak_deep(model: nn.Module, batch: Any, *args: Any, **kwargs: Any) -> PeakPrediction:
+    """:func:`predict_peak` for a deep model: trace it with one and with two of its repeated blocks, extrapolate.
+
+    A model whose depth is a ``nn.ModuleList`` of identical blocks (:func:`repeated_blocks`; a
+    transformer's layers) costs a trace of its full depth; every block adds the same bytes to every
+    category, so two short traces (the list cut to its first one and two blocks, restored after) give
+    the full depth's peak: ``P(L) = P(1) + (L - 1) × (P(2) - P(1))``. Models without such a list are
+    traced whole. Arguments are those of :func:`predict_peak`.
+
+    Example:
+        >>> net = nn.Sequential(*(nn.Linear(64, 64) for _ in range(1)), nn.ModuleList(nn.Linear(64, 64) for _ in range(8)))
+        >>> net.forward = lambda x: [x := layer(x) for layer in net[1]][-1]
+        >>> kw = dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), step=lambda m, x: m(x).sum())
+        >>> deep, whole = predict_peak_deep(net, torch.zeros(32, 64), **kw), predict_peak(net, torch.zeros(32, 64), **kw)
+        >>> deep.peak_bytes == whole.peak_bytes
+        True
+    """
+    found = repeated_blocks(model)
+    if found is None:
+        return predict_peak(model, batch, *args, **kwargs)
+    name, blocks = found
+    depth = len(blocks)
+    with _first_blocks(blocks, 1):
+        one = predict_peak(model, batch, *args, **kwargs)
+    if one.method is not PredictionMethod.TRACED:
+        return predict_peak(model, batch, *args, **kwargs)
+    with _first_blocks(blocks, 2):
+        two = predict_peak(model, batch, *args, **kwargs)
+
+    def grow(a: int, b: int) -> int:
+        return a + (depth - 1) * (b - a)
+
+    def grow_dict(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+        return {k: grow(a.get(k, 0), b.get(k, 0)) for k in dict.fromkeys([*b, *a])}
+
+    first = {(ph.phase, ph.step): ph for ph in one.phases}
+    phases = tuple(
+        PhasePeak(
+            ph.phase,
+            ph.step,
+            grow(first[(ph.phase, ph.step)].peak_bytes, ph.peak_bytes),
+            grow_dict(first[(ph.phase, ph.step)].categories, ph.categories),
+            grow_dict(first[(ph.phase, ph.step)].modules, ph.modules),
+            ph.module,
+            grow(first[(ph.phase, ph.step)].host_bytes, ph.host_bytes),
+        )
+        for ph in two.phases
+        if (ph.phase, ph.step) in first
+    )
+    best = max(phases, key=lambda ph: ph.peak_bytes)
+    note = f"{depth} blocks of {name or 'the model'} extrapolated from traces of 1 and 2"
+    return dataclasses.replace(
+        two,
+        peak_bytes=best.peak_bytes,
+        categories=best.categories,
+        modules={k: v for k, v in best.modules.items() if v},
+        phase=best.phase,
+        step=best.step,
+        module=best.module,
+        host_bytes=best.host_bytes,
+        phases=phases,
+        decision="; ".join(filter(None, [note, two.decision])),
+    )
+
+
+def scale_to_batch(prediction: PeakPrediction, n: int) -> int:
+    """Peak bytes of ``prediction`` at ``n`` samples: its activations, temporaries and inputs scaled by ``n`` / its batch.
+
+    One trace, extrapolated linearly in the batch size from its own breakdown (the model state does
+    not grow with the batch). Exact where the peak's phase stays the same; two traces
+    (:func:`predict_peak_line`) also see a phase change.
+
+    Example:
+        >>> p = PeakPrediction(300, {"parameters": 100, "activations": 200}, {}, "forward", 1, "", 0, 4,
+        ...                    PredictionMethod.TRACED, "cpu")
+        >>> scale_to_batch(p, 8)
+        500
+    """
+    growing = sum(prediction.categories.get(c.value, 0) for c in BATCH_CATEGORIES)
+    fixed = prediction.peak_bytes - growing
+    return fixed + math.ceil(growing * n / max(1, prediction.batch_size))
