@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt._summary import RunSummary
 from lightning_gpuopt.callbacks import GPUOptReport, MemoryAwareBatchSize, OOMRecovery, PrecisionSwitch
+from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
 
@@ -33,6 +34,19 @@ _DESCRIPTION = (
     "`gpuopt plan --config X.yaml [--trainer.devices N]` prints the memory plan (which strategy, why) without "
     "training; `gpuopt report RUN_DIR` prints a finished run's report table and draws its picture again."
 )
+
+
+def _register_byte_size() -> None:
+    """Let jsonargparse read ``--gpuopt.device_memory 80GB`` (a ByteSize), and write it back as plain bytes."""
+    from jsonargparse.typing import register_type
+
+    try:
+        register_type(ByteSize, serializer=int, deserializer=ByteSize)
+    except ValueError:  # registered already
+        pass
+
+
+_register_byte_size()
 
 
 class GPUOptCLI(LightningCLI):
@@ -129,9 +143,10 @@ class GPUOptCLI(LightningCLI):
         )
         parser.add_argument(
             "--gpuopt.device_memory",
-            type=int | None,
+            type=ByteSize | None,
             default=None,
-            help="Bytes per device to plan against instead of the device's own (to plan for another machine).",
+            help="Memory per device to plan against instead of the device's own (to plan for another machine): "
+            "bytes, or with a unit: 80GB, 80GiB, 80e9.",
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
