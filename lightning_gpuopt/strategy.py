@@ -530,6 +530,18 @@ def select_strategy(
     if units:
         notes.append(f"full sharding gathers one {type(units[0]).__name__} at a time ({len(units)} units)")
     fitting = [r for r in rows if r.fits and r.available]
+    split = None
+    if (
+        not fitting
+    ):  # the pack splits each batch into micro-batches: a candidate where a smaller one fits will do
+        fitting = [r for r in rows if r.available and (r.largest_micro_batch or 0) >= 1]
+        if fitting:
+            split = min(fitting, key=lambda r: r.estimate.candidate.cost)
+            notes.append(
+                f"{split.name} fits micro-batches of {split.largest_micro_batch} (predicted), not "
+                f"{micro_batch_size}: each batch is split into {-(-micro_batch_size // split.largest_micro_batch)} "
+                "micro-batches (OOMRecovery / MemoryAwareBatchSize)"
+            )
     if not fitting:
         plan = StrategyPlan(rows, None, "no candidate fits", None, notes=notes, **plan_args)
         smallest = min(rows, key=_row_bytes)
@@ -542,7 +554,12 @@ def select_strategy(
         )
     best = min(fitting, key=lambda r: r.estimate.candidate.cost)
     cheaper = [r for r in rows if r.estimate.candidate.cost < best.estimate.candidate.cost and r.available]
-    if cheaper:
+    if split is not None:
+        reason = (
+            f"nothing fits micro-batches of {micro_batch_size}; {best.name} has the least communication among "
+            f"those that fit smaller ones ({best.largest_micro_batch} samples predicted to fit)"
+        )
+    elif cheaper:
         last = max(cheaper, key=lambda r: r.estimate.candidate.cost)
         reason = (
             f"{last.name} would need {format_bytes(_row_bytes(last))} per device, over the budget; "
