@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import inspect
 import math
+import os
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -69,6 +70,7 @@ class MemoryCategory(str, enum.Enum):
     TEMPORARIES = "temporaries"
     INPUTS = "inputs"
     GATHERED = "gathered parameters"
+    WORKSPACES = "kernel workspaces"
 
 
 class PredictionMethod(str, enum.Enum):
@@ -628,6 +630,7 @@ def predict_peak(
     layout: ParallelLayout | None = None,
     device: torch.device | str = "cpu",
     rounding: Callable[[int], int] | None = None,
+    workspace_bytes: int | None = None,
     fallback: bool = True,
 ) -> PeakPrediction:
     """Predict the peak device memory of training ``model`` on ``batch``, without allocating it.
@@ -652,8 +655,11 @@ def predict_peak(
         layout: the distribution to emulate; ``None``: a single device.
         device: the device type to trace for (kernels and their saved tensors differ between CPU and
             CUDA); fake CUDA tensors need no GPU.
-        rounding: bytes as the device's allocator hands them out (see
-            :func:`lightning_gpuopt.memory.allocator.cuda_block_bytes`); ``None``: exact bytes.
+        rounding: bytes as the device's allocator hands them out; ``None``: on CUDA, the caching
+            allocator's 512-byte blocks (:func:`lightning_gpuopt.memory.allocator.cuda_block_bytes`),
+            else exact bytes.
+        workspace_bytes: kernel workspaces alive through the step; ``None``: on CUDA, cuBLAS's
+            (:func:`lightning_gpuopt.memory.allocator.cublas_workspace_bytes`), else 0.
         fallback: when the trace fails (data-dependent operations), return the arithmetic estimate of
             :mod:`lightning_gpuopt.memory.estimate` with ``method=ESTIMATED`` and the reason in
             ``decision``; ``False``: raise.
@@ -676,6 +682,14 @@ def predict_peak(
     layout = layout or ParallelLayout()
     weight_dtype, autocast_dtype = _precision_dtypes(precision)
     dev = torch.device(device)
+    if dev.type == "cuda":
+        from lightning_gpuopt.memory.allocator import cublas_workspace_bytes, cuda_block_bytes
+
+        rounding = rounding or cuda_block_bytes
+        if workspace_bytes is None:
+            major = torch.cuda.get_device_capability(dev)[0] if torch.cuda.is_available() else 9
+            workspace_bytes = cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    workspace_bytes = workspace_bytes or 0
     n = _batch_size_of(batch)
     if optimizer is None and not callable(getattr(model, "configure_optimizers", None)):
         raise ValueError(
@@ -717,7 +731,11 @@ def predict_peak(
         categories, modules = counter.peak_breakdown(state_at)
         phase, step_index, module, host, _, _ = state_at
         if phase is not Phase.OTHER:
-            phases.append(PhasePeak(phase.value, step_index, peak, categories, modules, module, host))
+            categories[MemoryCategory.WORKSPACES.value] += workspace_bytes
+            modules = {**modules, "": modules.get("", 0) + workspace_bytes} if workspace_bytes else modules
+            phases.append(
+                PhasePeak(phase.value, step_index, peak + workspace_bytes, categories, modules, module, host)
+            )
     best = max(phases, key=lambda ph: ph.peak_bytes)
     return PeakPrediction(
         peak_bytes=best.peak_bytes,
