@@ -8,7 +8,7 @@ Measured per model (a SqueezeNet 1.1 on 32x32 images, a 4-layer MLP, and a tiny 
 so short that the callback's fixed cost per step shows):
 
 1. **Overhead**: steady-state step time with ``OOMRecovery()`` installed (k=1, no OOM, no limit)
-   over plain Lightning (no callback). Target: median ratio <= 1.02 (DESIGN.md, "Silent when healthy").
+   over plain Lightning (no callback). Target: median ratio <= 1.02 (silent when healthy; docs/benchmarks.md).
 2. **Forced k=2** (no OOM) over plain Lightning, for information: the price of micro-batching itself.
 3. **DDP overhead** (``--no-ddp`` skips it): two CPU processes over gloo (``ddp_spawn``), the MLP,
    plain DDP vs DDP with ``OOMRecovery()`` (k=1, no OOM): the pack runs every backward under

@@ -16,7 +16,7 @@ about 10x slower than float32), at the same batch in every configuration:
    are finite and, for ``16-mixed``, the GradScaler's scale stays >= 1.
 2. **Cost when healthy**: ``PrecisionSwitch(initial="keep")`` over plain Lightning in ``32-true`` (every
    optimizer step checks loss and gradients: one host sync) and in ``16-mixed`` (no check: the
-   GradScaler already knows). Target: median ratio <= 1.02 (DESIGN.md, "Silent when healthy").
+   GradScaler already knows). Target: median ratio <= 1.02 (silent when healthy; docs/benchmarks.md).
 3. **The automatic choice**: ``PrecisionSwitch()`` (``initial="auto"``) with its watch, against the
    fastest stable configuration of (1). Target: within 5 % (ratio of samples/s >= 0.95).
 

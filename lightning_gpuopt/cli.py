@@ -25,6 +25,7 @@ from lightning_gpuopt.callbacks import GPUOptReport, MemoryAwareBatchSize, OOMRe
 from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
+from lightning_gpuopt.support import Feature
 
 __all__ = ["GPUOptCLI", "main", "plan_command", "report_command", "run"]
 
@@ -214,7 +215,17 @@ class GPUOptCLI(LightningCLI):
             micro_batch_size=int(getattr(self.datamodule, "batch_size", 1) or 1),
             device_memory=memory,
             device=device,
+            features=self._planned_features(),
         )
+
+    def _planned_features(self) -> list[Feature]:
+        """The pack's callbacks this fit adds, most important first (the plan keeps them running when it can)."""
+        features = []
+        if self._gpuopt_option("oom_recovery"):
+            features.append(Feature.OOM_RECOVERY)
+        if self._gpuopt_option("batch_size_search"):
+            features.append(Feature.BATCH_SIZE_SEARCH)
+        return features
 
     @staticmethod
     def _add_oom_recovery(trainer: Trainer) -> None:
@@ -225,7 +236,8 @@ class GPUOptCLI(LightningCLI):
         """Add ``callback()`` (a micro-batching callback) unless the Trainer has one or its strategy cannot run it."""
         if any(isinstance(cb, callback) for cb in trainer.callbacks):
             return
-        reason = unsupported_strategy(trainer.strategy, sharded=callback is OOMRecovery)
+        feature = Feature.OOM_RECOVERY if callback is OOMRecovery else Feature.BATCH_SIZE_SEARCH
+        reason = unsupported_strategy(trainer.strategy, sharded=feature is Feature.OOM_RECOVERY)
         if reason is not None:
             rank_zero_info(f"gpuopt: {callback.__name__} not added: {reason}")
             return

@@ -28,8 +28,10 @@ Evaluation steps (validation, test, predict) are wrapped too: an OOM there split
 chunks, runs them, and puts their outputs back together in order.
 
 Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`,
-``next_proposal``, ``oom_handler``, ``attempt_checks``, ``enable_checkpointing`` and ``listeners``; the
-rest is private.
+``next_proposal``, ``oom_handler``, ``attempt_checks``, ``enable_checkpointing`` and ``listeners``, and
+read it through :meth:`~MicroBatchEngine.effective_k`, :meth:`~MicroBatchEngine.micro_batch_size`,
+:meth:`~MicroBatchEngine.batch_size` and :meth:`~MicroBatchEngine.installed`; the rest is private, and
+no component of the pack reads it.
 """
 
 from __future__ import annotations
@@ -42,16 +44,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt._exchange import (
     DDPExchange,
     FSDP2Exchange,
     LocalExchange,
     PeerFailure,
-    fsdp2_unsupported,
 )
 from lightning_gpuopt.batching import (
     SPLIT_HOOK,
@@ -60,27 +63,34 @@ from lightning_gpuopt.batching import (
     merge_outputs,
     split_batch,
 )
-from lightning_gpuopt.memory import free_memory, get_probe, is_oom_error
+from lightning_gpuopt.memory import free_memory, get_probe, is_maybe_size_error, is_oom_error
 from lightning_gpuopt.oom_policy import (
-    STATUS_CHECKPOINT,
-    STATUS_FATAL,
-    STATUS_OOM,
     Agreement,
     OOMFailure,
+    Proposal,
     Recovery,
+    Source,
+    Status,
     Vote,
     agree,
     parse_tried_bytes,
 )
+from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 
 __all__ = [
+    "CHECKPOINTING",
     "EVAL_STAGES",
+    "EngineState",
     "KChange",
     "MicroBatchEngine",
+    "MicroBatchOOMError",
     "RankOutOfMemoryError",
     "WeightFn",
     "unsupported_strategy",
 ]
+
+#: The name of the activation-checkpointing rung in the engine's state.
+CHECKPOINTING = "activation checkpointing"
 
 #: The evaluation steps the engine wraps, by the name of the strategy method.
 EVAL_STAGES = ("validation", "test", "predict")
@@ -111,7 +121,7 @@ class KChange:
     k_before: int
     k_after: int
     batch_size: int
-    source: str
+    source: Source
     reason: str
     stage: str = "train"
 
@@ -133,6 +143,51 @@ class RankOutOfMemoryError(torch.OutOfMemoryError):
     """Another rank ran out of memory with nothing left to split: every rank stops with this error."""
 
 
+class MicroBatchOOMError(torch.OutOfMemoryError):
+    """Out of memory and nothing left to split: the message carries a memory breakdown and next steps."""
+
+
+class EngineState(Callback):
+    """Saves the micro-batch engine's state once per checkpoint: k, the evaluation k and the active rungs.
+
+    Added to the Trainer by the first of the pack's callbacks that sets up for ``fit``
+    (:meth:`ensure`), so that Lightning saves and restores it like any callback; the engine takes the
+    restored state when a callback calls :meth:`MicroBatchEngine.resume`.
+    """
+
+    state_key = "MicroBatchEngine"
+
+    def __init__(self) -> None:
+        self._trainer: pl.Trainer | None = None
+        self._last: dict[str, Any] = {}
+        self.restored: dict[str, Any] | None = None
+
+    @classmethod
+    def ensure(cls, trainer: pl.Trainer) -> EngineState:
+        """The Trainer's holder of the engine state, added to its callbacks on first use."""
+        holder = cls.of(trainer)
+        if holder is None:
+            holder = cls()
+            trainer.callbacks.append(holder)
+        holder._trainer = trainer
+        return holder
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> EngineState | None:
+        return next((cb for cb in trainer.callbacks if isinstance(cb, cls)), None)
+
+    def state_dict(self) -> dict[str, Any]:
+        engine = MicroBatchEngine.get(self._trainer) if self._trainer is not None else None
+        return engine.state_dict() if engine is not None else dict(self._last)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.restored = dict(state_dict)
+        self._last = dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_trainer": None}
+
+
 class MicroBatchEngine:
     """Runs each training batch as k micro-batches; the only owner of k for one Trainer.
 
@@ -151,9 +206,9 @@ class MicroBatchEngine:
         #: Turns activation checkpointing on (for a :class:`Recovery` that asks for it); returns whether
         #: anything changed.
         self.enable_checkpointing: Callable[[], bool] | None = None
-        #: ``(k, status bit, reason)`` a callback proposes for the batch after the next vote (grow back,
+        #: The :class:`~lightning_gpuopt.oom_policy.Proposal` a callback makes for the batch after the next vote (grow back,
         #: thrashing); consumed by that vote. The ranks' proposals are agreed with :func:`agree`.
-        self.next_proposal: tuple[int, int, str] | None = None
+        self.next_proposal: Proposal | None = None
         #: Counts a micro-batch's share of the loss; ``None``: samples (``batch_size_of``).
         self.weight_fn: WeightFn | None = None
         #: ``"mean"``: losses weighted by their share; ``"sum"``: summed unweighted.
@@ -170,8 +225,13 @@ class MicroBatchEngine:
         #: alike on every rank.
         self.attempt_checks: list[Callable[[int, Tensor], bool]] = []
         self.history: list[KChange] = []
+        #: The names of the recovery rungs turned on in this run beyond more micro-batches (saved with k).
+        self.active_rungs: list[str] = []
         self.listeners: list[Callable[[KChange], None]] = []
         self._users: set[int] = set()
+        self._resumed: dict[str, Any] | None = None
+        #: The smallest micro-batch (samples) that ran in this fit, per stage.
+        self._smallest_ran: dict[str, int] = {}
         self._installed: set[str] = set()
         self._attempt: _Attempt | None = None
         self._skip_backward = False
@@ -209,11 +269,59 @@ class MicroBatchEngine:
         """Stop using the engine; the last user's release removes every patch."""
         self._users.discard(id(user))
         if not self._users:
+            holder = EngineState.of(self.trainer)
+            if holder is not None:
+                holder._last = self.state_dict()  # what a checkpoint written after this fit holds
             self._uninstall()
             if getattr(self.trainer, _ENGINE_ATTR, None) is self:
                 delattr(self.trainer, _ENGINE_ATTR)
 
-    def propose(self, k: int, source: str, reason: str, batch_size: int | None = None) -> int:
+    def installed(self, stage: str) -> bool:
+        """Whether the engine wraps ``stage``'s steps now (``"train"``, ``"validation"``, ``"test"``, ``"predict"``)."""
+        return stage in self._installed
+
+    def batch_size(self, batch: Any) -> int:
+        """The samples in ``batch`` as the engine counts them (1 for a batch without a sample dimension)."""
+        return self._batch_size(batch)
+
+    def effective_k(self, batch: Any) -> int:
+        """The micro-batches ``batch`` runs as now: k, raised to keep micro-batches within
+        :attr:`max_micro_batch_size`, at most one per sample, 1 for a batch that may not be split."""
+        return self._effective_k(self._batch_size(batch), batch)
+
+    def micro_batch_size(self, batch: Any) -> int:
+        """Samples in the largest micro-batch of ``batch`` now."""
+        n = self._batch_size(batch)
+        return math.ceil(n / self._effective_k(n, batch))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's decisions, plain values: k, the evaluation k per stage, the active rungs."""
+        return {
+            "k": self.k,
+            "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
+            "rungs": list(self.active_rungs),
+        }
+
+    def resume(self) -> dict[str, Any] | None:
+        """Apply the state restored from a checkpoint, once; returns that state to every caller (``None``: none).
+
+        The callbacks call it once their listeners are in place, so that the change is announced like any
+        other; a rung named in the state is for its owner to turn on again (see :attr:`active_rungs`).
+        """
+        holder = EngineState.of(self.trainer)
+        state = holder.restored if holder is not None else None
+        if state is None:
+            return self._resumed
+        holder.restored = None
+        self._resumed = state
+        for stage, k in state.get("eval_k", []):
+            self.eval_k.setdefault(str(stage), int(k))
+        k = int(state.get("k", 1))
+        if k != self.k:
+            self.propose(k, Source.RESUME, "restored from checkpoint")
+        return state
+
+    def propose(self, k: int, source: Source | str, reason: str, batch_size: int | None = None) -> int:
         """Ask for k micro-batches; returns the k now in force.
 
         Precedence: a proposal from ``"oom"`` raises k and always wins; any proposal that lowers k is
@@ -221,7 +329,10 @@ class MicroBatchEngine:
         """
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"`k` (micro-batches) must be a positive int, got {k!r}")
-        if k < self.k and source != "oom" and self.max_micro_batch_size and batch_size:
+        source = (
+            Source(source) if source in Source._value2member_map_ else source
+        )  # a caller's own source stays
+        if k < self.k and source is not Source.OOM and self.max_micro_batch_size and batch_size:
             k = max(k, math.ceil(batch_size / self.max_micro_batch_size))
         if k != self.k:
             change = KChange(self.trainer.global_step, self.k, k, batch_size or 0, source, reason)
@@ -367,7 +478,7 @@ class MicroBatchEngine:
         optimizer = trainer.optimizers[0]
         accumulate = trainer.accumulate_grad_batches
         first_in_window = batch_idx % accumulate == 0  # Lightning's own rule for zeroing
-        boundary = not trainer.fit_loop._should_accumulate()  # the optimizer steps after this batch
+        boundary = not _compat.should_accumulate(trainer)  # the optimizer steps after this batch
         n = self._batch_size(batch)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if first_in_window:
@@ -384,6 +495,7 @@ class MicroBatchEngine:
         start_k = self.k
         proposal, self.next_proposal = self.next_proposal, None
         rechecks = 0
+        first_size_error: BaseException | None = None
         while True:
             k = self._effective_k(n, batch)
             baseline = probe.allocated if measured else None
@@ -398,10 +510,20 @@ class MicroBatchEngine:
             except PeerFailure as err:
                 peer_votes = err.votes
             except Exception as err:
-                if self.oom_handler is None or not is_oom_error(err):
+                # cuDNN's CUDNN_STATUS_NOT_SUPPORTED is often a size limit: shrink once, then re-raise the original.
+                size_error = is_maybe_size_error(err) and self.oom_handler is not None and k < n
+                if size_error and first_size_error is not None:
                     self._restore_grads(params, stash)
+                    raise first_size_error from None
+                if self.oom_handler is None or not (is_oom_error(err) or size_error):
+                    self._restore_grads(params, stash)
+                    self._raise_if_too_small(err, n, k)
                     raise
-                failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
+                if size_error:
+                    first_size_error = err.with_traceback(
+                        None
+                    )  # re-raised later; its frames must not pin memory
+                failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline, params)
             fatal: BaseException | None = None
             if failure is not None or peer_votes is not None:
                 # Outside the except block: the traceback and the activations it pinned are gone.
@@ -409,20 +531,20 @@ class MicroBatchEngine:
                 self._drop_attempt(params, snapshot)
                 free_memory()
             if failure is None:
-                status, voted_k = (proposal[1], proposal[0]) if proposal is not None else (0, k)
+                status, voted_k = (proposal.status, proposal.k) if proposal is not None else (Status.NONE, k)
             else:
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
-                status, voted_k = STATUS_OOM, k
+                status, voted_k = Status.OOM, k
                 try:
                     recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
                 except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
-                    fatal, status = err, STATUS_FATAL
+                    fatal, status = err, Status.FATAL
                 else:
                     if isinstance(recovery, int):
                         recovery = Recovery(recovery)
                     voted_k = recovery.k or start_k
                     if recovery.checkpoint:
-                        status |= STATUS_CHECKPOINT
+                        status |= Status.CHECKPOINT
             votes = peer_votes if peer_votes is not None else self.exchange.vote(status, voted_k)
             agreement = agree(votes, k)
             if agreement.fatal_ranks:
@@ -457,7 +579,10 @@ class MicroBatchEngine:
             self.exchange.recover()  # FSDP2, on every rank alike: reshard, reset FSDP's step state, drop its gradients
             if agreement.checkpoint and self.enable_checkpointing is not None and self.enable_checkpointing():
                 smallest_failed = n + 1  # activations are cheaper now: sizes that failed may fit
-            self.propose(agreement.k, "oom", self._reason(agreement, failure), batch_size=n)
+                if CHECKPOINTING not in self.active_rungs:
+                    self.active_rungs.append(CHECKPOINTING)
+            self.propose(agreement.k, Source.OOM, self._reason(agreement, failure), batch_size=n)
+        self._ran(n, k)
         self._emit_logs(*self._pending_logs)
         self._merge_grads(params, stash)
         if boundary:
@@ -469,16 +594,16 @@ class MicroBatchEngine:
         return output
 
     def _reason(
-        self, agreement: Agreement, failure: OOMFailure | None, proposal: tuple[int, int, str] | None = None
+        self, agreement: Agreement, failure: OOMFailure | None, proposal: Proposal | None = None
     ) -> str:
         step = self.trainer.global_step
-        if agreement.source == "oom":
+        if agreement.source is Source.OOM:
             if failure is not None:
                 return f"OOM at step {failure.step} ({failure.phase})"
             ranks = ", ".join(map(str, agreement.ranks))
             return f"OOM on rank {ranks} at step {step}"
-        if proposal is not None and agreement.k == proposal[0]:
-            return proposal[2]
+        if proposal is not None and agreement.k == proposal.k:
+            return proposal.reason
         return f"{agreement.source} (agreed by every rank) at step {step}"
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
@@ -526,12 +651,14 @@ class MicroBatchEngine:
                     return original(*args, **kwargs)
                 output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
                 if not voting:  # nobody else to agree with: a step that ran is kept
+                    self._ran(n, k, stage)
                     self._emit_logs(*logs)
                     return output
             except PeerFailure as err:
                 peer_votes = err.votes
             except Exception as err:
                 if self.oom_handler is None or not is_oom_error(err):
+                    self._raise_if_too_small(err, n, k, stage)
                     raise
                 self._phase = stage
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline)
@@ -542,6 +669,7 @@ class MicroBatchEngine:
             if self._eval_agree(
                 stage, batch, batch_idx, n, k, failure, peer_votes, snapshot, smallest_failed, vote
             ):
+                self._ran(n, k, stage)
                 self._emit_logs(*logs)  # every rank kept its attempt
                 return output
 
@@ -562,17 +690,17 @@ class MicroBatchEngine:
 
         ``vote`` is the exchange's (FSDP2: every rank decides alike) or this process's own.
         """
-        status, voted_k = 0, k
+        status, voted_k = Status.NONE, k
         fatal: BaseException | None = None
         if failure is not None or peer_votes is not None:
             self._restore(snapshot)
             free_memory()
         if failure is not None:
-            status = STATUS_OOM
+            status = Status.OOM
             try:
                 recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
             except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
-                fatal, status = err, STATUS_FATAL
+                fatal, status = err, Status.FATAL
             else:
                 proposed = recovery.k if isinstance(recovery, Recovery) else recovery
                 voted_k = max(proposed or k + 1, k + 1)
@@ -601,7 +729,7 @@ class MicroBatchEngine:
 
     def _set_eval_k(self, stage: str, k: int, new_k: int, n: int, reason: str) -> None:
         self.eval_k[stage] = new_k
-        self._notify(KChange(self.trainer.global_step, k, new_k, n, "oom", reason, stage))
+        self._notify(KChange(self.trainer.global_step, k, new_k, n, Source.OOM, reason, stage))
 
     def _run_eval(
         self, original: Callable[..., Any], batch: Any, rest: tuple, kwargs: dict, n: int, k: int
@@ -745,7 +873,7 @@ class MicroBatchEngine:
     def _snapshot(self) -> list[tuple[Any, dict[str, Any]]]:
         saved: list[tuple[Any, dict[str, Any]]] = []
         for metric in self._metrics:
-            state = {name: _copy_state(getattr(metric, name)) for name in metric._defaults}
+            state = {name: _copy_state(getattr(metric, name)) for name in _compat.metric_state_names(metric)}
             state["_update_count"] = metric._update_count
             state["_computed"] = metric._computed
             saved.append((metric, state))
@@ -782,8 +910,45 @@ class MicroBatchEngine:
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
 
+    def _ran(self, n: int, k: int, stage: str = "train") -> None:
+        """Remember the smallest micro-batch that ran in this fit (per stage)."""
+        size = n // k
+        if size >= 1:
+            self._smallest_ran[stage] = min(self._smallest_ran.get(stage, size), size)
+
+    def _raise_if_too_small(self, err: BaseException, n: int, k: int, stage: str = "train") -> None:
+        """Turn an error at micro-batches smaller than any that ran in this fit into :class:`MicroBatchOOMError`.
+
+        Only after a split the handler (OOMRecovery) asked for: such an error (BatchNorm's "Expected more
+        than 1 value per channel", a shape a model cannot take) says the model cannot run micro-batches
+        this small, not that the user's code is wrong.
+        """
+        if self.oom_handler is None or k <= 1 or isinstance(err, torch.OutOfMemoryError):
+            return
+        size = n // k
+        smallest = self._smallest_ran.get(stage)
+        if smallest is not None and size >= smallest:
+            return
+        ran = (
+            f"the smallest that ran in this fit had {smallest}" if smallest is not None else "none ran before"
+        )
+        raise MicroBatchOOMError(
+            f"{type(err).__name__} in {stage} at micro-batches of {size} sample(s) (k {k} for a batch of {n}), "
+            f"smaller than any that ran ({ran}): the model cannot run micro-batches this small; it needs at least "
+            f"{size + 1} samples per micro-batch (BatchNorm in training mode needs 2). Set "
+            f"OOMRecovery(min_micro_batch_size={size + 1}), and lower the memory a sample needs (a lower-memory "
+            f"precision, activation checkpointing, a sharded strategy). Original error: {err}"
+        ) from err
+
     def _describe(
-        self, err: BaseException, probe: Any, batch_idx: int, n: int, k: int, baseline: int | None
+        self,
+        err: BaseException,
+        probe: Any,
+        batch_idx: int,
+        n: int,
+        k: int,
+        baseline: int | None,
+        params: list[Tensor] | None = None,
     ) -> OOMFailure:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         allocated = limit = None
@@ -804,7 +969,17 @@ class MicroBatchEngine:
             tried_bytes=parse_tried_bytes(str(err)),
             limit_bytes=limit or None,
             message=message,
+            gradient_bytes=None if params is None or probe is None else _gradient_bytes(params),
+            held_gradient_bytes=(
+                None
+                if params is None or probe is None
+                else sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+            ),
         )
+
+
+def _gradient_bytes(params: list[Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
 def _split_output(out: Any) -> tuple[Tensor | None, dict[str, Any] | None]:
@@ -824,38 +999,32 @@ def _copy_state(value: Any) -> Any:
 def unsupported_strategy(strategy: Any, sharded: bool = False) -> str | None:
     """Why the engine cannot run under ``strategy``, naming the alternative; ``None`` when it can.
 
-    It runs on a single device and under DDP (``ddp``, ``ddp_spawn``, ``ddp_fork``); with ``sharded=True``
-    (what OOMRecovery can do, MemoryAwareBatchSize cannot) also under FSDP2 through
-    ``ModelParallelStrategy`` (:class:`~lightning_gpuopt.FSDP2Strategy`) without tensor parallelism, on a
-    torch that can reset FSDP2 after an interrupted step. Not under FSDP1 (``FSDPStrategy``) or
+    The answer comes from :mod:`lightning_gpuopt.support`: with ``sharded=True`` for OOMRecovery (single
+    device, DDP and FSDP2 without tensor parallelism, on a torch that can reset FSDP2 after an interrupted
+    step), else for MemoryAwareBatchSize (single device and DDP). Not under FSDP1 (``FSDPStrategy``) or
     DeepSpeed, whose collectives inside the step cannot be kept in step when one rank runs out of memory.
     """
-    if isinstance(strategy, SingleDeviceStrategy):
+    feature = Feature.OOM_RECOVERY if sharded else Feature.BATCH_SIZE_SEARCH
+    answer = supports(feature, strategy)
+    if answer.supported:
         return None
     name = type(strategy).__name__
-    if isinstance(strategy, DDPStrategy) and "DeepSpeed" not in name:
-        return None
-    if sharded and isinstance(strategy, ModelParallelStrategy):
-        tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
-        if isinstance(tensor_parallel, int) and tensor_parallel > 1:
-            return (
-                f"micro-batching under {name} supports FSDP2 data parallelism only, got tensor_parallel_size="
-                f"{tensor_parallel} (tensor-parallel collectives inside the forward cannot be kept in step). Use "
-                "tensor_parallel_size=1, or train without OOMRecovery here."
-            )
-        missing = fsdp2_unsupported()
+    kind = strategy_kind(strategy)
+    if sharded and kind is StrategyKind.TENSOR_PARALLEL:
         return (
-            None
-            if missing is None
-            else f"{missing}. Upgrade torch, or train without OOMRecovery under {name}."
+            f"micro-batching under {name} supports FSDP2 data parallelism only, got tensor_parallel_size="
+            f"{_compat.tensor_parallel_size(strategy)} (tensor-parallel collectives inside the forward cannot be kept in "
+            "step). Use tensor_parallel_size=1, or train without OOMRecovery here."
         )
+    if sharded and kind is StrategyKind.FSDP2:
+        return f"{answer.reason}, or train without OOMRecovery under {name}."
     supported = (
         "single-device, DDP and FSDP2 (ModelParallelStrategy) training"
         if sharded
         else "single-device and DDP training"
     )
     return (
-        f"micro-batching supports {supported}, got {name}. Use strategy='ddp' (or one device)"
+        f"micro-batching supports {supported}, got {name} ({answer.reason}). Use strategy='ddp' (or one device)"
         + (", or FSDP2Strategy for a sharded model" if sharded else "")
         + ", or train without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
     )
@@ -901,6 +1070,6 @@ def _make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange
                 f"{err}. Use FSDP2Strategy (it shards an unchanged module), or train without OOMRecovery here."
             ) from err
     if isinstance(strategy, DDPStrategy):
-        bucket_mb = strategy._ddp_kwargs.get("bucket_cap_mb", 25) or 25
+        bucket_mb = _compat.ddp_kwargs(strategy).get("bucket_cap_mb", 25) or 25
         return DDPExchange(strategy.model, bucket_bytes=int(bucket_mb * 2**20))
     return LocalExchange()

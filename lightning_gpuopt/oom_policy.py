@@ -6,6 +6,7 @@ probe and the OOM message) and these functions decide, so every rule is unit-tes
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from dataclasses import dataclass
@@ -18,13 +19,17 @@ __all__ = [
     "STATUS_THRASH",
     "Agreement",
     "OOMFailure",
+    "Proposal",
     "Recovery",
+    "Source",
+    "Status",
     "Vote",
     "agree",
     "grow_back_micro_batch_count",
     "next_micro_batch_count",
     "parse_tried_bytes",
     "smaller_micro_batch_count",
+    "smallest_split_cannot_fit",
 ]
 
 _UNITS = {
@@ -72,6 +77,9 @@ class OOMFailure:
         tried_bytes: size of the allocation that failed, from the message (``None`` when not stated).
         limit_bytes: memory this process may use (``None`` when unknown).
         message: the first line of the original error message.
+        gradient_bytes: the gradients of every trainable parameter: every micro-batch after the first
+            runs beside all of them (``None`` when unknown).
+        held_gradient_bytes: the gradients that existed when the OOM was raised (``None`` when unknown).
     """
 
     step: int
@@ -85,6 +93,8 @@ class OOMFailure:
     tried_bytes: int | None
     limit_bytes: int | None
     message: str
+    gradient_bytes: int | None = None
+    held_gradient_bytes: int | None = None
 
     @property
     def demand_bytes(self) -> int | None:
@@ -93,11 +103,54 @@ class OOMFailure:
             return None
         return max(0, self.allocated_bytes + self.tried_bytes - self.baseline_bytes)
 
+    @property
+    def per_sample_bytes(self) -> float | None:
+        """A lower bound on what one sample of a micro-batch costs: the demand above the baseline and the
+        gradients held, per sample of the failed micro-batch (``None`` without figures)."""
+        demand = self.demand_bytes
+        if demand is None or self.held_gradient_bytes is None:
+            return None
+        return max(0, demand - self.held_gradient_bytes) / self.micro_batch_size
+
+
+def smallest_split_cannot_fit(failure: OOMFailure, min_size: int = 1) -> int | None:
+    """Bytes that a split into micro-batches of ``min_size`` samples needs at least, when that is over the limit.
+
+    Every micro-batch after the first runs beside the baseline (parameters, optimizer state, the batch)
+    and the gradients of every parameter; on top, each sample costs at least what the failed micro-batch
+    held per sample (:attr:`OOMFailure.per_sample_bytes`, a lower bound when the cost is affine in the
+    micro-batch size). When even ``min_size`` samples exceed the limit, no split can fit and retrying is
+    futile. Returns that lower bound then; ``None`` when a split may fit or the figures are missing.
+
+    Example:
+        >>> f = OOMFailure(step=0, batch_idx=0, phase="forward", batch_size=64, k=1, micro_batch_size=64,
+        ...     baseline_bytes=46, allocated_bytes=90, tried_bytes=2, limit_bytes=92, message="",
+        ...     gradient_bytes=45, held_gradient_bytes=0)
+        >>> smallest_split_cannot_fit(f, min_size=2)  # 46 + 45 + 2 x 46/64 > 92
+        93
+        >>> smallest_split_cannot_fit(f, min_size=1) is None  # 46 + 45 + 46/64 fits 92
+        True
+    """
+    per_sample = failure.per_sample_bytes
+    if (
+        per_sample is None
+        or failure.limit_bytes is None
+        or failure.gradient_bytes is None
+        or failure.baseline_bytes is None
+    ):
+        return None
+    need = failure.baseline_bytes + failure.gradient_bytes + per_sample * min_size
+    return math.ceil(need) if need > failure.limit_bytes else None
+
 
 def next_micro_batch_count(
-    failure: OOMFailure, smallest_failed_size: int, headroom: float = 0.9
+    failure: OOMFailure,
+    smallest_failed_size: int,
+    headroom: float = 0.9,
+    min_size: int = 1,
+    per_sample_bytes: float | None = None,
 ) -> int | None:
-    """How many micro-batches to try after ``failure``; ``None`` when even one sample per micro-batch failed.
+    """How many micro-batches to try after ``failure``; ``None`` when micro-batches of ``min_size`` failed.
 
     With figures from the probe and the message, the per-sample cost of the failed micro-batch
     (what it held when the allocation failed, plus the allocation) predicts the largest micro-batch
@@ -110,6 +163,10 @@ def next_micro_batch_count(
         failure: the failed attempt.
         smallest_failed_size: the smallest micro-batch size that has failed so far (this one included).
         headroom: fraction of the limit the prediction aims for.
+        min_size: the smallest micro-batch the model can run (2 with BatchNorm in training mode): no
+            micro-batch of the returned k has fewer samples.
+        per_sample_bytes: the largest per-sample cost earlier failures of the same batch showed (each is a
+            lower bound; a failure at a smaller size got further and shows more).
 
     Example:
         >>> f = OOMFailure(step=3, batch_idx=3, phase="forward", batch_size=64, k=1, micro_batch_size=64,
@@ -118,21 +175,27 @@ def next_micro_batch_count(
         2
     """
     n, size = failure.batch_size, failure.micro_batch_size
-    if size <= 1 or smallest_failed_size <= 1:
+    largest_k = max(1, n // max(1, min_size))  # split_sizes: the smallest micro-batch has n // k samples
+    if size <= min_size or smallest_failed_size <= min_size or failure.k >= largest_k:
         return None
     target = min(size, smallest_failed_size) - 1  # never a size that failed
     demand = failure.demand_bytes
     if demand and failure.limit_bytes and failure.baseline_bytes is not None:
         available = failure.limit_bytes * headroom - failure.baseline_bytes
         per_sample = demand / size
+        if failure.per_sample_bytes and failure.gradient_bytes is not None:
+            # A split runs every micro-batch after the first beside all gradients: those are fixed, not per sample.
+            available -= failure.gradient_bytes
+            per_sample = max(failure.per_sample_bytes, per_sample_bytes or 0.0)
         predicted = int(available // per_sample) if available > 0 else 1
         target = max(1, min(target, predicted))
     else:
         target = max(1, min(target, math.ceil(size / 2)))
+    target = max(target, min_size)
     k = max(failure.k + 1, math.ceil(n / target))
     while k < n and math.ceil(n / k) > target:
         k += 1
-    return min(k, n)
+    return min(k, n, largest_k)
 
 
 def smaller_micro_batch_count(k: int, batch_size: int) -> int:
@@ -212,19 +275,57 @@ class Recovery:
     checkpoint: bool = False
 
 
-#: Status bits of a rank's :class:`Vote`.
-STATUS_OOM = 1  # the attempt ran out of memory: the batch is retried
-STATUS_FATAL = 2  # out of memory with nothing left to try: every rank stops
-STATUS_CHECKPOINT = 4  # turn on activation checkpointing before the retry
-STATUS_GROW = 8  # the k proposed for the next batch is smaller: memory to spare
-STATUS_THRASH = 16  # the k proposed for the next batch is larger: the allocator is thrashing
+class Status(enum.IntFlag):
+    """A rank's say on a batch, as flags (they travel as one int in the ranks' vote)."""
+
+    NONE = 0
+    OOM = 1  #: the attempt ran out of memory: the batch is retried
+    FATAL = 2  #: out of memory with nothing left to try: every rank stops
+    CHECKPOINT = 4  #: turn on activation checkpointing before the retry
+    GROW = 8  #: the k proposed for the next batch is smaller: memory to spare
+    THRASH = 16  #: the k proposed for the next batch is larger: the allocator is thrashing
+
+
+#: The flags under their former names.
+STATUS_OOM = Status.OOM
+STATUS_FATAL = Status.FATAL
+STATUS_CHECKPOINT = Status.CHECKPOINT
+STATUS_GROW = Status.GROW
+STATUS_THRASH = Status.THRASH
+
+
+class Source(str, enum.Enum):
+    """Why k changes (a :class:`~lightning_gpuopt.microbatch.KChange`'s ``source``); equal to its string."""
+
+    NONE = ""
+    OOM = "oom"
+    GROW_BACK = "grow back"
+    THRASH = "thrash"
+    RESUME = "resume"
+    MEMORY = "memory"  #: MemoryAwareBatchSize's measured budget
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a callback proposes for the batch after the next vote: ``k`` micro-batches, flagged ``status``
+    (:attr:`Status.GROW` or :attr:`Status.THRASH`), because of ``reason`` (shown to the user)."""
+
+    k: int
+    status: Status
+    reason: str
 
 
 @dataclass(frozen=True)
 class Vote:
-    """One rank's say on a batch: its status bits and the k it proposes (for the retry, or the next batch)."""
+    """One rank's say on a batch: its status flags and the k it proposes (for the retry, or the next batch)."""
 
-    status: int
+    status: Status | int
     k: int
 
 
@@ -237,7 +338,7 @@ class Agreement:
         retry: some rank ran out of memory: every rank runs the batch again with ``k``.
         k: the k for the retry, or for the next batch.
         checkpoint: turn on activation checkpointing before the retry.
-        source: why k changes: ``"oom"``, ``"grow back"``, ``"thrash"``, or ``""`` when it does not.
+        source: why k changes (:class:`Source`; ``Source.NONE`` when it does not).
         ranks: the ranks that asked for the change.
     """
 
@@ -245,7 +346,7 @@ class Agreement:
     retry: bool
     k: int
     checkpoint: bool
-    source: str
+    source: Source
     ranks: tuple[int, ...]
 
 
@@ -259,22 +360,22 @@ def agree(votes: list[Vote], k: int) -> Agreement:
 
     Example:
         >>> agree([Vote(0, 2), Vote(1, 4)], k=2)  # rank 1 ran out of memory and asks for 4
-        Agreement(fatal_ranks=(), retry=True, k=4, checkpoint=False, source='oom', ranks=(1,))
+        Agreement(fatal_ranks=(), retry=True, k=4, checkpoint=False, source=<Source.OOM: 'oom'>, ranks=(1,))
         >>> agree([Vote(8, 1), Vote(0, 2)], k=2).k  # rank 0 could grow back, rank 1 cannot
         2
     """
     fatal = tuple(r for r, v in enumerate(votes) if v.status & STATUS_FATAL)
     oom = [(r, v) for r, v in enumerate(votes) if v.status & STATUS_OOM and not v.status & STATUS_FATAL]
     if fatal:
-        return Agreement(fatal, False, k, False, "oom", fatal)
+        return Agreement(fatal, False, k, False, Source.OOM, fatal)
     if oom:
         new_k = max(v.k for _, v in oom)
         checkpoint = any(v.status & STATUS_CHECKPOINT for _, v in oom)
-        return Agreement((), True, new_k, checkpoint, "oom", tuple(r for r, _ in oom))
+        return Agreement((), True, new_k, checkpoint, Source.OOM, tuple(r for r, _ in oom))
     proposals = [v.k if v.status & (STATUS_GROW | STATUS_THRASH) else k for v in votes]
     new_k = max(proposals)
     if new_k == k:
-        return Agreement((), False, k, False, "", ())
+        return Agreement((), False, k, False, Source.NONE, ())
     bit = STATUS_THRASH if new_k > k else STATUS_GROW
     asked = tuple(r for r, v in enumerate(votes) if v.status & bit)
-    return Agreement((), False, new_k, False, "thrash" if new_k > k else "grow back", asked)
+    return Agreement((), False, new_k, False, Source.THRASH if new_k > k else Source.GROW_BACK, asked)

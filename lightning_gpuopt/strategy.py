@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ from lightning_gpuopt.memory.predict import (
     predict_peak_deep,
     scale_to_batch,
 )
+from lightning_gpuopt.support import Feature, StrategyKind, supports
 
 __all__ = [
     "FSDP2Strategy",
@@ -361,9 +363,22 @@ def _optimizer_name(optimizer: Any) -> str:
     return optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
 
 
-def _make_strategy(
-    candidate: Candidate, device_type: str, units: list[nn.Module], static_graph: bool
-) -> Strategy | str:
+def _candidate_kind(candidate: Candidate) -> StrategyKind:
+    if candidate.name == "single device":
+        return StrategyKind.SINGLE_DEVICE
+    if candidate.name == "ddp":
+        return StrategyKind.DDP
+    return StrategyKind.DEEPSPEED if candidate.deepspeed else StrategyKind.FSDP2
+
+
+def _refused(candidate: Candidate, features: list[Feature]) -> list[tuple[str, str]]:
+    """The features (by name, with the support module's reason) that ``candidate``'s strategy cannot run."""
+    kind = _candidate_kind(candidate)
+    answers = [(f, supports(f, kind)) for f in features]
+    return [(f.value, a.reason) for f, a in answers if not a.supported]
+
+
+def _make_strategy(candidate: Candidate, units: list[nn.Module], static_graph: bool) -> Strategy | str:
     name = candidate.name
     if name == "single device":
         return "auto"
@@ -376,14 +391,7 @@ def _make_strategy(
 
         return DeepSpeedStrategy(stage=int(name[-1]))
     types = sorted({type(u) for u in units}, key=lambda t: t.__name__)
-    if device_type == "cuda":
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        return FSDPStrategy(
-            sharding_strategy="FULL_SHARD" if candidate.shard_params else "SHARD_GRAD_OP",
-            auto_wrap_policy=set(types) or None,
-            cpu_offload=candidate.offload,
-        )
+    # FSDP2 on CUDA as on CPU: the pack's OOM recovery runs under it (not under FSDP1, see support.py).
     return FSDP2Strategy(
         shard_modules=types or None,
         reshard_after_forward=candidate.shard_params,
@@ -406,6 +414,7 @@ def select_strategy(
     headroom: float = DEFAULT_HEADROOM,
     shard_modules: list[str | type[nn.Module]] | None = None,
     static_graph: bool = False,
+    features: Iterable[Feature] = (),
 ) -> StrategyPlan:
     """Pick single device / DDP / FSDP (sharding, offload) / DeepSpeed from a per-device memory estimate.
 
@@ -434,6 +443,10 @@ def select_strategy(
         headroom: the fraction of device memory the plan may fill, in (0, 1].
         shard_modules: the units for full sharding; ``None``: the repeated blocks (:func:`shard_units`).
         static_graph: pass ``static_graph=True`` to DDP (only without OOMRecovery).
+        features: the pack's features the run uses (:class:`~lightning_gpuopt.support.Feature`, e.g.
+            ``Feature.OOM_RECOVERY`` when OOMRecovery is a callback): among the candidates that fit, the
+            pick supports the most of them (then the least communication); one it cannot run is named in
+            ``plan.reason``.
 
     Returns:
         A :class:`StrategyPlan`; ``plan.strategy`` goes to ``Trainer(strategy=...)``.
@@ -552,7 +565,9 @@ def select_strategy(
             f"or a smaller model.\n{plan.table()}",
             plan,
         )
-    best = min(fitting, key=lambda r: r.estimate.candidate.cost)
+    features = [Feature(f) for f in features]
+    refused = {r.name: _refused(r.estimate.candidate, features) for r in rows}
+    best = min(fitting, key=lambda r: (len(refused[r.name]), r.estimate.candidate.cost))
     cheaper = [r for r in rows if r.estimate.candidate.cost < best.estimate.candidate.cost and r.available]
     if split is not None:
         reason = (
@@ -567,7 +582,9 @@ def select_strategy(
         )
     else:
         reason = f"fits with the least communication: {format_bytes(_row_bytes(best))} of {format_bytes(budget)} per device"
-    strategy = _make_strategy(best.estimate.candidate, device_type, units, static_graph)
+    for name, why in refused[best.name]:
+        reason += f"; {name} does not run under {best.name}: {why}"
+    strategy = _make_strategy(best.estimate.candidate, units, static_graph)
     return StrategyPlan(rows, best.name, reason, strategy, notes=notes, **plan_args)
 
 

@@ -99,7 +99,7 @@ class Classifier(pl.LightningModule):
 class CausalLM(pl.LightningModule):
     """A small pre-norm causal transformer LM (nn.TransformerEncoder), next-token cross-entropy, AdamW.
 
-    Dropout is off: a retried attempt draws random numbers the reference run does not (DESIGN.md's
+    Dropout is off: a retried attempt draws random numbers the reference run does not (docs/oom-recovery.md's
     documented exception), which would hide the leaks this check looks for.
     """
 

@@ -10,12 +10,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, first_samples
 from lightning_gpuopt.callbacks._trial_step import TrialSteps
@@ -24,7 +24,9 @@ from lightning_gpuopt.data.prefetch import batch_nbytes
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
 from lightning_gpuopt.memory.peak_model import MAX_TRIALS, SearchResult, SizeSearch, memory_budget
-from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine
+from lightning_gpuopt.oom_policy import Source
+from lightning_gpuopt.support import Feature, supports
 
 __all__ = ["MemoryAwareBatchSize"]
 
@@ -192,7 +194,6 @@ class MemoryAwareBatchSize(Callback):
             "mode": self.mode,
             "micro_batch_size": self.micro_batch_size,
             "batch_size": self.batch_size,
-            "k": self.k,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "budget_bytes": self.budget_bytes,
             "trials": self.trials,
@@ -216,14 +217,13 @@ class MemoryAwareBatchSize(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        EngineState.ensure(trainer)
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
-            strategy, (SingleDeviceStrategy, DDPStrategy)
-        ):
+        answer = supports(Feature.BATCH_SIZE_SEARCH, strategy)
+        if not answer.supported:
             raise RuntimeError(
-                f"MemoryAwareBatchSize measures single-device and DDP training, got {type(strategy).__name__} (a "
-                "sharded model's memory depends on the sharding, not only on the batch). Use devices=1 or "
-                "strategy='ddp', or remove MemoryAwareBatchSize."
+                f"MemoryAwareBatchSize measures single-device and DDP training, got {type(strategy).__name__} "
+                f"({answer.reason})."
             )
         if not pl_module.automatic_optimization:
             raise RuntimeError(
@@ -237,11 +237,10 @@ class MemoryAwareBatchSize(Callback):
                 "Remove BatchSizeFinder: MemoryAwareBatchSize(mode='max') also sets batch_size, in at most four "
                 "measured steps."
             )
-        if getattr(pl_module, "_compiler_ctx", None) is not None:
+        compiled = supports(Feature.BATCH_SIZE_SEARCH, strategy, compiled=_compat.is_compiled(pl_module))
+        if not compiled.supported:
             raise RuntimeError(
-                "MemoryAwareBatchSize does not support a torch.compile'd LightningModule: every trial size would "
-                "recompile the model. Compile submodules with `torch.compile(..., dynamic=True)` inside your module "
-                "instead, or remove MemoryAwareBatchSize."
+                f"MemoryAwareBatchSize does not support a torch.compile'd LightningModule here: {compiled.reason}."
             )
         if self.mode == "max" and not lightning_hasattr(pl_module, "batch_size"):
             raise RuntimeError(
@@ -273,6 +272,7 @@ class MemoryAwareBatchSize(Callback):
         except RuntimeError as err:
             raise RuntimeError(f"MemoryAwareBatchSize: {err}") from None
         self._engine = engine
+        engine.resume()  # k as the checkpoint saved it (once, by the engine)
         if self.mode != "max":
             return
         if self.batch_size is not None and not self._requested:
@@ -300,7 +300,10 @@ class MemoryAwareBatchSize(Callback):
             if n is not None:
                 engine.max_micro_batch_size = self.micro_batch_size
                 engine.propose(
-                    math.ceil(n / self.micro_batch_size), "memory", "restored from checkpoint", batch_size=n
+                    math.ceil(n / self.micro_batch_size),
+                    Source.MEMORY,
+                    "restored from checkpoint",
+                    batch_size=n,
                 )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -351,7 +354,7 @@ class MemoryAwareBatchSize(Callback):
         self._record(trainer, size, n)
         engine.max_micro_batch_size = size
         before = engine.k
-        engine.propose(math.ceil(n / size), "memory", f"measured at {why}", batch_size=n)
+        engine.propose(math.ceil(n / size), Source.MEMORY, f"measured at {why}", batch_size=n)
         k = engine.k
         change = f"k {before} -> {k}" if k != before else f"k stays {k}"
         self._announce(

@@ -164,6 +164,11 @@ class DataStallMonitor(Callback):
     # ------------------------------------------------------------------ what users read
 
     @property
+    def measured(self) -> bool:
+        """Whether any step was measured yet (in the recent window or in a finished trial)."""
+        return bool(self.history or self._recent)
+
+    @property
     def wait_fraction(self) -> float:
         """The wait fraction of the recent window (what is logged); 0 before anything was measured."""
         wait = sum(w for w, _ in self._recent)

@@ -7,11 +7,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt.activation_checkpointing import (
     checkpoint_modules,
     describe_module_types,
@@ -20,24 +21,31 @@ from lightning_gpuopt.activation_checkpointing import (
 )
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import format_bytes, get_probe
-from lightning_gpuopt.microbatch import KChange, MicroBatchEngine, WeightFn, unsupported_strategy
+from lightning_gpuopt.microbatch import (
+    CHECKPOINTING,
+    EngineState,
+    KChange,
+    MicroBatchEngine,
+    MicroBatchOOMError,
+    WeightFn,
+    unsupported_strategy,
+)
 from lightning_gpuopt.oom_policy import (
-    STATUS_GROW,
-    STATUS_THRASH,
     OOMFailure,
+    Proposal,
     Recovery,
+    Source,
+    Status,
     grow_back_micro_batch_count,
     next_micro_batch_count,
     smaller_micro_batch_count,
+    smallest_split_cannot_fit,
 )
+from lightning_gpuopt.support import Feature, supports
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
 
 _REDUCTIONS = ("mean", "sum", "tokens")
-
-
-class MicroBatchOOMError(torch.OutOfMemoryError):
-    """Out of memory and nothing left to split: the message carries a memory breakdown and next steps."""
 
 
 class TokenCount:
@@ -126,6 +134,11 @@ class OOMRecovery(Callback):
             are recomputed in the backward (``torch.utils.checkpoint``) when even one sample per
             micro-batch does not fit; tried once, before the error. Empty: no checkpointing.
         verbose: print one line per change of k on rank zero.
+        min_micro_batch_size: the fewest samples a micro-batch may have; ``None``: 2 when the model has
+            BatchNorm in training mode (it needs more than one value per channel), else 1. As soon as the
+            failures show that no micro-batch of this size can fit (every micro-batch after the first runs
+            beside all gradients, and each sample costs at least what the failed one held per sample),
+            recovery stops with :class:`MicroBatchOOMError` instead of trying smaller sizes.
 
     Raises:
         ValueError: an argument is out of range, or ``checkpoint_modules`` names no submodule of the model.
@@ -162,6 +175,7 @@ class OOMRecovery(Callback):
         grow_back_after: int = 50,
         checkpoint_modules: Sequence[str | type[nn.Module]] = (),
         verbose: bool = True,
+        min_micro_batch_size: int | None = None,
     ) -> None:
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(f"`loss_reduction` must be one of {_REDUCTIONS}, got {loss_reduction!r}")
@@ -185,6 +199,14 @@ class OOMRecovery(Callback):
             or max_micro_batches < 1
         ):
             raise ValueError(f"`max_micro_batches` must be a positive int or None, got {max_micro_batches!r}")
+        if min_micro_batch_size is not None and (
+            isinstance(min_micro_batch_size, bool)
+            or not isinstance(min_micro_batch_size, int)
+            or min_micro_batch_size < 1
+        ):
+            raise ValueError(
+                f"`min_micro_batch_size` must be a positive int (samples) or None, got {min_micro_batch_size!r}"
+            )
         if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
             raise ValueError(f"`headroom` must be in (0, 1], got {headroom!r}")
         if not isinstance(grow_back, bool):
@@ -211,6 +233,7 @@ class OOMRecovery(Callback):
         self.grow_back_after = grow_back_after
         self.checkpoint_modules = list(checkpoint_modules)
         self.verbose = verbose
+        self.min_micro_batch_size = min_micro_batch_size
         #: Every failed attempt of this fit, in order (training and evaluation).
         self.failures: list[OOMFailure] = []
         self._k = 1
@@ -255,11 +278,10 @@ class OOMRecovery(Callback):
         return key
 
     def state_dict(self) -> dict[str, Any]:
+        # k, the evaluation k and activation checkpointing are the engine's, saved once by it
+        # (`EngineState`); `load_state_dict` still reads them from checkpoints written before.
         return {
-            "k": self.k,
             "oom_count": len(self.failures) + self._restored_oom_count,
-            "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
-            "checkpointing": self._checkpointing,
             "grow_back_wait": self._wait,
         }
 
@@ -271,6 +293,7 @@ class OOMRecovery(Callback):
         self._wait = int(state_dict.get("grow_back_wait", self.grow_back_after))
 
     _restored_oom_count = 0
+    _resumed = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -285,6 +308,7 @@ class OOMRecovery(Callback):
                 f"`checkpoint_modules` names {self.checkpoint_modules}, but {type(pl_module).__name__} has no such "
                 f"submodule; its module types are: {describe_module_types(pl_module)}."
             )
+        EngineState.ensure(trainer)
         if stage != "fit":
             return
         reason = unsupported_strategy(trainer.strategy, sharded=True)
@@ -301,11 +325,10 @@ class OOMRecovery(Callback):
                 "finder's trial steps would be retried). Remove BatchSizeFinder: OOMRecovery already fits the "
                 "micro-batch to memory without changing the optimizer batch."
             )
-        if getattr(pl_module, "_compiler_ctx", None) is not None:
+        compiled = supports(Feature.OOM_RECOVERY, trainer.strategy, compiled=_compat.is_compiled(pl_module))
+        if not compiled.supported:
             raise RuntimeError(
-                "OOMRecovery does not support a torch.compile'd LightningModule: new micro-batch shapes would "
-                "recompile the model mid-run. Compile submodules with `torch.compile(..., dynamic=True)` inside "
-                "your module instead, or train without OOMRecovery."
+                f"OOMRecovery does not support a torch.compile'd LightningModule here: {compiled.reason}."
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -314,8 +337,10 @@ class OOMRecovery(Callback):
         self._logged_size = None
         self._reset_watch()
         engine = self._engine
-        if self._k != engine.k:
-            engine.propose(self._k, "resume", "restored from checkpoint")
+        if (
+            not self._resumed and self._k != engine.k
+        ):  # a checkpoint from before the engine saved k, or a second fit
+            engine.propose(self._k, Source.RESUME, "restored from checkpoint")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is None:  # `validate` outside of `fit`
@@ -352,6 +377,10 @@ class OOMRecovery(Callback):
             engine.eval_k.setdefault(stage, k)
         engine.listeners.append(self._on_change)
         self._engine = engine
+        state = engine.resume()
+        self._resumed = state is not None
+        if state is not None and CHECKPOINTING in state.get("rungs", []):
+            self._checkpointing = True
         if self._checkpointing:  # restored from a checkpoint: the run had turned it on
             self._checkpointing = False
             self._enable_checkpointing(announce="restored from checkpoint")
@@ -362,8 +391,7 @@ class OOMRecovery(Callback):
         engine = self._engine
         if engine is None:
             return
-        n = engine._batch_size(batch)
-        size = math.ceil(n / engine._effective_k(n, batch))
+        size = engine.micro_batch_size(batch)
         if size != self._logged_size:
             self._logged_size = size
             self._log_metric(trainer, size)
@@ -383,7 +411,7 @@ class OOMRecovery(Callback):
         probe = get_probe(trainer.strategy.root_device)
         if step_start is None or probe.kind == "cpu":
             return
-        n = engine._batch_size(batch)
+        n = engine.batch_size(batch)
         self._clean_steps += 1
         self._retries = [*self._retries[-2:], probe.alloc_retries]
         step = trainer.global_step
@@ -391,7 +419,9 @@ class OOMRecovery(Callback):
         if rising and engine.k < n:
             self._retries = []
             k = smaller_micro_batch_count(engine.k, n)
-            engine.next_proposal = (k, STATUS_THRASH, f"allocator thrashing at step {step} (retries rising)")
+            engine.next_proposal = Proposal(
+                k, Status.THRASH, f"allocator thrashing at step {step} (retries rising)"
+            )
             return
         if self._clean_steps < self._wait or not engine.splittable(batch):
             return
@@ -407,9 +437,9 @@ class OOMRecovery(Callback):
             max_micro_batch_size=engine.max_micro_batch_size,
         )
         if k is not None:
-            engine.next_proposal = (
+            engine.next_proposal = Proposal(
                 k,
-                STATUS_GROW,
+                Status.GROW,
                 f"grow back at step {step} (peak {format_bytes(probe.peak)} of {format_bytes(probe.total)})",
             )
 
@@ -456,14 +486,34 @@ class OOMRecovery(Callback):
                 "Lower `batch_size`, use a lower-memory precision or activation checkpointing, or allow splitting. "
                 f"Original error: {failure.message}"
             )
-        k = next_micro_batch_count(failure, smallest_failed, self.headroom)
+        min_size, why = self._min_size()
+        futile = smallest_split_cannot_fit(failure, min_size)
+        same_batch = [
+            f.per_sample_bytes or 0.0
+            for f in self.failures
+            if (f.step, f.batch_idx, f.phase) == (failure.step, failure.batch_idx, failure.phase)
+        ]
+        k = (
+            None
+            if futile is not None
+            else next_micro_batch_count(failure, smallest_failed, self.headroom, min_size, max(same_batch))
+        )
         if k is not None and self.max_micro_batches is not None:
             k = min(k, self.max_micro_batches) if failure.k < self.max_micro_batches else None
         if k is not None:
             return Recovery(k)
         if self.checkpoint_modules and not self._checkpointing and failure.phase in ("forward", "backward"):
             return Recovery(None, checkpoint=True)
-        raise MicroBatchOOMError(self._exhausted_message(failure))
+        raise MicroBatchOOMError(self._exhausted_message(failure, min_size, why, futile))
+
+    def _min_size(self) -> tuple[int, str]:
+        """The fewest samples a micro-batch may have, and why."""
+        if self.min_micro_batch_size is not None:
+            return self.min_micro_batch_size, f"min_micro_batch_size={self.min_micro_batch_size}"
+        module = self._engine.trainer.lightning_module if self._engine is not None else None
+        if module is not None and any(isinstance(m, _BatchNorm) and m.training for m in module.modules()):
+            return 2, "BatchNorm in training mode needs more than one value per channel"
+        return 1, ""
 
     def _enable_checkpointing(self, announce: str | None = None) -> bool:
         if self._checkpointing or self._engine is None:
@@ -471,6 +521,8 @@ class OOMRecovery(Callback):
         module = self._engine.trainer.lightning_module
         self._checkpointed = checkpoint_modules(matching_modules(module, self.checkpoint_modules))
         self._checkpointing = True
+        if CHECKPOINTING not in self._engine.active_rungs:
+            self._engine.active_rungs.append(CHECKPOINTING)
         names = sorted({type(m).__name__ for m in self._checkpointed})
         why = announce or "out of memory at one sample per micro-batch"
         message = (
@@ -526,7 +578,9 @@ class OOMRecovery(Callback):
         for logger in trainer.loggers:
             logger.log_metrics({"gpuopt/micro_batch_size": float(size)}, step=trainer.global_step)
 
-    def _exhausted_message(self, failure: OOMFailure) -> str:
+    def _exhausted_message(
+        self, failure: OOMFailure, min_size: int = 1, why: str = "", futile: int | None = None
+    ) -> str:
         trainer = self._engine.trainer
         module = trainer.lightning_module
         params = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -564,10 +618,27 @@ class OOMRecovery(Callback):
             if failure.phase in ("forward", "backward")
             else (f"{failure.phase} batch {failure.batch_idx}")
         )
+        if futile is not None:
+            what = (
+                f"Out of memory at {where} with micro-batches of {failure.micro_batch_size} sample(s) (k {failure.k} "
+                f"for a batch of {failure.batch_size}), and no smaller micro-batch can fit: the model needs at least "
+                f"{min_size} sample(s) per micro-batch ({why or 'the smallest possible'}), and micro-batches of "
+                f"{min_size} need at least {format_bytes(futile)} (every micro-batch after the first runs beside all "
+                "gradients). "
+            )
+        else:
+            needs = (
+                f"; the model needs at least {min_size} samples per micro-batch ({why})"
+                if min_size > 1
+                else ""
+            )
+            what = (
+                f"Out of memory at {where} even with micro-batches of "
+                f"{failure.micro_batch_size} sample(s) (k {failure.k} for a batch of {failure.batch_size}){limit}{needs}. "
+            )
         return (
-            f"Out of memory at {where} even with micro-batches of "
-            f"{failure.micro_batch_size} sample(s) (k {failure.k} for a batch of {failure.batch_size}){limit}. "
-            f"Memory: {'; '.join(parts)}.{tried} Next steps: a lower-memory precision (precision='bf16-mixed' or "
+            what
+            + f"Memory: {'; '.join(parts)}.{tried} Next steps: a lower-memory precision (precision='bf16-mixed' or "
             "'16-mixed'), activation checkpointing of the largest blocks, a sharded strategy "
             "(FSDP, DeepSpeed ZeRO) or CPU offload, or a smaller model; for evaluation, a smaller `eval_batch_size`. "
             "PyTorch's allocator setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation. "

@@ -18,11 +18,9 @@ from lightning.pytorch.plugins.precision import (
     TransformerEnginePrecision,
 )
 from lightning.pytorch.strategies import (
-    DDPStrategy,
     DeepSpeedStrategy,
     FSDPStrategy,
     ModelParallelStrategy,
-    SingleDeviceStrategy,
     SingleDeviceXLAStrategy,
     Strategy,
     XLAStrategy,
@@ -51,6 +49,7 @@ from lightning_gpuopt.precision import (
     tf32_wanted,
     unsupported_reason,
 )
+from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 
 __all__ = ["PrecisionChange", "PrecisionSwitch"]
 
@@ -662,12 +661,13 @@ def _faster(a: str, b: str) -> bool:
 def _why_fixed(strategy: Strategy, module: pl.LightningModule) -> str | None:
     """Why the precision cannot change during this fit; ``None`` when it can."""
     name = type(strategy).__name__
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
-        return f"{name} fixes the precision when it wraps the model, so only the setup-time choice applies"
     if isinstance(strategy, (XLAStrategy, SingleDeviceXLAStrategy)):
         return f"{name} manages precision itself"
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
-        return f"runtime switching supports single-device and DDP strategies, not {name}"
+    answer = supports(Feature.PRECISION_SWITCH, strategy)
+    if not answer.supported:
+        if strategy_kind(strategy) is StrategyKind.OTHER:
+            return f"{answer.reason}, not {name}"
+        return f"{name} {answer.reason}"
     if not module.automatic_optimization:
         return "manual optimization steps the optimizer itself (use automatic optimization for the fallback)"
     return None

@@ -174,11 +174,11 @@ class GPUOptReport(Callback):
             n = batch_size_of(batch)
         except UnsplittableBatchError:
             n = 1
-        k = engine._effective_k(n, batch) if engine is not None and "train" in engine._installed else 1
+        k = engine.effective_k(batch) if engine is not None and engine.installed("train") else 1
         step_time = now - last_end if last_end is not None and batch_idx > 0 else None
         monitor = next((c for c in trainer.callbacks if isinstance(c, DataStallMonitor)), None)
         if monitor is not None:
-            wait = monitor.wait_fraction if monitor.history or monitor._recent else None
+            wait = monitor.wait_fraction if monitor.measured else None
         elif step_time and start is not None and last_end is not None:
             wait = max(0.0, start - last_end) / step_time
         else:

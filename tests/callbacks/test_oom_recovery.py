@@ -361,7 +361,8 @@ def test_out_of_memory_at_one_sample_explains_the_memory():
     with pytest.raises(MicroBatchOOMError) as info:  # one sample's activations (~32 KiB) do not fit
         fit(WideRegressor("adam"), [OOMRecovery()], limit=first_step_start + 8_000, steps=3)
     text = str(info.value)
-    assert "even with micro-batches of 1 sample(s)" in text
+    # The failures show at once that one sample cannot fit beside the gradients: no futile tries down to 1.
+    assert "no smaller micro-batch can fit" in text and "at least 1 sample(s) per micro-batch" in text
     for part in (
         "parameters ",
         "gradients ",
@@ -520,7 +521,41 @@ def test_resume_from_a_checkpoint_taken_after_a_change_starts_with_that_k(tmp_pa
     assert second.failures == []  # it started with the split it had: no OOM to rediscover
     loaded = torch.load(tmp_path / "last.ckpt", weights_only=True)
     (state,) = [v for key, v in loaded["callbacks"].items() if key.startswith("OOMRecovery")]
-    assert state["k"] == first.k and state["oom_count"] == len(first.failures)
+    assert state["oom_count"] == len(first.failures)
+    # k is the engine's, saved once under its own key (and nowhere else).
+    assert loaded["callbacks"]["MicroBatchEngine"]["k"] == first.k
+    assert sum("k" in v for v in loaded["callbacks"].values()) == 1
+
+
+def test_a_checkpoint_written_before_the_engine_saved_its_state_still_resumes_with_its_k(tmp_path):
+    limit = _limit("forward")
+    first = OOMRecovery()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    fit(WideRegressor("adam"), [first, ckpt], limit=limit, steps=4, enable_checkpointing=True)
+    assert first.k > 1
+    # Rewrite the checkpoint as the previous release wrote it: k in OOMRecovery's state (same state_key).
+    loaded = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    engine_state = loaded["callbacks"].pop("MicroBatchEngine")
+    (key,) = [key for key in loaded["callbacks"] if key.startswith("OOMRecovery")]
+    assert key == OOMRecovery().state_key  # stable: old checkpoints find their state
+    loaded["callbacks"][key].update(k=engine_state["k"], eval_k=[], checkpointing=False)
+    torch.save(loaded, tmp_path / "old.ckpt")
+
+    second = OOMRecovery()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        max_steps=6,
+        precision="64-true",
+        callbacks=[second],
+        **{**TRAINER_QUIET, "enable_checkpointing": False},
+    )
+    from oom_models import Waves
+
+    with SimulatedMemory(limit):
+        trainer.fit(
+            WideRegressor("adam"), DataLoader(Waves(), batch_size=128), ckpt_path=str(tmp_path / "old.ckpt")
+        )
+    assert second.k == first.k and second.failures == []
 
 
 # ----------------------------------------------------------------------------- mixed precision

@@ -164,3 +164,23 @@ def test_torchrun_launches_the_cli(tmp_path):
     assert strategy_probe.lines(tmp_path) == [
         f"strategy-probe: rank {r} of 2, DDPStrategy, step 3" for r in (0, 1)
     ], out[-3000:]
+
+
+def test_with_cuda_the_sharded_plan_is_fsdp2_and_keeps_oom_recovery(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    import lightning_gpuopt.cli as cli_module
+    from lightning_gpuopt import FSDP2Strategy, OOMRecovery
+    from lightning_gpuopt.cli import GPUOptCLI
+
+    # CUDA as the CLI sees it (the trainer itself runs on CPU processes, which FSDP2Strategy supports too).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cli_module, "_on_cuda", lambda config: True)
+    with caplog.at_level(logging.INFO):
+        cli = GPUOptCLI(args=[*BORING, *CPU2, "--gpuopt.device_memory", "500"], run=False)
+    assert cli.plan.pick.startswith("fsdp") and isinstance(cli.trainer.strategy, FSDP2Strategy)
+    assert any(isinstance(cb, OOMRecovery) for cb in cli.trainer.callbacks)
+    assert "OOMRecovery not added" not in caplog.text

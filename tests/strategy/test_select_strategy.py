@@ -172,3 +172,37 @@ def test_fsdp2_strategy_refuses_a_module_holding_parameters_itself():
         match=r"`shard_modules` names \['Block'\], but Sequential has no such submodule; its module types are: Linear",
     ):
         shard_module(nn.Sequential(nn.Linear(2, 2)), mesh=None, types=["Block"])
+
+
+@pytest.mark.parametrize(
+    "memory_mib", [4096, 1638, 512], ids=["shard-grads-optimizer", "full-shard", "offload"]
+)
+def test_on_cuda_sharding_is_planned_as_fsdp2_as_on_cpu(memory_mib):
+    plan = select_strategy(_model(), devices=4, device_memory=memory_mib * 2**20, device="cuda")
+    assert plan.pick.startswith("fsdp") and isinstance(plan.strategy, FSDP2Strategy)
+
+
+def test_with_deepspeed_installed_oom_recovery_keeps_the_plan_off_deepspeed(monkeypatch):
+    import importlib.util
+
+    from lightning_gpuopt.support import Feature
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "deepspeed" else real(name, *a)
+    )
+    # 3000 MiB: DDP does not fit; DeepSpeed ZeRO-1 (cheaper communication than FSDP sharding) would.
+    kept = select_strategy(
+        _model(), devices=4, device_memory=3000 * 2**20, device="cpu", features=[Feature.OOM_RECOVERY]
+    )
+    zero1 = next(r for r in kept.rows if r.name == "deepspeed zero-1")
+    assert zero1.fits and zero1.available  # it would have been the pick without OOMRecovery
+    assert kept.pick.startswith("fsdp") and isinstance(kept.strategy, FSDP2Strategy)
+    both = select_strategy(
+        _model(),
+        devices=4,
+        device_memory=3000 * 2**20,
+        device="cpu",
+        features=[Feature.OOM_RECOVERY, Feature.BATCH_SIZE_SEARCH],
+    )
+    assert both.pick == kept.pick and "MemoryAwareBatchSize does not run under" in both.reason

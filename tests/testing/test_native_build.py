@@ -98,3 +98,36 @@ def test_a_cached_build_needs_no_compiler(tmp_path):
     )
     assert proc.stdout.strip() == "allocator", proc.stderr
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # nothing rebuilt
+
+
+def test_a_built_wheel_ships_the_allocator_source_that_simulated_memory_builds_from(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    from lightning_gpuopt.testing import _native
+
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(repo),
+        ],
+        check=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    (wheel,) = tmp_path.glob("lightning_gpuopt-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = archive.read("lightning_gpuopt/testing/simulated_allocator.cpp").decode()
+    assert shipped == _native._SOURCE  # the allocator is built from this very text
+    assert "SetCPUAllocator" in shipped and "_SOURCE = r" not in Path(_native.__file__).read_text()

@@ -1,0 +1,272 @@
+"""Which of the pack's features runs under which strategy, torch version and compile setting, and why not.
+
+One table answers for everything that needs to know: the micro-batch engine, the callbacks, the CLI
+(which callbacks it adds) and :func:`~lightning_gpuopt.select_strategy` (which strategies it plans).
+The docs table (``docs/support.md``) is rendered from it and a test holds the two equal.
+
+Example:
+    >>> from lightning_gpuopt.support import Feature, StrategyKind, supports
+    >>> supports(Feature.OOM_RECOVERY, StrategyKind.DDP).supported
+    True
+    >>> answer = supports(Feature.OOM_RECOVERY, StrategyKind.FSDP1)
+    >>> answer.supported, "FSDP2Strategy" in answer.reason
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Answer",
+    "Feature",
+    "StrategyKind",
+    "markdown_table",
+    "strategy_kind",
+    "supports",
+    "torch_version",
+]
+
+
+class Feature(str, enum.Enum):
+    """A feature of the pack whose support depends on the strategy."""
+
+    OOM_RECOVERY = "OOMRecovery"
+    BATCH_SIZE_SEARCH = "MemoryAwareBatchSize"
+    PRECISION_SWITCH = "PrecisionSwitch (runtime switch)"
+
+
+class StrategyKind(str, enum.Enum):
+    """The kinds of Lightning strategy the table distinguishes."""
+
+    SINGLE_DEVICE = "single device"
+    DDP = "DDP"
+    FSDP2 = "FSDP2"
+    FSDP1 = "FSDP1"
+    DEEPSPEED = "DeepSpeed"
+    TENSOR_PARALLEL = "tensor parallel"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Whether a feature runs, and why (or why not): ``reason`` names the alternative when it does not."""
+
+    supported: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.supported
+
+
+@dataclass(frozen=True)
+class _Rule:
+    supported: bool
+    reason: str
+    min_torch: tuple[int, int] | None = None  # supported only from this torch on
+
+
+_COLLECTIVES = (
+    "runs collectives inside the step, which cannot be kept in step when one rank runs out of memory: "
+    "use FSDP2Strategy (sharding) or strategy='ddp', or train without OOMRecovery"
+)
+_SHARDED_MEMORY = (
+    "a sharded model's memory depends on the sharding, not only on the batch: use devices=1 or "
+    "strategy='ddp', or remove MemoryAwareBatchSize"
+)
+_FIXED_PRECISION = "fixes the precision when it wraps the model, so only the setup-time choice applies"
+
+_RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
+    (Feature.OOM_RECOVERY, StrategyKind.SINGLE_DEVICE): _Rule(True, "micro-batches on one device"),
+    (Feature.OOM_RECOVERY, StrategyKind.DDP): _Rule(
+        True, "micro-batches under no_sync; the pack averages gradients at the optimizer step"
+    ),
+    (Feature.OOM_RECOVERY, StrategyKind.FSDP2): _Rule(
+        True,
+        "the ranks vote before each FSDP collective; needs FSDPModule.reset_iter_state (torch 2.14 or newer)",
+        min_torch=(2, 14),
+    ),
+    (Feature.OOM_RECOVERY, StrategyKind.FSDP1): _Rule(False, f"FSDP1 (FSDPStrategy) {_COLLECTIVES}"),
+    (Feature.OOM_RECOVERY, StrategyKind.DEEPSPEED): _Rule(False, f"DeepSpeed {_COLLECTIVES}"),
+    (Feature.OOM_RECOVERY, StrategyKind.TENSOR_PARALLEL): _Rule(
+        False,
+        "tensor-parallel collectives inside the forward cannot be kept in step: use tensor_parallel_size=1 "
+        "(FSDP2Strategy), or train without OOMRecovery",
+    ),
+    (Feature.OOM_RECOVERY, StrategyKind.OTHER): _Rule(
+        False,
+        "micro-batching supports single-device, DDP and FSDP2 training: use strategy='ddp' or FSDP2Strategy",
+    ),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.SINGLE_DEVICE): _Rule(True, "measures one device"),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.DDP): _Rule(
+        True, "measures each rank; the ranks agree on the size"
+    ),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2): _Rule(False, _SHARDED_MEMORY),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP1): _Rule(False, _SHARDED_MEMORY),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.DEEPSPEED): _Rule(False, _SHARDED_MEMORY),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.TENSOR_PARALLEL): _Rule(False, _SHARDED_MEMORY),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.OTHER): _Rule(
+        False, "measures single-device and DDP training only: use devices=1 or strategy='ddp'"
+    ),
+    (Feature.PRECISION_SWITCH, StrategyKind.SINGLE_DEVICE): _Rule(
+        True, "swaps the precision plugin at a window boundary"
+    ),
+    (Feature.PRECISION_SWITCH, StrategyKind.DDP): _Rule(True, "every rank swaps at the same window boundary"),
+    (Feature.PRECISION_SWITCH, StrategyKind.FSDP2): _Rule(False, _FIXED_PRECISION),
+    (Feature.PRECISION_SWITCH, StrategyKind.FSDP1): _Rule(False, _FIXED_PRECISION),
+    (Feature.PRECISION_SWITCH, StrategyKind.DEEPSPEED): _Rule(False, _FIXED_PRECISION),
+    (Feature.PRECISION_SWITCH, StrategyKind.TENSOR_PARALLEL): _Rule(False, _FIXED_PRECISION),
+    (Feature.PRECISION_SWITCH, StrategyKind.OTHER): _Rule(
+        False, "runtime switching supports single-device and DDP strategies"
+    ),
+}
+
+#: What a ``torch.compile``'d LightningModule changes, by feature (strategies that Lightning itself refuses
+#: for a compiled module come first, below).
+_COMPILED: dict[Feature, _Rule] = {
+    Feature.OOM_RECOVERY: _Rule(
+        False,
+        "a torch.compile'd LightningModule would recompile at every new micro-batch shape: compile submodules "
+        "with torch.compile(..., dynamic=True) inside your module instead, or train without OOMRecovery",
+    ),
+    Feature.BATCH_SIZE_SEARCH: _Rule(
+        False,
+        "a torch.compile'd LightningModule would recompile at every trial size: compile submodules with "
+        "torch.compile(..., dynamic=True) inside your module instead, or remove MemoryAwareBatchSize",
+    ),
+}
+_LIGHTNING_REFUSES_COMPILED = _Rule(
+    False,
+    "Lightning runs a torch.compile'd LightningModule only under SingleDeviceStrategy, DDPStrategy and "
+    "FSDPStrategy (it refuses ModelParallelStrategy and DeepSpeed): apply torch.compile inside configure_model "
+    "instead",
+)
+#: The kinds under which Lightning itself refuses a compiled LightningModule.
+_COMPILE_REFUSED_BY_LIGHTNING = (
+    StrategyKind.FSDP2,
+    StrategyKind.TENSOR_PARALLEL,
+    StrategyKind.DEEPSPEED,
+    StrategyKind.OTHER,
+)
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """``(major, minor)`` of ``version`` (default: the installed torch).
+
+    Example:
+        >>> torch_version("2.11.0+cu128")
+        (2, 11)
+    """
+    text = version if version is not None else torch.__version__
+    parts = text.split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+def strategy_kind(strategy: Any) -> StrategyKind:
+    """The table's kind of a Lightning strategy (an instance, or a :class:`StrategyKind`).
+
+    Example:
+        >>> from lightning.pytorch.strategies import DDPStrategy
+        >>> strategy_kind(DDPStrategy())
+        <StrategyKind.DDP: 'DDP'>
+    """
+    if isinstance(strategy, StrategyKind):
+        return strategy
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    if isinstance(strategy, SingleDeviceStrategy):
+        return StrategyKind.SINGLE_DEVICE
+    if isinstance(strategy, DeepSpeedStrategy):  # a DDPStrategy subclass: before DDP
+        return StrategyKind.DEEPSPEED
+    if isinstance(strategy, FSDPStrategy):
+        return StrategyKind.FSDP1
+    if isinstance(strategy, ModelParallelStrategy):
+        from lightning_gpuopt._compat import tensor_parallel_size
+
+        if tensor_parallel_size(strategy) > 1:
+            return StrategyKind.TENSOR_PARALLEL
+        return StrategyKind.FSDP2
+    if isinstance(strategy, DDPStrategy):
+        return StrategyKind.DDP
+    return StrategyKind.OTHER
+
+
+def supports(feature: Feature, strategy: Any, *, torch: str | None = None, compiled: bool = False) -> Answer:
+    """Whether ``feature`` runs under ``strategy`` (an instance or a :class:`StrategyKind`), and why.
+
+    Args:
+        feature: the feature asked about.
+        strategy: a Lightning strategy instance, or its :class:`StrategyKind`.
+        torch: the torch version to answer for (default: the installed one, checked for the capability
+            itself where the answer depends on one).
+        compiled: whether the LightningModule is ``torch.compile``'d.
+    """
+    feature = Feature(feature)
+    kind = strategy_kind(strategy)
+    if compiled and kind in _COMPILE_REFUSED_BY_LIGHTNING:
+        return Answer(False, _LIGHTNING_REFUSES_COMPILED.reason)
+    rule = _RULES[(feature, kind)]
+    if compiled and feature in _COMPILED:
+        rule = _COMPILED[feature]
+    if rule.supported and rule.min_torch is not None:
+        if torch_version(torch) < rule.min_torch:
+            wanted = ".".join(map(str, rule.min_torch))
+            return Answer(
+                False, f"{rule.reason}; torch {torch or _installed()} is older than {wanted}: upgrade torch"
+            )
+        if torch is None and kind is StrategyKind.FSDP2:
+            from lightning_gpuopt._exchange import fsdp2_unsupported
+
+            missing = fsdp2_unsupported()
+            if missing is not None:
+                return Answer(False, f"{missing}: upgrade torch")
+    return Answer(rule.supported, rule.reason)
+
+
+def _installed() -> str:
+    return torch.__version__
+
+
+def markdown_table() -> str:
+    """The support table as Markdown (what ``docs/support.md`` holds between its markers)."""
+    kinds = list(StrategyKind)
+    lines = [
+        "| feature | " + " | ".join(k.value for k in kinds) + " | compiled module |",
+        "|---|" + "---|" * len(kinds) + "---|",
+    ]
+    for feature in Feature:
+        cells = []
+        for kind in kinds:
+            rule = _RULES[(feature, kind)]
+            if not rule.supported:
+                cells.append("no")
+            elif rule.min_torch is not None:
+                cells.append(f"torch ≥ {'.'.join(map(str, rule.min_torch))}")
+            else:
+                cells.append("yes")
+        compiled = _COMPILED.get(feature)
+        cells.append("no" if compiled is not None and not compiled.supported else "single device, DDP")
+        lines.append(f"| {feature.value} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Why, for each cell that says no or names a torch version:")
+    lines.append("")
+    for feature in Feature:
+        for kind in kinds:
+            rule = _RULES[(feature, kind)]
+            if not rule.supported or rule.min_torch is not None:
+                lines.append(f"- {feature.value}, {kind.value}: {rule.reason}.")
+        if feature in _COMPILED:
+            lines.append(f"- {feature.value}, compiled module: {_COMPILED[feature].reason}.")
+    refused = ", ".join(k.value for k in _COMPILE_REFUSED_BY_LIGHTNING)
+    lines.append(f"- Any feature, compiled module under {refused}: {_LIGHTNING_REFUSES_COMPILED.reason}.")
+    return "\n".join(lines)
