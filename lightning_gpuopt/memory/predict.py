@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from lightning_gpuopt.memory._ops import alias_mask
 from lightning_gpuopt.memory.units import format_bytes
 
 __all__ = [
@@ -194,23 +195,11 @@ class PeakPrediction:
 # ---------------------------------------------------------------------------------------------------
 # The counter: a dispatch mode above FakeTensorMode that counts each new storage until it dies.
 # ---------------------------------------------------------------------------------------------------
-_FRESH_OPS = {torch.ops.aten.lift_fresh.default}
 _DATA_DEPENDENT = {
     torch.ops.aten._local_scalar_dense.default,
     torch.ops.aten.equal.default,
     torch.ops.aten.is_nonzero.default,
 }
-_alias_masks: dict = {}
-
-
-def _alias_mask(func: Any) -> tuple[bool, ...]:
-    mask = _alias_masks.get(func)
-    if mask is None:
-        mask = tuple(ret.alias_info is not None for ret in func._schema.returns)
-        if func in _FRESH_OPS:
-            mask = tuple(False for _ in mask)
-        _alias_masks[func] = mask
-    return mask
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
@@ -405,7 +394,7 @@ class _Counter(TorchDispatchMode):
                 return True
             return 1.0 if dtype.is_floating_point else 1
         out = func(*args, **(kwargs or {}))
-        mask = _alias_mask(func)
+        mask = alias_mask(func)
         if isinstance(out, torch.Tensor):
             if not (mask and mask[0]):
                 self._new(out)
