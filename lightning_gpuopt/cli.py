@@ -30,6 +30,7 @@ from lightning_gpuopt.callbacks import (
     PrecisionSwitch,
 )
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
 from lightning_gpuopt.support import Feature
@@ -54,6 +55,17 @@ def _require_jsonargparse() -> None:
             "pip install 'jsonargparse[signatures]>=4.27.7', or use the Python API (callbacks on a Trainer), "
             "which works without it."
         )
+    _register_byte_size()
+
+
+def _register_byte_size() -> None:
+    """Let jsonargparse read ``--gpuopt.device_memory 80GB`` (a ByteSize), and write it back as plain bytes."""
+    from jsonargparse.typing import register_type
+
+    try:
+        register_type(ByteSize, serializer=int, deserializer=ByteSize)
+    except ValueError:  # registered already
+        pass
 
 
 class GPUOptCLI(LightningCLI):
@@ -160,9 +172,10 @@ class GPUOptCLI(LightningCLI):
         )
         parser.add_argument(
             "--gpuopt.device_memory",
-            type=int | None,
+            type=ByteSize | None,
             default=None,
-            help="Bytes per device to plan against instead of the device's own (to plan for another machine).",
+            help="Memory per device to plan against instead of the device's own (to plan for another machine): "
+            "bytes, or with a unit: 80GB, 80GiB, 80e9.",
         )
 
         parser.add_argument(

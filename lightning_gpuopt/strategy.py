@@ -36,6 +36,13 @@ from lightning_gpuopt.memory.estimate import (
     count_parameters,
     estimate,
 )
+from lightning_gpuopt.memory.predict import (
+    ParallelLayout,
+    PeakPrediction,
+    PredictionMethod,
+    predict_peak_deep,
+    scale_to_batch,
+)
 from lightning_gpuopt.support import Feature, StrategyKind, supports
 
 __all__ = [
@@ -228,12 +235,20 @@ def shard_module(
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One candidate of a plan: its estimate, whether it fits, whether it can run here."""
+    """One candidate of a plan: its estimate, whether it fits, whether it can run here.
+
+    ``prediction`` is the candidate's traced peak (:func:`~lightning_gpuopt.memory.predict_peak`) at the
+    planned micro-batch, when a sample batch was given; it then decides ``fits``, and
+    ``largest_micro_batch`` is the largest micro-batch predicted to fit the budget.
+    """
 
     estimate: MemoryEstimate
     fits: bool
     available: bool
     note: str = ""
+    prediction: PeakPrediction | None = None
+    predicted_bytes: int | None = None
+    largest_micro_batch: int | None = None
 
     @property
     def name(self) -> str:
@@ -286,23 +301,28 @@ class StrategyPlan:
             "fits",
             "",
         )
+        predicted = any(row.predicted_bytes is not None for row in self.rows)
+        if predicted:
+            head = (*head[:7], "predicted peak", "max micro-batch", *head[7:])
         lines = [head]
         for row in self.rows:
             e = row.estimate
             mark = "<- pick" if row.name == self.pick else row.note
-            lines.append(
-                (
-                    row.name,
-                    format_bytes(e.parameters),
-                    format_bytes(e.gradients),
-                    format_bytes(e.optimizer),
-                    format_bytes(e.gathered),
-                    format_bytes(e.activations),
-                    format_bytes(e.total),
-                    "yes" if row.fits else "no",
-                    mark,
-                )
-            )
+            cells = [
+                row.name,
+                format_bytes(e.parameters),
+                format_bytes(e.gradients),
+                format_bytes(e.optimizer),
+                format_bytes(e.gathered),
+                format_bytes(e.activations),
+                format_bytes(e.total),
+            ]
+            if predicted:
+                cells += [
+                    format_bytes(row.predicted_bytes) if row.predicted_bytes is not None else "-",
+                    str(row.largest_micro_batch) if row.largest_micro_batch is not None else "-",
+                ]
+            lines.append((*cells, "yes" if row.fits else "no", mark))
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
         text = [
             f"gpuopt plan: {self.world_size} device(s), {format_bytes(self.device_memory)} each (budget "
@@ -486,13 +506,30 @@ def select_strategy(
         for c in CANDIDATES
         if (c.multi_device or world == 1) and (world > 1 or c.offload or not c.multi_device)
     ]
+    device_type = (
+        probe_device.type if probe_device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     rows = []
     for candidate in candidates:
         e = estimate(counts, candidate, world, precision, optimizer, activations)
         available, why = True, ""
         if candidate.deepspeed and not has_deepspeed:
             available, why = False, "estimate only (deepspeed not installed)"
-        rows.append(PlanRow(e, e.total <= budget, available, why))
+        row = PlanRow(e, e.total <= budget, available, why)
+        if sample_batch is not None and activation_bytes is None and not candidate.deepspeed:
+            row = _predicted_row(
+                row,
+                model,
+                sample_batch,
+                optimizer,
+                precision,
+                world,
+                units,
+                device_type,
+                budget,
+                micro_batch_size,
+            )
+        rows.append(row)
     optimizer_name = _optimizer_name(optimizer)
     plan_args = dict(
         device_memory=device_memory,
@@ -506,12 +543,24 @@ def select_strategy(
     if units:
         notes.append(f"full sharding gathers one {type(units[0]).__name__} at a time ({len(units)} units)")
     fitting = [r for r in rows if r.fits and r.available]
+    split = None
+    if (
+        not fitting
+    ):  # the pack splits each batch into micro-batches: a candidate where a smaller one fits will do
+        fitting = [r for r in rows if r.available and (r.largest_micro_batch or 0) >= 1]
+        if fitting:
+            split = min(fitting, key=lambda r: r.estimate.candidate.cost)
+            notes.append(
+                f"{split.name} fits micro-batches of {split.largest_micro_batch} (predicted), not "
+                f"{micro_batch_size}: each batch is split into {-(-micro_batch_size // split.largest_micro_batch)} "
+                "micro-batches (OOMRecovery / MemoryAwareBatchSize)"
+            )
     if not fitting:
         plan = StrategyPlan(rows, None, "no candidate fits", None, notes=notes, **plan_args)
-        smallest = min(rows, key=lambda r: r.estimate.total)
+        smallest = min(rows, key=_row_bytes)
         raise StrategyPlanError(
             f"No way of training this model fits {world} device(s) of {format_bytes(device_memory)} (budget "
-            f"{format_bytes(budget)}): the smallest, {smallest.name}, needs {format_bytes(smallest.estimate.total)} per "
+            f"{format_bytes(budget)}): the smallest, {smallest.name}, needs {format_bytes(_row_bytes(smallest))} per "
             "device. Use more devices, a lower-memory precision (bf16), a smaller optimizer state (SGD), "
             f"or a smaller model.\n{plan.table()}",
             plan,
@@ -520,18 +569,99 @@ def select_strategy(
     refused = {r.name: _refused(r.estimate.candidate, features) for r in rows}
     best = min(fitting, key=lambda r: (len(refused[r.name]), r.estimate.candidate.cost))
     cheaper = [r for r in rows if r.estimate.candidate.cost < best.estimate.candidate.cost and r.available]
-    if cheaper:
+    if split is not None:
+        reason = (
+            f"nothing fits micro-batches of {micro_batch_size}; {best.name} has the least communication among "
+            f"those that fit smaller ones ({best.largest_micro_batch} samples predicted to fit)"
+        )
+    elif cheaper:
         last = max(cheaper, key=lambda r: r.estimate.candidate.cost)
         reason = (
-            f"{last.name} would need {format_bytes(last.estimate.total)} per device, over the budget; "
-            f"{best.name} needs {format_bytes(best.estimate.total)}"
+            f"{last.name} would need {format_bytes(_row_bytes(last))} per device, over the budget; "
+            f"{best.name} needs {format_bytes(_row_bytes(best))}"
         )
     else:
-        reason = f"fits with the least communication: {format_bytes(best.estimate.total)} of {format_bytes(budget)} per device"
+        reason = f"fits with the least communication: {format_bytes(_row_bytes(best))} of {format_bytes(budget)} per device"
     for name, why in refused[best.name]:
         reason += f"; {name} does not run under {best.name}: {why}"
     strategy = _make_strategy(best.estimate.candidate, units, static_graph)
     return StrategyPlan(rows, best.name, reason, strategy, notes=notes, **plan_args)
+
+
+def _row_bytes(row: PlanRow) -> int:
+    """The bytes a row is judged by: its predicted peak when traced, else its estimate."""
+    return row.predicted_bytes if row.predicted_bytes is not None else row.estimate.total
+
+
+def _layout_of(candidate: Candidate, world: int, units: list[nn.Module], model: nn.Module) -> ParallelLayout:
+    if not candidate.multi_device:
+        return ParallelLayout()
+    if candidate.name == "ddp":
+        return ParallelLayout("ddp", world, gradient_as_bucket_view=True)  # as _make_strategy builds it
+    names = {id(m): name for name, m in model.named_modules()}
+    return ParallelLayout(
+        "fsdp",
+        world,
+        reshard_after_forward=candidate.shard_params,
+        cpu_offload=candidate.offload,
+        units=tuple(names[id(u)] for u in units if id(u) in names) or None,
+    )
+
+
+def _optimizer_for_prediction(optimizer: Any) -> Any:
+    """An optimizer instance, a factory from a name or class, or None (the module's configure_optimizers)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return lambda params: optimizer(params)
+    if isinstance(optimizer, str):
+        cls = {name.lower(): getattr(torch.optim, name) for name in dir(torch.optim)}.get(optimizer.lower())
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            return lambda params: cls(params)
+    return None
+
+
+def _predicted_row(
+    row: PlanRow,
+    model: nn.Module,
+    sample_batch: Any,
+    optimizer: Any,
+    precision: str | None,
+    world: int,
+    units: list[nn.Module],
+    device_type: str,
+    budget: int,
+    micro_batch_size: int,
+) -> PlanRow:
+    """``row`` with the candidate's traced peak at ``micro_batch_size`` and the largest micro-batch predicted to fit."""
+    import dataclasses
+
+    opt = _optimizer_for_prediction(optimizer)
+    if opt is None and not callable(getattr(model, "configure_optimizers", None)):
+        return row
+    layout = _layout_of(row.estimate.candidate, world, units, model)
+    prediction = predict_peak_deep(
+        model, sample_batch, opt, precision=precision, layout=layout, device=device_type
+    )
+    if prediction.method is not PredictionMethod.TRACED:
+        return dataclasses.replace(row, prediction=prediction, note=row.note or "estimate (not traced)")
+    predicted = scale_to_batch(prediction, micro_batch_size)
+    largest = 0
+    while largest < 1 << 20 and scale_to_batch(prediction, largest + 1) <= budget:
+        largest = largest + 1 if largest < 64 else largest * 2
+    if largest >= 64:  # refine the doubling: the largest n with the predicted peak in the budget
+        low, high = largest // 2, largest
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if scale_to_batch(prediction, mid) <= budget else (low, mid - 1)
+        largest = low
+    return dataclasses.replace(
+        row,
+        fits=predicted <= budget,
+        prediction=prediction,
+        predicted_bytes=predicted,
+        largest_micro_batch=largest,
+    )
 
 
 def optimizer_of(module: nn.Module) -> Any:

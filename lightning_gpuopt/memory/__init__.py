@@ -1,4 +1,4 @@
-"""Reading device memory and recognising out-of-memory errors, the same way on CUDA and under SimulatedMemory.
+"""Reading device memory, recognising out-of-memory errors, and predicting a training step's peak memory.
 
 Callbacks never call ``torch.cuda.*`` memory functions directly: they read a :class:`MemoryProbe`
 from :func:`get_probe`, so every algorithm runs in CI on CPU under
@@ -12,6 +12,18 @@ from lightning_gpuopt.memory.oom import (
     is_maybe_size_error,
     is_oom_error,
 )
+from lightning_gpuopt.memory.predict import (
+    MemoryCategory,
+    ParallelLayout,
+    PeakLine,
+    PeakPrediction,
+    PhasePeak,
+    PredictionMethod,
+    predict_peak,
+    predict_peak_deep,
+    predict_peak_line,
+    scale_to_batch,
+)
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, CudaMemoryProbe, MemoryProbe, get_probe
 from lightning_gpuopt.memory.units import format_bytes
 
@@ -20,10 +32,20 @@ __all__ = [
     "OOM_MESSAGES",
     "CpuMemoryProbe",
     "CudaMemoryProbe",
+    "MemoryCategory",
     "MemoryProbe",
+    "ParallelLayout",
+    "PeakLine",
+    "PeakPrediction",
+    "PhasePeak",
+    "PredictionMethod",
     "format_bytes",
     "free_memory",
     "get_probe",
     "is_maybe_size_error",
     "is_oom_error",
+    "predict_peak",
+    "predict_peak_deep",
+    "predict_peak_line",
+    "scale_to_batch",
 ]

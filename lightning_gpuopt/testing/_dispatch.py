@@ -20,13 +20,11 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_gpuopt.memory._ops import alias_mask
+
 __all__ = ["DispatchCounter", "format_bytes", "format_oom_message"]
 
 _sessions = itertools.count(1)
-# torch.tensor(...) builds its storage below any mode and hands it over through lift_fresh, whose
-# schema says "alias of the input": the storage is new all the same.
-_FRESH_OPS = {torch.ops.aten.lift_fresh.default}
-_alias_masks: dict = {}
 
 
 def format_bytes(n: int) -> str:
@@ -46,16 +44,6 @@ def format_oom_message(request: int, in_use: int, limit: int) -> str:
         f"in use; limit {format_bytes(limit)}. Raised by lightning_gpuopt.testing.SimulatedMemory: raise its "
         "`limit_bytes` or use smaller batches."
     )
-
-
-def _alias_mask(func) -> tuple[bool, ...]:
-    mask = _alias_masks.get(func)
-    if mask is None:
-        mask = tuple(ret.alias_info is not None for ret in func._schema.returns)
-        if func in _FRESH_OPS:
-            mask = tuple(False for _ in mask)
-        _alias_masks[func] = mask
-    return mask
 
 
 class _CountingMode(TorchDispatchMode):
@@ -143,7 +131,7 @@ class DispatchCounter:
 
     # --- counting op outputs -------------------------------------------------------------------
     def _record(self, func, out) -> None:
-        mask = _alias_mask(func)
+        mask = alias_mask(func)
         if isinstance(out, torch.Tensor):
             self._track(out, mask[0] if mask else False)
             return

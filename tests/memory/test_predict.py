@@ -1,0 +1,153 @@
+"""predict_peak against the peak SimulatedMemory counts over two real training steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from predict_models import KERNEL_SCRATCH, MODELS, OPTIMIZERS
+from torch import nn
+
+from lightning_gpuopt.memory import MemoryCategory, ParallelLayout, PredictionMethod, predict_peak
+from lightning_gpuopt.testing import SimulatedMemory
+
+OVER, UNDER = 0.05, 0.03  # the contract: within +5 %, never more than 3 % under
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def measured_peak(make, optimizer: str, n: int, backend: str = "allocator") -> int:
+    """Peak over two real steps in Lightning's order: forward, zero_grad, backward, optimizer step."""
+    with SimulatedMemory(backend=backend) as mem:
+        model, make_batch, step = make()
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        mem.track(model)
+        for _ in range(2):
+            batch = make_batch(n)
+            mem.track(batch)
+            loss = step(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            del loss, batch
+        return mem.peak_bytes
+
+
+CASES = [(m, n, o) for m in MODELS for n in (4, 16) for o in OPTIMIZERS]
+
+
+@pytest.mark.parametrize(("model_name", "n", "optimizer"), CASES)
+def test_predicted_peak_is_within_5_percent_of_the_measured_one(model_name, n, optimizer):
+    make = MODELS[model_name]
+    backend = "dispatch" if model_name in KERNEL_SCRATCH else "allocator"
+    truth = measured_peak(make, optimizer, n, backend)
+    model, make_batch, step = make()
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    prediction = predict_peak(model, make_batch(n), OPTIMIZERS[optimizer], step=step)
+    assert prediction.method is PredictionMethod.TRACED
+    error = (prediction.peak_bytes - truth) / truth
+    assert -UNDER <= error <= OVER, (prediction, truth, error)
+    # Nothing in the model changed: the same parameter tensors are back.
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == before
+    assert sum(prediction.categories.values()) == prediction.peak_bytes
+    assert sum(prediction.modules.values()) == prediction.peak_bytes
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x = torch.randint(0, 1000, (32,))
+        return x, x
+
+
+def _lightning_transformer():
+    from lightning.pytorch.demos import LightningTransformer
+
+    class Offline(LightningTransformer):
+        def prepare_data(self):  # the demo downloads WikiText-2 here
+            pass
+
+    torch.manual_seed(0)
+    return Offline(vocab_size=1000)
+
+
+def test_lightning_module_is_predicted_through_its_own_training_step_and_optimizer():
+    import lightning as L
+
+    with SimulatedMemory() as mem:
+        trainer = L.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(_lightning_transformer(), torch.utils.data.DataLoader(_Tokens(), batch_size=8))
+        truth = mem.peak_bytes
+    x = torch.randint(0, 1000, (8, 32))
+    prediction = predict_peak(_lightning_transformer(), (x, x))  # its training_step and configure_optimizers
+    error = (prediction.peak_bytes - truth) / truth
+    assert -UNDER <= error <= OVER, (prediction, truth, error)
+
+
+def test_a_model_on_the_meta_device_is_predicted_without_memory():
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(16)))  # 268 M parameters, 1 GiB
+    prediction = predict_peak(
+        model,
+        torch.empty(8, 4096, device="meta"),
+        lambda ps: torch.optim.AdamW(ps),
+        step=lambda m, x: m(x).square().mean(),
+    )
+    params = 4 * sum(p.numel() for p in model.parameters())
+    assert prediction.categories[MemoryCategory.PARAMETERS.value] == params
+    assert prediction.peak_bytes >= 4 * params  # parameters, gradients, two AdamW moments
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_bf16_mixed_keeps_fp32_weights_and_halves_activations():
+    make = MODELS["mlp"]
+    model, make_batch, step = make()
+    fp32 = predict_peak(model, make_batch(256), OPTIMIZERS["sgd"], step=step)
+    mixed = predict_peak(model, make_batch(256), OPTIMIZERS["sgd"], step=step, precision="bf16-mixed")
+    assert mixed.categories["parameters"] == fp32.categories["parameters"]
+    true_bf16 = predict_peak(model, make_batch(256), OPTIMIZERS["sgd"], step=step, precision="bf16-true")
+    assert true_bf16.categories["parameters"] * 2 == fp32.categories["parameters"]
+
+
+def test_sharding_divides_the_state_and_ddp_adds_its_buckets():
+    make = MODELS["mlp"]
+    model, make_batch, step = make()
+    args = (model, make_batch(8), OPTIMIZERS["adamw"])
+    single = predict_peak(*args, step=step)
+    ddp = predict_peak(*args, step=step, layout=ParallelLayout("ddp", world_size=8))
+    fsdp = predict_peak(*args, step=step, layout=ParallelLayout("fsdp", world_size=8))
+    offload = predict_peak(*args, step=step, layout=ParallelLayout("fsdp", world_size=8, cpu_offload=True))
+    params = 4 * sum(p.numel() for p in model.parameters())
+    assert ddp.peak_bytes >= single.peak_bytes + 0.9 * params  # a second copy of the gradients
+    assert fsdp.peak_bytes < 0.5 * single.peak_bytes
+    assert fsdp.categories["gathered parameters"] > 0
+    assert offload.peak_bytes < fsdp.peak_bytes and offload.host_bytes > 0
+
+
+def test_a_step_that_cannot_be_traced_falls_back_to_the_estimate_and_says_why():
+    model, make_batch, _ = MODELS["mlp"]()
+
+    def step(m, batch):
+        x, y = batch
+        keep = torch.nonzero(y >= 0).squeeze(1)  # an output shape that depends on the data
+        return nn.functional.cross_entropy(m(x[keep]), y[keep])
+
+    prediction = predict_peak(model, make_batch(8), OPTIMIZERS["sgd"], step=step)
+    assert prediction.method is PredictionMethod.ESTIMATED
+    assert "tracing failed" in prediction.decision
+    with pytest.raises(Exception, match=r"nonzero|data-dependent|dynamic"):
+        predict_peak(model, make_batch(8), OPTIMIZERS["sgd"], step=step, fallback=False)
