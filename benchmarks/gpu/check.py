@@ -245,6 +245,26 @@ def data_section(sizes: dict[str, Any]) -> dict[str, Any]:
     return {"figures": figures, "details": runs, "skipped": skipped}
 
 
+def predict_section(sizes: dict[str, Any]) -> dict[str, Any]:
+    """predict_peak against max_memory_allocated (+-5 %) and max_memory_reserved (at most 15 % under)."""
+    import predict
+
+    result = predict.check(
+        str(Path(sizes["out"]) / "predict"), tuple(sizes["batches"]), tuple(sizes["precisions"])
+    )
+    figures = [
+        {
+            "name": f"predicted peak vs max_memory_allocated, {r['model']} {r['precision']} batch {r['batch']}",
+            "value": r["error_allocated"],
+            "unit": "relative error",
+            "target": f"within +-{predict.ALLOCATED_BAND:.0%}, at most {predict.RESERVED_UNDER:.0%} under reserved",
+            "met": r["ok"],
+        }
+        for r in result["rows"]
+    ]
+    return {"figures": figures, "details": result, "skipped": {}}
+
+
 def _speed(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def run(sizes: dict[str, Any]) -> dict[str, Any]:
         import speed
@@ -266,14 +286,14 @@ SECTIONS: dict[str, Section] = {
         Section(
             "cuda_tests",
             "the cuda-marked tests (pytest -m cuda)",
-            60,
+            50,
             cuda_tests,
             cuda_only="pytest -m cuda skips every test on a machine without CUDA: nothing to prove on a CPU",
         ),
         Section(
             "oom",
             "real OOM recovery: ResNet-50 and a causal transformer under a memory limit",
-            65,
+            60,
             oom_section,
             # Batches whose unlimited step fits well under the 16 GiB cap (ResNet-50 fp32 at 224: ~0.1 GB a sample).
             sizes={"models": ["resnet50", "transformer"], "batch": {"resnet50": 96, "transformer": 32}},
@@ -282,7 +302,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "batchsize",
             "MemoryAwareBatchSize against the bisected true maximum",
-            50,
+            45,
             batchsize_section,
             sizes={"models": ["lm"]},
             dry_sizes={"models": ["lm"]},
@@ -352,6 +372,17 @@ SECTIONS: dict[str, Section] = {
                 "precision": "32-true",
                 "target_percent": 2.0,
             },
+        ),
+        Section(
+            "predict",
+            "predict_peak against max_memory_allocated and max_memory_reserved (MLP, ResNet-18, tiny GPT-2)",
+            20,
+            predict_section,
+            sizes={"batches": [16], "precisions": ["32-true", "bf16-mixed"]},
+            cuda_only=(
+                "max_memory_allocated is CUDA's caching allocator; on a CPU the prediction is checked against "
+                "SimulatedMemory in tests/memory/test_predict.py"
+            ),
         ),
     )
 }

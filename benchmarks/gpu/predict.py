@@ -17,8 +17,8 @@ on the GPU in Lightning's order (forward, zero_grad, backward, step) from an emp
 cuDNN's convolution workspaces are kernel-internal and not modelled: the ResNet-18 row says how
 much they weigh. Writes ``predict.json`` to ``--out``; exits 1 when a target is missed, 2 without a GPU.
 
-Registering it in a driver with named functions (issue 14's ``gpu_check.sh all``): call
-``check(out_dir) -> dict`` (the JSON written, with ``"ok"``); ``main`` is the command line.
+``gpu_check.sh all`` runs it as its ``predict`` row (one batch size, inside the shared budget) through
+``check(out_dir, batches, precisions) -> dict``; ``main`` is the command line (both batch sizes).
 """
 
 from __future__ import annotations
@@ -108,8 +108,13 @@ def _measure(make, n: int, precision: str) -> tuple[int, int]:
     return result
 
 
-def check(out_dir: str) -> dict:
-    """Run the section; write and return ``predict.json``'s content (``"ok"``: every target met)."""
+def check(
+    out_dir: str, batches: tuple[int, ...] = (8, 32), precisions: tuple[str, ...] = ("32-true", "bf16-mixed")
+) -> dict:
+    """Run the section; write and return ``predict.json``'s content (``"ok"``: every target met).
+
+    ``gpu_check.sh all`` runs it with one batch size (its ``predict`` row in ``benchmarks/gpu/check.py``).
+    """
     from lightning_gpuopt.memory import predict_peak
 
     rows = []
@@ -118,8 +123,8 @@ def check(out_dir: str) -> dict:
     torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
     workspace_taken = torch.cuda.memory_allocated()
     for name, make in _models().items():
-        for precision in ("32-true", "bf16-mixed"):
-            for n in (8, 32):
+        for precision in precisions:
+            for n in batches:
                 torch.manual_seed(0)
                 allocated, reserved = _measure(make, n, precision)
                 model, make_batch, step = make()
