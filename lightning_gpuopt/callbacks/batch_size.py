@@ -23,7 +23,7 @@ from lightning_gpuopt.callbacks.oom_recovery import MicroBatchOOMError
 from lightning_gpuopt.data.prefetch import batch_nbytes
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
-from lightning_gpuopt.memory.peak_model import MAX_TRIALS, SearchResult, SizeSearch, memory_budget
+from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, memory_budget
 from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine
 from lightning_gpuopt.oom_policy import Source
 from lightning_gpuopt.support import Feature, supports
@@ -35,10 +35,6 @@ _LR_RULES = (None, "linear", "sqrt")
 #: Small tensors a real step holds that a trial does not (the loop's loss copies, logged values,
 #: gradient-clipping norms): kept free under the budget.
 _STEP_SLACK_BYTES = 64 * 1024
-#: Real steps a search seeded by a prediction measures at most (they verify the prediction).
-PREDICTED_TRIALS = 3
-#: How far under the budget the predicted first size aims (held copies and rounding the trace does not see).
-PREDICTION_MARGIN = 0.05
 
 
 def _check_size(name: str, value: Any, allow_none: bool = False) -> None:
@@ -431,7 +427,6 @@ class MemoryAwareBatchSize(Callback):
         engine = self._engine
         budget = memory_budget(probe.total, self.target_fraction)
         started = time.perf_counter()
-        guess = predicted_first_size(trainer, module, make_batch, smallest, largest, budget, held_per_sample)
         with TrialSteps(trainer, module, probe, batch_idx) as trials:
             search = SizeSearch(
                 budget_bytes=budget,
@@ -442,11 +437,8 @@ class MemoryAwareBatchSize(Callback):
                 held_bytes_per_sample=held_per_sample,
                 whole_largest=whole_largest,
                 grad_bytes=trials.grad_bytes,
-                # The predicted largest size (a traced step, nothing allocated): the real steps verify it.
-                # Without a prediction, 1/16 of the range, 2 to 16 samples: small, yet past the sizes
-                # where fixed costs dominate a step.
-                first_size=guess or min(16, max(2, largest // 16)),
-                max_trials=PREDICTED_TRIALS if guess else MAX_TRIALS,
+                # 1/16 of the range, 2 to 16 samples: small, yet past the sizes where fixed costs dominate a step.
+                first_size=min(16, max(2, largest // 16)),
             )
             # Held besides what a trial sees: the engine's own copies, and with accumulation the window's
             # earlier gradients, which the engine keeps apart while a batch runs.
@@ -598,49 +590,6 @@ class MemoryAwareBatchSize(Callback):
                 scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
         self._lr_factor *= factor
         return factor
-
-
-def predicted_first_size(
-    trainer: pl.Trainer,
-    module: pl.LightningModule,
-    make_batch: Callable[[int], tuple[Any, int, int, bool]],
-    smallest: int,
-    largest: int,
-    budget: int,
-    held_per_sample: float,
-) -> int | None:
-    """The largest size :func:`~lightning_gpuopt.memory.predict_peak` predicts to fit ``budget``, a little
-    below it (:data:`PREDICTION_MARGIN`), or ``None`` when the step cannot be traced."""
-    from lightning_gpuopt.memory.predict import PredictionMethod, predict_peak, scale_to_batch
-
-    if not trainer.optimizers:
-        return None
-    size = min(largest, max(smallest, 2))
-    batch = make_batch(size)[0]
-    attached, module._trainer = module._trainer, None  # self.log and the loops must not see fake tensors
-    try:
-        prediction = predict_peak(
-            module,
-            batch,
-            trainer.optimizers[0],
-            step=lambda m, b: m.training_step(b, 0),
-            precision=_precision_of(trainer),
-            device=trainer.strategy.root_device.type,
-        )
-    except Exception:  # a prediction is a head start, never a reason to fail
-        return None
-    finally:
-        module._trainer = attached
-        del batch
-    if prediction.method is not PredictionMethod.TRACED:
-        return None
-    target = (1 - PREDICTION_MARGIN) * budget
-    low, high = 0, largest
-    while low < high:
-        mid = (low + high + 1) // 2
-        fits = scale_to_batch(prediction, mid) + held_per_sample * mid <= target
-        low, high = (mid, high) if fits else (low, mid - 1)
-    return max(smallest, low) if low >= 1 else None
 
 
 def _precision_of(trainer: pl.Trainer) -> str:
