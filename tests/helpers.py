@@ -48,7 +48,8 @@ class RecordingRegressor(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids, x, y = batch
-        self.train_ids.append(ids.tolist())
+        if self.training:  # OOMRecovery's one-time loss-weighting check runs this step in eval mode, no grad
+            self.train_ids.append(ids.tolist())
         return F.mse_loss(self.net(x), y)
 
     def validation_step(self, batch, batch_idx):

@@ -138,11 +138,17 @@ def test_sigkill_right_after_an_oom_recovery_changed_k_resumes_exactly(tmp_path)
     args = (*shape, "--oom-limit", str(int(static + 0.7 * (peak - static))), "--oom-from", "1")
     run = _interrupted_runs(tmp_path, args, [("--kill-batch", "2")])
     reference = json.loads((tmp_path / "ref" / "decisions_rank0.json").read_text())
-    assert [(d["step"], d["kind"]) for d in reference] == [(1, "oom"), (1, "micro-batches")]
-    # The resumed run starts at step 2 with k = 2 from the checkpoint: no new OOM, search or precision switch.
+    assert [(d["step"], d["kind"]) for d in reference] == [
+        (1, "oom"),
+        (1, "micro-batches"),
+        (1, "loss weighting"),
+    ]
+    # The resumed run starts at step 2 with k = 2 from the checkpoint: no new OOM, search, precision switch
+    # or loss-weighting check (the weighting is restored with the rest).
     resumed = json.loads((run / "run1_decisions_rank0.json").read_text())
-    changes = [d for d in resumed if d["kind"] in ("oom", "micro-batches", "batch size", "precision")]
-    k = reference[-1]["data"]["k_after"]
+    kinds = ("oom", "micro-batches", "batch size", "precision", "loss weighting")
+    changes = [d for d in resumed if d["kind"] in kinds]
+    k = next(d for d in reference if d["kind"] == "micro-batches")["data"]["k_after"]
     assert [d["message"] for d in changes] == [f"restored from checkpoint: k 1 -> {k}"]
 
 

@@ -184,7 +184,8 @@ def test_nothing_left_to_split_on_one_rank_stops_every_rank_without_hanging(tmp_
     zero, one = (torch.load(tmp_path / "fatal" / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert (
         one["error"][0] == MicroBatchOOMError.__name__
-        and "even with micro-batches of 1 sample" in one["error"][1]
+        and "with micro-batches of 1 sample(s)" in one["error"][1]
+        and "no smaller micro-batch can fit" in one["error"][1]
     )
     assert (
         zero["error"][0] == RankOutOfMemoryError.__name__

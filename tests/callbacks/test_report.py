@@ -97,8 +97,9 @@ def test_memory_and_throughput_go_to_the_logger(oom_run):
     assert not any("gpuopt/mfu" in m for m in logged.values())  # MFU only on CUDA
 
 
-def test_gpuopt_report_reproduces_the_table_and_redraws_the_picture(oom_run, tmp_path, capsys):
+def test_gpuopt_report_reproduces_the_table_and_redraws_the_picture(oom_run, tmp_path, capsys, monkeypatch):
     _, report, folder, _, _ = oom_run
+    monkeypatch.setenv("COLUMNS", "400")  # a wide terminal: long decision lines stay on one line to compare
     main(["report", str(folder), "--out", str(tmp_path)])
     out = capsys.readouterr().out
     rows = summary_rows(load_report(folder))
