@@ -40,6 +40,7 @@ from lightning_gpuopt.memory.predict import (
     ParallelLayout,
     PeakPrediction,
     PredictionMethod,
+    optimizer_in,
     predict_peak_deep,
     scale_to_batch,
 )
@@ -673,16 +674,8 @@ def optimizer_of(module: nn.Module) -> Any:
         out = configure()
     except Exception:  # it may need the Trainer (estimated_stepping_batches, ...)
         return "adam"
-    for _ in range(3):
-        if isinstance(out, torch.optim.Optimizer):
-            return out
-        if isinstance(out, dict):
-            out = out.get("optimizer")
-        elif isinstance(out, (list, tuple)) and out:
-            out = out[0]
-        else:
-            break
-    return out if isinstance(out, torch.optim.Optimizer) else "adam"
+    found = optimizer_in(out)
+    return found if found is not None else "adam"
 
 
 def sample_batch_of(datamodule: Any, samples: int = 2) -> Any:

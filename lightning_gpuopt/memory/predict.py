@@ -52,6 +52,7 @@ __all__ = [
     "PeakPrediction",
     "PhasePeak",
     "PredictionMethod",
+    "optimizer_in",
     "predict_peak",
     "predict_peak_deep",
     "predict_peak_line",
@@ -527,11 +528,17 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def _optimizer_from_configure(module: Any) -> torch.optim.Optimizer | None:
-    configure = getattr(module, "configure_optimizers", None)
-    if not callable(configure):
-        return None
-    out = configure()
+def optimizer_in(configured: Any) -> torch.optim.Optimizer | None:
+    """The first optimizer in what ``configure_optimizers`` returned, or ``None``.
+
+    Accepts an optimizer, a dict with an ``"optimizer"`` key, and lists or tuples of either (nested a few deep).
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> optimizer_in(([{"optimizer": opt}], [])) is opt
+        True
+    """
+    out = configured
     for _ in range(4):
         if isinstance(out, torch.optim.Optimizer):
             return out
@@ -542,6 +549,11 @@ def _optimizer_from_configure(module: Any) -> torch.optim.Optimizer | None:
         else:
             return None
     return out if isinstance(out, torch.optim.Optimizer) else None
+
+
+def _optimizer_from_configure(module: Any) -> torch.optim.Optimizer | None:
+    configure = getattr(module, "configure_optimizers", None)
+    return optimizer_in(configure()) if callable(configure) else None
 
 
 # ---------------------------------------------------------------------------------------------------
