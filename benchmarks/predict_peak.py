@@ -16,7 +16,15 @@ Scale: ``gpuopt plan --config examples/configs/llama7b_plan.yaml --trainer.devic
 --gpuopt.device_memory 80GB`` in a subprocess: wall time (target < 60 s) and its peak RSS against a
 process that only imports the same modules (target < 1 GB above).
 
-Writes ``predict_peak.json`` to ``--out``; prints a markdown table.
+Size error (``--size-error-only`` runs just this): how an error of the predicted peak becomes an error
+of the batch size MemoryAwareBatchSize picks, where the fixed part (parameters, gradients, optimizer
+state, kernel scratch) dominates. Per model, AdamW, fp32, sizes 16 and 64: the measured peaks (the
+counting allocator) give the true line ``F + a·n``; the traced ones the predicted line. A budget at
+the measured peak of 64 samples: the size the prediction alone answers, against the size after one
+real step at 16 samples moved the predicted line onto it (what MemoryAwareBatchSize does before it
+verifies), against 64.
+
+Writes ``predict_peak.json`` to ``--out``; prints markdown tables.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ sys.path.insert(0, str(REPO / "tests" / "memory"))  # the models of the accuracy
 
 from predict_models import KERNEL_SCRATCH, MODELS, OPTIMIZERS  # noqa: E402
 
-from lightning_gpuopt.memory import predict_peak  # noqa: E402
+from lightning_gpuopt.memory import predict_peak, predict_peak_line  # noqa: E402
 from lightning_gpuopt.testing import SimulatedMemory  # noqa: E402
 
 SIZES = (4, 16, 64)
@@ -98,6 +106,39 @@ def accuracy() -> list[dict]:
     return rows
 
 
+def size_error(names=("mlp", "resnet18", "gpt2"), small: int = 16, large: int = 64) -> list[dict]:
+    """The batch size the predicted line answers at a budget where the true answer is ``large``."""
+    rows = []
+    for name in names:
+        true = {n: measured(name, n, "32-true", "allocator") for n in (small, large)}
+        model, make_batch, step = MODELS[name]()
+        line = predict_peak_line(model, make_batch, (small, large), optimizer=OPTIMIZERS["adamw"], step=step)
+        slope = (true[large] - true[small]) / (large - small)
+        fixed = true[large] - slope * large
+        budget = true[large]
+        alone = line.largest_fitting(budget)
+        shift = true[small] - line.peak(small)  # one real step at `small` samples, measured
+        calibrated = (
+            int((budget - line.fixed_bytes - shift) // line.per_sample_bytes) if line.per_sample_bytes else 0
+        )
+        row = {
+            "model": name,
+            "fixed_share": fixed / budget,
+            "peak_error": line.peak(large) / budget - 1,
+            "slope_error": line.per_sample_bytes / slope - 1,
+            "size_alone": alone,
+            "size_calibrated": calibrated,
+            "size_true": large,
+        }
+        rows.append(row)
+        print(
+            f"| {name} | {row['fixed_share']:.0%} | {row['peak_error']:+.1%} | {row['slope_error']:+.1%} | "
+            f"{alone} ({alone / large - 1:+.0%}) | {calibrated} ({calibrated / large - 1:+.0%}) | {large} |",
+            flush=True,
+        )
+    return rows
+
+
 def scale() -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "LIGHTNING_DISABLE_TIPS": "1"}
     imports = (
@@ -142,8 +183,16 @@ def main() -> None:
     )
     parser.add_argument("--out", default="build/benchmarks")
     parser.add_argument("--skip-scale", action="store_true")
+    parser.add_argument("--size-error-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    header = "| model | fixed share of the peak | peak error | slope error | size, prediction alone | size, calibrated by one step | true size |"
+    if args.size_error_only:
+        print(header + "\n|---|---|---|---|---|---|---|")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "predict_peak_size_error.json").write_text(json.dumps(size_error(), indent=2))
+        return
     print(
         "| model | precision | batch | allocator MiB | operator outputs MiB | predicted MiB | vs allocator | vs outputs | peak at | predict s |"
     )
@@ -154,6 +203,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "accuracy": accuracy(),
     }
+    print(header + "\n|---|---|---|---|---|---|---|")
+    result["size_error"] = size_error()
     if not args.skip_scale:
         result["scale"] = scale()
     out = Path(args.out)

@@ -239,6 +239,10 @@ class TrialSteps:
         #: Bytes of the optimizer's state once a trial's optimizer step ran (``None``: none ran).
         self.state_bytes: int | None = None
 
+    def missing_grad_bytes(self) -> int:
+        """Bytes of the gradients not allocated now, which the first trial allocates and every later one holds."""
+        return sum(p.numel() * p.element_size() for p in self._params if p.grad is None)
+
     def __enter__(self) -> TrialSteps:
         module = self.module
         self._state = TrainingState(self.trainer, module)

@@ -18,12 +18,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_gpuopt import _compat
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, first_samples
+from lightning_gpuopt.callbacks._predicted_start import start_search
 from lightning_gpuopt.callbacks._trial_step import TrialSteps
 from lightning_gpuopt.callbacks.oom_recovery import MicroBatchOOMError
 from lightning_gpuopt.data.prefetch import batch_nbytes
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
 from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, memory_budget
+from lightning_gpuopt.memory.predicted_search import PredictedSearch
 from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine
 from lightning_gpuopt.oom_policy import Source
 from lightning_gpuopt.support import Feature, supports
@@ -88,6 +90,12 @@ class MemoryAwareBatchSize(Callback):
         lr_scaling: ``mode="max"`` only: ``"linear"`` or ``"sqrt"`` scales the learning rate (and
             schedulers' base rates) by the batch-size ratio, ``None`` leaves it.
         verbose: log the result once on rank zero.
+        predict: start from the prediction: before any real step, the training step is traced on fake
+            tensors (:func:`~lightning_gpuopt.memory.predict_peak`, nothing allocated) at up to three
+            sizes, and the first real step runs at the largest size predicted to fit; at most three real
+            steps verify it (:mod:`lightning_gpuopt.memory.predicted_search`). A step that cannot be traced,
+            or a first step that does not fit, leaves the measured search (at most four steps) to decide,
+            and :attr:`prediction_note` says why. ``False``: the measured search alone.
 
     Raises:
         ValueError: an argument is out of range.
@@ -107,8 +115,8 @@ class MemoryAwareBatchSize(Callback):
         ...     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
         >>> with SimulatedMemory(limit_bytes=64 * 2**20):  # a 64 MiB "GPU" on the CPU
         ...     trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 256), batch_size=64))
-        >>> finder.micro_batch_size, finder.k, finder.trials  # the whole batch fits: the 4th step verified it
-        (64, 1, 4)
+        >>> finder.micro_batch_size, finder.k, finder.trials  # predicted to fit whole: the 2nd step verified it
+        (64, 1, 2)
     """
 
     def __init__(
@@ -120,6 +128,7 @@ class MemoryAwareBatchSize(Callback):
         max_batch_size: int | None = None,
         lr_scaling: str | None = None,
         verbose: bool = True,
+        predict: bool = True,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}")
@@ -149,6 +158,11 @@ class MemoryAwareBatchSize(Callback):
         self.max_batch_size = max_batch_size
         self.lr_scaling = lr_scaling
         self.verbose = verbose
+        if not isinstance(predict, bool):
+            raise ValueError(f"`predict` must be True or False, got {predict!r}")
+        self.predict = predict
+        #: How the prediction served the last search, or why the search ran without it (``""``: no search yet).
+        self.prediction_note = ""
         #: The largest micro-batch that fits (``mode="max"``: the batch size chosen); ``None`` before a search.
         self.micro_batch_size: int | None = None
         #: The batch size the answer is for (``mode="max"``: the one set).
@@ -428,7 +442,12 @@ class MemoryAwareBatchSize(Callback):
         budget = memory_budget(probe.total, self.target_fraction)
         started = time.perf_counter()
         with TrialSteps(trainer, module, probe, batch_idx) as trials:
-            search = SizeSearch(
+            # Held besides what a trial sees: the engine's own copies, and with accumulation the window's
+            # earlier gradients, which the engine keeps apart while a batch runs.
+            extra = engine.snapshot_bytes() + _STEP_SLACK_BYTES
+            if trainer.accumulate_grad_batches > 1:
+                extra += trials.grad_bytes
+            arguments = dict(
                 budget_bytes=budget,
                 base_bytes=probe.allocated,
                 smallest=smallest,
@@ -440,11 +459,12 @@ class MemoryAwareBatchSize(Callback):
                 # 1/16 of the range, 2 to 16 samples: small, yet past the sizes where fixed costs dominate a step.
                 first_size=min(16, max(2, largest // 16)),
             )
-            # Held besides what a trial sees: the engine's own copies, and with accumulation the window's
-            # earlier gradients, which the engine keeps apart while a batch runs.
-            extra = engine.snapshot_bytes() + _STEP_SLACK_BYTES
-            if trainer.accumulate_grad_batches > 1:
-                extra += trials.grad_bytes
+            if self.predict:  # the first real step at the size traced steps predict (nothing allocated)
+                search, self.prediction_note = start_search(
+                    trainer, module, make_batch, batch_idx, extra + trials.missing_grad_bytes(), **arguments
+                )
+            else:
+                search, self.prediction_note = SizeSearch(**arguments), "predict=False: the measured search"
             while (size := search.next_size()) is not None:
                 batch, actual, nbytes, whole = make_batch(
                     size
@@ -454,6 +474,8 @@ class MemoryAwareBatchSize(Callback):
                 if trials.held_bytes is not None:
                     search.base_bytes = trials.held_bytes + extra
                 search.record(measurement)
+            if isinstance(search, PredictedSearch):
+                self.prediction_note = search.note
             self._last_error = trials.last_error
             self._grad_bytes = trials.grad_bytes
             self._state_bytes = trials.state_bytes
@@ -513,7 +535,7 @@ class MemoryAwareBatchSize(Callback):
             f"MemoryAwareBatchSize ({why}): the largest {noun} that fits is {self.micro_batch_size} sample(s), predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} of a budget {format_bytes(self.budget_bytes)} "
             f"(target_fraction {self.target_fraction:g} x {format_bytes(limit)}), from {self.trials} measured "
-            f"step(s) [{sizes}] in {self._elapsed:.2f} s; {change}"
+            f"step(s) [{sizes}] in {self._elapsed:.2f} s ({self.prediction_note}); {change}"
         )
         record_decision(
             trainer,
@@ -524,6 +546,7 @@ class MemoryAwareBatchSize(Callback):
             predicted_peak_bytes=self.predicted_peak_bytes,
             trials=self.trials,
             mode=self.mode,
+            prediction=self.prediction_note,
         )
         if self.verbose:
             rank_zero_info(message)

@@ -137,7 +137,11 @@ class ParallelLayout:
 
 @dataclass(frozen=True)
 class PhasePeak:
-    """The highest device bytes within one phase of one step, with the breakdown at that moment."""
+    """The highest device bytes within one phase of one step, with the breakdown at that moment.
+
+    ``transient_bytes``: the most bytes of activations and temporaries alive at once in the phase (not
+    necessarily at its peak): what the phase adds above the memory held through the step.
+    """
 
     phase: str
     step: int
@@ -146,6 +150,7 @@ class PhasePeak:
     modules: dict[str, int]
     module: str
     host_bytes: int
+    transient_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,6 +225,10 @@ class _Record:
     raw: int = 0  # the storage's own bytes when counted (a resize scales the counted bytes)
 
 
+#: What a phase adds above the memory held through the step.
+_TRANSIENT = (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES)
+
+
 class _Counter(TorchDispatchMode):
     """Counts live storages by category and module; keeps the breakdown at the peak."""
 
@@ -237,7 +246,9 @@ class _Counter(TorchDispatchMode):
         self._peak_where: tuple = (Phase.OTHER, 0, "", 0)
         self.by_category: dict[MemoryCategory, int] = {}
         self.by_module: dict[str, int] = {}
-        self.phase_peaks: list[tuple[int, tuple]] = []
+        self.phase_peaks: list[tuple[int, tuple, int]] = []  # (peak, state at it, transient peak)
+        self.transient = 0  # bytes of activations and temporaries alive now
+        self.transient_peak = 0
         self.phase = Phase.OTHER
         self.step = 0
         self.module_stack: list[str] = []
@@ -295,6 +306,9 @@ class _Counter(TorchDispatchMode):
         self.device_total += sign * rec.nbytes
         self.by_category[rec.category] = self.by_category.get(rec.category, 0) + sign * rec.nbytes
         self.by_module[rec.module] = self.by_module.get(rec.module, 0) + sign * rec.nbytes
+        if rec.category in _TRANSIENT:
+            self.transient += sign * rec.nbytes
+            self.transient_peak = max(self.transient_peak, self.transient)
         if sign > 0 and self.device_total > self.peak:
             self.peak = self.device_total
             self._peak_pending = True
@@ -356,15 +370,16 @@ class _Counter(TorchDispatchMode):
         """Close the running phase (its peak is kept) and start ``phase`` with a fresh peak."""
         self.finish()
         if self.peak_state[1]:  # a step's phase: keep its peak
-            self.phase_peaks.append((self.peak, self.peak_state))
+            self.phase_peaks.append((self.peak, self.peak_state, self.transient_peak))
         self.phase = phase
+        self.transient_peak = self.transient
         self.peak = self.device_total
         self._peak_where = (phase, self.step, "", self.host_total)
         self._snapshot()
 
     def add_second_step(self, extra: dict[Phase, dict[MemoryCategory, int]]) -> None:
         """The second step's phase peaks: the first step's, with ``extra`` bytes alive."""
-        for peak, (phase, _step, module, host, cats, mods) in list(self.phase_peaks):
+        for peak, (phase, _step, module, host, cats, mods), transient in list(self.phase_peaks):
             add = extra.get(phase)
             if add is None:
                 continue
@@ -373,11 +388,13 @@ class _Counter(TorchDispatchMode):
                 cats[category] = cats.get(category, 0) + nbytes
             mods = dict(mods)
             mods[""] = mods.get("", 0) + sum(add.values())
-            self.phase_peaks.append((peak + sum(add.values()), (phase, 2, module, host, cats, mods)))
+            self.phase_peaks.append(
+                (peak + sum(add.values()), (phase, 2, module, host, cats, mods), transient)
+            )
 
     def best(self) -> tuple:
         """The highest phase peak (the earliest of equal ones)."""
-        return max(self.phase_peaks, key=lambda item: item[0], default=(self.peak, self.peak_state))
+        return max(self.phase_peaks, key=lambda item: item[0], default=(self.peak, self.peak_state, 0))
 
     def peak_breakdown(self, state: tuple) -> tuple[dict[str, int], dict[str, int]]:
         categories = {c.value: state[4].get(c, 0) for c in MemoryCategory}
@@ -728,14 +745,23 @@ def predict_peak(
     finally:
         state.restore()
     phases = []
-    for peak, state_at in counter.phase_peaks:
+    for peak, state_at, transient in counter.phase_peaks:
         categories, modules = counter.peak_breakdown(state_at)
         phase, step_index, module, host, _, _ = state_at
         if phase is not Phase.OTHER:
             categories[MemoryCategory.WORKSPACES.value] += workspace_bytes
             modules = {**modules, "": modules.get("", 0) + workspace_bytes} if workspace_bytes else modules
             phases.append(
-                PhasePeak(phase.value, step_index, peak + workspace_bytes, categories, modules, module, host)
+                PhasePeak(
+                    phase.value,
+                    step_index,
+                    peak + workspace_bytes,
+                    categories,
+                    modules,
+                    module,
+                    host,
+                    transient,
+                )
             )
     best = max(phases, key=lambda ph: ph.peak_bytes)
     return PeakPrediction(
@@ -1194,6 +1220,7 @@ def predict_peak_deep(model: nn.Module, batch: Any, *args: Any, **kwargs: Any) -
             grow_dict(first[(ph.phase, ph.step)].modules, ph.modules),
             ph.module,
             grow(first[(ph.phase, ph.step)].host_bytes, ph.host_bytes),
+            grow(first[(ph.phase, ph.step)].transient_bytes, ph.transient_bytes),
         )
         for ph in two.phases
         if (ph.phase, ph.step) in first

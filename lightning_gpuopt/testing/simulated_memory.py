@@ -517,6 +517,9 @@ class _Adopter:
         if not recurse:
             if module in self._seen_modules:
                 return
+            state = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if any(getattr(t, "fake_mode", None) is not None for t in state):
+                return  # traced on fake tensors (predict_peak): its own tensors are adopted when it runs for real
             self._seen_modules.add(module)
         for p in module.parameters(recurse=recurse):
             self.tensor(p)

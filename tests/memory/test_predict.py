@@ -151,3 +151,15 @@ def test_a_step_that_cannot_be_traced_falls_back_to_the_estimate_and_says_why():
     assert "tracing failed" in prediction.decision
     with pytest.raises(Exception, match=r"nonzero|data-dependent|dynamic"):
         predict_peak(model, make_batch(8), OPTIMIZERS["sgd"], step=step, fallback=False)
+
+
+def test_a_model_traced_inside_simulated_memory_is_still_counted_when_it_runs():
+    """predict_peak runs the module's forward on fake parameters: SimulatedMemory must adopt the real ones later."""
+    model, make_batch, step = MODELS["mlp"]()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with SimulatedMemory() as mem:
+        predict_peak(model, make_batch(4), OPTIMIZERS["sgd"], step=step)
+        before = mem.allocated_bytes
+        with torch.no_grad():
+            model(torch.zeros(1, 512))
+        assert mem.allocated_bytes >= before + params

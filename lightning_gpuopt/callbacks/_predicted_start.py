@@ -1,0 +1,128 @@
+"""MemoryAwareBatchSize's start from the prediction: trace the user's training step, build the search that verifies it.
+
+The trace runs inside :class:`~lightning_gpuopt.callbacks._trial_step.TrialSteps` (``self.log`` is
+silent, attributes the step touches are put back) on fake tensors: nothing is allocated, the
+parameters are swapped for fake ones and back. The batch is the trial's own, resized in its sample
+dimension on the ``meta`` device, so any size is traced without making its samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch.utils._pytree import tree_map
+
+from lightning_gpuopt.memory.peak_model import SizeSearch
+from lightning_gpuopt.memory.predict import Phase, PredictionMethod, predict_peak
+from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve, plan_traces
+
+__all__ = ["CannotPredict", "start_search"]
+
+_GROWING = (Phase.FORWARD.value, Phase.BACKWARD.value)
+
+
+class CannotPredict(Exception):
+    """Why the step could not be traced; the search runs without a prediction and says so."""
+
+
+def _resized(batch: Any, samples: int, n: int) -> Any:
+    """``batch`` with ``n`` samples: tensors whose first dimension holds ``samples`` resized, on ``meta``."""
+
+    def resize(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        shape = tuple(x.shape)
+        if shape and shape[0] == samples:
+            shape = (n, *shape[1:])
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+
+    return tree_map(resize, batch)
+
+
+def traced_step(prediction: Any) -> TracedStep:
+    """A :class:`TracedStep` from a :class:`~lightning_gpuopt.memory.PeakPrediction`."""
+    growing = [ph.transient_bytes for ph in prediction.phases if ph.phase in _GROWING]
+    optimizer = [ph.transient_bytes for ph in prediction.phases if ph.phase == Phase.OPTIMIZER.value]
+    state = max((ph.categories.get("optimizer state", 0) for ph in prediction.phases), default=0)
+    return TracedStep(
+        size=prediction.batch_size,
+        forward_backward_bytes=max(growing, default=0),
+        optimizer_bytes=max(optimizer, default=0),
+        state_bytes=state,
+        peak_bytes=prediction.peak_bytes,
+    )
+
+
+def _tracer(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, samples: int, batch_idx: int):
+    optimizer = trainer.optimizers[0]
+    precision = str(trainer.precision)  # Lightning's precision string: "32-true", "bf16-mixed", ...
+    device = trainer.strategy.root_device.type
+    with_idx = is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
+
+    def step(m: pl.LightningModule, b: Any) -> Any:
+        return m.training_step(b, batch_idx) if with_idx else m.training_step(b)
+
+    def trace(n: int) -> TracedStep:
+        try:
+            prediction = predict_peak(
+                module,
+                _resized(batch, samples, n),
+                optimizer,
+                step=step,
+                precision=precision,
+                device=device,
+                fallback=False,
+            )
+        except Exception as err:  # a prediction is a head start, never a reason to fail: said, not raised
+            reason = (str(err).strip().splitlines() or [""])[0][:200]
+            raise CannotPredict(
+                f"the training step could not be traced ({type(err).__name__}: {reason})"
+            ) from None
+        if prediction.method is not PredictionMethod.TRACED:
+            raise CannotPredict(f"the training step could not be traced ({prediction.decision})")
+        return traced_step(prediction)
+
+    return trace
+
+
+def start_search(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    make_batch: Callable[[int], tuple[Any, int, int, bool]],
+    batch_idx: int,
+    pending_bytes: int,
+    **search: Any,
+) -> tuple[SizeSearch, str]:
+    """The search to run and how it starts: from traced steps (:class:`PredictedSearch`), else plain, with the reason.
+
+    Args:
+        trainer: the Trainer (its optimizer, precision and device are traced).
+        module: the LightningModule (its ``training_step`` is traced).
+        make_batch: the callback's ``make_batch(size) -> (batch, samples, bytes, whole)``; one small batch
+            is made as the template of the traced ones.
+        batch_idx: passed to ``training_step``.
+        pending_bytes: what the first real step adds to the held memory besides the optimizer state
+            (gradients it allocates, the engine's copies): where the traces aim.
+        **search: :class:`SizeSearch`'s arguments.
+    """
+    if not trainer.optimizers:
+        return SizeSearch(**search), "no optimizer to trace: the measured search"
+    template, samples, _, _ = make_batch(min(search["largest"], max(search["smallest"], 2)))
+    trace = _tracer(trainer, module, template, samples, batch_idx)
+    del template
+    base, held = search["base_bytes"] + pending_bytes, search.get("held_bytes_per_sample", 0.0)
+
+    def peak(
+        curve: TransientCurve, n: int
+    ) -> float:  # the state counted in full: the trace aims a little low
+        return base + curve.state_bytes + held * n + max(curve(n), curve.optimizer_bytes)
+
+    try:
+        curve = plan_traces(trace, peak, search["budget_bytes"], search["smallest"], search["largest"])
+    except CannotPredict as err:
+        return SizeSearch(**search), f"{err}: the measured search"
+    return PredictedSearch(**search, curve=curve), ""
