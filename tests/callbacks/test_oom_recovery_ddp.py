@@ -16,13 +16,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from oom_models import Waves, WideRegressor
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine, RankOutOfMemoryError, _check_strategy, _Refused
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import Waves, WideRegressor
 
 LIMITED_RANK = 1
 LIMIT_AFTER = 2  # batches 0 and 1 run without a limit on every rank
@@ -261,7 +261,7 @@ class EpochLogged(WideRegressor):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_good_attempt_dropped_for_another_rank_leaves_no_trace(accumulate):
-    from oom_models import fit, optimizer_step_ids
+    from tests.callbacks.oom_models import fit, optimizer_step_ids
 
     ref = fit(
         EpochLogged("adam"),
