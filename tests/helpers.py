@@ -109,7 +109,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "LIGHTNING_DISABLE_TIPS": "1", **extra}
 
 
-# --- "Same training": the one measure every parity test uses (DESIGN.md, "Semantics that must hold").
+# --- "Same training": the one measure every parity test uses (docs/oom-recovery.md, "Guarantees").
 
 
 def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
