@@ -20,7 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
-from lightning_gpuopt.microbatch import MicroBatchEngine, RankOutOfMemoryError, _check_strategy, _Refused
+from lightning_gpuopt.microbatch import MicroBatchEngine, RankOutOfMemoryError
+from lightning_gpuopt.microbatch.errors import Refused
+from lightning_gpuopt.microbatch.support import check_strategy
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves, WideRegressor
 
@@ -221,8 +223,8 @@ def _ddp_strategy(model_attrs: dict, **kwargs) -> DDPStrategy:
     ids=["sync-batchnorm", "registered-hook", "strategy-hook", "static-graph"],
 )
 def test_ddp_settings_that_break_the_step_are_refused(module, strategy, message):
-    with pytest.raises(_Refused, match=message):
-        _check_strategy(strategy, module)
+    with pytest.raises(Refused, match=message):
+        check_strategy(strategy, module)
 
 
 # ---------------------------------------------------------------------------- a remote OOM, in one process
