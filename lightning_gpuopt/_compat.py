@@ -12,6 +12,7 @@ __all__ = [
     "ddp_kwargs",
     "is_compiled",
     "metric_state_names",
+    "reset_grad_scaler",
     "should_accumulate",
     "tensor_parallel_size",
 ]
@@ -41,3 +42,14 @@ def tensor_parallel_size(strategy: Any) -> int:
 def metric_state_names(metric: Any) -> list[str]:
     """The names of a torchmetrics ``Metric``'s states (``add_state``), in ``_defaults``."""
     return list(metric._defaults)
+
+
+def reset_grad_scaler(scaler: Any, optimizer: Any) -> None:
+    """Forget what a ``torch.amp.GradScaler`` recorded for ``optimizer`` in this step (unscaled, stepped).
+
+    After a step that raised, the scaler would otherwise refuse the next one ("unscale_() has already been
+    called on this optimizer since the last update()").
+    """
+    states = scaler._per_optimizer_states
+    if id(optimizer) in states:
+        del states[id(optimizer)]

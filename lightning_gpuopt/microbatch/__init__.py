@@ -48,17 +48,22 @@ from lightning_gpuopt.microbatch.errors import (
     OptimizerStepOOMError,
     RankOutOfMemoryError,
 )
+from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
+from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.microbatch.support import unsupported_strategy
 
 __all__ = [
     "CHECKPOINTING",
     "EVAL_STAGES",
+    "ActivationCheckpointing",
     "EngineState",
     "KChange",
     "MicroBatchEngine",
     "MicroBatchOOMError",
+    "OptimizerStepHook",
     "OptimizerStepOOMError",
     "RankOutOfMemoryError",
+    "Rung",
     "WeightFn",
     "unsupported_strategy",
 ]

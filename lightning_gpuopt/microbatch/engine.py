@@ -39,6 +39,8 @@ from lightning_gpuopt.microbatch.attempt import (
     split_output,
 )
 from lightning_gpuopt.microbatch.errors import MicroBatchOOMError, RankOutOfMemoryError, Refused
+from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
+from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.microbatch.support import check_strategy, check_supported, make_exchange
 from lightning_gpuopt.oom_policy import (
     Agreement,
@@ -50,12 +52,13 @@ from lightning_gpuopt.oom_policy import (
     Vote,
     agree,
     parse_tried_bytes,
+    rung_bits,
 )
 
 __all__ = ["CHECKPOINTING", "EVAL_STAGES", "EngineState", "KChange", "MicroBatchEngine", "WeightFn"]
 
 #: The name of the activation-checkpointing rung in the engine's state.
-CHECKPOINTING = "activation checkpointing"
+CHECKPOINTING = ActivationCheckpointing.name
 
 #: The evaluation steps the engine wraps, by the name of the strategy method.
 EVAL_STAGES = ("validation", "test", "predict")
@@ -142,9 +145,12 @@ class MicroBatchEngine:
         #: ``handler(failure, smallest_failed_size, splittable) -> Recovery`` (or a k) for the retry, or
         #: raises. ``None``: an OOM propagates unchanged.
         self.oom_handler: Callable[[OOMFailure, int, bool], Recovery | int] | None = None
-        #: Turns activation checkpointing on (for a :class:`Recovery` that asks for it); returns whether
-        #: anything changed.
-        self.enable_checkpointing: Callable[[], bool] | None = None
+        #: The recovery ladder past more micro-batches, in order (``rungs.py``): the OOM handler names the rung to
+        #: turn on in its :class:`Recovery`; every callback's rungs must be registered alike on every rank.
+        self.rungs: list[Rung] = []
+        #: ``listener(rung, reason)``, told after a rung was turned on (by an OOM, or on resume).
+        self.rung_listeners: list[Callable[[Rung, str], None]] = []
+        self._spent_rungs: set[str] = set()
         #: The :class:`~lightning_gpuopt.oom_policy.Proposal` a callback makes for the batch after the next vote (grow back,
         #: thrashing); consumed by that vote. The ranks' proposals are agreed with :func:`agree`.
         self.next_proposal: Proposal | None = None
@@ -175,6 +181,8 @@ class MicroBatchEngine:
         self._skip_backward = False
         self._skip_zero_grad = False
         self._phase = "forward"
+        #: The Trainer's optimizer-step hook (``step.py``), attached with the training step.
+        self.step_hook: OptimizerStepHook | None = None
         self.exchange: LocalExchange | DDPExchange | FSDP2Exchange = LocalExchange()
 
     # ------------------------------------------------------------------ public interface
@@ -238,6 +246,7 @@ class MicroBatchEngine:
             "k": self.k,
             "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
             "rungs": list(self.active_rungs),
+            "rung_state": {rung.name: rung.state_dict() for rung in self.rungs if rung.active},
         }
 
     def resume(self) -> dict[str, Any] | None:
@@ -257,7 +266,59 @@ class MicroBatchEngine:
         k = int(state.get("k", 1))
         if k != self.k:
             self.propose(k, Source.RESUME, "restored from checkpoint")
+        for name in state.get("rungs", []):
+            if name in self._rung_names() and not self.rungs[self._rung_index(name)].active:
+                self.turn_on(name, "restored from checkpoint", state.get("rung_state", {}).get(name))
         return state
+
+    def add_rung(self, rung: Rung) -> None:
+        """Add ``rung`` to the end of the recovery ladder (once per name); a rung restored on resume needs to be
+        added before :meth:`resume`."""
+        if not isinstance(rung, Rung) or not rung.name:
+            raise TypeError(
+                f"a recovery rung must be a named `Rung` (lightning_gpuopt.microbatch.rungs), got {rung!r}"
+            )
+        if rung.name not in self._rung_names():
+            self.rungs.append(rung)
+
+    def turn_on(self, name: str, reason: str, state: dict[str, Any] | None = None) -> bool:
+        """Turn the rung ``name`` on now, on this rank (the engine does it on every rank after an agreed OOM);
+        returns whether anything changed."""
+        if state:
+            self.rungs[self._rung_index(name)].load_state_dict(state)
+        return self._turn_on((self._rung_index(name),), reason)
+
+    def _rung_names(self) -> list[str]:
+        return [rung.name for rung in self.rungs]
+
+    def _rung_index(self, name: str) -> int:
+        try:
+            return self._rung_names().index(name)
+        except ValueError:
+            raise ValueError(
+                f"no recovery rung named {name!r} in this run's ladder ({self._rung_names()}); add it with "
+                "`MicroBatchEngine.add_rung` (OOMRecovery(rungs=[...]) does)"
+            ) from None
+
+    def available_rungs(self) -> list[Rung]:
+        """The rungs of the ladder still to try, in order: off, and not found unable to change anything."""
+        return [rung for rung in self.rungs if not rung.active and rung.name not in self._spent_rungs]
+
+    def _turn_on(self, indices: tuple[int, ...], reason: str) -> bool:
+        changed = False
+        for i in indices:
+            rung = self.rungs[i]
+            if rung.active:
+                continue
+            if not rung.apply(self.trainer, reason):
+                self._spent_rungs.add(rung.name)  # nothing to change: not asked again in this fit
+                continue
+            rung.active = changed = True
+            if rung.name not in self.active_rungs:
+                self.active_rungs.append(rung.name)
+            for listener in list(self.rung_listeners):
+                listener(rung, reason)
+        return changed
 
     def propose(self, k: int, source: Source | str, reason: str, batch_size: int | None = None) -> int:
         """Ask for k micro-batches; returns the k now in force.
@@ -346,6 +407,8 @@ class MicroBatchEngine:
             self._ddp_forward_sync = getattr(ddp, "require_forward_param_sync", None)
             if ddp is not None:
                 ddp.require_forward_param_sync = False
+            self.step_hook = OptimizerStepHook.attach(trainer, self)
+            self.step_hook.recovery = self._step_recovery
             self._installed.add("train")
 
     def _uninstall(self) -> None:
@@ -353,8 +416,15 @@ class MicroBatchEngine:
             return
         strategy, module = self.trainer.strategy, self._module
         names = [(strategy, f"{stage}_step") for stage in EVAL_STAGES] + [(module, "log")]
+        for rung in self.rungs:
+            if rung.active:
+                rung.undo(self.trainer)
+                rung.active = False
         if "train" in self._installed:
             names += [(strategy, "training_step"), (module, "backward"), (module, "optimizer_zero_grad")]
+            if self.step_hook.recovery == self._step_recovery:
+                self.step_hook.recovery = None
+            self.step_hook.release(self)
             if self._ddp_forward_sync is not None:
                 strategy.model.require_forward_param_sync = self._ddp_forward_sync
         if isinstance(self.exchange, FSDP2Exchange):
@@ -364,6 +434,10 @@ class MicroBatchEngine:
                 delattr(obj, name)
         self.exchange = LocalExchange()
         self._installed = set()
+
+    def _step_recovery(self) -> Callable[[int, int], list[Vote]] | None:
+        """How the optimizer step's OOM recovery votes; ``None`` while no OOM handler is set."""
+        return self.exchange.vote if self.oom_handler is not None else None
 
     # ------------------------------------------------------------------ patched hooks
 
@@ -468,8 +542,7 @@ class MicroBatchEngine:
                     if isinstance(recovery, int):
                         recovery = Recovery(recovery)
                     voted_k = recovery.k or start_k
-                    if recovery.checkpoint:
-                        status |= Status.CHECKPOINT
+                    status |= rung_bits(self._rung_index(name) for name in recovery.rungs)
             votes = peer_votes if peer_votes is not None else self.exchange.vote(status, voted_k)
             agreement = agree(votes, k)
             if agreement.fatal_ranks:
@@ -502,10 +575,11 @@ class MicroBatchEngine:
                 output = None
                 self._drop_attempt(params, snapshot)
             self.exchange.recover()  # FSDP2, on every rank alike: reshard, reset FSDP's step state, drop its gradients
-            if agreement.checkpoint and self.enable_checkpointing is not None and self.enable_checkpointing():
-                smallest_failed = n + 1  # activations are cheaper now: sizes that failed may fit
-                if CHECKPOINTING not in self.active_rungs:
-                    self.active_rungs.append(CHECKPOINTING)
+            if self._turn_on(
+                agreement.rungs,
+                f"{self._reason(agreement, failure)}, and the micro-batches cannot get smaller",
+            ):
+                smallest_failed = n + 1  # a sample needs less memory now: sizes that failed may fit
             self.propose(agreement.k, Source.OOM, self._reason(agreement, failure), batch_size=n)
         self._ran(n, k)
         self._emit_logs(*self._pending_logs)
