@@ -10,7 +10,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET, assert_same_training, parameters_of
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -20,6 +19,7 @@ from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import OptimizerStepOOMError
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of
 
 KiB = 1024
 

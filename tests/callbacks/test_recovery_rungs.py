@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-from helpers import TRAINER_QUIET, assert_same_training, parameters_of
-from oom_models import PlainWide, fit
 
 from lightning_gpuopt import OOMRecovery, Rung
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import PlainWide, fit
+from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of
 
 MiB = 2**20
 CACHE = 32 * MiB
@@ -103,8 +103,9 @@ def test_a_rung_added_through_the_public_api_recovers_when_micro_batches_cannot_
         precision="64-true",
         **TRAINER_QUIET,
     )
-    from oom_models import Waves
     from torch.utils.data import DataLoader
+
+    from tests.callbacks.oom_models import Waves
 
     with SimulatedMemory(limit):
         trainer.fit(resumed, DataLoader(Waves(), batch_size=128), ckpt_path=path)
