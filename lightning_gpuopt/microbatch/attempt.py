@@ -51,8 +51,7 @@ class SideEffects:
         saved: Snapshot = []
         for metric in self.metrics:
             state = {name: _copy_state(getattr(metric, name)) for name in _compat.metric_state_names(metric)}
-            state["_update_count"] = metric._update_count
-            state["_computed"] = metric._computed
+            state.update(_compat.metric_counters(metric))
             saved.append((metric, state))
         for norm in self.norms:
             buffers = {

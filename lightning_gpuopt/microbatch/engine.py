@@ -533,27 +533,21 @@ class MicroBatchEngine:
                 status, voted_k = (proposal.status, proposal.k) if proposal is not None else (Status.NONE, k)
             else:
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
-                status, voted_k = Status.OOM, k
-                try:
-                    recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
-                except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
-                    fatal, status = err, Status.FATAL
-                else:
-                    if isinstance(recovery, int):
-                        recovery = Recovery(recovery)
-                    voted_k = recovery.k or start_k
-                    status |= rung_bits(self._rung_index(name) for name in recovery.rungs)
-            votes = peer_votes if peer_votes is not None else self.exchange.vote(status, voted_k)
-            agreement = agree(votes, k)
-            if agreement.fatal_ranks:
-                restore_grads(params, stash)
-                if fatal is not None:
-                    raise fatal
-                raise RankOutOfMemoryError(
-                    f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory at step "
-                    f"{trainer.global_step} with nothing left to split; every rank stops (the error on "
-                    "those ranks has the memory breakdown and next steps)."
+                status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch)
+                voted_k = (recovery.k or start_k) if recovery is not None else k
+            try:
+                agreement = self._settle(
+                    self.exchange.vote,
+                    status,
+                    voted_k,
+                    k,
+                    peer_votes,
+                    fatal,
+                    f"at step {trainer.global_step}",
                 )
+            except torch.OutOfMemoryError:
+                restore_grads(params, stash)
+                raise
             if not agreement.retry:
                 # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
                 # may all-reduce its own flags, and answers alike on every rank).
@@ -591,6 +585,46 @@ class MicroBatchEngine:
         self._skip_backward = True
         self._skip_zero_grad = first_in_window
         return output
+
+    # ------------------------------------------------------------------ the retry path (training and evaluation)
+
+    def _ask_handler(
+        self, failure: OOMFailure, smallest_failed: int, batch: Any
+    ) -> tuple[Status, Recovery | None, BaseException | None]:
+        """This rank's say after an OOM: (the vote's flags, the handler's :class:`Recovery`, the error that
+        ends the run on this rank when nothing is left to try)."""
+        try:
+            recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
+        except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
+            return Status.FATAL, None, err
+        if isinstance(recovery, int):
+            recovery = Recovery(recovery)
+        return Status.OOM | rung_bits(self._rung_index(name) for name in recovery.rungs), recovery, None
+
+    @staticmethod
+    def _settle(
+        vote: Callable[[int, int], list[Vote]],
+        status: Status,
+        voted_k: int,
+        k: int,
+        peer_votes: list[Vote] | None,
+        fatal: BaseException | None,
+        where: str,
+    ) -> Agreement:
+        """Every rank's decision on an attempt; raises on every rank alike when any rank has nothing left to try.
+
+        ``peer_votes``: the votes at which another rank's failure already stopped this attempt (FSDP2).
+        """
+        agreement = agree(peer_votes if peer_votes is not None else vote(status, voted_k), k)
+        if agreement.fatal_ranks:
+            if fatal is not None:
+                raise fatal
+            raise RankOutOfMemoryError(
+                f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory {where} with nothing "
+                "left to split; every rank stops (the error on those ranks has the memory breakdown and next "
+                "steps)."
+            )
+        return agreement
 
     def _reason(
         self, agreement: Agreement, failure: OOMFailure | None, proposal: Proposal | None = None
@@ -695,22 +729,12 @@ class MicroBatchEngine:
             SideEffects.restore(snapshot)
             free_memory()
         if failure is not None:
-            status = Status.OOM
-            try:
-                recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
-            except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
-                fatal, status = err, Status.FATAL
-            else:
-                proposed = recovery.k if isinstance(recovery, Recovery) else recovery
-                voted_k = max(proposed or k + 1, k + 1)
-        agreement = agree(peer_votes if peer_votes is not None else vote(status, voted_k), k)
-        if agreement.fatal_ranks:
-            if fatal is not None:
-                raise fatal
-            raise RankOutOfMemoryError(
-                f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory in {stage} at batch "
-                f"{batch_idx} with nothing left to split; every rank stops."
-            )
+            status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch)
+            if recovery is not None:
+                voted_k = max(recovery.k or k + 1, k + 1)
+        agreement = self._settle(
+            vote, status, voted_k, k, peer_votes, fatal, f"in {stage} at batch {batch_idx}"
+        )
         if not agreement.retry:
             return True
         if failure is None and peer_votes is None:  # another rank failed after its last collective

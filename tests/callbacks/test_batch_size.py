@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch.attempt import SideEffects
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.batch_models import batch_peak, fit, peaks_at, true_maxima
 from tests.callbacks.oom_models import Waves, WideRegressor, optimizer_step_ids
@@ -612,12 +613,11 @@ def test_engine_counts_its_own_copies():
         trainer.fit(model, DataLoader(Waves(length=256), batch_size=32))
     engine = MicroBatchEngine(trainer)
     assert engine.snapshot_bytes() == 0  # not installed
-    engine._installed, engine._norms, engine._metrics = True, [model.net[1]], [model.mean]
     norm = sum(b.numel() * b.element_size() for b in model.net[1].buffers())
     metric = sum(
         getattr(model.mean, n).numel() * getattr(model.mean, n).element_size() for n in model.mean._defaults
     )
-    assert engine.snapshot_bytes() == norm + metric
+    assert SideEffects(model).nbytes() == norm + metric  # what an installed engine copies before each batch
 
 
 # --- DDP -----------------------------------------------------------------------------------------
