@@ -18,6 +18,7 @@ from lightning_gpuopt.callbacks import (
 )
 from lightning_gpuopt.cli import GPUOptCLI
 from lightning_gpuopt.data import GPUOptDataModule, MemmapDataset
+from lightning_gpuopt.microbatch import OptimizerStepOOMError, Rung
 from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlan, StrategyPlanError, select_strategy
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "MemoryAwareBatchSize",
     "MicroBatchOOMError",
     "OOMRecovery",
+    "OptimizerStepOOMError",
     "PrecisionSwitch",
+    "Rung",
     "StrategyPlan",
     "StrategyPlanError",
     "TokenCount",

@@ -657,7 +657,8 @@ class LossWeighting:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not state.get("checked"):
+        if not state.get("checked"):  # nothing decided yet (or an empty state): back to the constructor's
+            self._checked, self.decided, self.result = False, self._given(), None
             return
         self._checked = True
         if "kind" in state and self.weight_fn is None:

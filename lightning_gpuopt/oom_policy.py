@@ -9,10 +9,10 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
-    "STATUS_CHECKPOINT",
     "STATUS_FATAL",
     "STATUS_GROW",
     "STATUS_OOM",
@@ -30,6 +30,8 @@ __all__ = [
     "next_micro_batch_count",
     "parse_tried_bytes",
     "recently_failed_size",
+    "rung_bits",
+    "rung_indices",
     "smaller_micro_batch_count",
     "smallest_split_cannot_fit",
 ]
@@ -304,10 +306,11 @@ def grow_back_micro_batch_count(
 @dataclass(frozen=True)
 class Recovery:
     """What OOM recovery does next for a failed attempt: retry with ``k`` micro-batches (``None``: the
-    k the batch started with), after turning on activation checkpointing when ``checkpoint`` is set."""
+    k the batch started with), after turning on the recovery rungs named in ``rungs`` (see
+    ``lightning_gpuopt/microbatch/rungs.py``)."""
 
     k: int | None
-    checkpoint: bool = False
+    rungs: tuple[str, ...] = ()
 
 
 class Status(enum.IntFlag):
@@ -316,15 +319,15 @@ class Status(enum.IntFlag):
     NONE = 0
     OOM = 1  #: the attempt ran out of memory: the batch is retried
     FATAL = 2  #: out of memory with nothing left to try: every rank stops
-    CHECKPOINT = 4  #: turn on activation checkpointing before the retry
+    CHECKPOINT = 4  #: unused since the rungs have their own bits (:data:`RUNG`); kept for its value
     GROW = 8  #: the k proposed for the next batch is smaller: memory to spare
     THRASH = 16  #: the k proposed for the next batch is larger: the allocator is thrashing
+    RUNG = 256  #: turn on the first recovery rung past more micro-batches; rung ``i`` is ``RUNG << i``
 
 
 #: The flags under their former names.
 STATUS_OOM = Status.OOM
 STATUS_FATAL = Status.FATAL
-STATUS_CHECKPOINT = Status.CHECKPOINT
 STATUS_GROW = Status.GROW
 STATUS_THRASH = Status.THRASH
 
@@ -372,7 +375,8 @@ class Agreement:
         fatal_ranks: ranks that ran out of memory with nothing left to try (every rank stops).
         retry: some rank ran out of memory: every rank runs the batch again with ``k``.
         k: the k for the retry, or for the next batch.
-        checkpoint: turn on activation checkpointing before the retry.
+        rungs: the recovery rungs (their indices in the engine's ladder) any rank asked for: every rank turns
+            them on before the retry.
         source: why k changes (:class:`Source`; ``Source.NONE`` when it does not).
         ranks: the ranks that asked for the change.
     """
@@ -380,7 +384,7 @@ class Agreement:
     fatal_ranks: tuple[int, ...]
     retry: bool
     k: int
-    checkpoint: bool
+    rungs: tuple[int, ...]
     source: Source
     ranks: tuple[int, ...]
 
@@ -395,22 +399,50 @@ def agree(votes: list[Vote], k: int) -> Agreement:
 
     Example:
         >>> agree([Vote(0, 2), Vote(1, 4)], k=2)  # rank 1 ran out of memory and asks for 4
-        Agreement(fatal_ranks=(), retry=True, k=4, checkpoint=False, source=<Source.OOM: 'oom'>, ranks=(1,))
+        Agreement(fatal_ranks=(), retry=True, k=4, rungs=(), source=<Source.OOM: 'oom'>, ranks=(1,))
         >>> agree([Vote(8, 1), Vote(0, 2)], k=2).k  # rank 0 could grow back, rank 1 cannot
         2
     """
     fatal = tuple(r for r, v in enumerate(votes) if v.status & STATUS_FATAL)
     oom = [(r, v) for r, v in enumerate(votes) if v.status & STATUS_OOM and not v.status & STATUS_FATAL]
     if fatal:
-        return Agreement(fatal, False, k, False, Source.OOM, fatal)
+        return Agreement(fatal, False, k, (), Source.OOM, fatal)
     if oom:
         new_k = max(v.k for _, v in oom)
-        checkpoint = any(v.status & STATUS_CHECKPOINT for _, v in oom)
-        return Agreement((), True, new_k, checkpoint, Source.OOM, tuple(r for r, _ in oom))
+        asked = 0
+        for _, v in oom:
+            asked |= int(v.status)
+        return Agreement((), True, new_k, rung_indices(asked), Source.OOM, tuple(r for r, _ in oom))
     proposals = [v.k if v.status & (STATUS_GROW | STATUS_THRASH) else k for v in votes]
     new_k = max(proposals)
     if new_k == k:
-        return Agreement((), False, k, False, Source.NONE, ())
+        return Agreement((), False, k, (), Source.NONE, ())
     bit = STATUS_THRASH if new_k > k else STATUS_GROW
     asked = tuple(r for r, v in enumerate(votes) if v.status & bit)
-    return Agreement((), False, new_k, False, Source.THRASH if new_k > k else Source.GROW_BACK, asked)
+    return Agreement((), False, new_k, (), Source.THRASH if new_k > k else Source.GROW_BACK, asked)
+
+
+def rung_bits(indices: Iterable[int]) -> Status:
+    """The vote's flags asking for the recovery rungs at ``indices`` of the engine's ladder.
+
+    Example:
+        >>> int(rung_bits([0, 2]))
+        1280
+        >>> rung_indices(int(Status.OOM | rung_bits([0, 2])))
+        (0, 2)
+    """
+    bits = 0
+    for i in indices:
+        bits |= int(Status.RUNG) << i
+    return Status(bits)
+
+
+def rung_indices(status: int) -> tuple[int, ...]:
+    """The ladder indices of the rungs a vote's flags ask for, in order."""
+    bits, out, i = int(status) >> (int(Status.RUNG).bit_length() - 1), [], 0
+    while bits:
+        if bits & 1:
+            out.append(i)
+        bits >>= 1
+        i += 1
+    return tuple(out)

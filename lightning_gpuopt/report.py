@@ -17,7 +17,8 @@ import math
 import os
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,12 @@ __all__ = [
     "FORMAT",
     "JSON_NAME",
     "PNG_NAME",
+    "ReportField",
     "format_table",
     "load_report",
     "mfu",
     "render_png",
+    "summarize_values",
     "summary_rows",
     "windowed_samples_per_s",
     "write_report",
@@ -44,6 +47,109 @@ PNG_SIZE = (12.0, 8.0)
 PNG_DPI = 100
 #: Steps in the moving window of the throughput curve.
 THROUGHPUT_WINDOW = 10
+
+
+#: The per-step fields GPUOptReport records itself: a :class:`ReportField` may not take these names.
+STEP_FIELDS = (
+    "step",
+    "epoch",
+    "batch_idx",
+    "time_s",
+    "allocated_bytes",
+    "peak_bytes",
+    "reserved_bytes",
+    "limit_bytes",
+    "alloc_retries",
+    "k",
+    "batch_size",
+    "micro_batch_size",
+    "precision",
+    "data_wait_fraction",
+    "samples",
+    "step_time_s",
+    "mfu",
+)
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+@dataclass(frozen=True)
+class ReportField:
+    """A per-step field of your own for :class:`~lightning_gpuopt.GPUOptReport` (``GPUOptReport(fields=[...])``).
+
+    At every recorded step ``read(trainer, pl_module)`` gives the value (a number, a string, a bool or
+    ``None``); it goes into each step of the JSON record under ``name`` and, summarised by
+    :func:`summarize_values`, into a row ``label`` of the table (also in ``gpuopt report DIR``, which
+    reads the field's name and label from the JSON's ``run.fields``).
+
+    Args:
+        name: the key in each step record: letters, digits and ``_``, not one of :data:`STEP_FIELDS`.
+        read: called at the end of each recorded training batch with ``(trainer, pl_module)``.
+        label: the table row's label; ``None``: ``name``.
+
+    Raises:
+        ValueError: a name that is empty, not an identifier, or one the report records itself.
+        TypeError: ``read`` is not callable.
+
+    Example:
+        >>> field = ReportField("lr", lambda trainer, module: trainer.optimizers[0].param_groups[0]["lr"],
+        ...                     label="learning rate")
+        >>> field.name, field.label
+        ('lr', 'learning rate')
+        >>> summarize_values([0.1, 0.1, 0.05])
+        '0.05 at the last step (min 0.05, median 0.1, max 0.1)'
+    """
+
+    name: str
+    read: Callable[[Any, Any], Any]
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(
+                f"ReportField `name` must be a non-empty identifier (letters, digits, _), got {self.name!r}"
+            )
+        if self.name in STEP_FIELDS:
+            raise ValueError(
+                f"ReportField `name` {self.name!r} is a field GPUOptReport records itself ({', '.join(STEP_FIELDS)}); "
+                "pick another name."
+            )
+        if not callable(self.read):
+            raise TypeError(f"ReportField `read` must be callable (trainer, pl_module), got {self.read!r}")
+        if self.label is None:
+            object.__setattr__(self, "label", self.name)
+
+    def value(self, trainer: Any, pl_module: Any) -> Any:
+        """``read(trainer, pl_module)``, checked: a number (a 0-d tensor becomes one), a string, a bool or ``None``."""
+        value = self.read(trainer, pl_module)
+        if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+            value = value.item()
+        if not isinstance(value, _PLAIN):
+            raise TypeError(
+                f"ReportField {self.name!r}: `read` must return a number, a string, a bool or None (what JSON "
+                f"holds), got {type(value).__name__}; convert it in `read` (e.g. float(x))."
+            )
+        return value
+
+
+def summarize_values(values: Sequence[Any]) -> str:
+    """One table cell for a field's per-step values: numbers by their last, min, median and max; other
+    values by their changes in order; ``"not recorded"`` when every value is ``None``.
+
+    Example:
+        >>> summarize_values([1, 2, 3, None])
+        '3 at the last step (min 1, median 2, max 3)'
+        >>> summarize_values(["a", "a", "b"])
+        'a -> b'
+    """
+    present = [v for v in values if v is not None]
+    if not present:
+        return "not recorded"
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        low, mid, high = min(present), statistics.median(present), max(present)
+        return f"{present[-1]:.4g} at the last step (min {low:.4g}, median {mid:.4g}, max {high:.4g})"
+    changes = [v for i, v in enumerate(present) if i == 0 or v != present[i - 1]]
+    return " -> ".join(str(v) for v in changes)
 
 
 def mfu(
@@ -126,6 +232,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         wait = _median([s.get("data_wait_fraction") for s in steps[1:]])
         if wait is not None:
             rows.append(("data-wait fraction", f"{wait:.0%} (median)"))
+        for field in run.get("fields", []):  # ReportFields: GPUOptReport(fields=[...])
+            rows.append((field["label"], summarize_values([s.get(field["name"]) for s in steps])))
     kinds = Counter(d["kind"] for d in made)
     rows.append(("decisions", ", ".join(f"{n} {kind}" for kind, n in kinds.items()) if kinds else "none"))
     for d in made[-5:]:

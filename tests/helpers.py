@@ -1,6 +1,14 @@
-"""Small real LightningModules and datasets the tests train."""
+"""What many test files share: small real LightningModules and datasets, a metrics logger, the "same
+training" measure, and the environment for test scripts run as subprocesses.
+
+``tests`` is a package: import these as ``from tests.helpers import ...`` (pytest puts the repository root
+on ``sys.path``, see ``pythonpath`` in pyproject.toml); a subprocess gets it from :func:`subprocess_env`.
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -8,6 +16,11 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+
+from lightning_gpuopt import GPUOptDataModule
+
+#: The repository root: on ``sys.path`` in tests, so that ``tests`` and ``examples`` import as packages.
+REPO = Path(__file__).resolve().parents[1]
 
 TRAINER_QUIET = {
     "logger": False,
@@ -34,6 +47,13 @@ class IndexedRegression(Dataset):
 
     def __getitem__(self, i: int):
         return i, self.x[i], self.y[i]
+
+
+class Forty(GPUOptDataModule):
+    """A GPUOptDataModule over 40 samples of :class:`IndexedRegression` (ids 0-39)."""
+
+    def train_dataset(self):
+        return IndexedRegression(40)
 
 
 class RecordingRegressor(pl.LightningModule):
@@ -81,7 +101,15 @@ class MetricsLogger(Logger):
         self.rows.append((step, dict(metrics)))
 
 
-# --- "Same training": the one measure every parity test uses (DESIGN.md, "Semantics that must hold").
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` for a test script run as a subprocess: the repository root first on ``PYTHONPATH`` (so
+    that it imports ``tests.helpers`` and the other test modules as a package, whatever its working
+    directory), Lightning's tips off, plus ``extra``."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "LIGHTNING_DISABLE_TIPS": "1", **extra}
+
+
+# --- "Same training": the one measure every parity test uses (docs/oom-recovery.md, "Guarantees").
 
 
 def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:

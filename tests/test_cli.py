@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lightning_gpuopt.cli import GPUOptCLI, main, run
+from tests.helpers import REPO, subprocess_env
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "examples" / "configs" / "default.yaml"
 BORING = [
     "--model",
@@ -310,10 +310,7 @@ def test_default_job_reaches_its_accuracy(tmp_path):
     assert (report.parent / "gpuopt_report.png").is_file() and "peak memory" in proc.stdout + proc.stderr
 
 
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    # LightningCLI warns when sys.argv (pytest's here) and `args` are both given.
-    monkeypatch.setattr(sys, "argv", ["gpuopt"])
+pytestmark = pytest.mark.usefixtures("cli_argv")
 
 
 def test_fit_keeps_last_checkpoint_and_resumes_from_it_by_default(tmp_path):
@@ -347,12 +344,9 @@ def test_fit_keeps_last_checkpoint_and_resumes_from_it_by_default(tmp_path):
 @pytest.mark.slow
 def test_gpuopt_fit_stops_on_sigterm_at_the_next_step_with_a_checkpoint_and_exits_zero(tmp_path):
     # The child sends itself SIGTERM at the start of batch 3 (tests/resume_child.py's Fault callback).
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = subprocess_env()
     args = [*BORING, *_quiet(tmp_path), "--trainer.max_steps", "50", "--gpuopt.report", "false"]
-    fault = ["--trainer.callbacks+=resume_child.Fault", "--trainer.callbacks.term_batch=3"]
+    fault = ["--trainer.callbacks+=tests.resume_child.Fault", "--trainer.callbacks.term_batch=3"]
     done = subprocess.run(
         [sys.executable, "-m", "lightning_gpuopt", "fit", *args, *fault],
         capture_output=True,

@@ -46,3 +46,47 @@ def test_ddp_kwargs_and_tensor_parallel_size():
 
 def test_metric_state_names():
     assert _compat.metric_state_names(torchmetrics.MeanMetric()) == ["mean_value", "weight"]
+
+
+def test_metric_counters():
+    metric = torchmetrics.MeanMetric()
+    metric.update(1.0)
+    assert _compat.metric_counters(metric) == {"_update_count": 1, "_computed": None}
+
+
+def test_cluster_environment():
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    assert isinstance(_compat.cluster_environment(trainer), LightningEnvironment)
+
+
+def test_mark_checkpoint_saved_stops_model_checkpoint_saving_again(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=tmp_path)
+    assert hasattr(callback, "_last_global_step_saved") and hasattr(callback, "_last_checkpoint_saved"), (
+        "ModelCheckpoint's skip bookkeeping moved: update _compat.mark_checkpoint_saved"
+    )
+    _compat.mark_checkpoint_saved(callback, 7, "last.ckpt")
+    assert (callback._last_global_step_saved, callback.last_model_path) == (7, "last.ckpt")
+
+
+def test_drop_train_loader():
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    assert hasattr(trainer.fit_loop, "_combined_loader"), "fit_loop._combined_loader moved: update _compat"
+    trainer.fit_loop._combined_loader = object()
+    _compat.drop_train_loader(trainer.fit_loop)
+    assert trainer.fit_loop._combined_loader is None
+
+
+def test_reset_grad_scaler_forgets_the_optimizer_step():
+    import torch
+
+    scaler = torch.amp.GradScaler("cpu")
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler.scale(param.sum()).backward()
+    scaler.unscale_(optimizer)
+    _compat.reset_grad_scaler(scaler, optimizer)
+    scaler.unscale_(optimizer)  # would raise "unscale_() has already been called" without the reset

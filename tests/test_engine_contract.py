@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import lightning.pytorch as pl
-from helpers import TRAINER_QUIET
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from tests.helpers import REPO, TRAINER_QUIET
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gpuopt"
+PACKAGE = REPO / "lightning_gpuopt"
 # Another component reached through a local name, then one of its private attributes.
 _PRIVATE_READ = re.compile(r"\b(engine|_engine|monitor|holder|switch|finder|recovery)\._[a-z]\w*")
 

@@ -6,15 +6,15 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as ROOT
+
 sys.path.append(str(ROOT / "benchmarks" / "gpu"))
 
-import check  # noqa: E402
-import device  # noqa: E402
+import check
+import device
 
 
 @pytest.fixture(scope="module")

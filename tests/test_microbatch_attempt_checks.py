@@ -6,12 +6,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from helpers import TRAINER_QUIET
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from tests.helpers import TRAINER_QUIET
 
 
 class Samples(Dataset):

@@ -96,11 +96,14 @@ def test_agreement_everyone_fine_keeps_k():
 
 
 def test_agreement_one_oom_makes_every_rank_retry_with_the_most_cautious_k():
-    from lightning_gpuopt.oom_policy import STATUS_CHECKPOINT, STATUS_OOM, Vote, agree
+    from lightning_gpuopt.oom_policy import STATUS_OOM, Vote, agree, rung_bits
 
     a = agree([Vote(0, 2), Vote(STATUS_OOM, 5), Vote(STATUS_OOM, 4)], k=2)
-    assert (a.retry, a.k, a.ranks, a.source, a.checkpoint) == (True, 5, (1, 2), "oom", False)
-    assert agree([Vote(STATUS_OOM | STATUS_CHECKPOINT, 1), Vote(0, 8)], k=8).checkpoint
+    assert (a.retry, a.k, a.ranks, a.source, a.rungs) == (True, 5, (1, 2), "oom", ())
+    # The rungs any out-of-memory rank asked for, every rank turns on: the union, in ladder order.
+    votes = [Vote(STATUS_OOM | rung_bits([1]), 1), Vote(0, 8), Vote(STATUS_OOM | rung_bits([0, 1]), 8)]
+    assert agree(votes, k=8).rungs == (0, 1)
+    assert agree([Vote(rung_bits([0]), 8), Vote(0, 8)], k=8).rungs == ()  # no OOM: nothing to turn on
 
 
 def test_agreement_fatal_anywhere_stops_everyone():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpuopt import GPUOptReport
@@ -19,6 +18,7 @@ from lightning_gpuopt.peak_flops import (
     tf32_matmuls_enabled,
 )
 from lightning_gpuopt.report import summary_rows
+from tests.helpers import TRAINER_QUIET
 
 T = 1e12
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
 from lightning_gpuopt import FSDP2Strategy
 from lightning_gpuopt.support import Feature, StrategyKind, markdown_table, strategy_kind, supports
+from tests.helpers import REPO
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "support.md"
+DOCS = REPO / "docs" / "support.md"
 
 
 def test_the_docs_table_is_the_support_module():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as ROOT
+
 WITHOUT = ROOT / "tests" / "tools" / "without_packages.py"
 
 PROGRAM = """

@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.data import GPUOptDataModule, available_cpus
 from lightning_gpuopt.data.stall import (
@@ -343,11 +344,7 @@ class DataStallMonitor(Callback):
         self._num_workers = int(workers)
         if workers != measured.num_workers:
             datamodule.num_workers = int(workers)
-            fit_loop = trainer.fit_loop
-            if hasattr(fit_loop, "_combined_loader"):
-                fit_loop._combined_loader = (
-                    None  # Lightning rebuilds the train loader at the next epoch's start
-                )
+            _compat.drop_train_loader(trainer.fit_loop)  # Lightning rebuilds it at the next epoch's start
         change = (
             f"num_workers {measured.num_workers} -> {workers}"
             if workers != measured.num_workers

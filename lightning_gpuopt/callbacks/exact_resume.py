@@ -14,6 +14,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt.data.resume import capture_rng, restore_rng
 from lightning_gpuopt.decisions import record_decision
 
@@ -170,7 +171,7 @@ class ExactResume(Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         names = set(self.signals)
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = _compat.cluster_environment(trainer)
         if names and isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             requeue = environment.requeue_signal
             if requeue is not None:
@@ -237,12 +238,12 @@ class ExactResume(Callback):
             if isinstance(callback, ModelCheckpoint):
                 # Lightning's own skip rule: nothing more is saved at this step (the epoch-end save of a
                 # stopped epoch would mark the epoch finished and lose its remaining samples on resume).
-                callback._last_global_step_saved = trainer.global_step
-                callback._last_checkpoint_saved = path  # nor at train end (`save_last`)
-                callback.last_model_path = path
+                _compat.mark_checkpoint_saved(
+                    callback, trainer.global_step, path
+                )  # nor at train end (`save_last`)
         self.stop_checkpoint = path
         trainer.should_stop = True
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = _compat.cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero:
             command = slurm_requeue_command()
             if command is not None:

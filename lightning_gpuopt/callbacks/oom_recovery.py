@@ -13,12 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt.activation_checkpointing import (
-    checkpoint_modules,
-    describe_module_types,
-    matching_modules,
-    uncheckpoint_modules,
-)
+from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.loss_weighting import MODES, ON_MISMATCH, LossWeighting
 from lightning_gpuopt.memory import format_bytes, get_probe
@@ -31,6 +26,7 @@ from lightning_gpuopt.microbatch import (
     WeightFn,
     unsupported_strategy,
 )
+from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.oom_policy import (
     OOMFailure,
     Proposal,
@@ -190,6 +186,7 @@ class OOMRecovery(Callback):
         checkpoint_modules: Sequence[str | type[nn.Module]] = (),
         verbose: bool = True,
         min_micro_batch_size: int | None = None,
+        rungs: Sequence[Rung] = (),
     ) -> None:
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(f"`loss_reduction` must be one of {_REDUCTIONS}, got {loss_reduction!r}")
@@ -237,6 +234,15 @@ class OOMRecovery(Callback):
                 "`checkpoint_modules` must be a list of module classes or class names (e.g. "
                 f"['TransformerBlock', torch.nn.TransformerEncoderLayer]), got {checkpoint_modules!r}"
             )
+        rungs = list(rungs)
+        if not all(isinstance(r, Rung) and r.name for r in rungs):
+            raise TypeError(
+                "`rungs` must be a list of named `lightning_gpuopt.Rung` objects (subclass it, set `name`, implement "
+                f"`apply`), got {rungs!r}"
+            )
+        names = [r.name for r in rungs] + ([ActivationCheckpointing.name] if checkpoint_modules else [])
+        if len(set(names)) != len(names):
+            raise ValueError(f"every recovery rung needs its own `name`, got {names}")
         self.loss_reduction = loss_reduction
         self.weight_fn = weight_fn
         self.token_key = token_key
@@ -259,7 +265,11 @@ class OOMRecovery(Callback):
         self._k = 1
         self._eval_k: dict[str, int] = {}
         self._checkpointing = False
-        self._checkpointed: list[nn.Module] = []
+        #: The recovery ladder past more micro-batches, in order: activation checkpointing of
+        #: ``checkpoint_modules`` (when given), then ``rungs``.
+        self.ladder: list[Rung] = list(rungs)
+        if self.checkpoint_modules:
+            self.ladder.insert(0, ActivationCheckpointing(self.checkpoint_modules))
         self._wait = grow_back_after
         self._engine: MicroBatchEngine | None = None
         self._logged_size: int | None = None
@@ -322,7 +332,7 @@ class OOMRecovery(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_engine"], state["_checkpointed"] = None, []
+        state["_engine"] = None
         return state
 
     # ------------------------------------------------------------------ lifecycle
@@ -392,19 +402,18 @@ class OOMRecovery(Callback):
         elif callable(self.unsplittable):
             predicate = self.unsplittable
             engine.splittable = lambda batch: not predicate(batch)
-        if self.checkpoint_modules:
-            engine.enable_checkpointing = self._enable_checkpointing
+        for rung in self.ladder:
+            engine.add_rung(rung)
+        engine.rung_listeners.append(self._on_rung)
         for stage, k in self._eval_k.items():
             engine.eval_k.setdefault(stage, k)
         engine.listeners.append(self._on_change)
         self._engine = engine
-        state = engine.resume()
+        state = engine.resume()  # turns on the rungs the checkpoint names
         self._resumed = state is not None
-        if state is not None and CHECKPOINTING in state.get("rungs", []):
-            self._checkpointing = True
-        if self._checkpointing:  # restored from a checkpoint: the run had turned it on
-            self._checkpointing = False
-            self._enable_checkpointing(announce="restored from checkpoint")
+        if self._checkpointing and CHECKPOINTING not in engine.active_rungs:
+            # a checkpoint written before the engine saved its rungs, or a second fit: the run had turned it on
+            engine.turn_on(CHECKPOINTING, "restored from checkpoint")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -469,10 +478,10 @@ class OOMRecovery(Callback):
             self._eval_k = dict(self._engine.eval_k)
             if self._on_change in self._engine.listeners:
                 self._engine.listeners.remove(self._on_change)
-            self._engine.release(self)
+            if self._on_rung in self._engine.rung_listeners:
+                self._engine.rung_listeners.remove(self._on_rung)
+            self._engine.release(self)  # the last release turns the rungs off
             self._engine = None
-        uncheckpoint_modules(self._checkpointed)
-        self._checkpointed = []
 
     # ------------------------------------------------------------------ decisions
 
@@ -522,8 +531,9 @@ class OOMRecovery(Callback):
             k = min(k, self.max_micro_batches) if failure.k < self.max_micro_batches else None
         if k is not None:
             return Recovery(k)
-        if self.checkpoint_modules and not self._checkpointing and failure.phase in ("forward", "backward"):
-            return Recovery(None, checkpoint=True)
+        for rung in self._engine.available_rungs() if self._engine is not None else []:
+            if rung.applies(failure):
+                return Recovery(None, rungs=(rung.name,))
         raise MicroBatchOOMError(self._exhausted_message(failure, min_size, why, futile))
 
     def _min_size(self) -> tuple[int, str]:
@@ -535,26 +545,21 @@ class OOMRecovery(Callback):
             return 2, "BatchNorm in training mode needs more than one value per channel"
         return 1, ""
 
-    def _enable_checkpointing(self, announce: str | None = None) -> bool:
-        if self._checkpointing or self._engine is None:
-            return False
-        module = self._engine.trainer.lightning_module
-        self._checkpointed = checkpoint_modules(matching_modules(module, self.checkpoint_modules))
-        self._checkpointing = True
-        if CHECKPOINTING not in self._engine.active_rungs:
-            self._engine.active_rungs.append(CHECKPOINTING)
-        names = sorted({type(m).__name__ for m in self._checkpointed})
-        why = announce or "out of memory at one sample per micro-batch"
-        message = (
-            f"OOMRecovery: activation checkpointing on for {len(self._checkpointed)} module(s) "
-            f"({', '.join(names)}): {why}; retrying the batch."
-        )
-        record_decision(
-            self._engine.trainer, "checkpointing", "OOMRecovery", message, modules=len(self._checkpointed)
-        )
+    def _on_rung(self, rung: Rung, reason: str) -> None:
+        if isinstance(rung, ActivationCheckpointing):
+            self._checkpointing = True
+            names = sorted({type(m).__name__ for m in rung.modules})
+            what, kind = (
+                f"activation checkpointing on for {len(rung.modules)} module(s) ({', '.join(names)})",
+                "checkpointing",
+            )
+        else:
+            what, kind = f"{rung.describe()} on", "rung"
+        retry = "; retrying the batch" if reason.startswith("OOM") else ""
+        message = f"OOMRecovery: {what}: {reason}{retry}."
+        record_decision(self._engine.trainer, kind, "OOMRecovery", message, rung=rung.name)
         if self.verbose:
             rank_zero_info(message)
-        return True
 
     def _on_change(self, change: KChange) -> None:
         if change.source == "grow back":

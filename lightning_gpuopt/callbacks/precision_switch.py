@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch import Tensor
 
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.precision import (
     LADDER,
     DeviceInfo,
@@ -238,7 +238,7 @@ class PrecisionSwitch(Callback):
         self._watch = StabilityWatch(self.patience, self.min_scale)
         self._why_fixed: str | None = None  # why precision cannot change at runtime; None: it can
         self._watching = False
-        self._wrapped: list[tuple[torch.optim.Optimizer, bool, Any]] = []
+        self._hook: OptimizerStepHook | None = None
         self._engine: MicroBatchEngine | None = None
         self._tf32_previous: str | bool | None = None
         self._step_attempted = False
@@ -348,8 +348,8 @@ class PrecisionSwitch(Callback):
             self._why_fixed = "closure optimizers such as LBFGS re-evaluate the loss inside their step"
             self._say(f"PrecisionSwitch: no runtime fallback: {self._why_fixed}.")
             return
-        for optimizer in trainer.optimizers:
-            self._wrap(optimizer)
+        self._hook = OptimizerStepHook.attach(trainer, self)
+        self._hook.guards.append(self._guard)
         self._watching = True
         can_switch = (
             bool(fallback_ladder(self._start, self.ladder, self._info)) or self._start != self._precision
@@ -435,12 +435,11 @@ class PrecisionSwitch(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._trainer is not trainer:
             return
-        for optimizer, had, previous in self._wrapped:
-            if had:
-                optimizer.step = previous
-            elif "step" in vars(optimizer):
-                del optimizer.step
-        self._wrapped = []
+        if self._hook is not None:
+            if self._guard in self._hook.guards:
+                self._hook.guards.remove(self._guard)
+            self._hook.release(self)
+            self._hook = None
         if self._engine is not None:
             if self._check_attempt in self._engine.attempt_checks:
                 self._engine.attempt_checks.remove(self._check_attempt)
@@ -453,51 +452,25 @@ class PrecisionSwitch(Callback):
 
     # ------------------------------------------------------------------ the optimizer step
 
-    def _wrap(self, optimizer: torch.optim.Optimizer) -> None:
-        had = "step" in vars(optimizer)  # an LR scheduler may have wrapped it already
-        previous = vars(optimizer).get("step")
-        original = optimizer.step
-        callback = self
-
-        def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-            return callback._optimizer_step(opt, original, closure, kwargs)
-
-        # An LR scheduler created before us wrapped `step` and checks its mark; one created later wraps ours
-        # (it reads `step.__func__`, hence a bound method).
-        if getattr(original, "_wrapped_by_lr_sched", False):
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        optimizer.step = types.MethodType(step, optimizer)
-        self._wrapped.append((optimizer, had, previous))
-
-    def _optimizer_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        original: Callable[..., Any],
-        closure: Callable[[], Any] | None,
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def _guard(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> bool:
+        """The optimizer-step hook asks before each step: hold it back (non-finite values)?"""
         if not self._watching:
-            return original(closure, **kwargs) if closure is not None else original(**kwargs)
-        loss = None
-        if closure is not None:  # run it here, so the step can still be held back after seeing the gradients
-            with torch.enable_grad():
-                loss = closure()
+            return False
         if self._scaler() is not None:
             # The GradScaler found the gradients finite (it calls step only then), or, for an optimizer that
             # unscales inside its own step, passes found_inf for it to skip on: read after the step.
             if getattr(optimizer, "_step_supports_amp_scaling", False):
                 self._found_inf = getattr(optimizer, "found_inf", None)
             self._applied = True
-            return original(**kwargs)
+            return False
         bad = self._verdict
         if bad is None:
             bad = self._agreed(self._nonfinite(self._losses, optimizer))[0]
         self._verdict = None
         if bad:
-            return loss
+            return True
         self._applied = True
-        out = original(**kwargs)
-        return loss if out is None else out
+        return False
 
     def _check_attempt(self, batch_idx: int, loss: Tensor) -> bool:
         """The engine asks after each attempt (A = 1): switch now and run the batch again?"""

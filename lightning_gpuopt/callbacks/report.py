@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +19,14 @@ from lightning_gpuopt.decisions import decisions, record_decision
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.peak_flops import resolve_peak_flops
-from lightning_gpuopt.report import FORMAT, mfu, print_table, windowed_samples_per_s, write_report
+from lightning_gpuopt.report import (
+    FORMAT,
+    ReportField,
+    mfu,
+    print_table,
+    windowed_samples_per_s,
+    write_report,
+)
 
 __all__ = ["GPUOptReport"]
 
@@ -54,9 +62,11 @@ class GPUOptReport(Callback):
         every_n_steps: record every n-th training step (1: all).
         peak_flops: the peak FLOP/s the MFU divides by, overriding the table (for a device it does not
             know, or another dtype's peak); given, the MFU is also computed on a CPU.
+        fields: per-step fields of your own (:class:`~lightning_gpuopt.report.ReportField`): read at each
+            recorded step, kept in the JSON's steps and summarised in a table row each.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range, or two fields share a name.
         ImportError: at setup, ``plot=True`` and matplotlib is not installed (names the extra).
 
     Example:
@@ -78,6 +88,7 @@ class GPUOptReport(Callback):
         table: bool = True,
         every_n_steps: int = 1,
         peak_flops: float | None = None,
+        fields: Sequence[ReportField] = (),
     ) -> None:
         if plot != "auto" and not isinstance(plot, bool):
             raise ValueError(f"`plot` must be True, False or 'auto', got {plot!r}")
@@ -89,6 +100,15 @@ class GPUOptReport(Callback):
             isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0
         ):
             raise ValueError(f"`peak_flops` must be a positive number of FLOP/s or None, got {peak_flops!r}")
+        fields = tuple(fields)
+        if not all(isinstance(f, ReportField) for f in fields):
+            raise ValueError(
+                f"`fields` must be ReportField objects, got {[type(f).__name__ for f in fields]}"
+            )
+        names = [f.name for f in fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"`fields` must have distinct names, got {names}")
+        self.fields = fields
         self.peak_flops = peak_flops
         self.dirpath = dirpath
         self.plot = plot
@@ -247,6 +267,8 @@ class GPUOptReport(Callback):
             "step_time_s": step_time,
             "mfu": mfu(self._flops, step_time, self._peak_flops),
         }
+        for field in self.fields:
+            record[field.name] = field.value(trainer, pl_module)
         self._steps.append(record)
         self._log(trainer, record)
 
@@ -272,6 +294,7 @@ class GPUOptReport(Callback):
                 "mfu_note": self._mfu_note,
                 "wall_s": time.perf_counter() - self._started,
                 "torch": torch.__version__,
+                "fields": [{"name": f.name, "label": f.label} for f in self.fields],
             },
             "steps": self._steps,
             "decisions": self._earlier_decisions + [d.as_dict() for d in decisions(trainer)],

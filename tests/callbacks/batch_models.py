@@ -14,8 +14,6 @@ import math
 import lightning.pytorch as pl
 import torch
 import torchvision
-from helpers import TRAINER_QUIET
-from oom_models import Run, StepPeaks
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -24,6 +22,8 @@ from lightning_gpuopt import GPUOptDataModule
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import Run, StepPeaks
+from tests.helpers import TRAINER_QUIET
 
 
 class Tensors(Dataset):

@@ -1,6 +1,6 @@
 """One DDP fit on 2 CPU processes (gloo) for test_precision_switch.py: fp16 overflows on rank 1 only.
 
-    python ddp_precision_run.py OUT_DIR ACCUMULATE
+    PYTHONPATH=. python tests/callbacks/ddp_precision_run.py OUT_DIR ACCUMULATE
 
 Lightning starts rank 1 by running this script again; each rank writes OUT_DIR/rank{r}.json.
 """
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from helpers import TRAINER_QUIET
 from lightning.pytorch.plugins import MixedPrecision
-from oom_models import Waves
-from precision_models import AppliedSteps, Troubled, finite
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import PrecisionSwitch
+from tests.callbacks.oom_models import Waves
+from tests.callbacks.precision_models import AppliedSteps, Troubled, finite
+from tests.helpers import TRAINER_QUIET
 
 
 def main(out: Path, accumulate: int) -> None:

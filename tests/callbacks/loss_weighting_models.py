@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from helpers import TRAINER_QUIET, parameters_of
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
+
+from tests.helpers import TRAINER_QUIET, parameters_of
 
 VOCAB, LENGTH, LABELS = 48, 12, 3
 KINDS = ("causal-lm", "masked-lm", "token-classification", "sequence-classification")

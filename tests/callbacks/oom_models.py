@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from helpers import TRAINER_QUIET
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.helpers import TRAINER_QUIET
 
 
 class Waves(Dataset):

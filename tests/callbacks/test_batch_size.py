@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from batch_models import batch_peak, fit, peaks_at, true_maxima
-from helpers import TRAINER_QUIET
 from lightning.pytorch.callbacks import BatchSizeFinder, ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins import MixedPrecision
-from oom_models import Waves, WideRegressor, optimizer_step_ids
-from oom_models import fit as fit_wide
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch.attempt import SideEffects
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.batch_models import batch_peak, fit, peaks_at, true_maxima
+from tests.callbacks.oom_models import Waves, WideRegressor, optimizer_step_ids
+from tests.callbacks.oom_models import fit as fit_wide
+from tests.helpers import TRAINER_QUIET, MetricsLogger
 
 MiB = 2**20
 
@@ -543,28 +543,8 @@ def test_remeasure_on_request(caplog):
     assert len(lines) == 2 and "(requested)" in lines[1]
 
 
-class Recording(Logger):
-    def __init__(self):
-        super().__init__()
-        self.metrics: list[tuple[dict, int]] = []
-
-    @property
-    def name(self):
-        return "recording"
-
-    @property
-    def version(self):
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append((dict(metrics), step))
-
-
 def test_one_log_line_with_the_numbers_and_logger_metrics(caplog):
-    recording = Recording()
+    recording = MetricsLogger()
     finder = MemoryAwareBatchSize(target_fraction=1.0)
     with caplog.at_level(logging.INFO):
         fit_wide(WideRegressor("adam"), [finder], limit=_wide_limit(0.6), steps=2, logger=recording)
@@ -577,7 +557,7 @@ def test_one_log_line_with_the_numbers_and_logger_metrics(caplog):
         in lines[0]
     )
     assert "optimizer batch 128 kept" in lines[0]
-    logged = [m for m, _ in recording.metrics if "gpuopt/micro_batch_size" in m]
+    logged = [m for _, m in recording.rows if "gpuopt/micro_batch_size" in m]
     assert logged[0]["gpuopt/micro_batch_size"] == n
     assert logged[0]["gpuopt/predicted_peak_bytes"] == finder.predicted_peak_bytes
     assert logged[0]["gpuopt/search_trials"] == finder.trials
@@ -637,12 +617,11 @@ def test_engine_counts_its_own_copies():
         trainer.fit(model, DataLoader(Waves(length=256), batch_size=32))
     engine = MicroBatchEngine(trainer)
     assert engine.snapshot_bytes() == 0  # not installed
-    engine._installed, engine._norms, engine._metrics = True, [model.net[1]], [model.mean]
     norm = sum(b.numel() * b.element_size() for b in model.net[1].buffers())
     metric = sum(
         getattr(model.mean, n).numel() * getattr(model.mean, n).element_size() for n in model.mean._defaults
     )
-    assert engine.snapshot_bytes() == norm + metric
+    assert SideEffects(model).nbytes() == norm + metric  # what an installed engine copies before each batch
 
 
 # --- DDP -----------------------------------------------------------------------------------------

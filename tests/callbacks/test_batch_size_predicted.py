@@ -13,9 +13,6 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from batch_models import FAMILIES, SizedModule, Tensors, fit, peaks_at, true_maxima
-from helpers import TRAINER_QUIET
-from oom_models import Waves
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -25,6 +22,9 @@ from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.memory.peak_model import SizeSearch, StepMeasurement
 from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.batch_models import FAMILIES, SizedModule, Tensors, fit, peaks_at, true_maxima
+from tests.callbacks.oom_models import Waves
+from tests.helpers import TRAINER_QUIET
 
 
 class MLP(SizedModule):

@@ -13,15 +13,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import assert_same_training, parameters_of
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gpuopt import ExactResume
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint, at_optimizer_step_boundary
+from tests import resume_child
+from tests.helpers import TRAINER_QUIET, Forty, RecordingRegressor, assert_same_training, parameters_of
 
-CHILD = Path(__file__).resolve().parents[1] / "resume_child.py"
-sys.path.insert(0, str(CHILD.parent))
-import resume_child  # noqa: E402
+CHILD = Path(resume_child.__file__)
 
 BATCHES = resume_child.LENGTH // resume_child.BATCH  # per epoch, one process
 
@@ -194,9 +193,6 @@ class _CrashAt(pl.Callback):
 
 
 def _small_fit(root: Path, callbacks, ckpt_path=None, accumulate: int = 1):
-    from helpers import TRAINER_QUIET, RecordingRegressor
-    from test_resume import Forty
-
     pl.seed_everything(0, verbose=False)
     model = RecordingRegressor()
     quiet = {**TRAINER_QUIET, "enable_checkpointing": True}
@@ -208,7 +204,6 @@ def _small_fit(root: Path, callbacks, ckpt_path=None, accumulate: int = 1):
 
 
 def test_a_checkpoint_written_after_an_exception_is_never_resumed_from(tmp_path):
-    sys.path.insert(0, str(CHILD.parent / "data"))
     boundary = StepBoundaryCheckpoint(
         dirpath=tmp_path / "ours", every_n_train_steps=1, save_top_k=0, save_last=True
     )
@@ -230,7 +225,6 @@ def test_a_checkpoint_written_after_an_exception_is_never_resumed_from(tmp_path)
 def test_the_report_of_a_resumed_run_covers_the_whole_run_and_marks_the_resume(tmp_path):
     from lightning_gpuopt import GPUOptReport
 
-    sys.path.insert(0, str(CHILD.parent / "data"))
     boundary = StepBoundaryCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=0, save_last=True
     )

@@ -13,8 +13,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET, assert_same_training, gradient_distance, parameters_of, training_distance
-from loss_weighting_models import KINDS, HFModule, PaddedText, TokenMeanLM, TokenText, exact_count, train
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -22,6 +20,22 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.loss_weighting import Weighting
+from tests.callbacks.loss_weighting_models import (
+    KINDS,
+    HFModule,
+    PaddedText,
+    TokenMeanLM,
+    TokenText,
+    exact_count,
+    train,
+)
+from tests.helpers import (
+    TRAINER_QUIET,
+    assert_same_training,
+    gradient_distance,
+    parameters_of,
+    training_distance,
+)
 
 EXPECTED = {
     "causal-lm": Weighting.TOKENS_SHIFTED,

@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from loss_weighting_models import TokenMeanLM, TokenText
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import OOMRecovery
+from tests.callbacks.loss_weighting_models import TokenMeanLM, TokenText
 
 
 class SaveDecision(pl.Callback):

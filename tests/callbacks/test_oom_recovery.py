@@ -7,10 +7,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from helpers import TRAINER_QUIET
 from lightning.pytorch.callbacks import BatchSizeFinder, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
-from oom_models import Run, StepLog, WideRegressor, fit, optimizer_step_ids, step_marks
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -18,6 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery, TokenCount
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import Run, StepLog, WideRegressor, fit, optimizer_step_ids, step_marks
+from tests.helpers import TRAINER_QUIET
 
 
 def _precision_kwargs(precision: str) -> dict:
@@ -522,7 +522,7 @@ def test_resume_from_a_checkpoint_taken_after_a_change_starts_with_that_k(tmp_pa
         callbacks=[second],
         **{**TRAINER_QUIET, "enable_checkpointing": False},
     )
-    from oom_models import Waves
+    from tests.callbacks.oom_models import Waves
 
     with SimulatedMemory(limit):
         trainer.fit(
@@ -561,7 +561,7 @@ def test_a_checkpoint_written_before_the_engine_saved_its_state_still_resumes_wi
         callbacks=[second],
         **{**TRAINER_QUIET, "enable_checkpointing": False},
     )
-    from oom_models import Waves
+    from tests.callbacks.oom_models import Waves
 
     with SimulatedMemory(limit):
         trainer.fit(

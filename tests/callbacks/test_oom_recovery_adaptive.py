@@ -7,7 +7,6 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
-from oom_models import PlainWide, StepLog, StepPeaks, WideRegressor, fit, step_marks
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
@@ -15,6 +14,7 @@ from torch.utils.data import Dataset
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import PlainWide, StepLog, StepPeaks, WideRegressor, fit, step_marks
 
 
 class LimitSchedule(pl.Callback):
@@ -126,8 +126,9 @@ def test_allocator_thrashing_splits_before_an_oom_and_keeps_the_result():
         accelerator="cpu",
         devices=1,
     )
-    from oom_models import Waves
     from torch.utils.data import DataLoader
+
+    from tests.callbacks.oom_models import Waves
 
     with ThrashingMemory(start=3):
         trainer.fit(model, DataLoader(Waves(), batch_size=128, shuffle=False))

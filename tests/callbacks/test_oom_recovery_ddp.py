@@ -16,13 +16,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from oom_models import Waves, WideRegressor
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
-from lightning_gpuopt.microbatch import MicroBatchEngine, RankOutOfMemoryError, _check_strategy, _Refused
+from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt.microbatch import MicroBatchEngine, OptimizerStepOOMError, RankOutOfMemoryError
+from lightning_gpuopt.microbatch.errors import Refused
+from lightning_gpuopt.microbatch.support import check_strategy
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import Waves, WideRegressor
 
 LIMITED_RANK = 1
 LIMIT_AFTER = 2  # batches 0 and 1 run without a limit on every rank
@@ -52,10 +55,9 @@ class RankMemory(pl.Callback):
                 return run()
             except BaseException as error:
                 self._save(trainer, pl_module, error)
-                if trainer.global_rank == LIMITED_RANK:
-                    # The launcher terminates the other processes once one has failed: give rank 0
-                    # time to reach its own error and write it down.
-                    time.sleep(3)
+                # The launcher terminates the other processes once one has failed: give the other rank
+                # time to reach its own error and write it down.
+                time.sleep(3)
                 raise
 
         trainer.fit_loop.run = run_and_record
@@ -73,6 +75,7 @@ class RankMemory(pl.Callback):
         }[self.rule]
 
     def _save(self, trainer, pl_module, error: BaseException | None = None) -> None:
+        self.mem.limit_bytes = None  # writing the results down is not part of the test
         engine = MicroBatchEngine.get(trainer)
         oom = next((c for c in trainer.callbacks if isinstance(c, OOMRecovery)), None)
         result = {
@@ -221,8 +224,8 @@ def _ddp_strategy(model_attrs: dict, **kwargs) -> DDPStrategy:
     ids=["sync-batchnorm", "registered-hook", "strategy-hook", "static-graph"],
 )
 def test_ddp_settings_that_break_the_step_are_refused(module, strategy, message):
-    with pytest.raises(_Refused, match=message):
-        _check_strategy(strategy, module)
+    with pytest.raises(Refused, match=message):
+        check_strategy(strategy, module)
 
 
 # ---------------------------------------------------------------------------- a remote OOM, in one process
@@ -261,7 +264,7 @@ class EpochLogged(WideRegressor):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_good_attempt_dropped_for_another_rank_leaves_no_trace(accumulate):
-    from oom_models import fit, optimizer_step_ids
+    from tests.callbacks.oom_models import fit, optimizer_step_ids
 
     ref = fit(
         EpochLogged("adam"),
@@ -288,3 +291,25 @@ def test_a_good_attempt_dropped_for_another_rank_leaves_no_trace(accumulate):
     )  # metric: once
     logged, expected = run.trainer.callback_metrics["epoch_loss"], ref.trainer.callback_metrics["epoch_loss"]
     torch.testing.assert_close(logged, expected, rtol=1e-9, atol=0)  # the dropped attempt logged nothing
+
+
+class StepLimit(pl.Callback):
+    """Rank 1 runs out of memory inside the optimizer step of step 2 (Adam's state exists by then)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_rank == LIMITED_RANK and trainer.global_step == LIMIT_AFTER:
+            probe = get_probe()
+            probe.limit_bytes = probe.allocated_bytes + 24 * 1024  # the vote's small tensors fit
+
+
+def test_an_oom_in_the_optimizer_step_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
+    with pytest.raises(Exception, match="optimizer step"):
+        ddp_fit(tmp_path, "step", WideRegressor("adam"), [OOMRecovery(), StepLimit()])
+    zero, one = (torch.load(tmp_path / "step" / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert one["error"][0] == zero["error"][0] == OptimizerStepOOMError.__name__, (
+        zero["error"],
+        one["error"],
+    )
+    assert "could not be retried" in one["error"][1] and "optimizer state" in one["error"][1]
+    assert "Rank(s) 1 ran out of memory in the optimizer step" in zero["error"][1]
+    assert zero["steps"] == one["steps"] == LIMIT_AFTER

@@ -13,8 +13,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from helpers import TRAINER_QUIET
-from oom_models import Waves
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -22,6 +20,8 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import Waves
+from tests.helpers import TRAINER_QUIET
 
 EVAL_BATCH = 256
 

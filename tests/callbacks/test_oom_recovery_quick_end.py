@@ -5,14 +5,14 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET
-from oom_models import PlainWide, fit
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import PlainWide, fit
+from tests.helpers import TRAINER_QUIET
 
 torchvision = pytest.importorskip("torchvision")
 MiB = 2**20

@@ -3,7 +3,6 @@ from __future__ import annotations
 import doctest
 import json
 import logging
-import os
 import subprocess
 import sys
 import warnings
@@ -12,20 +11,20 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET, MetricsLogger
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from oom_models import StepLog, Waves
-from precision_models import AppliedSteps, Troubled, finite
 from torch.utils.data import DataLoader
 
 import lightning_gpuopt.callbacks.precision_switch as precision_switch_module
 from lightning_gpuopt import OOMRecovery, PrecisionSwitch
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.precision import PRECISION_INDEX, DeviceInfo, fp8_available
+from tests.callbacks.oom_models import StepLog, Waves
+from tests.callbacks.precision_models import AppliedSteps, Troubled, finite
+from tests.helpers import TRAINER_QUIET, MetricsLogger, subprocess_env
 
 BATCH = 32
 NEVER = (10**9, None)  # an overflow window that never opens
@@ -546,16 +545,9 @@ SCRIPT = Path(__file__).with_name("ddp_precision_run.py")
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["A1", "A2"])
 def test_ddp_overflow_on_one_rank_switches_both_at_the_same_step(tmp_path, accumulate):
-    paths = [
-        str(SCRIPT.parents[2]),
-        str(SCRIPT.parents[1]),
-        str(SCRIPT.parent),
-        os.environ.get("PYTHONPATH", ""),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), str(accumulate)],
-        env=env,
+        env=subprocess_env(),
         cwd=tmp_path,
         capture_output=True,
         text=True,

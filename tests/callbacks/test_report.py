@@ -8,33 +8,18 @@ import sys
 
 import lightning.pytorch as pl
 import pytest
-from helpers import TRAINER_QUIET
-from lightning.pytorch.loggers import Logger
-from oom_models import WideRegressor, fit, step_marks
 
 from lightning_gpuopt import GPUOptReport, GPUOptWarning, OOMRecovery
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.report import PNG_DPI, PNG_SIZE, load_report, summary_rows
+from tests.callbacks.oom_models import WideRegressor, fit, step_marks
+from tests.helpers import TRAINER_QUIET, MetricsLogger
 
 
 def _png_size(path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
     return struct.unpack(">II", data[16:24])
-
-
-class Recorder(Logger):
-    name, version = "recorder", 0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[tuple[int, dict]] = []
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +37,7 @@ def oom_run(tmp_path_factory):
                 get_probe().limit_bytes = limit
 
     folder = tmp_path_factory.mktemp("run")
-    report, logger = GPUOptReport(dirpath=str(folder)), Recorder()
+    report, logger = GPUOptReport(dirpath=str(folder)), MetricsLogger()
     run = fit(
         WideRegressor("adam"), [LimitAt(), OOMRecovery(), report], steps=8, logger=logger, log_every_n_steps=2
     )
@@ -90,7 +75,7 @@ def test_png_is_a_valid_picture_of_the_expected_size(oom_run):
 
 def test_memory_and_throughput_go_to_the_logger(oom_run):
     *_, logger = oom_run
-    logged = {step: m for step, m in logger.metrics if "gpuopt/memory_peak" in m}
+    logged = {step: m for step, m in logger.rows if "gpuopt/memory_peak" in m}
     assert sorted(logged) == [2, 4, 6, 8]  # every log_every_n_steps
     assert all(isinstance(m["gpuopt/memory_allocated"], float) for m in logged.values())
     assert all(m["gpuopt/samples_per_s"] > 0 for step, m in logged.items() if step > 2)
@@ -156,7 +141,8 @@ def test_bad_arguments(kwargs, message):
 
 
 def _tiny_loader():
-    from oom_models import Waves
     from torch.utils.data import DataLoader
+
+    from tests.callbacks.oom_models import Waves
 
     return DataLoader(Waves(length=256), batch_size=32)

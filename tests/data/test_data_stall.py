@@ -9,8 +9,6 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -26,6 +24,7 @@ from lightning_gpuopt.data import (
     stall_advice,
     stall_message,
 )
+from tests.helpers import TRAINER_QUIET, MetricsLogger
 
 # ---------------------------------------------------------------------------- the pure rules
 
@@ -191,22 +190,6 @@ class SleepyData(GPUOptDataModule):
 SLOW = 0.02  # 4 samples per batch: 80 ms of loading per 50 ms step without workers
 
 
-class Recorder(Logger):
-    """Keeps what the loggers are sent."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[tuple[int, dict]] = []
-
-    name, version = "recorder", 0
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-
 def _fit(monitor, data, epochs: int = 1, model=None, **trainer_kwargs):
     trainer = pl.Trainer(max_epochs=epochs, callbacks=[monitor], **{**TRAINER_QUIET, **trainer_kwargs})
     with warnings.catch_warnings():
@@ -219,7 +202,7 @@ def _fit(monitor, data, epochs: int = 1, model=None, **trainer_kwargs):
 
 
 def test_slow_dataset_is_classified_stalled_with_concrete_advice():
-    monitor, logger = DataStallMonitor(window=4), Recorder()
+    monitor, logger = DataStallMonitor(window=4), MetricsLogger()
     with pytest.warns(
         GPUOptWarning, match=r"waited for data \d+% .* 1\) `num_workers=1` \(now 0\)"
     ) as record:
@@ -228,9 +211,7 @@ def test_slow_dataset_is_classified_stalled_with_concrete_advice():
     epoch = monitor.history[0]
     assert epoch.steps == 5 and epoch.num_workers == 0 and epoch.stalled(monitor.threshold)
     logged = [
-        (step, m["gpuopt/data_wait_fraction"])
-        for step, m in logger.metrics
-        if "gpuopt/data_wait_fraction" in m
+        (step, m["gpuopt/data_wait_fraction"]) for step, m in logger.rows if "gpuopt/data_wait_fraction" in m
     ]
     assert [step for step, _ in logged] == [2, 4, 6]  # every log_every_n_steps, from the first measured step
     assert all(isinstance(v, float) and v > monitor.threshold for _, v in logged)

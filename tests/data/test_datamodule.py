@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import GPUOptDataModule
 from lightning_gpuopt.data import CudaStreamTransfer, DevicePrefetchLoader, auto_num_workers, available_cpus
 from lightning_gpuopt.data import datamodule as datamodule_mod
+from tests.helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
 
 
 class TrainVal(GPUOptDataModule):

@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
@@ -24,6 +23,7 @@ from lightning_gpuopt.data import (
     PrefetchStats,
     batch_nbytes,
 )
+from tests.helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
 
 
 class RecordingTransfer(BatchTransfer):

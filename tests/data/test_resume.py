@@ -7,17 +7,11 @@ import collections
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_gpuopt import GPUOptDataModule
 from lightning_gpuopt.data import BatchTransfer, InFlight
 from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
-
-
-class Forty(GPUOptDataModule):
-    def train_dataset(self):
-        return IndexedRegression(40)
+from tests.helpers import TRAINER_QUIET, Forty, RecordingRegressor
 
 
 class HostClone(BatchTransfer):

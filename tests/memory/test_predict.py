@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from predict_models import KERNEL_SCRATCH, MODELS, OPTIMIZERS
 from torch import nn
 
 from lightning_gpuopt.memory import MemoryCategory, ParallelLayout, PredictionMethod, predict_peak
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.memory.predict_models import KERNEL_SCRATCH, MODELS, OPTIMIZERS
 
 OVER, UNDER = 0.05, 0.03  # the contract: within +5 %, never more than 3 % under
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def measured_peak(make, optimizer: str, n: int, backend: str = "allocator") -> int:

@@ -1,6 +1,6 @@
 """One 2-process FSDP2 fit on CPU (gloo), run as a script: Lightning's launcher starts rank 1 by re-running it.
 
-    python tests/strategy/fsdp2_oom_run.py OUT_DIR RULE CALLBACK [UNITS]
+    PYTHONPATH=. python tests/strategy/fsdp2_oom_run.py OUT_DIR RULE CALLBACK [UNITS]
 
 Six training steps of 128 samples per rank, one validation (3 batches of 64 per rank) after step 4.
 RULE: ``none``; ``forward`` (from step 2 on, rank 1's full batch cannot finish its forward),
@@ -23,14 +23,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_TESTS, os.path.join(_TESTS, "callbacks")]
-from oom_models import Waves  # noqa: E402
-
-from lightning_gpuopt import FSDP2Strategy, OOMRecovery  # noqa: E402
-from lightning_gpuopt.memory import get_probe  # noqa: E402
-from lightning_gpuopt.microbatch import MicroBatchEngine  # noqa: E402
-from lightning_gpuopt.testing import SimulatedMemory  # noqa: E402
+from lightning_gpuopt import FSDP2Strategy, OOMRecovery
+from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.testing import SimulatedMemory
+from tests.callbacks.oom_models import Waves
 
 LIMITED_RANK, LIMIT_AFTER = 1, 2
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import strategy_probe
 
 from lightning_gpuopt.cli import main
+from tests.helpers import subprocess_env
+from tests.strategy import strategy_probe
 
 BORING = [
     "--model",
@@ -34,12 +34,9 @@ CPU2 = [
     "--trainer.enable_checkpointing",
     "false",
 ]
-REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["gpuopt"])
+pytestmark = pytest.mark.usefixtures("cli_argv")
 
 
 def test_gpuopt_plan_prints_the_table_the_pick_and_the_reason(capsys):
@@ -103,12 +100,9 @@ def test_gpuopt_plan_when_nothing_fits_prints_the_table_and_exits_1(capsys):
 
 
 def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "LIGHTNING_DISABLE_TIPS": "1",
-    }
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 

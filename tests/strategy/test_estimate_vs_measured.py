@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from strategy_models import Block
 from torch import nn
 
 from lightning_gpuopt.memory.estimate import CANDIDATES, count_parameters, estimate
 from lightning_gpuopt.strategy import shard_module, shard_units
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.strategy.strategy_models import Block
 
 TOLERANCE = 0.10
 WIDTHS = (64, 256, 512)  # 0.13 M, 2.1 M and 8.4 M parameters

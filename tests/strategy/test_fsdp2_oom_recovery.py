@@ -9,7 +9,6 @@ starts rank 1 by running it again.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,9 @@ import torch
 
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy
+from tests.helpers import subprocess_env
 
 SCRIPT = Path(__file__).with_name("fsdp2_oom_run.py")
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     unsupported_strategy(FSDP2Strategy(), sharded=True) is not None,
@@ -33,15 +32,10 @@ def fsdp2_fit(
     out: Path, rule: str, callback: bool = True, expect_failure: bool = False, units: str = "linear"
 ) -> list[dict]:
     out.mkdir(parents=True)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "LIGHTNING_DISABLE_TIPS": "1",
-    }
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), rule, "1" if callback else "0", units],
         cwd=out,
-        env=env,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=300,

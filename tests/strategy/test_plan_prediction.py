@@ -35,7 +35,6 @@ def test_a_bad_memory_size_says_what_is_accepted(text):
 
 def _tiny_llama():
     pytest.importorskip("transformers", reason="the [test] extra installs transformers")
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     from examples.llama_plan import LlamaModule
 
     return LlamaModule(size="tiny", vocab_size=512, init_on_meta=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from strategy_models import Block
 from torch import nn
 
 from lightning_gpuopt import select_strategy
 from lightning_gpuopt.memory.estimate import CANDIDATES, count_parameters, estimate
 from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlanError, shard_units
+from tests.strategy.strategy_models import Block
 
 GiB = 2**30
 

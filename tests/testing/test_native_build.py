@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from lightning_gpuopt.testing import SimulatedMemory
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import REPO
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env={**os.environ, "PYTHONPATH": REPO, **env},
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
         capture_output=True,
         text=True,
         timeout=300,
@@ -111,7 +110,7 @@ def test_a_built_wheel_ships_the_allocator_source_that_simulated_memory_builds_f
     pytest.importorskip(
         "setuptools", reason="building the wheel without network needs setuptools in this env"
     )
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     subprocess.run(
         [
             sys.executable,

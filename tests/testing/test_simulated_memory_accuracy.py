@@ -14,14 +14,7 @@ from lightning_gpuopt.testing import SimulatedMemory
 TOLERANCE = 0.03  # the contract; the allocator backend is byte-exact in practice
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # One intra-op thread: ResNet steps stay fast when the CI machine's cores are busy (OpenMP
-    # barriers spin otherwise). Reference and simulated runs share it, so figures stay comparable.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mlp():

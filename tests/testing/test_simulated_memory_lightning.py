@@ -21,7 +21,7 @@ BATCH = 128
 
 
 @pytest.fixture(autouse=True)
-def _quiet_lightning():
+def _lightning_errors_only():
     logger = logging.getLogger("lightning.pytorch")
     level = logger.level
     logger.setLevel(logging.ERROR)

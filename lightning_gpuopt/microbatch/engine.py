@@ -1,37 +1,8 @@
-"""The micro-batch engine: the one owner of k (micro-batches per training batch) for a Trainer.
+"""The micro-batch engine's loop: each training batch as k micro-batches, retried until every rank agrees.
 
-Installed by the first callback that needs it, it wraps ``trainer.strategy.training_step`` so that
-each training batch runs as k micro-batches inside Lightning's own step: every micro-batch goes
-forward through the original strategy step (autocast and the precision context intact) and backward
-through the original ``LightningModule.backward`` (user overrides kept, the loss scaled by the
-GradScaler when there is one), each loss weighted by its share of the batch. Lightning gets back one
-detached loss for the whole batch and skips its own backward once; ``optimizer_zero_grad`` moves
-before the first micro-batch. The optimizer step, clipping, schedulers and every hook after the
-backward run as usual, once per batch.
-
-When an attempt raises an out-of-memory error, the engine drops the attempt's partial gradients and
-outputs, restores what the attempt touched (torchmetrics states, BatchNorm statistics, captured
-``self.log`` calls), frees memory outside the ``except`` block and asks its OOM handler (OOMRecovery)
-what to do, then runs the same batch again. Without a handler the error propagates. An attempt that
-succeeded everywhere can be dropped and run again the same way when one of its ``attempt_checks`` asks
-(PrecisionSwitch, after switching the precision on non-finite values).
-
-After every attempt the ranks agree (:func:`~lightning_gpuopt.oom_policy.agree` over one vote per
-rank, see ``_exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
-and proposals for the next batch (grow back, allocator thrashing) apply only when the ranks agree.
-Under DDP every micro-batch runs under ``no_sync`` and the engine averages the gradients itself at the
-optimizer-step boundary. Under FSDP2 (``ModelParallelStrategy``, :class:`~lightning_gpuopt.FSDP2Strategy`)
-the ranks also vote before each of FSDP's collectives, so that a rank out of memory mid-step stops
-the others at their next one. On a single device the vote is local and costs nothing.
-
-Evaluation steps (validation, test, predict) are wrapped too: an OOM there splits that batch into
-chunks, runs them, and puts their outputs back together in order.
-
-Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`,
-``next_proposal``, ``oom_handler``, ``attempt_checks``, ``enable_checkpointing`` and ``listeners``, and
-read it through :meth:`~MicroBatchEngine.effective_k`, :meth:`~MicroBatchEngine.micro_batch_size`,
-:meth:`~MicroBatchEngine.batch_size` and :meth:`~MicroBatchEngine.installed`; the rest is private, and
-no component of the pack reads it.
+See :mod:`lightning_gpuopt.microbatch` for what the engine does and its contract; an attempt's side
+effects live in ``attempt.py``, where it can run in ``support.py``, the optimizer step in ``step.py``,
+the recovery rungs in ``rungs.py``.
 """
 
 from __future__ import annotations
@@ -39,23 +10,17 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt._exchange import (
-    DDPExchange,
-    FSDP2Exchange,
-    LocalExchange,
-    PeerFailure,
-)
+from lightning_gpuopt._exchange import DDPExchange, FSDP2Exchange, LocalExchange, PeerFailure
 from lightning_gpuopt.batching import (
     SPLIT_HOOK,
     UnsplittableBatchError,
@@ -65,6 +30,18 @@ from lightning_gpuopt.batching import (
 )
 from lightning_gpuopt.loss_weighting import LossWeighting, is_final
 from lightning_gpuopt.memory import free_memory, get_probe, is_maybe_size_error, is_oom_error
+from lightning_gpuopt.microbatch.attempt import (
+    Attempt,
+    SideEffects,
+    emit_logs,
+    merge_grads,
+    restore_grads,
+    split_output,
+)
+from lightning_gpuopt.microbatch.errors import MicroBatchOOMError, RankOutOfMemoryError, Refused
+from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
+from lightning_gpuopt.microbatch.step import OptimizerStepHook
+from lightning_gpuopt.microbatch.support import check_strategy, check_supported, make_exchange
 from lightning_gpuopt.oom_policy import (
     Agreement,
     OOMFailure,
@@ -75,23 +52,13 @@ from lightning_gpuopt.oom_policy import (
     Vote,
     agree,
     parse_tried_bytes,
+    rung_bits,
 )
-from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 
-__all__ = [
-    "CHECKPOINTING",
-    "EVAL_STAGES",
-    "EngineState",
-    "KChange",
-    "MicroBatchEngine",
-    "MicroBatchOOMError",
-    "RankOutOfMemoryError",
-    "WeightFn",
-    "unsupported_strategy",
-]
+__all__ = ["CHECKPOINTING", "EVAL_STAGES", "EngineState", "KChange", "MicroBatchEngine", "WeightFn"]
 
 #: The name of the activation-checkpointing rung in the engine's state.
-CHECKPOINTING = "activation checkpointing"
+CHECKPOINTING = ActivationCheckpointing.name
 
 #: The evaluation steps the engine wraps, by the name of the strategy method.
 EVAL_STAGES = ("validation", "test", "predict")
@@ -103,11 +70,6 @@ _ENGINE_ATTR = "_gpuopt_microbatch_engine"
 #: How often the attempt checks may send one batch back before the engine gives up (each re-run
 #: follows a change the check made, such as one precision switch).
 _MAX_RECHECKS = 8
-
-try:  # torchmetrics is a dependency, but the engine must not break if a user removed it
-    from torchmetrics import Metric as _Metric
-except ImportError:  # pragma: no cover
-    _Metric = None
 
 
 @dataclass(frozen=True)
@@ -125,27 +87,6 @@ class KChange:
     source: Source
     reason: str
     stage: str = "train"
-
-
-@dataclass
-class _Attempt:
-    """The side effects of one attempt at a batch, kept so a failed attempt leaves no trace."""
-
-    logs: list[tuple[str, Any, tuple, dict, float]] = field(default_factory=list)
-    extras: list[dict[str, Any]] = field(default_factory=list)
-    weight: float = 1.0
-
-
-class _Refused(RuntimeError):
-    """A training setup the engine cannot run; raised with the alternative named."""
-
-
-class RankOutOfMemoryError(torch.OutOfMemoryError):
-    """Another rank ran out of memory with nothing left to split: every rank stops with this error."""
-
-
-class MicroBatchOOMError(torch.OutOfMemoryError):
-    """Out of memory and nothing left to split: the message carries a memory breakdown and next steps."""
 
 
 class EngineState(Callback):
@@ -204,9 +145,12 @@ class MicroBatchEngine:
         #: ``handler(failure, smallest_failed_size, splittable) -> Recovery`` (or a k) for the retry, or
         #: raises. ``None``: an OOM propagates unchanged.
         self.oom_handler: Callable[[OOMFailure, int, bool], Recovery | int] | None = None
-        #: Turns activation checkpointing on (for a :class:`Recovery` that asks for it); returns whether
-        #: anything changed.
-        self.enable_checkpointing: Callable[[], bool] | None = None
+        #: The recovery ladder past more micro-batches, in order (``rungs.py``): the OOM handler names the rung to
+        #: turn on in its :class:`Recovery`; every callback's rungs must be registered alike on every rank.
+        self.rungs: list[Rung] = []
+        #: ``listener(rung, reason)``, told after a rung was turned on (by an OOM, or on resume).
+        self.rung_listeners: list[Callable[[Rung, str], None]] = []
+        self._spent_rungs: set[str] = set()
         #: The :class:`~lightning_gpuopt.oom_policy.Proposal` a callback makes for the batch after the next vote (grow back,
         #: thrashing); consumed by that vote. The ranks' proposals are agreed with :func:`agree`.
         self.next_proposal: Proposal | None = None
@@ -233,10 +177,12 @@ class MicroBatchEngine:
         #: The smallest micro-batch (samples) that ran in this fit, per stage.
         self._smallest_ran: dict[str, int] = {}
         self._installed: set[str] = set()
-        self._attempt: _Attempt | None = None
+        self._attempt: Attempt | None = None
         self._skip_backward = False
         self._skip_zero_grad = False
         self._phase = "forward"
+        #: The Trainer's optimizer-step hook (``step.py``), attached with the training step.
+        self.step_hook: OptimizerStepHook | None = None
         self.exchange: LocalExchange | DDPExchange | FSDP2Exchange = LocalExchange()
 
     # ------------------------------------------------------------------ public interface
@@ -300,6 +246,7 @@ class MicroBatchEngine:
             "k": self.k,
             "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
             "rungs": list(self.active_rungs),
+            "rung_state": {rung.name: rung.state_dict() for rung in self.rungs if rung.active},
         }
 
     def resume(self) -> dict[str, Any] | None:
@@ -319,7 +266,59 @@ class MicroBatchEngine:
         k = int(state.get("k", 1))
         if k != self.k:
             self.propose(k, Source.RESUME, "restored from checkpoint")
+        for name in state.get("rungs", []):
+            if name in self._rung_names() and not self.rungs[self._rung_index(name)].active:
+                self.turn_on(name, "restored from checkpoint", state.get("rung_state", {}).get(name))
         return state
+
+    def add_rung(self, rung: Rung) -> None:
+        """Add ``rung`` to the end of the recovery ladder (once per name); a rung restored on resume needs to be
+        added before :meth:`resume`."""
+        if not isinstance(rung, Rung) or not rung.name:
+            raise TypeError(
+                f"a recovery rung must be a named `Rung` (lightning_gpuopt.microbatch.rungs), got {rung!r}"
+            )
+        if rung.name not in self._rung_names():
+            self.rungs.append(rung)
+
+    def turn_on(self, name: str, reason: str, state: dict[str, Any] | None = None) -> bool:
+        """Turn the rung ``name`` on now, on this rank (the engine does it on every rank after an agreed OOM);
+        returns whether anything changed."""
+        if state:
+            self.rungs[self._rung_index(name)].load_state_dict(state)
+        return self._turn_on((self._rung_index(name),), reason)
+
+    def _rung_names(self) -> list[str]:
+        return [rung.name for rung in self.rungs]
+
+    def _rung_index(self, name: str) -> int:
+        try:
+            return self._rung_names().index(name)
+        except ValueError:
+            raise ValueError(
+                f"no recovery rung named {name!r} in this run's ladder ({self._rung_names()}); add it with "
+                "`MicroBatchEngine.add_rung` (OOMRecovery(rungs=[...]) does)"
+            ) from None
+
+    def available_rungs(self) -> list[Rung]:
+        """The rungs of the ladder still to try, in order: off, and not found unable to change anything."""
+        return [rung for rung in self.rungs if not rung.active and rung.name not in self._spent_rungs]
+
+    def _turn_on(self, indices: tuple[int, ...], reason: str) -> bool:
+        changed = False
+        for i in indices:
+            rung = self.rungs[i]
+            if rung.active:
+                continue
+            if not rung.apply(self.trainer, reason):
+                self._spent_rungs.add(rung.name)  # nothing to change: not asked again in this fit
+                continue
+            rung.active = changed = True
+            if rung.name not in self.active_rungs:
+                self.active_rungs.append(rung.name)
+            for listener in list(self.rung_listeners):
+                listener(rung, reason)
+        return changed
 
     def propose(self, k: int, source: Source | str, reason: str, batch_size: int | None = None) -> int:
         """Ask for k micro-batches; returns the k now in force.
@@ -357,13 +356,13 @@ class MicroBatchEngine:
         Values logged with ``self.log`` inside are dropped, and torchmetrics states and BatchNorm
         statistics are restored on exit, with the same snapshot a failed attempt is undone with.
         """
-        snapshot = self._snapshot()
-        previous, self._attempt = self._attempt, _Attempt()
+        snapshot = self._effects.snapshot()
+        previous, self._attempt = self._attempt, Attempt()
         try:
             yield
         finally:
             self._attempt = previous
-            self._restore(snapshot)
+            SideEffects.restore(snapshot)
 
     def snapshot_bytes(self) -> int:
         """Device bytes the engine's own copies hold through a training step, for memory budgets.
@@ -371,16 +370,7 @@ class MicroBatchEngine:
         Before each batch the engine copies what a failed attempt must not change (BatchNorm statistics,
         torchmetrics tensor states); 0 until it is installed.
         """
-        if not self._installed:
-            return 0
-        tensors = [b for norm in self._norms for b in norm.buffers(recurse=False) if b is not None]
-        tensors += [
-            v
-            for metric in self._metrics
-            for name in metric._defaults
-            if isinstance(v := getattr(metric, name), Tensor)
-        ]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self._effects.nbytes() if self._installed else 0
 
     # ------------------------------------------------------------------ installation
 
@@ -396,16 +386,15 @@ class MicroBatchEngine:
                 name = f"{stage}_step"
                 self._orig_eval[stage] = getattr(strategy, name)
                 setattr(strategy, name, self._eval_step_for(stage))
-            self._metrics = [m for m in module.modules() if _Metric is not None and isinstance(m, _Metric)]
-            self._norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+            self._effects = SideEffects(module)
             self._installed.add("eval")
             if isinstance(strategy, ModelParallelStrategy):  # evaluation all-gathers too: the ranks vote
-                _check_strategy(strategy, module)
-                self.exchange = _make_exchange(strategy)
+                check_strategy(strategy, module)
+                self.exchange = make_exchange(strategy)
         if training and "train" not in self._installed:
-            self._check_supported(trainer, module)
+            check_supported(trainer, module)
             if not isinstance(self.exchange, FSDP2Exchange):
-                self.exchange = _make_exchange(strategy)
+                self.exchange = make_exchange(strategy)
             self._orig_training_step = strategy.training_step
             self._orig_backward = module.backward
             self._orig_zero_grad = module.optimizer_zero_grad
@@ -418,6 +407,8 @@ class MicroBatchEngine:
             self._ddp_forward_sync = getattr(ddp, "require_forward_param_sync", None)
             if ddp is not None:
                 ddp.require_forward_param_sync = False
+            self.step_hook = OptimizerStepHook.attach(trainer, self)
+            self.step_hook.recovery = self._step_recovery
             self._installed.add("train")
 
     def _uninstall(self) -> None:
@@ -425,8 +416,15 @@ class MicroBatchEngine:
             return
         strategy, module = self.trainer.strategy, self._module
         names = [(strategy, f"{stage}_step") for stage in EVAL_STAGES] + [(module, "log")]
+        for rung in self.rungs:
+            if rung.active:
+                rung.undo(self.trainer)
+                rung.active = False
         if "train" in self._installed:
             names += [(strategy, "training_step"), (module, "backward"), (module, "optimizer_zero_grad")]
+            if self.step_hook.recovery == self._step_recovery:
+                self.step_hook.recovery = None
+            self.step_hook.release(self)
             if self._ddp_forward_sync is not None:
                 strategy.model.require_forward_param_sync = self._ddp_forward_sync
         if isinstance(self.exchange, FSDP2Exchange):
@@ -437,26 +435,9 @@ class MicroBatchEngine:
         self.exchange = LocalExchange()
         self._installed = set()
 
-    @staticmethod
-    def _check_supported(trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if not module.automatic_optimization:
-            raise _Refused(
-                "Micro-batching needs automatic optimization, but the LightningModule sets "
-                "`automatic_optimization = False`. Split the batch yourself inside `training_step`, or use "
-                "automatic optimization."
-            )
-        optimizers = trainer.optimizers
-        if len(optimizers) != 1:
-            raise _Refused(
-                f"Micro-batching supports exactly one optimizer, got {len(optimizers)}. Combine the parameter "
-                "groups into one optimizer, or remove OOMRecovery for this module."
-            )
-        if isinstance(optimizers[0], torch.optim.LBFGS):
-            raise _Refused(
-                "Micro-batching cannot run closure optimizers such as LBFGS (they re-evaluate the closure "
-                "several times per step). Use a first-order optimizer such as SGD or AdamW."
-            )
-        _check_strategy(trainer.strategy, module)
+    def _step_recovery(self) -> Callable[[int, int], list[Vote]] | None:
+        """How the optimizer step's OOM recovery votes; ``None`` while no OOM handler is set."""
+        return self.exchange.vote if self.oom_handler is not None else None
 
     # ------------------------------------------------------------------ patched hooks
 
@@ -503,7 +484,7 @@ class MicroBatchEngine:
             stash = [p.grad for p in params]
             for p in params:
                 p.grad = None
-        snapshot = self._snapshot()
+        snapshot = self._effects.snapshot()
         probe = get_probe(trainer.strategy.root_device)
         measured = probe.kind != "cpu"  # host RSS says nothing about one step; read device figures only
         smallest_failed = n + 1
@@ -528,13 +509,13 @@ class MicroBatchEngine:
                 # cuDNN's CUDNN_STATUS_NOT_SUPPORTED is often a size limit: shrink once, then re-raise the original.
                 size_error = is_maybe_size_error(err) and self.oom_handler is not None and k < n
                 if size_error and first_size_error is not None:
-                    self._restore_grads(params, stash)
+                    restore_grads(params, stash)
                     raise first_size_error from None
                 if is_final(err):  # the loss-weighting check refused to split: not an OOM to retry
-                    self._restore_grads(params, stash)
+                    restore_grads(params, stash)
                     raise
                 if self.oom_handler is None or not (is_oom_error(err) or size_error):
-                    self._restore_grads(params, stash)
+                    restore_grads(params, stash)
                     self._raise_if_too_small(err, n, k)
                     raise
                 if size_error:
@@ -552,28 +533,21 @@ class MicroBatchEngine:
                 status, voted_k = (proposal.status, proposal.k) if proposal is not None else (Status.NONE, k)
             else:
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
-                status, voted_k = Status.OOM, k
-                try:
-                    recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
-                except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
-                    fatal, status = err, Status.FATAL
-                else:
-                    if isinstance(recovery, int):
-                        recovery = Recovery(recovery)
-                    voted_k = recovery.k or start_k
-                    if recovery.checkpoint:
-                        status |= Status.CHECKPOINT
-            votes = peer_votes if peer_votes is not None else self.exchange.vote(status, voted_k)
-            agreement = agree(votes, k)
-            if agreement.fatal_ranks:
-                self._restore_grads(params, stash)
-                if fatal is not None:
-                    raise fatal
-                raise RankOutOfMemoryError(
-                    f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory at step "
-                    f"{trainer.global_step} with nothing left to split; every rank stops (the error on "
-                    "those ranks has the memory breakdown and next steps)."
+                status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch)
+                voted_k = (recovery.k or start_k) if recovery is not None else k
+            try:
+                agreement = self._settle(
+                    self.exchange.vote,
+                    status,
+                    voted_k,
+                    k,
+                    peer_votes,
+                    fatal,
+                    f"at step {trainer.global_step}",
                 )
+            except torch.OutOfMemoryError:
+                restore_grads(params, stash)
+                raise
             if not agreement.retry:
                 # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
                 # may all-reduce its own flags, and answers alike on every rank).
@@ -581,7 +555,7 @@ class MicroBatchEngine:
                     break
                 rechecks += 1
                 if rechecks > _MAX_RECHECKS:
-                    self._restore_grads(params, stash)
+                    restore_grads(params, stash)
                     raise RuntimeError(
                         f"The micro-batch engine's attempt checks sent batch {batch_idx} back {_MAX_RECHECKS} times; "
                         "a check must change what the batch runs under before it asks again."
@@ -595,14 +569,15 @@ class MicroBatchEngine:
                 output = None
                 self._drop_attempt(params, snapshot)
             self.exchange.recover()  # FSDP2, on every rank alike: reshard, reset FSDP's step state, drop its gradients
-            if agreement.checkpoint and self.enable_checkpointing is not None and self.enable_checkpointing():
-                smallest_failed = n + 1  # activations are cheaper now: sizes that failed may fit
-                if CHECKPOINTING not in self.active_rungs:
-                    self.active_rungs.append(CHECKPOINTING)
+            if self._turn_on(
+                agreement.rungs,
+                f"{self._reason(agreement, failure)}, and the micro-batches cannot get smaller",
+            ):
+                smallest_failed = n + 1  # a sample needs less memory now: sizes that failed may fit
             self.propose(agreement.k, Source.OOM, self._reason(agreement, failure), batch_size=n)
         self._ran(n, k)
         self._emit_logs(*self._pending_logs)
-        self._merge_grads(params, stash)
+        merge_grads(params, stash)
         if boundary:
             self.exchange.reduce()
         if agreement.source:
@@ -610,6 +585,46 @@ class MicroBatchEngine:
         self._skip_backward = True
         self._skip_zero_grad = first_in_window
         return output
+
+    # ------------------------------------------------------------------ the retry path (training and evaluation)
+
+    def _ask_handler(
+        self, failure: OOMFailure, smallest_failed: int, batch: Any
+    ) -> tuple[Status, Recovery | None, BaseException | None]:
+        """This rank's say after an OOM: (the vote's flags, the handler's :class:`Recovery`, the error that
+        ends the run on this rank when nothing is left to try)."""
+        try:
+            recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
+        except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
+            return Status.FATAL, None, err
+        if isinstance(recovery, int):
+            recovery = Recovery(recovery)
+        return Status.OOM | rung_bits(self._rung_index(name) for name in recovery.rungs), recovery, None
+
+    @staticmethod
+    def _settle(
+        vote: Callable[[int, int], list[Vote]],
+        status: Status,
+        voted_k: int,
+        k: int,
+        peer_votes: list[Vote] | None,
+        fatal: BaseException | None,
+        where: str,
+    ) -> Agreement:
+        """Every rank's decision on an attempt; raises on every rank alike when any rank has nothing left to try.
+
+        ``peer_votes``: the votes at which another rank's failure already stopped this attempt (FSDP2).
+        """
+        agreement = agree(peer_votes if peer_votes is not None else vote(status, voted_k), k)
+        if agreement.fatal_ranks:
+            if fatal is not None:
+                raise fatal
+            raise RankOutOfMemoryError(
+                f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory {where} with nothing "
+                "left to split; every rank stops (the error on those ranks has the memory breakdown and next "
+                "steps)."
+            )
+        return agreement
 
     def _reason(
         self, agreement: Agreement, failure: OOMFailure | None, proposal: Proposal | None = None
@@ -632,7 +647,7 @@ class MicroBatchEngine:
     def _drop_attempt(self, params: list[Tensor], snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
         for p in params:
             p.grad = None
-        self._restore(snapshot)
+        SideEffects.restore(snapshot)
 
     # ------------------------------------------------------------------ evaluation steps
 
@@ -652,7 +667,7 @@ class MicroBatchEngine:
             return original(*args, **kwargs)
         batch = args[0] if args else kwargs["batch"]
         n = self._batch_size(batch)
-        snapshot = self._snapshot() if self.oom_handler is not None else []
+        snapshot = self._effects.snapshot() if self.oom_handler is not None else []
         probe = get_probe(self.trainer.strategy.root_device)
         measured = probe.kind != "cpu"
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
@@ -711,29 +726,19 @@ class MicroBatchEngine:
         status, voted_k = Status.NONE, k
         fatal: BaseException | None = None
         if failure is not None or peer_votes is not None:
-            self._restore(snapshot)
+            SideEffects.restore(snapshot)
             free_memory()
         if failure is not None:
-            status = Status.OOM
-            try:
-                recovery = self.oom_handler(failure, smallest_failed, self.splittable(batch))
-            except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
-                fatal, status = err, Status.FATAL
-            else:
-                proposed = recovery.k if isinstance(recovery, Recovery) else recovery
-                voted_k = max(proposed or k + 1, k + 1)
-        agreement = agree(peer_votes if peer_votes is not None else vote(status, voted_k), k)
-        if agreement.fatal_ranks:
-            if fatal is not None:
-                raise fatal
-            raise RankOutOfMemoryError(
-                f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory in {stage} at batch "
-                f"{batch_idx} with nothing left to split; every rank stops."
-            )
+            status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch)
+            if recovery is not None:
+                voted_k = max(recovery.k or k + 1, k + 1)
+        agreement = self._settle(
+            vote, status, voted_k, k, peer_votes, fatal, f"in {stage} at batch {batch_idx}"
+        )
         if not agreement.retry:
             return True
         if failure is None and peer_votes is None:  # another rank failed after its last collective
-            self._restore(snapshot)
+            SideEffects.restore(snapshot)
         self.exchange.recover()  # on every rank alike (FSDP2: the units' sharded state must match for the retry)
         new_k = max(
             agreement.k, k + 1
@@ -755,7 +760,7 @@ class MicroBatchEngine:
         """The step's output and its captured logs (emitted by the caller once the step is kept)."""
         chunks = self._micro_batches(batch, k)
         weights = self.loss_weighting.weights(self, chunks)  # the training's decision, or its fallback
-        attempt = _Attempt()
+        attempt = Attempt()
         outputs = []
         self._attempt = attempt
         try:
@@ -809,7 +814,7 @@ class MicroBatchEngine:
             self, chunks, lambda piece: self._orig_training_step(piece, *rest, **kwargs), batch
         )
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        attempt = _Attempt()
+        attempt = Attempt()
         total: Tensor | None = None
         self._attempt = attempt
         try:
@@ -817,9 +822,9 @@ class MicroBatchEngine:
                 self._phase = "forward"
                 attempt.weight = weight
                 out = self._orig_training_step(chunk, *rest, **kwargs)
-                loss, extra = _split_output(out)
+                loss, extra = split_output(out)
                 if loss is None:
-                    raise _Refused(
+                    raise Refused(
                         "training_step returned None (skipping the batch) or no 'loss', which micro-batching "
                         "cannot split. Return the loss for every batch, or remove OOMRecovery (and pass "
                         "PrecisionSwitch(rerun=False))."
@@ -843,76 +848,8 @@ class MicroBatchEngine:
             return {"loss": loss_out, **merge_outputs(attempt.extras, weights)}
         return loss_out
 
-    def _emit_logs(
-        self, logs: list[tuple[str, Any, tuple, dict, float]], weights: list[float], n: int
-    ) -> None:
-        if len(weights) == 1:
-            for name, value, args, kwargs, _ in logs:
-                self._orig_log(name, value, *args, **kwargs)
-            return
-        grouped: dict[str, list[tuple[Any, tuple, dict, float]]] = {}
-        for name, value, args, kwargs, weight in logs:
-            grouped.setdefault(name, []).append((value, args, kwargs, weight))
-        for name, entries in grouped.items():
-            value, args, kwargs, _ = entries[-1]
-            if not isinstance(value, (Tensor, int, float)):  # a Metric: its state already holds every sample
-                self._orig_log(name, value, *args, **kwargs)
-                continue
-            values = [torch.as_tensor(v).detach() for v, *_ in entries]
-            if name in self.sum_log_keys:
-                combined = torch.stack([v.double() for v in values]).sum().to(values[0].dtype)
-            else:
-                share = sum(w for *_, w in entries)
-                combined = sum(v.double() * w for v, (*_, w) in zip(values, entries)) / share
-                combined = combined.to(
-                    values[0].dtype if values[0].is_floating_point() else torch.get_default_dtype()
-                )
-            kwargs = dict(kwargs)
-            if kwargs.get("batch_size") is not None:
-                kwargs["batch_size"] = n
-            self._orig_log(name, combined, *args, **kwargs)
-
-    # ------------------------------------------------------------------ side effects of an attempt
-
-    def _snapshot(self) -> list[tuple[Any, dict[str, Any]]]:
-        saved: list[tuple[Any, dict[str, Any]]] = []
-        for metric in self._metrics:
-            state = {name: _copy_state(getattr(metric, name)) for name in _compat.metric_state_names(metric)}
-            state["_update_count"] = metric._update_count
-            state["_computed"] = metric._computed
-            saved.append((metric, state))
-        for norm in self._norms:
-            saved.append(
-                (
-                    norm,
-                    {name: buf.clone() for name, buf in norm.named_buffers(recurse=False) if buf is not None},
-                )
-            )
-        return saved
-
-    @staticmethod
-    def _restore(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
-        for obj, state in snapshot:
-            if isinstance(obj, _BatchNorm):
-                for name, value in state.items():
-                    getattr(obj, name).copy_(value)
-            else:
-                for name, value in state.items():
-                    setattr(obj, name, _copy_state(value))
-
-    @staticmethod
-    def _restore_grads(params: list[Tensor], stash: list[Tensor | None] | None) -> None:
-        if stash is not None:
-            for p, old in zip(params, stash):
-                p.grad = old
-
-    @staticmethod
-    def _merge_grads(params: list[Tensor], stash: list[Tensor | None] | None) -> None:
-        if stash is None:
-            return
-        for p, old in zip(params, stash):
-            if old is not None:
-                p.grad = old if p.grad is None else old.add_(p.grad)
+    def _emit_logs(self, logs: list, weights: list[float], n: int) -> None:
+        emit_logs(self._orig_log, logs, weights, n, self.sum_log_keys)
 
     def _ran(self, n: int, k: int, stage: str = "train") -> None:
         """Remember the smallest micro-batch that ran in this fit (per stage)."""
@@ -984,96 +921,3 @@ class MicroBatchEngine:
 
 def _gradient_bytes(params: list[Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-
-
-def _split_output(out: Any) -> tuple[Tensor | None, dict[str, Any] | None]:
-    if isinstance(out, Mapping):
-        return out.get("loss"), {key: value for key, value in out.items() if key != "loss"}
-    return out, None
-
-
-def _copy_state(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.clone()
-    if isinstance(value, list):
-        return list(value)
-    return value
-
-
-def unsupported_strategy(strategy: Any, sharded: bool = False) -> str | None:
-    """Why the engine cannot run under ``strategy``, naming the alternative; ``None`` when it can.
-
-    The answer comes from :mod:`lightning_gpuopt.support`: with ``sharded=True`` for OOMRecovery (single
-    device, DDP and FSDP2 without tensor parallelism, on a torch that can reset FSDP2 after an interrupted
-    step), else for MemoryAwareBatchSize (single device and DDP). Not under FSDP1 (``FSDPStrategy``) or
-    DeepSpeed, whose collectives inside the step cannot be kept in step when one rank runs out of memory.
-    """
-    feature = Feature.OOM_RECOVERY if sharded else Feature.BATCH_SIZE_SEARCH
-    answer = supports(feature, strategy)
-    if answer.supported:
-        return None
-    name = type(strategy).__name__
-    kind = strategy_kind(strategy)
-    if sharded and kind is StrategyKind.TENSOR_PARALLEL:
-        return (
-            f"micro-batching under {name} supports FSDP2 data parallelism only, got tensor_parallel_size="
-            f"{_compat.tensor_parallel_size(strategy)} (tensor-parallel collectives inside the forward cannot be kept in "
-            "step). Use tensor_parallel_size=1, or train without OOMRecovery here."
-        )
-    if sharded and kind is StrategyKind.FSDP2:
-        return f"{answer.reason}, or train without OOMRecovery under {name}."
-    supported = (
-        "single-device, DDP and FSDP2 (ModelParallelStrategy) training"
-        if sharded
-        else "single-device and DDP training"
-    )
-    return (
-        f"micro-batching supports {supported}, got {name} ({answer.reason}). Use strategy='ddp' (or one device)"
-        + (", or FSDP2Strategy for a sharded model" if sharded else "")
-        + ", or train without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
-    )
-
-
-def _check_strategy(strategy: Any, module: pl.LightningModule) -> None:
-    """Refuse the strategies and settings under which the engine cannot keep ranks in step."""
-    if isinstance(strategy, SingleDeviceStrategy):
-        return
-    reason = unsupported_strategy(strategy, sharded=True)
-    if reason is not None:
-        raise _Refused(reason[0].upper() + reason[1:])
-    sync_norms = [type(m).__name__ for m in module.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
-    kind = "FSDP2" if isinstance(strategy, ModelParallelStrategy) else "DDP"
-    if sync_norms:
-        raise _Refused(
-            f"Micro-batching under {kind} cannot run SyncBatchNorm: it communicates inside the forward, so a rank "
-            "that runs out of memory mid-forward would leave the other ranks waiting. Use plain BatchNorm "
-            "(Trainer(sync_batchnorm=False)), or remove OOMRecovery for this run."
-        )
-    if isinstance(strategy, ModelParallelStrategy):
-        return  # the DDP settings below do not apply; the exchange checks the sharded model when it is built
-    ddp = strategy.model
-    if getattr(strategy, "_ddp_comm_hook", None) is not None or getattr(ddp, "_comm_hooks", None):
-        raise _Refused(
-            "Micro-batching under DDP averages the gradients itself at the optimizer step, so a DDP "
-            "communication hook (`ddp_comm_hook`) would never run. Remove the hook, or remove OOMRecovery."
-        )
-    if getattr(ddp, "static_graph", False):
-        raise _Refused(
-            "Micro-batching under DDP cannot run with `static_graph=True`: DDP would all-reduce inside the "
-            "first backward, which the engine keeps free of collectives. Use DDPStrategy(static_graph=False)."
-        )
-
-
-def _make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange:
-    if isinstance(strategy, ModelParallelStrategy):
-        try:
-            return FSDP2Exchange(strategy.model)
-        except ValueError as err:
-            raise _Refused(
-                f"Micro-batching under {type(strategy).__name__} needs the model sharded with FSDP2 `fully_shard`: "
-                f"{err}. Use FSDP2Strategy (it shards an unchanged module), or train without OOMRecovery here."
-            ) from err
-    if isinstance(strategy, DDPStrategy):
-        bucket_mb = _compat.ddp_kwargs(strategy).get("bucket_cap_mb", 25) or 25
-        return DDPExchange(strategy.model, bucket_bytes=int(bucket_mb * 2**20))
-    return LocalExchange()

@@ -1,0 +1,24 @@
+"""The errors the micro-batch engine ends a run with, each carrying what to do next."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MicroBatchOOMError", "OptimizerStepOOMError", "RankOutOfMemoryError", "Refused"]
+
+
+class Refused(RuntimeError):
+    """A training setup the engine cannot run; raised with the alternative named."""
+
+
+class RankOutOfMemoryError(torch.OutOfMemoryError):
+    """Another rank ran out of memory with nothing left to split: every rank stops with this error."""
+
+
+class MicroBatchOOMError(torch.OutOfMemoryError):
+    """Out of memory and nothing left to split: the message carries a memory breakdown and next steps."""
+
+
+class OptimizerStepOOMError(torch.OutOfMemoryError):
+    """Out of memory inside ``optimizer.step`` (its state, its temporaries), where smaller micro-batches
+    cannot help: the message names the optimizer state and the fixes. Every rank ends with it."""
