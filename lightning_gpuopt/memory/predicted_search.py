@@ -8,15 +8,15 @@ memory that grows faster than linearly is traced, not extrapolated), :class:`Tra
 interpolates between them, and :class:`PredictedSearch` runs at most :data:`PREDICTED_TRIALS` real
 steps:
 
-1. a small step, the plain search's first: it creates the optimizer state, and it calibrates the
-   curve: measured minus predicted bytes at that size (memory no trace sees: oneDNN's convolution
-   scratch on CPU, tens of MiB on ResNet-18, constant in the batch). Raised only: a step that creates
-   the optimizer state reads up to a gradient's worth low, so it never verifies an answer;
-2. the largest size the calibrated curve predicts to fit: where the fixed part dominates, a small error
-   in the predicted peak is a large error in the size, and this calibration removes the fixed part's
-   error, leaving the error of the slope;
-3. the curve calibrated again at the second step (both ways) when it points further, or 90 % of the
-   second step when that ran out of memory (if it fits, it is within 10 % of the largest that fits).
+1. a small step, the plain search's first: it creates the optimizer state, and the curve is moved
+   onto it (memory no trace sees: oneDNN's convolution scratch on CPU, tens of MB on ResNet-18,
+   nearly constant in the batch);
+2. the largest size the moved curve predicts to fit, aimed 30 % of the extrapolated growth low (the
+   traced slope is not checked yet): where the fixed part dominates, a small error in the predicted
+   peak is a large error in the size, and the first step removed the fixed part's error;
+3. the curve's increments scaled to the two measured steps (the slope checked), aimed 2 % of the
+   growth low, which verifies the answer; or 90 % of the second step when that ran out of memory (if
+   it fits, it is within 10 % of the largest that fits).
 
 A first step that does not fit, or steps that end without a verified answer, hand over to the plain
 :class:`~lightning_gpuopt.memory.peak_model.SizeSearch`, which continues from the shared first step
