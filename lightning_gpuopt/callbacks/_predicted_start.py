@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.utils._pytree import tree_map
 
 from lightning_gpuopt.memory.peak_model import SizeSearch
-from lightning_gpuopt.memory.predict import Phase, PredictionMethod, predict_peak
+from lightning_gpuopt.memory.predict import Phase, PredictionMethod, predict_peak, predict_peak_deep
 from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve, plan_traces
 
 __all__ = ["CannotPredict", "start_search"]
@@ -67,16 +67,13 @@ def _tracer(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, samples
         return m.training_step(b, batch_idx) if with_idx else m.training_step(b)
 
     def trace(n: int) -> TracedStep:
+        args = (module, _resized(batch, samples, n), optimizer)
+        kwargs = dict(step=step, precision=precision, device=device, fallback=False)
         try:
-            prediction = predict_peak(
-                module,
-                _resized(batch, samples, n),
-                optimizer,
-                step=step,
-                precision=precision,
-                device=device,
-                fallback=False,
-            )
+            try:  # a deep model's repeated blocks: one and two of them traced, extrapolated (seconds, not minutes)
+                prediction = predict_peak_deep(*args, **kwargs)
+            except Exception:  # e.g. a forward that indexes its blocks by position: the whole model
+                prediction = predict_peak(*args, **kwargs)
         except Exception as err:  # a prediction is a head start, never a reason to fail: said, not raised
             reason = (str(err).strip().splitlines() or [""])[0][:200]
             raise CannotPredict(
