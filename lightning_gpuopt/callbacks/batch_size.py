@@ -49,7 +49,8 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
 
     At the first training batch of a fit (``mode="micro"``), a few real training steps -- forward,
     backward and the optimizer step with the optimizer state in place -- run on the first samples of
-    that batch at a few sizes (at most four steps, the last one verifying the answer). Their peaks fit
+    that batch at a few sizes (at most three steps started from the prediction, four without it; the
+    last one verifies the answer). Their peaks fit
     a model of memory against micro-batch size (the optimizer phase does not grow with it; growth
     faster than linear is detected from three points) that predicts the largest size within the
     budget: the memory this process may use on the device (honouring a per-process fraction) ×
@@ -90,10 +91,10 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
         verbose: log the result once on rank zero.
         predict: start from the prediction: before any real step, the training step is traced on fake
             tensors (:func:`~lightning_gpuopt.memory.predict_peak`, nothing allocated) at up to three
-            sizes, and the first real step runs at the largest size predicted to fit; at most three real
-            steps verify it (:mod:`lightning_gpuopt.memory.predicted_search`). A step that cannot be traced,
-            or a first step that does not fit, leaves the measured search (at most four steps) to decide,
-            and :attr:`prediction_note` says why. ``False``: the measured search alone.
+            sizes; the first real step (small) calibrates the traced curve, the second runs at the size
+            it predicts, the third verifies (:mod:`lightning_gpuopt.memory.predicted_search`). A step that
+            cannot be traced, or steps that cannot show an answer, leave the measured search (at most four
+            steps) to decide, and :attr:`prediction_note` says why. ``False``: the measured search alone.
 
     Raises:
         ValueError: an argument is out of range.
