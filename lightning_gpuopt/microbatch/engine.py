@@ -253,7 +253,7 @@ class MicroBatchEngine:
         """Apply the state restored from a checkpoint, once; returns that state to every caller (``None``: none).
 
         The callbacks call it once their listeners are in place, so that the change is announced like any
-        other; a rung named in the state is for its owner to turn on again (see :attr:`active_rungs`).
+        other; the rungs named in the state are turned on again (those added with :meth:`add_rung` by then).
         """
         holder = EngineState.of(self.trainer)
         state = holder.restored if holder is not None else None

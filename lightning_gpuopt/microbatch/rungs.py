@@ -43,7 +43,7 @@ class Rung:
     name: str = ""
 
     def __init__(self) -> None:
-        #: Whether the rung is on in this run.
+        #: Whether the rung is on in this run (set by the engine around :meth:`apply` and :meth:`undo`).
         self.active = False
 
     def applies(self, failure: OOMFailure) -> bool:
@@ -83,16 +83,12 @@ class ActivationCheckpointing(Rung):
         self.modules: list[nn.Module] = []
 
     def apply(self, trainer: pl.Trainer, reason: str) -> bool:
-        if self.active:
-            return False
         self.modules = checkpoint_modules(matching_modules(trainer.lightning_module, self.module_types))
-        self.active = True
         return True
 
     def undo(self, trainer: pl.Trainer) -> None:
         uncheckpoint_modules(self.modules)
         self.modules = []
-        self.active = False
 
     def describe(self) -> str:
         names = sorted({type(m).__name__ for m in self.modules}) or [str(t) for t in self.module_types]

@@ -8,12 +8,14 @@ it on, retries the batch, saves that it is on, and turns it on again when the ru
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from lightning_gpuopt import OOMRecovery, Rung
+from lightning_gpuopt import MicroBatchOOMError, OOMRecovery, Rung
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.testing import SimulatedMemory
-from tests.callbacks.oom_models import PlainWide, fit
+from tests.callbacks.oom_models import PlainWide, Waves, fit
 from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of
 
 MiB = 2**20
@@ -103,9 +105,6 @@ def test_a_rung_added_through_the_public_api_recovers_when_micro_batches_cannot_
         precision="64-true",
         **TRAINER_QUIET,
     )
-    from torch.utils.data import DataLoader
-
-    from tests.callbacks.oom_models import Waves
 
     with SimulatedMemory(limit):
         trainer.fit(resumed, DataLoader(Waves(), batch_size=128), ckpt_path=path)
@@ -114,8 +113,6 @@ def test_a_rung_added_through_the_public_api_recovers_when_micro_batches_cannot_
 
 
 def test_rungs_must_be_named_rung_objects():
-    import pytest
-
     class Nameless(Rung):
         def apply(self, trainer, reason):
             return True
@@ -143,10 +140,6 @@ class Useless(Rung):
 
 
 def test_a_rung_that_changes_nothing_is_tried_once_and_the_run_ends_with_the_breakdown():
-    import pytest
-
-    from lightning_gpuopt import MicroBatchOOMError
-
     rung = Useless()
     with pytest.raises(MicroBatchOOMError, match="no smaller micro-batch can fit"):
         fit(CachingWide(), [OOMRecovery(verbose=False, rungs=[rung])], limit=_limit(), steps=2)
