@@ -237,6 +237,7 @@ class PerRankMemory(L.Callback):
         self.out_dir = out_dir
         self.mem: SimulatedMemory | None = None
         self.peaks: list[int] = []
+        self.after_step: list[int] = []
 
     def setup(self, trainer, pl_module, stage):
         self.mem = SimulatedMemory(limit_bytes=(trainer.global_rank + 1) * 64 * MiB, backend="allocator")
@@ -253,6 +254,7 @@ class PerRankMemory(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.peaks.append(get_probe().peak)
+        self.after_step.append(get_probe().allocated)
 
     def teardown(self, trainer, pl_module, stage):
         probe = get_probe()
@@ -263,6 +265,7 @@ class PerRankMemory(L.Callback):
             "total": probe.total,
             "over_limit_raised": self.over_limit_raised,
             "peaks": self.peaks,
+            "after_step": self.after_step,
         }
         self.mem.__exit__(None, None, None)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
@@ -282,5 +285,10 @@ def test_ddp_ranks_each_enter_their_own(native, tmp_path, monkeypatch):
         assert result["total"] == (r + 1) * 64 * MiB, results
         assert len(result["peaks"]) == 3, results
     assert [r["over_limit_raised"] for r in results] == [True, False], results
-    assert results[0]["peaks"][1:] == results[1]["peaks"][1:], results  # same model and batch: same memory
+    # Same model and batch: the same memory in use once each step has ended (every thread's work joined).
+    # Peaks are not compared across ranks: the allocator counts every thread of the process, and whether two
+    # threads' transient buffers overlap depends on scheduling (CI once saw one rank's peak 4 bytes higher).
+    assert results[0]["after_step"] == results[1]["after_step"], results
+    for result in results:
+        assert all(peak > after for peak, after in zip(result["peaks"], result["after_step"])), results
     assert len(list((tmp_path / "cache" / "simulated_memory").glob("simmem_*.so"))) == 1
