@@ -312,6 +312,8 @@ class SimulatedMemory(MemoryProbe):
 
     def _install_hooks(self, adopter: _Adopter) -> None:
         def module_pre_hook(module: torch.nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             adopter.module(module, recurse=False)
             adopter.tree(args, depth=2, as_input=True)
 
