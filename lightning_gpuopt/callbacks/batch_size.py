@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, first_samples
 from lightning_gpuopt.callbacks._predicted_start import start_search
@@ -251,6 +252,9 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             raise RuntimeError(
                 f"MemoryAwareBatchSize does not support a torch.compile'd LightningModule here: {compiled.reason}."
             )
+        refusal = cuda_graphs_refusal(pl_module, strategy.root_device, "MemoryAwareBatchSize")
+        if refusal is not None:
+            raise RuntimeError(refusal)
         if self.mode == "max" and not lightning_hasattr(pl_module, "batch_size"):
             raise RuntimeError(
                 "MemoryAwareBatchSize(mode='max') sets `batch_size`, but neither the DataModule nor the "
