@@ -185,6 +185,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
         # Figures of the last search, for its messages.
         self._elapsed = 0.0
         self._last_error: str | None = None
+        self._frames_compiled: int | None = None  # frames dynamo compiled during the trials (compiled models)
         self._grad_bytes = 0
         self._state_bytes: int | None = None
 
@@ -428,6 +429,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             if isinstance(search, PredictedSearch):
                 self.prediction_note = search.note
             self._last_error = trials.last_error
+            self._frames_compiled = trials.frames_compiled if trials.compiled else None
             self._grad_bytes = trials.grad_bytes
             self._state_bytes = trials.state_bytes
         self._elapsed = time.perf_counter() - started
@@ -488,6 +490,11 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             f"(target_fraction {self.target_fraction:g} x {format_bytes(limit)}), from {self.trials} measured "
             f"step(s) [{sizes}] in {self._elapsed:.2f} s ({self.prediction_note}); {change}"
         )
+        compiled = self._frames_compiled
+        if compiled is not None:
+            message += (
+                f"; torch.compile: the trial steps compiled {compiled} frame(s), batch dimension dynamic"
+            )
         record_decision(
             trainer,
             "batch size",
@@ -498,6 +505,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             trials=self.trials,
             mode=self.mode,
             prediction=self.prediction_note,
+            compiled_frames=compiled,
         )
         if self.verbose:
             rank_zero_info(message)
