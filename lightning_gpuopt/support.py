@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lightning_gpuopt._compiled import CUDA_GRAPHS_REASON
+
 __all__ = [
     "Answer",
     "Feature",
@@ -250,4 +252,8 @@ def markdown_table() -> str:
                 lines.append(f"- {feature.value}, {kind.value}: {rule.reason}.")
     refused = ", ".join(k.value for k in _COMPILE_REFUSED_BY_LIGHTNING)
     lines.append(f"- Any feature, compiled module under {refused}: {_LIGHTNING_REFUSES_COMPILED.reason}.")
+    lines.append(
+        f"- {Feature.OOM_RECOVERY.value} and {Feature.BATCH_SIZE_SEARCH.value}, any part compiled with CUDA graphs on "
+        f"a CUDA device: {CUDA_GRAPHS_REASON}."
+    )
     return "\n".join(lines)

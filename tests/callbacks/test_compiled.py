@@ -142,7 +142,7 @@ def _fit(family, form: str, backend: str, squeeze: bool, tmp_path, steps: int = 
 
 def _check_recovered_run(family, form, backend, tmp_path):
     theta0, theta_ref, frames_ref, _, _, _ = _fit(family, form, backend, False, tmp_path)
-    theta0_b, theta, frames, trainer, report, memory = _fit(family, form, backend, True, tmp_path)
+    _, theta, frames, trainer, report, memory = _fit(family, form, backend, True, tmp_path)
     assert frames_ref >= 1, "the reference run compiled nothing"
     # Recovery: the squeeze forced an OOM, the batch was split, and training went on to the end.
     assert memory.num_ooms >= 1 and trainer.global_step == 5
