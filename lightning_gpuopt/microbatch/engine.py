@@ -704,7 +704,9 @@ class MicroBatchEngine:
                 if voting:
                     self.exchange.begin(k)
                 elif k == 1:
-                    return original(*args, **kwargs)
+                    output = original(*args, **kwargs)
+                    self._after_attempt(frames, stage, n, k)
+                    return output
                 output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
                 self._after_attempt(frames, stage, n, k)
                 if not voting:  # nobody else to agree with: a step that ran is kept
