@@ -101,7 +101,8 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
             ),
             _figure(
                 f"{label}: recompilations the split caused (dynamo's records; "
-                f"{max(recompilations['steady_before_split'])} in the steady batches before it)",
+                f"{max(recompilations['steady_before_split'])} in the steady batches before it; the pack "
+                f"counted {'/'.join(map(str, recompilations['counted_by_the_pack']))})",
                 caused,
                 "",
                 "<= 1 per split",
