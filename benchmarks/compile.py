@@ -73,10 +73,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-for _path in (
-    str(HERE / "gpu"),
-    str(HERE),
-):  # the GPU sections' device layer and models (gpu/device.py, gpu/oom.py)
+# The GPU sections' device layer and models (gpu/device.py, gpu/oom.py), after what is on the path already.
+for _path in (str(HERE / "gpu"), str(HERE)):
     if _path not in sys.path:
         sys.path.append(_path)
 
