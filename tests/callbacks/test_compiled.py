@@ -244,15 +244,16 @@ def test_cuda_graphs_are_refused_with_the_reason_and_the_alternative():
     assert cuda_graphs_refusal(plain, torch.device("cuda", 0), "OOMRecovery") is None
 
 
-def test_a_warning_before_dynamo_stops_compiling(monkeypatch):
+def test_a_warning_before_dynamo_stops_compiling():
     from lightning_gpuopt import GPUOptWarning
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
-    budget = RecompileBudget()
-    budget.add(1, "split 32 → 16")
-    with pytest.warns(GPUOptWarning, match="dynamo's recompile limit is 3 per frame"):
-        budget.add(1, "split 16 → 8")
-    budget.add(1, "split 8 → 4")  # warned once
+    # dynamo's own patch: monkeypatch's undo would delete the config entry for every later compilation
+    with torch._dynamo.config.patch(recompile_limit=3):
+        budget = RecompileBudget()
+        budget.add(1, "split 32 → 16")
+        with pytest.warns(GPUOptWarning, match="dynamo's recompile limit is 3 per frame"):
+            budget.add(1, "split 16 → 8")
+        budget.add(1, "split 8 → 4")  # warned once
     assert budget.caused == 3
 
 
