@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -137,6 +137,7 @@ class SimulatedMemory(MemoryProbe):
         self._adopter: _Adopter | None = None
         self._undo: list = []
         self._collective_depth = 0  # torch.distributed calls running now (their allocations never raise)
+        self._compile_logged = False  # the dispatch backend's note about torch.compile, once per entry
         self._pid = 0
         self._final = (0, 0, 0)  # allocated, peak, num_ooms at the last exit
 
@@ -251,6 +252,7 @@ class SimulatedMemory(MemoryProbe):
         try:
             self._pid = os.getpid()
             self._counter = counter
+            self._compile_logged = False
             self._adopter = _Adopter(counter)
             self._install_hooks(self._adopter)
             _push_active_probe(self)
@@ -311,13 +313,18 @@ class SimulatedMemory(MemoryProbe):
         return counter
 
     def _install_hooks(self, adopter: _Adopter) -> None:
+        # Neither hook may be traced: dynamo inlines global hooks into the code it compiles, where the
+        # adopter's bookkeeping would break the graph (or fail: "already tracked for mutation"). Under
+        # torch.compile they run only where the call itself is eager (see _Adopter.called).
         def module_pre_hook(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
                 return
-            adopter.module(module, recurse=False)
+            adopter.called(module)
             adopter.tree(args, depth=2, as_input=True)
 
         def optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             adopter.optimizer(optimizer)
 
         handle = torch.nn.modules.module.register_module_forward_pre_hook(module_pre_hook)
@@ -338,16 +345,35 @@ class SimulatedMemory(MemoryProbe):
             iter_cls.__next__ = original_next
 
         self._undo.append(restore_next)
+        if isinstance(adopter.counter, DispatchCounter):
+            remove = _on_dynamo_compile(self._compiling_under_dispatch)
+            if remove is not None:
+                self._undo.append(remove)
         if _dist.is_available():
             for name in _COLLECTIVES:
                 if callable(getattr(_dist, name, None)):
                     self._unlimit_inside(name)
+
+    def _compiling_under_dispatch(self) -> None:
+        if self._compile_logged:
+            return
+        self._compile_logged = True
+        log.warning(
+            "SimulatedMemory(backend='dispatch') under torch.compile counts the operators that compiled graphs "
+            "run (exact with backend='aot_eager'), not the buffers that inductor's generated kernels allocate: "
+            "peaks of inductor-compiled code read low. Use SimulatedMemory(backend='allocator'), built with "
+            "the C++ compiler that inductor needs too."
+        )
 
     def _unlimit_inside(self, name: str) -> None:
         original = getattr(_dist, name)
         counter = self._counter
 
         def collective(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                # Inside compiled code: dynamo must see the original, which it turns into a traceable
+                # collective; the limit stays (what compiled collectives allocate is checked like the rest).
+                return original(*args, **kwargs)
             self._collective_depth += 1  # a collective that calls another one: the outer restores the limit
             counter.set_limit(None)
             try:
@@ -515,14 +541,20 @@ class _Adopter:
             self.tree(obj, depth, as_input=True)
         return obj
 
+    def called(self, module: torch.nn.Module) -> None:
+        """``module`` runs eagerly: count its tensors and its submodules' (each module once).
+
+        Submodules at once, as ``module.to(device)`` would move them: a submodule that only runs inside
+        compiled code (``torch.compile(block)``, ``block.compile()``) has no eager call of its own.
+        """
+        if module in self._seen_modules or _on_fake_tensors(module):
+            return
+        for sub in module.modules():
+            if sub not in self._seen_modules and not _on_fake_tensors(sub):
+                self._seen_modules.add(sub)
+                self.module(sub, recurse=False)
+
     def module(self, module: torch.nn.Module, recurse: bool) -> None:
-        if not recurse:
-            if module in self._seen_modules:
-                return
-            state = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            if any(getattr(t, "fake_mode", None) is not None for t in state):
-                return  # traced on fake tensors (predict_peak): its own tensors are adopted when it runs for real
-            self._seen_modules.add(module)
         for p in module.parameters(recurse=recurse):
             self.tensor(p)
             if p.grad is not None:
@@ -556,6 +588,34 @@ class _Adopter:
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             for field in dataclasses.fields(obj):
                 self.tree(getattr(obj, field.name, None), depth - 1, as_input)
+
+
+def _on_dynamo_compile(callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback()`` whenever dynamo starts compiling; returns the undo, None where torch has no such hook.
+
+    The hook is private to torch (``torch._dynamo.callback``); tests/testing/test_simulated_memory_compile.py
+    fails when it moves.
+    """
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return None
+    register = getattr(callback_handler, "register_start_callback", None)
+    remove = getattr(callback_handler, "remove_start_callback", None)
+    if register is None or remove is None:
+        return None
+
+    def on_start(args: Any) -> None:
+        callback()
+
+    register(on_start)
+    return lambda: remove(on_start)
+
+
+def _on_fake_tensors(module: torch.nn.Module) -> bool:
+    # Traced on fake tensors (predict_peak): its own tensors are adopted when it runs for real.
+    state = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(getattr(t, "fake_mode", None) is not None for t in state)
 
 
 def _forget_in_child() -> None:
