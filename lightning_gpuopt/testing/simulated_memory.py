@@ -8,7 +8,8 @@ How bytes are counted (see docs/memory.md for the full list of what is and is no
   The ``"dispatch"`` backend (pure Python, used where no C++ compiler exists) counts op outputs on
   the entering thread; it misses kernel-internal temporaries.
 * **Tensors that existed before entering**, counted the first time the training touches them, as if
-  they had just been moved to the device: parameters and buffers of a module when it is called,
+  they had just been moved to the device: parameters and buffers of a module and of all its
+  submodules when it is first called eagerly (hooks do nothing inside code dynamo compiles),
   parameters, gradients and state of an optimizer when it steps (their whole storage, until it
   dies), and inputs -- every tensor of a batch a DataLoader yields, the tensors passed to a module,
   whatever is passed to :meth:`SimulatedMemory.track` -- as a copy to the device would: a view into a
@@ -23,6 +24,9 @@ How bytes are counted (see docs/memory.md for the full list of what is and is no
   memory, which no allocator of this process made) or is the dataset's own tensor -- is replaced by
   a copy made under the counter (limit-checked like any allocation), which dies with the batch. A
   batch collated in this process is counted already and passes through unchanged.
+
+* **Under torch.compile** nothing of the simulation is traced and the same graphs compile; the
+  allocator backend counts inductor's generated code like any other (see docs/memory.md).
 
 The instance is the active :class:`~lightning_gpuopt.memory.MemoryProbe` while entered, so
 ``get_probe()`` returns it and everything built on the probe runs unchanged on CPU.
@@ -99,8 +103,8 @@ class SimulatedMemory(MemoryProbe):
             next allocation fail.
         backend: ``"allocator"`` (exact: a counting CPU allocator, built with the system C++ compiler
             on first use, a few seconds, cached), ``"dispatch"`` (pure Python; misses the buffers kernels
-            allocate internally, so peaks read low -- a ResNet-18 forward peak by 40 % --; counts
-            only the entering thread; slower), or ``"auto"``: the allocator when it can be built,
+            allocate internally, so peaks read low -- a ResNet-18 forward peak by 40 %, and most of
+            what inductor-compiled code allocates --; counts only the entering thread; slower), or ``"auto"``: the allocator when it can be built,
             else dispatch (logged once).
 
     Raises:
@@ -212,8 +216,9 @@ class SimulatedMemory(MemoryProbe):
         """Count tensors that existed before entering, as if they had been moved to the device now.
 
         Rarely needed: modules, optimizers and DataLoader batches are counted automatically when the
-        training first uses them. Use it for tensors used directly (not passed to a module), or to
-        have parameters counted before the first forward.
+        training first uses them. Use it for tensors used directly (not passed to a module), to have
+        parameters counted before the first forward, or under ``torch.compile`` where no module call
+        is eager (``trainer.fit(torch.compile(model))``: buffers are counted only this way).
 
         Args:
             *objs: modules (parameters, buffers, gradients), optimizers (parameters, gradients,
@@ -339,7 +344,9 @@ class SimulatedMemory(MemoryProbe):
         def __next__(it: Any) -> Any:
             return adopter.arrival(original_next(it))
 
-        iter_cls.__next__ = __next__
+        # A loader iterated inside compiled code: dynamo breaks the graph at this call, as it does at the
+        # original's (a skipped function), instead of tracing the adopter.
+        iter_cls.__next__ = torch.compiler.disable(__next__)
 
         def restore_next() -> None:
             iter_cls.__next__ = original_next

@@ -124,6 +124,25 @@ def test_compiles_the_same_graphs_and_breaks_as_without(backend, model_name, for
     assert _compiled_training(model_name, form, backend) == reference
 
 
+def test_a_loader_iterated_inside_compiled_code_compiles_as_without(backend, fresh_dynamo):
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+    def doubled_sum(batches):
+        (x,) = next(batches)  # dynamo breaks the graph here, with or without the simulation
+        return (x * 2).sum()
+
+    results = {}
+    for simulation in (None, backend):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(doubled_sum, backend="eager")
+        with SimulatedMemory(backend=simulation) if simulation else contextlib.nullcontext():
+            batches = iter(loader)
+            values = [compiled(batches).item() for _ in range(2)]
+        results[simulation] = (values, _compiled_counts())
+    assert results[backend] == results[None]
+
+
 def _opaque_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """A dynamo backend whose compiled code is no module call, like inductor's (aot_eager calls its graph
     as a module, so the module hook sees the graph's inputs), without inductor's compile time."""
