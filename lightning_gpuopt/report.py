@@ -234,6 +234,11 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("data-wait fraction", f"{wait:.0%} (median)"))
         for field in run.get("fields", []):  # ReportFields: GPUOptReport(fields=[...])
             rows.append((field["label"], summarize_values([s.get(field["name"]) for s in steps])))
+    recompiled = [d for d in made if d["kind"] == "recompilation"]
+    if recompiled:  # torch.compile: what the pack's splits and switches cost, from dynamo's counters
+        causes = "; ".join(d["data"].get("cause", "?") for d in recompiled[-3:])
+        frames = sum(int(d["data"].get("frames", 1)) for d in recompiled)
+        rows.append(("recompilations by the pack", f"{frames} (last: {causes})"))
     kinds = Counter(d["kind"] for d in made)
     rows.append(("decisions", ", ".join(f"{n} {kind}" for kind, n in kinds.items()) if kinds else "none"))
     for d in made[-5:]:

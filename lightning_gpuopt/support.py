@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lightning_gpuopt._compiled import CUDA_GRAPHS_REASON
+
 __all__ = [
     "Answer",
     "Feature",
@@ -125,20 +127,6 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     ),
 }
 
-#: What a ``torch.compile``'d LightningModule changes, by feature (strategies that Lightning itself refuses
-#: for a compiled module come first, below).
-_COMPILED: dict[Feature, _Rule] = {
-    Feature.OOM_RECOVERY: _Rule(
-        False,
-        "a torch.compile'd LightningModule would recompile at every new micro-batch shape: compile submodules "
-        "with torch.compile(..., dynamic=True) inside your module instead, or train without OOMRecovery",
-    ),
-    Feature.BATCH_SIZE_SEARCH: _Rule(
-        False,
-        "a torch.compile'd LightningModule would recompile at every trial size: compile submodules with "
-        "torch.compile(..., dynamic=True) inside your module instead, or remove MemoryAwareBatchSize",
-    ),
-}
 _LIGHTNING_REFUSES_COMPILED = _Rule(
     False,
     "Lightning runs a torch.compile'd LightningModule only under SingleDeviceStrategy, DDPStrategy and "
@@ -216,8 +204,6 @@ def supports(feature: Feature, strategy: Any, *, torch: str | None = None, compi
     if compiled and kind in _COMPILE_REFUSED_BY_LIGHTNING:
         return Answer(False, _LIGHTNING_REFUSES_COMPILED.reason)
     rule = _RULES[(feature, kind)]
-    if compiled and feature in _COMPILED:
-        rule = _COMPILED[feature]
     if rule.supported and rule.min_torch is not None:
         if torch_version(torch) < rule.min_torch:
             wanted = ".".join(map(str, rule.min_torch))
@@ -254,8 +240,7 @@ def markdown_table() -> str:
                 cells.append(f"torch ≥ {'.'.join(map(str, rule.min_torch))}")
             else:
                 cells.append("yes")
-        compiled = _COMPILED.get(feature)
-        cells.append("no" if compiled is not None and not compiled.supported else "single device, DDP")
+        cells.append("single device, DDP")
         lines.append(f"| {feature.value} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Why, for each cell that says no or names a torch version:")
@@ -265,8 +250,10 @@ def markdown_table() -> str:
             rule = _RULES[(feature, kind)]
             if not rule.supported or rule.min_torch is not None:
                 lines.append(f"- {feature.value}, {kind.value}: {rule.reason}.")
-        if feature in _COMPILED:
-            lines.append(f"- {feature.value}, compiled module: {_COMPILED[feature].reason}.")
     refused = ", ".join(k.value for k in _COMPILE_REFUSED_BY_LIGHTNING)
     lines.append(f"- Any feature, compiled module under {refused}: {_LIGHTNING_REFUSES_COMPILED.reason}.")
+    lines.append(
+        f"- {Feature.OOM_RECOVERY.value} and {Feature.BATCH_SIZE_SEARCH.value}, any part compiled with CUDA graphs on "
+        f"a CUDA device: {CUDA_GRAPHS_REASON}."
+    )
     return "\n".join(lines)

@@ -68,6 +68,16 @@ def test_dry_run_runs_every_section_on_cpu_without_jsonargparse_or_torchdata(dry
     assert (
         mfu["flops_per_batch"] > 0 and mfu["peak_flops_source"] == "peak_flops="
     )  # the MFU path, nominal peak
+    # torch.compile: every compiled form recovered from a real OOM with dynamo compiling, or is skipped with its reason.
+    compiled = status["compile"]
+    forms = compiled["details"]["forms"]
+    assert any(f["status"] == "ran" for f in forms.values()), forms
+    for f in forms.values():
+        if f["status"] == "ran":
+            assert f["split_happened"] and min(f["first_compile_s"]["frames"]) >= 1
+        else:
+            assert f["status"] in ("refused", "left out") and f["reason"]
+    assert len(compiled["skipped"]) == sum(f["status"] != "ran" for f in forms.values())
     table = (out / "gpu_check.md").read_text()
     assert "| section | figure | value | target | met |" in table and "DRY RUN" in table
     assert f"torch {results['torch']}" in table and f"Lightning {results['lightning']}" in table

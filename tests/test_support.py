@@ -58,5 +58,6 @@ def test_lightning_refuses_a_compiled_module_under_model_parallel_for_every_feat
     for feature in Feature:
         answer = supports(feature, StrategyKind.FSDP2, compiled=True)
         assert not answer.supported and "ModelParallelStrategy" in answer.reason
-    assert supports(Feature.PRECISION_SWITCH, StrategyKind.DDP, compiled=True).supported
-    assert not supports(Feature.OOM_RECOVERY, StrategyKind.DDP, compiled=True).supported
+    for feature in Feature:  # a compiled LightningModule runs every feature on one device and under DDP
+        assert supports(feature, StrategyKind.DDP, compiled=True).supported
+        assert supports(feature, StrategyKind.SINGLE_DEVICE, compiled=True).supported

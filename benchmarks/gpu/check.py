@@ -265,6 +265,17 @@ def predict_section(sizes: dict[str, Any]) -> dict[str, Any]:
     return {"figures": figures, "details": result, "skipped": {}}
 
 
+def compile_section(sizes: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile with OOMRecovery: compiled over eager at k = 1 and after a split, recompilations (see compile.py)."""
+    import importlib.util
+
+    # Loaded by path: `import compile` could find benchmarks/compile.py, the script this section runs.
+    spec = importlib.util.spec_from_file_location("gpu_compile_section", HERE / "compile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.section(sizes)
+
+
 def _speed(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def run(sizes: dict[str, Any]) -> dict[str, Any]:
         import speed
@@ -286,14 +297,14 @@ SECTIONS: dict[str, Section] = {
         Section(
             "cuda_tests",
             "the cuda-marked tests (pytest -m cuda)",
-            50,
+            45,
             cuda_tests,
             cuda_only="pytest -m cuda skips every test on a machine without CUDA: nothing to prove on a CPU",
         ),
         Section(
             "oom",
             "real OOM recovery: ResNet-50 and a causal transformer under a memory limit",
-            60,
+            55,
             oom_section,
             # Batches whose unlimited step fits well under the 16 GiB cap (ResNet-50 fp32 at 224: ~0.1 GB a sample).
             sizes={"models": ["resnet50", "transformer"], "batch": {"resnet50": 96, "transformer": 32}},
@@ -302,7 +313,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "batchsize",
             "MemoryAwareBatchSize against the bisected true maximum",
-            45,
+            40,
             batchsize_section,
             sizes={"models": ["lm"]},
             dry_sizes={"models": ["lm"]},
@@ -310,7 +321,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "precision",
             "PrecisionSwitch auto against 32-true, TF32, bf16-mixed",
-            30,
+            25,
             _speed("precision"),
             sizes={**_GPT2, "layers": 6, "seq": 512, "batch": 16, "steps": 12, "warmup": 4, "repeats": 2},
             dry_sizes={**_GPT_TINY, "batch": 4, "steps": 3, "warmup": 1, "repeats": 1},
@@ -318,7 +329,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "data",
             "data pipeline with and without device prefetch",
-            25,
+            20,
             data_section,
             sizes={"repeats": 1, "steps": 20, "batch": 128},
             dry_sizes={"repeats": 1, "steps": 2, "batch": 2},
@@ -326,7 +337,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "mfu",
             "MFU and tokens/s of a GPT-2-124M-shaped model (bf16-mixed, seq 1024); the default job's samples/s",
-            45,
+            40,
             _speed("mfu"),
             sizes={
                 **_GPT2,
@@ -350,7 +361,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "overhead",
             "OOMRecovery at k = 1 against plain Lightning (steady state)",
-            25,
+            20,
             _speed("overhead"),
             sizes={
                 **_GPT2,
@@ -376,13 +387,47 @@ SECTIONS: dict[str, Section] = {
         Section(
             "predict",
             "predict_peak against max_memory_allocated and max_memory_reserved (MLP, ResNet-18, tiny GPT-2)",
-            20,
+            15,
             predict_section,
             sizes={"batches": [16], "precisions": ["32-true", "bf16-mixed"]},
             cuda_only=(
                 "max_memory_allocated is CUDA's caching allocator; on a CPU the prediction is checked against "
                 "SimulatedMemory in tests/memory/test_predict.py"
             ),
+        ),
+        Section(
+            "compile",
+            "torch.compile with OOMRecovery: compiled / eager step time at k = 1 and after a real OOM's split, "
+            "the recompilations the split caused and their seconds",
+            40,
+            compile_section,
+            # Inductor compiles for tens of seconds: one small transformer, one repeat. A form the slice has no
+            # time left for is listed as skipped.
+            sizes={
+                "model": "transformer",
+                "transformer": {
+                    "width": 512,
+                    "layers": 1,
+                    "heads": 8,
+                    "seq_len": 256,
+                    "vocab": 8192,
+                    "batch_size": 32,
+                },
+                "forms": ["module", "submodule"],
+                "backend": "inductor",
+                "precision": "bf16-mixed",
+                "repeats": 1,
+                "schedule": {"warmup": 3, "steady": 5, "after": 5},
+            },
+            dry_sizes={
+                "model": "cnn",
+                "cnn": {"image_size": 16, "batch_size": 32},
+                "forms": ["module", "submodule"],
+                "backend": "aot_eager",
+                "precision": "32-true",
+                "repeats": 1,
+                "schedule": {"warmup": 2, "steady": 2, "after": 2},
+            },
         ),
     )
 }

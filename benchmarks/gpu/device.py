@@ -192,6 +192,11 @@ def deadline(seconds: float) -> Iterator[None]:
         _deadline.pop()
 
 
+def remaining() -> float | None:
+    """Seconds left in the running section's slice (``None`` outside a section)."""
+    return _deadline[-1] - time.monotonic() if _deadline else None
+
+
 def check() -> None:
     """Raise :class:`SliceOver` when the running section is past its slice (call it in every loop)."""
     if _deadline and time.monotonic() > _deadline[-1]:

@@ -28,6 +28,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
+from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, mark_batch_dynamic
 from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
 from lightning_gpuopt.memory.peak_model import StepMeasurement
 
@@ -238,6 +239,10 @@ class TrialSteps:
         self.last_error: str | None = None
         #: Bytes of the optimizer's state once a trial's optimizer step ran (``None``: none ran).
         self.state_bytes: int | None = None
+        #: Under torch.compile: every trial batch has its batch dimension marked dynamic (one compilation
+        #: serves every size), and the frames dynamo compiled during the trials are counted here.
+        self.compiled = is_compiled_anywhere(module)
+        self.frames_compiled = 0
 
     def missing_grad_bytes(self) -> int:
         """Bytes of the gradients not allocated now, which the first trial allocates and every later one holds."""
@@ -286,6 +291,9 @@ class TrialSteps:
                 p.grad = None
             elif p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.compiled:
+            mark_batch_dynamic(batch, size)
+            frames = compiled_frames()
         start = probe.allocated
         state_before = _state_bytes(self.optimizer)
         probe.reset_peak()
@@ -314,6 +322,8 @@ class TrialSteps:
             failed = True
             self.last_error = (str(err).strip().splitlines() or [type(err).__name__])[0]
         out = loss = None  # outside the except block: the traceback no longer pins the step's tensors
+        if self.compiled:
+            self.frames_compiled += compiled_frames() - frames
         if failed:
             free_memory()
             return StepMeasurement(size, None, None)

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, first_samples
 from lightning_gpuopt.callbacks._predicted_start import start_search
@@ -184,6 +185,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
         # Figures of the last search, for its messages.
         self._elapsed = 0.0
         self._last_error: str | None = None
+        self._frames_compiled: int | None = None  # frames dynamo compiled during the trials (compiled models)
         self._grad_bytes = 0
         self._state_bytes: int | None = None
 
@@ -251,6 +253,9 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             raise RuntimeError(
                 f"MemoryAwareBatchSize does not support a torch.compile'd LightningModule here: {compiled.reason}."
             )
+        refusal = cuda_graphs_refusal(pl_module, strategy.root_device, "MemoryAwareBatchSize")
+        if refusal is not None:
+            raise RuntimeError(refusal)
         if self.mode == "max" and not lightning_hasattr(pl_module, "batch_size"):
             raise RuntimeError(
                 "MemoryAwareBatchSize(mode='max') sets `batch_size`, but neither the DataModule nor the "
@@ -424,6 +429,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             if isinstance(search, PredictedSearch):
                 self.prediction_note = search.note
             self._last_error = trials.last_error
+            self._frames_compiled = trials.frames_compiled if trials.compiled else None
             self._grad_bytes = trials.grad_bytes
             self._state_bytes = trials.state_bytes
         self._elapsed = time.perf_counter() - started
@@ -484,6 +490,11 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             f"(target_fraction {self.target_fraction:g} x {format_bytes(limit)}), from {self.trials} measured "
             f"step(s) [{sizes}] in {self._elapsed:.2f} s ({self.prediction_note}); {change}"
         )
+        compiled = self._frames_compiled
+        if compiled is not None:
+            message += (
+                f"; torch.compile: the trial steps compiled {compiled} frame(s), batch dimension dynamic"
+            )
         record_decision(
             trainer,
             "batch size",
@@ -494,6 +505,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             trials=self.trials,
             mode=self.mode,
             prediction=self.prediction_note,
+            compiled_frames=compiled,
         )
         if self.verbose:
             rank_zero_info(message)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.loss_weighting import MODES, ON_MISMATCH, LossWeighting
@@ -365,6 +366,9 @@ class OOMRecovery(Callback):
             raise RuntimeError(
                 f"OOMRecovery does not support a torch.compile'd LightningModule here: {compiled.reason}."
             )
+        refusal = cuda_graphs_refusal(pl_module, trainer.strategy.root_device, "OOMRecovery")
+        if refusal is not None:
+            raise RuntimeError(refusal)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, training=True)

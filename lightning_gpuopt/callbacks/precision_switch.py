@@ -564,6 +564,9 @@ class PrecisionSwitch(Callback):
             before=self._precision,
             after=precision,
         )
+        engine = MicroBatchEngine.get(trainer)
+        if engine is not None:  # under torch.compile the next step may recompile for the new autocast state
+            engine.compile_cause = f"precision switch {self._precision} → {precision}"
         self._precision = precision
         self._last_switch_step = trainer.global_step
         self._watch.reset()

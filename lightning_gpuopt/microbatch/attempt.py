@@ -36,7 +36,18 @@ class Attempt:
 
     logs: list[LogCall] = field(default_factory=list)
     extras: list[dict[str, Any]] = field(default_factory=list)
-    weight: float = 1.0
+    #: The running micro-batch's ``self.log`` calls (name, value, args, kwargs): a fresh list per micro-batch,
+    #: weighted by :meth:`keep` after it ran, so that a compiled step that logs never guards on a weight.
+    calls: list[tuple[str, Any, tuple, dict]] = field(default_factory=list)
+
+    def start(self) -> None:
+        """A micro-batch starts: its log calls go to a new list."""
+        self.calls = []
+
+    def keep(self, weight: float) -> None:
+        """The micro-batch ran: its log calls join the attempt's, with its loss weight."""
+        self.logs.extend((name, value, args, kwargs, weight) for name, value, args, kwargs in self.calls)
+        self.calls = []
 
 
 class SideEffects:

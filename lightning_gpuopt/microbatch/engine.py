@@ -20,6 +20,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._compiled import (
+    RecompileBudget,
+    compiled_frames,
+    is_compiled_anywhere,
+    mark_batch_dynamic,
+)
 from lightning_gpuopt._exchange import DDPExchange, FSDP2Exchange, LocalExchange, PeerFailure
 from lightning_gpuopt.batching import (
     SPLIT_HOOK,
@@ -28,6 +34,7 @@ from lightning_gpuopt.batching import (
     merge_outputs,
     split_batch,
 )
+from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.loss_weighting import LossWeighting, is_final
 from lightning_gpuopt.memory import free_memory, get_probe, is_maybe_size_error, is_oom_error
 from lightning_gpuopt.microbatch.attempt import (
@@ -184,6 +191,15 @@ class MicroBatchEngine:
         #: The Trainer's optimizer-step hook (``step.py``), attached with the training step.
         self.step_hook: OptimizerStepHook | None = None
         self.exchange: LocalExchange | DDPExchange | FSDP2Exchange = LocalExchange()
+        #: Whether the module has compiled parts (``_compiled.py``): splits mark the batch dimension dynamic.
+        self.compiled = False
+        #: The recompilations the pack caused in this fit (splits, precision switches).
+        self.recompiles = RecompileBudget()
+        #: Why the next attempt may recompile (a new micro-batch size, a precision switch); ``None``: nothing
+        #: the pack changed, so a recompilation then is the user's own (the first step, a short last batch).
+        self.compile_cause: str | None = None
+        self._last_k: dict[str, int] = {}
+        self._single_ok: set[str] = set()  # stages where a micro-batch of 2 failed under compile
 
     # ------------------------------------------------------------------ public interface
 
@@ -387,6 +403,7 @@ class MicroBatchEngine:
                 self._orig_eval[stage] = getattr(strategy, name)
                 setattr(strategy, name, self._eval_step_for(stage))
             self._effects = SideEffects(module)
+            self.compiled = is_compiled_anywhere(module)
             self._installed.add("eval")
             if isinstance(strategy, ModelParallelStrategy):  # evaluation all-gathers too: the ranks vote
                 check_strategy(strategy, module)
@@ -459,7 +476,7 @@ class MicroBatchEngine:
         attempt = self._attempt
         if attempt is None:
             return self._orig_log(name, value, *args, **kwargs)
-        attempt.logs.append((name, value, args, kwargs, attempt.weight))
+        attempt.calls.append((name, value, args, kwargs))
         return None
 
     # ------------------------------------------------------------------ the training step
@@ -498,6 +515,7 @@ class MicroBatchEngine:
             failure: OOMFailure | None = None
             peer_votes = None  # the vote at which another rank's failure stopped this attempt (FSDP2)
             output = None
+            frames = self._before_attempt()
             try:
                 self.exchange.begin(k)
                 with self._no_sync():
@@ -523,6 +541,7 @@ class MicroBatchEngine:
                         None
                     )  # re-raised later; its frames must not pin memory
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline, params)
+            self._after_attempt(frames, "train", n, k)
             fatal: BaseException | None = None
             if failure is not None or peer_votes is not None:
                 # Outside the except block: the traceback and the activations it pinned are gone.
@@ -569,6 +588,8 @@ class MicroBatchEngine:
                 output = None
                 self._drop_attempt(params, snapshot)
             self.exchange.recover()  # FSDP2, on every rank alike: reshard, reset FSDP's step state, drop its gradients
+            if self._at_compile_cap(n, k, "train"):  # 2 samples a micro-batch did not fit: 1 may now
+                self._single_ok.add("train")
             if self._turn_on(
                 agreement.rungs,
                 f"{self._reason(agreement, failure)}, and the micro-batches cannot get smaller",
@@ -674,15 +695,20 @@ class MicroBatchEngine:
         smallest_failed = n + 1
         while True:
             k = max(1, min(self.eval_k.get(stage, 1), n)) if self.splittable(batch) else 1
+            k = self._compile_cap(n, k, stage)
             baseline = probe.allocated if measured else None
             failure: OOMFailure | None = None
             peer_votes = None
+            frames = self._before_attempt()
             try:
                 if voting:
                     self.exchange.begin(k)
                 elif k == 1:
-                    return original(*args, **kwargs)
+                    output = original(*args, **kwargs)
+                    self._after_attempt(frames, stage, n, k)
+                    return output
                 output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
+                self._after_attempt(frames, stage, n, k)
                 if not voting:  # nobody else to agree with: a step that ran is kept
                     self._ran(n, k, stage)
                     self._emit_logs(*logs)
@@ -690,6 +716,7 @@ class MicroBatchEngine:
             except PeerFailure as err:
                 peer_votes = err.votes
             except Exception as err:
+                self._after_attempt(frames, stage, n, k)
                 if self.oom_handler is None or not is_oom_error(err):
                     self._raise_if_too_small(err, n, k, stage)
                     raise
@@ -739,6 +766,8 @@ class MicroBatchEngine:
             return True
         if failure is None and peer_votes is None:  # another rank failed after its last collective
             SideEffects.restore(snapshot)
+        if self._at_compile_cap(n, k, stage):
+            self._single_ok.add(stage)
         self.exchange.recover()  # on every rank alike (FSDP2: the units' sharded state must match for the retry)
         new_k = max(
             agreement.k, k + 1
@@ -759,14 +788,16 @@ class MicroBatchEngine:
     ) -> tuple[Any, tuple[list, list[float], int]]:
         """The step's output and its captured logs (emitted by the caller once the step is kept)."""
         chunks = self._micro_batches(batch, k)
+        self._mark_dynamic(chunks)
         weights = self.loss_weighting.weights(self, chunks)  # the training's decision, or its fallback
         attempt = Attempt()
         outputs = []
         self._attempt = attempt
         try:
             for chunk, weight in zip(chunks, weights):
-                attempt.weight = weight
+                attempt.start()
                 outputs.append(original(chunk, *rest, **kwargs))
+                attempt.keep(weight)
         finally:
             self._attempt = None
         output = None if all(o is None for o in outputs) else merge_outputs(outputs, weights)
@@ -784,7 +815,17 @@ class MicroBatchEngine:
         k = self.k
         if self.max_micro_batch_size:
             k = max(k, math.ceil(n / self.max_micro_batch_size))
-        return max(1, min(k, n))
+        return self._compile_cap(n, max(1, min(k, n)), "train")
+
+    def _compile_cap(self, n: int, k: int, stage: str) -> int:
+        """``k``, lowered under compile so that no micro-batch has 1 sample while 2 may fit: dynamo specialises a
+        size of 1, so it would recompile once more."""
+        if not self.compiled or stage in self._single_ok or n < 4:
+            return k
+        return min(k, n // 2)
+
+    def _at_compile_cap(self, n: int, k: int, stage: str) -> bool:
+        return self.compiled and stage not in self._single_ok and n >= 4 and k == n // 2
 
     def _batch_size(self, batch: Any) -> int:
         try:
@@ -809,6 +850,7 @@ class MicroBatchEngine:
 
     def _run(self, batch: Any, rest: tuple, kwargs: dict, n: int, k: int, accumulate: int) -> Any:
         chunks = self._micro_batches(batch, k)
+        self._mark_dynamic(chunks)
         # The loss weighting's one call site: at the first split it runs the step on a piece of the batch.
         weights = self.loss_weighting.weights(
             self, chunks, lambda piece: self._orig_training_step(piece, *rest, **kwargs), batch
@@ -820,8 +862,9 @@ class MicroBatchEngine:
         try:
             for chunk, weight in zip(chunks, weights):
                 self._phase = "forward"
-                attempt.weight = weight
+                attempt.start()
                 out = self._orig_training_step(chunk, *rest, **kwargs)
+                attempt.keep(weight)
                 loss, extra = split_output(out)
                 if loss is None:
                     raise Refused(
@@ -847,6 +890,47 @@ class MicroBatchEngine:
         if attempt.extras and attempt.extras[0] is not None:
             return {"loss": loss_out, **merge_outputs(attempt.extras, weights)}
         return loss_out
+
+    # ------------------------------------------------------------------ compiled models
+
+    def _mark_dynamic(self, chunks: list[Any]) -> None:
+        """Under compile, a split marks the batch dimension dynamic: one recompilation serves every later size."""
+        if self.compiled and len(chunks) > 1:
+            for chunk in chunks:
+                mark_batch_dynamic(chunk, self._batch_size(chunk))
+
+    def _before_attempt(self) -> int | None:
+        return compiled_frames() if self.compiled else None
+
+    def _after_attempt(self, frames: int | None, stage: str, n: int, k: int) -> None:
+        """Count what dynamo compiled during an attempt, and record it when the pack's change caused it."""
+        if frames is None:
+            return
+        last = self._last_k.get(stage)
+        self._last_k[stage] = k
+        if last is None:  # the stage's first attempt in this fit: its compilation is the model's own
+            self.compile_cause = None
+            return
+        cause, self.compile_cause = self.compile_cause, None
+        if k != last:
+            before, after = math.ceil(n / last), math.ceil(n / k)
+            where = "" if stage == "train" else f" in {stage}"
+            cause = f"split {before} → {after}{where}"
+            if last == 1:
+                cause += " (batch dimension dynamic from now on)"
+        new = compiled_frames() - frames
+        if not new or cause is None:
+            return
+        self.recompiles.add(new, cause)
+        record_decision(
+            self.trainer,
+            "recompilation",
+            "torch.compile",
+            f"recompiled after {cause}" + (f" ({new} frames)" if new > 1 else ""),
+            frames=new,
+            cause=cause,
+            stage=stage,
+        )
 
     def _emit_logs(self, logs: list, weights: list[float], n: int) -> None:
         emit_logs(self._orig_log, logs, weights, n, self.sum_log_keys)

@@ -427,13 +427,8 @@ class ClosureOptimizer(WideRegressor):
     ("make_model", "extra", "message"),
     [
         (Manual, [], r"needs automatic optimization.*Choose the batch size yourself"),
-        (
-            lambda: torch.compile(WideRegressor("sgd")),
-            [],
-            r"does not support a torch.compile'd LightningModule",
-        ),
     ],
-    ids=["manual-optimization", "compiled"],
+    ids=["manual-optimization"],
 )
 def test_unsupported_setups_are_refused_with_the_alternative(make_model, extra, message):
     with pytest.raises(RuntimeError, match=message):

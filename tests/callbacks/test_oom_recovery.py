@@ -446,13 +446,6 @@ def test_batch_size_finder_in_the_same_trainer_is_refused():
         cb.setup(trainer, WideRegressor(), "fit")
 
 
-def test_compiled_module_is_refused():
-    model = WideRegressor()
-    model._compiler_ctx = {"compiler": "dynamo"}  # what Lightning sets when given torch.compile(module)
-    with pytest.raises(RuntimeError, match=r"torch.compile'd LightningModule.*dynamic=True"):
-        fit(model, [OOMRecovery()], steps=1)
-
-
 def test_tensor_parallelism_and_fsdp1_are_refused_naming_the_alternative():
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 

@@ -110,7 +110,7 @@ def ddp_fit(tmp_path, name, model, callbacks, rule=None, steps=8, accumulate=1, 
     out.mkdir()
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        strategy=DDPStrategy(start_method="spawn", **ddp_kwargs),
+        strategy=DDPStrategy(**{"start_method": "spawn", **ddp_kwargs}),
         accelerator="cpu",
         devices=2,
         max_steps=steps,
@@ -163,6 +163,21 @@ def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(
     assert one["history"] and [h[:3] for h in zero["history"]] == [h[:3] for h in one["history"]]
     assert all(source == "oom" and step == LIMIT_AFTER for step, _, _, source in one["history"])
     assert zero["steps"] == one["steps"] == 8 and zero["pid"] != one["pid"]
+    _assert_same(zero["params"], one["params"], exact=True)
+    _assert_same(one["params"], reference[0]["params"], exact=False)
+
+
+@pytest.mark.slow
+def test_a_compiled_lightning_module_recovers_under_ddp(tmp_path, reference):
+    """``trainer.fit(torch.compile(model))`` under DDP: rank 1 runs out of memory, both ranks split alike.
+
+    Forked ranks: a compiled LightningModule cannot be pickled for spawned ones (Lightning's own limit; the
+    ``ddp`` launcher of a script starts its ranks from the script, as ``gpuopt fit`` does)."""
+    model = torch.compile(WideRegressor("adam"), backend="aot_eager")
+    zero, one = ddp_fit(tmp_path, "compiled", model, [OOMRecovery()], rule="forward", start_method="fork")
+    assert one["failures"] >= 1 and zero["failures"] == 0
+    assert one["history"] and [h[:3] for h in zero["history"]] == [h[:3] for h in one["history"]]
+    assert zero["steps"] == one["steps"] == 8
     _assert_same(zero["params"], one["params"], exact=True)
     _assert_same(one["params"], reference[0]["params"], exact=False)
 
