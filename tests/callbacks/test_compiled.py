@@ -30,7 +30,8 @@ from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.report import summary_rows
 from lightning_gpuopt.testing import SimulatedMemory
-from tests.callbacks.batch_models import FAMILIES, SizedModule, Tensors, fit, peaks_at, true_maxima
+from tests.callbacks.batch_models import FAMILIES, fit, peaks_at, true_maxima
+from tests.callbacks.test_batch_size_predicted import MLP
 from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of
 
 pytestmark = pytest.mark.filterwarnings(
@@ -255,27 +256,12 @@ def test_a_warning_before_dynamo_stops_compiling(monkeypatch):
     assert budget.caused == 3
 
 
-class CompiledMLP(SizedModule):
-    """An MLP over 64 positions per sample whose network is a compiled submodule (aot_eager)."""
+class CompiledMLP(MLP):
+    """test_batch_size_predicted's MLP with its network a compiled submodule (aot_eager)."""
 
     def __init__(self) -> None:
         super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            self.net = torch.compile(
-                nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 10)), backend="aot_eager"
-            )
-
-    def forward(self, x):
-        return self.net(x).mean(dim=1)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    @staticmethod
-    def data(n: int = 512):
-        g = torch.Generator().manual_seed(0)
-        return Tensors(torch.randn(n, 64, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+        self.net = torch.compile(self.net, backend="aot_eager")
 
 
 FAMILIES.update(compiled_mlp=CompiledMLP)
