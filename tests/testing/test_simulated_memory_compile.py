@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpuopt.memory import is_oom_error
 from lightning_gpuopt.testing import SimulatedMemory
+from lightning_gpuopt.testing.simulated_memory import native_status
 from tests.testing.conftest import require_native
 
 TOLERANCE = 0.03  # the same contract as the eager comparison (test_simulated_memory_accuracy.py)
@@ -287,7 +288,11 @@ def test_the_dispatch_backend_says_what_it_misses_under_compile(caplog, fresh_dy
     with caplog.at_level(logging.WARNING, logger="lightning_gpuopt.testing.simulated_memory"):
         with SimulatedMemory(backend="dispatch"):
             for _ in range(2):
-                model(x).sum().backward()
+                model(x).sum().backward()  # compiles the forward, then the backward
+        torch.compile(lambda t: t * 2, backend="aot_eager")(x)  # after exit: nothing listens any more
+        if native_status() is None:  # the allocator backend has no such note
+            with SimulatedMemory(backend="allocator"):
+                torch.compile(lambda t: t + 1, backend="aot_eager")(x)
     notes = [r.getMessage() for r in caplog.records if "under torch.compile" in r.getMessage()]
     assert len(notes) == 1  # once, at the first compilation
     assert "backend='allocator'" in notes[0]
