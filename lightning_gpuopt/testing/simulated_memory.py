@@ -357,6 +357,9 @@ class SimulatedMemory(MemoryProbe):
             if remove is not None:
                 self._undo.append(remove)
         if _dist.is_available():
+            # torch caches this table of torch.distributed's functions the first time it is asked (dynamo
+            # asks when it first compiles): built now, it holds the originals, not the wrappers below.
+            torch.overrides.get_testing_overrides()
             for name in _COLLECTIVES:
                 if callable(getattr(_dist, name, None)):
                     self._unlimit_inside(name)

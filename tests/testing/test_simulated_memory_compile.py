@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import traceback
+import weakref
 from collections.abc import Callable
 
 import lightning as L
@@ -286,10 +288,14 @@ def test_the_dispatch_backend_says_what_it_misses_under_compile(caplog, fresh_dy
     model, x, _ = _cnn()
     model.body = torch.compile(model.body, backend="aot_eager")
     with caplog.at_level(logging.WARNING, logger="lightning_gpuopt.testing.simulated_memory"):
-        with SimulatedMemory(backend="dispatch"):
+        mem = SimulatedMemory(backend="dispatch")
+        with mem:
             for _ in range(2):
                 model(x).sum().backward()  # compiles the forward, then the backward
-        torch.compile(lambda t: t * 2, backend="aot_eager")(x)  # after exit: nothing listens any more
+        gone = weakref.ref(mem)
+        del mem
+        gc.collect()
+        assert gone() is None  # exit removed its listener to dynamo's compilations
         if native_status() is None:  # the allocator backend has no such note
             with SimulatedMemory(backend="allocator"):
                 torch.compile(lambda t: t + 1, backend="aot_eager")(x)
