@@ -24,7 +24,6 @@ How bytes are counted (see docs/memory.md for the full list of what is and is no
   memory, which no allocator of this process made) or is the dataset's own tensor -- is replaced by
   a copy made under the counter (limit-checked like any allocation), which dies with the batch. A
   batch collated in this process is counted already and passes through unchanged.
-
 * **Under torch.compile** nothing of the simulation is traced and the same graphs compile; the
   allocator backend counts inductor's generated code like any other (see docs/memory.md).
 
@@ -104,8 +103,8 @@ class SimulatedMemory(MemoryProbe):
         backend: ``"allocator"`` (exact: a counting CPU allocator, built with the system C++ compiler
             on first use, a few seconds, cached), ``"dispatch"`` (pure Python; misses the buffers kernels
             allocate internally, so peaks read low -- a ResNet-18 forward peak by 40 %, and most of
-            what inductor-compiled code allocates --; counts only the entering thread; slower), or ``"auto"``: the allocator when it can be built,
-            else dispatch (logged once).
+            what inductor-compiled code allocates --; counts only the entering thread; slower), or
+            ``"auto"``: the allocator when it can be built, else dispatch (logged once).
 
     Raises:
         ValueError: ``limit_bytes`` is not a positive int or None, or ``backend`` is unknown.
