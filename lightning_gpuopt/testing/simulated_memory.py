@@ -8,7 +8,8 @@ How bytes are counted (see docs/memory.md for the full list of what is and is no
   The ``"dispatch"`` backend (pure Python, used where no C++ compiler exists) counts op outputs on
   the entering thread; it misses kernel-internal temporaries.
 * **Tensors that existed before entering**, counted the first time the training touches them, as if
-  they had just been moved to the device: parameters and buffers of a module when it is called,
+  they had just been moved to the device: parameters and buffers of a module and of all its
+  submodules when it is first called eagerly (hooks do nothing inside code dynamo compiles),
   parameters, gradients and state of an optimizer when it steps (their whole storage, until it
   dies), and inputs -- every tensor of a batch a DataLoader yields, the tensors passed to a module,
   whatever is passed to :meth:`SimulatedMemory.track` -- as a copy to the device would: a view into a
@@ -23,6 +24,8 @@ How bytes are counted (see docs/memory.md for the full list of what is and is no
   memory, which no allocator of this process made) or is the dataset's own tensor -- is replaced by
   a copy made under the counter (limit-checked like any allocation), which dies with the batch. A
   batch collated in this process is counted already and passes through unchanged.
+* **Under torch.compile** nothing of the simulation is traced and the same graphs compile; the
+  allocator backend counts inductor's generated code like any other (see docs/memory.md).
 
 The instance is the active :class:`~lightning_gpuopt.memory.MemoryProbe` while entered, so
 ``get_probe()`` returns it and everything built on the probe runs unchanged on CPU.
@@ -36,7 +39,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -99,9 +102,9 @@ class SimulatedMemory(MemoryProbe):
             next allocation fail.
         backend: ``"allocator"`` (exact: a counting CPU allocator, built with the system C++ compiler
             on first use, a few seconds, cached), ``"dispatch"`` (pure Python; misses the buffers kernels
-            allocate internally, so peaks read low -- a ResNet-18 forward peak by 40 % --; counts
-            only the entering thread; slower), or ``"auto"``: the allocator when it can be built,
-            else dispatch (logged once).
+            allocate internally, so peaks read low -- a ResNet-18 forward peak by 40 %, and most of
+            what inductor-compiled code allocates --; counts only the entering thread; slower), or
+            ``"auto"``: the allocator when it can be built, else dispatch (logged once).
 
     Raises:
         ValueError: ``limit_bytes`` is not a positive int or None, or ``backend`` is unknown.
@@ -137,6 +140,7 @@ class SimulatedMemory(MemoryProbe):
         self._adopter: _Adopter | None = None
         self._undo: list = []
         self._collective_depth = 0  # torch.distributed calls running now (their allocations never raise)
+        self._compile_logged = False  # the dispatch backend's note about torch.compile, once per entry
         self._pid = 0
         self._final = (0, 0, 0)  # allocated, peak, num_ooms at the last exit
 
@@ -211,8 +215,9 @@ class SimulatedMemory(MemoryProbe):
         """Count tensors that existed before entering, as if they had been moved to the device now.
 
         Rarely needed: modules, optimizers and DataLoader batches are counted automatically when the
-        training first uses them. Use it for tensors used directly (not passed to a module), or to
-        have parameters counted before the first forward.
+        training first uses them. Use it for tensors used directly (not passed to a module), to have
+        parameters counted before the first forward, or under ``torch.compile`` where no module call
+        is eager (``trainer.fit(torch.compile(model))``: buffers are counted only this way).
 
         Args:
             *objs: modules (parameters, buffers, gradients), optimizers (parameters, gradients,
@@ -251,6 +256,7 @@ class SimulatedMemory(MemoryProbe):
         try:
             self._pid = os.getpid()
             self._counter = counter
+            self._compile_logged = False
             self._adopter = _Adopter(counter)
             self._install_hooks(self._adopter)
             _push_active_probe(self)
@@ -311,13 +317,18 @@ class SimulatedMemory(MemoryProbe):
         return counter
 
     def _install_hooks(self, adopter: _Adopter) -> None:
+        # Neither hook may be traced: dynamo inlines global hooks into the code it compiles, where the
+        # adopter's bookkeeping would break the graph (or fail: "already tracked for mutation"). Under
+        # torch.compile they run only where the call itself is eager (see _Adopter.called).
         def module_pre_hook(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
                 return
-            adopter.module(module, recurse=False)
+            adopter.called(module)
             adopter.tree(args, depth=2, as_input=True)
 
         def optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             adopter.optimizer(optimizer)
 
         handle = torch.nn.modules.module.register_module_forward_pre_hook(module_pre_hook)
@@ -332,22 +343,46 @@ class SimulatedMemory(MemoryProbe):
         def __next__(it: Any) -> Any:
             return adopter.arrival(original_next(it))
 
-        iter_cls.__next__ = __next__
+        # A loader iterated inside compiled code: dynamo breaks the graph at this call, as it does at the
+        # original's (a skipped function), instead of tracing the adopter.
+        iter_cls.__next__ = torch.compiler.disable(__next__)
 
         def restore_next() -> None:
             iter_cls.__next__ = original_next
 
         self._undo.append(restore_next)
+        if isinstance(adopter.counter, DispatchCounter):
+            remove = _on_dynamo_compile(self._compiling_under_dispatch)
+            if remove is not None:
+                self._undo.append(remove)
         if _dist.is_available():
+            # torch caches this table of torch.distributed's functions the first time it is asked (dynamo
+            # asks when it first compiles): built now, it holds the originals, not the wrappers below.
+            torch.overrides.get_testing_overrides()
             for name in _COLLECTIVES:
                 if callable(getattr(_dist, name, None)):
                     self._unlimit_inside(name)
+
+    def _compiling_under_dispatch(self) -> None:
+        if self._compile_logged:
+            return
+        self._compile_logged = True
+        log.warning(
+            "SimulatedMemory(backend='dispatch') under torch.compile counts the operators that compiled graphs "
+            "run (exact with backend='aot_eager'), not the buffers that inductor's generated kernels allocate: "
+            "peaks of inductor-compiled code read low. Use SimulatedMemory(backend='allocator'), built with "
+            "the C++ compiler that inductor needs too."
+        )
 
     def _unlimit_inside(self, name: str) -> None:
         original = getattr(_dist, name)
         counter = self._counter
 
         def collective(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                # Inside compiled code: dynamo must see the original, which it turns into a traceable
+                # collective; the limit stays (what compiled collectives allocate is checked like the rest).
+                return original(*args, **kwargs)
             self._collective_depth += 1  # a collective that calls another one: the outer restores the limit
             counter.set_limit(None)
             try:
@@ -515,14 +550,20 @@ class _Adopter:
             self.tree(obj, depth, as_input=True)
         return obj
 
+    def called(self, module: torch.nn.Module) -> None:
+        """``module`` runs eagerly: count its tensors and its submodules' (each module once).
+
+        Submodules at once, as ``module.to(device)`` would move them: a submodule that only runs inside
+        compiled code (``torch.compile(block)``, ``block.compile()``) has no eager call of its own.
+        """
+        if module in self._seen_modules or _on_fake_tensors(module):
+            return
+        for sub in module.modules():
+            if sub not in self._seen_modules and not _on_fake_tensors(sub):
+                self._seen_modules.add(sub)
+                self.module(sub, recurse=False)
+
     def module(self, module: torch.nn.Module, recurse: bool) -> None:
-        if not recurse:
-            if module in self._seen_modules:
-                return
-            state = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            if any(getattr(t, "fake_mode", None) is not None for t in state):
-                return  # traced on fake tensors (predict_peak): its own tensors are adopted when it runs for real
-            self._seen_modules.add(module)
         for p in module.parameters(recurse=recurse):
             self.tensor(p)
             if p.grad is not None:
@@ -556,6 +597,34 @@ class _Adopter:
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             for field in dataclasses.fields(obj):
                 self.tree(getattr(obj, field.name, None), depth - 1, as_input)
+
+
+def _on_dynamo_compile(callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback()`` whenever dynamo starts compiling; returns the undo, None where torch has no such hook.
+
+    The hook is private to torch (``torch._dynamo.callback``); tests/testing/test_simulated_memory_compile.py
+    fails when it moves.
+    """
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return None
+    register = getattr(callback_handler, "register_start_callback", None)
+    remove = getattr(callback_handler, "remove_start_callback", None)
+    if register is None or remove is None:
+        return None
+
+    def on_start(args: Any) -> None:
+        callback()
+
+    register(on_start)
+    return lambda: remove(on_start)
+
+
+def _on_fake_tensors(module: torch.nn.Module) -> bool:
+    # Traced on fake tensors (predict_peak): its own tensors are adopted when it runs for real.
+    state = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(getattr(t, "fake_mode", None) is not None for t in state)
 
 
 def _forget_in_child() -> None:
