@@ -9,7 +9,10 @@ retry with the same k, and the result must be the plain DDP run's.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -26,6 +29,7 @@ from lightning_gpuopt.microbatch.errors import Refused
 from lightning_gpuopt.microbatch.support import check_strategy
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves, WideRegressor
+from tests.helpers import subprocess_env
 
 LIMITED_RANK = 1
 LIMIT_AFTER = 2  # batches 0 and 1 run without a limit on every rank
@@ -110,7 +114,7 @@ def ddp_fit(tmp_path, name, model, callbacks, rule=None, steps=8, accumulate=1, 
     out.mkdir()
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        strategy=DDPStrategy(**{"start_method": "spawn", **ddp_kwargs}),
+        strategy=DDPStrategy(start_method="spawn", **ddp_kwargs),
         accelerator="cpu",
         devices=2,
         max_steps=steps,
@@ -169,15 +173,20 @@ def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(
 
 @pytest.mark.slow
 def test_a_compiled_lightning_module_recovers_under_ddp(tmp_path, reference):
-    """``trainer.fit(torch.compile(model))`` under DDP: rank 1 runs out of memory, both ranks split alike.
-
-    Forked ranks: a compiled LightningModule cannot be pickled for spawned ones (Lightning's own limit; the
-    ``ddp`` launcher of a script starts its ranks from the script, as ``gpuopt fit`` does)."""
-    model = torch.compile(WideRegressor("adam"), backend="aot_eager")
-    zero, one = ddp_fit(tmp_path, "compiled", model, [OOMRecovery()], rule="forward", start_method="fork")
+    """``trainer.fit(torch.compile(model))`` with ``strategy="ddp"``: rank 1 runs out of memory, both split alike."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("ddp_compiled_run.py")), str(tmp_path)],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert one["failures"] >= 1 and zero["failures"] == 0
     assert one["history"] and [h[:3] for h in zero["history"]] == [h[:3] for h in one["history"]]
-    assert zero["steps"] == one["steps"] == 8
+    assert zero["steps"] == one["steps"] == 8 and zero["error"] is None and one["error"] is None
     _assert_same(zero["params"], one["params"], exact=True)
     _assert_same(one["params"], reference[0]["params"], exact=False)
 
