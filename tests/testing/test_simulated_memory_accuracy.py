@@ -57,6 +57,26 @@ def _full_step(model, opt, x, y):
 
 
 PHASES = ("forward", "backward", "step")
+
+
+def simulated_phases(model, opt, x, y, backend: str = "auto") -> tuple[dict[str, int], int]:
+    """One training step under SimulatedMemory: the peak above the start up to the end of each phase, and
+    what the step left allocated above it."""
+    simulated = {}
+    with SimulatedMemory(backend=backend) as mem:
+        mem.track(model, opt, x, y)
+        mem.reset_peak()
+        start = mem.allocated_bytes
+        loss = nn.functional.cross_entropy(model(x), y)
+        simulated["forward"] = mem.peak_bytes - start
+        loss.backward()
+        simulated["backward"] = mem.peak_bytes - start
+        opt.step()
+        simulated["step"] = mem.peak_bytes - start
+        del loss
+        return simulated, mem.allocated_bytes - start
+
+
 _reference: dict = {}
 
 
@@ -85,19 +105,7 @@ def test_peak_matches_the_profiler(backend, model_name, first_step, profiler_pea
     reference = _reference[key]
 
     model, opt, x, y = _prepared(model_name, first_step)
-    simulated = {}
-    with SimulatedMemory(backend=backend) as mem:
-        mem.track(model, opt, x, y)
-        mem.reset_peak()
-        start = mem.allocated_bytes
-        loss = nn.functional.cross_entropy(model(x), y)
-        simulated["forward"] = mem.peak_bytes - start
-        loss.backward()
-        simulated["backward"] = mem.peak_bytes - start
-        opt.step()
-        simulated["step"] = mem.peak_bytes - start
-        del loss
-        end = mem.allocated_bytes - start
+    simulated, end = simulated_phases(model, opt, x, y, backend)
 
     for upto in PHASES:
         peak, ref = simulated[upto], reference[upto][0]

@@ -22,6 +22,7 @@ from lightning_gpuopt.memory import is_oom_error
 from lightning_gpuopt.testing import SimulatedMemory
 from lightning_gpuopt.testing.simulated_memory import native_status
 from tests.testing.conftest import require_native
+from tests.testing.test_simulated_memory_accuracy import simulated_phases
 
 TOLERANCE = 0.03  # the same contract as the eager comparison (test_simulated_memory_accuracy.py)
 
@@ -368,19 +369,7 @@ def test_inductor_step_peak_matches_the_profiler(inductor_mlp, profiler_peak):
         reference[upto] = profiler_peak(lambda upto=upto: _phases(model, opt, x, y, upto, []))
 
     opt.zero_grad(set_to_none=True)
-    simulated = {}
-    with SimulatedMemory() as mem:
-        mem.track(model, opt, x, y)
-        mem.reset_peak()
-        start = mem.allocated_bytes
-        loss = nn.functional.cross_entropy(model(x), y)
-        simulated["forward"] = mem.peak_bytes - start
-        loss.backward()
-        simulated["backward"] = mem.peak_bytes - start
-        opt.step()
-        simulated["step"] = mem.peak_bytes - start
-        del loss
-        end = mem.allocated_bytes - start
+    simulated, end = simulated_phases(model, opt, x, y)
     assert counters["stats"]["unique_graphs"] == graphs  # all of it ran the warm compiled code
     for upto, (peak, _) in reference.items():
         print(
