@@ -24,6 +24,7 @@ from lightning_gpuopt._warnings import GPUOptWarning
 __all__ = [
     "CUDA_GRAPHS_REASON",
     "RecompileBudget",
+    "caused_compilations",
     "compiled_frames",
     "cuda_graphs_in",
     "cuda_graphs_refusal",
@@ -119,6 +120,32 @@ def compiled_frames() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["frames"]["ok"])
+
+
+#: What dynamo's recompile reason says when a new micro-batch size or a precision switch is the cause.
+_PACK_REASONS = ("size mismatch", "GLOBAL_STATE changed")
+
+
+def caused_compilations(new: int) -> int:
+    """Of the last ``new`` compilations, those a new batch size or a new autocast/grad state explains.
+
+    dynamo records why it recompiled each frame (``get_compilation_metrics()[i].recompile_reason``); guards
+    on other state (a Lightning ``self.log`` inside a compiled step guards on the loop's results, say)
+    recompile without the pack's doing and are not counted. A frame compiled for the first time counts:
+    the new graph's own frames. Where the records are unavailable, every compilation counts.
+    """
+    if new <= 0:
+        return 0
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        metrics = list(get_compilation_metrics())[-new:]
+    except Exception:  # pragma: no cover - an older or newer torch without the records
+        return new
+    if len(metrics) < new:
+        return new
+    reasons = [getattr(m, "recompile_reason", None) for m in metrics]
+    return sum(1 for r in reasons if not r or any(key in r for key in _PACK_REASONS))
 
 
 def recompile_limit() -> int:

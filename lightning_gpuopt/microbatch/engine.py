@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_gpuopt import _compat
 from lightning_gpuopt._compiled import (
     RecompileBudget,
+    caused_compilations,
     compiled_frames,
     is_compiled_anywhere,
     mark_batch_dynamic,
@@ -918,8 +919,10 @@ class MicroBatchEngine:
             cause = f"split {before} → {after}{where}"
             if last == 1:
                 cause += " (batch dimension dynamic from now on)"
-        new = compiled_frames() - frames
-        if not new or cause is None:
+        if cause is None:
+            return
+        new = caused_compilations(compiled_frames() - frames)
+        if not new:
             return
         self.recompiles.add(new, cause)
         record_decision(

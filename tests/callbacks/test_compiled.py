@@ -317,3 +317,71 @@ def test_a_precision_switch_recompiles_once_and_says_so():
     assert [(d.step, d.message) for d in recompiled] == [
         (6, "recompiled after precision switch 16-mixed → bf16-mixed")
     ]
+
+
+class ValidatedCNN(CNN):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+
+class SqueezeValidation(pl.Callback):
+    """From validation batch 1 on, room for half of batch 0's transient memory."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        probe = get_probe()
+        if batch_idx == 1:
+            probe.limit_bytes = probe.allocated + (self.peak - self.start) // 2
+        probe.reset_peak()
+        self.start = probe.allocated
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.peak = get_probe().peak
+
+
+@pytest.mark.parametrize("form", ["module", "submodule"])
+def test_an_evaluation_split_under_compile_recompiles_once_and_says_so(form):
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+    model = ValidatedCNN(compile_net="aot_eager" if form == "submodule" else None)
+    fitted = torch.compile(model, backend="aot_eager") if form == "module" else model
+    callback = OOMRecovery()
+    trainer = pl.Trainer(limit_val_batches=4, callbacks=[callback, SqueezeValidation()], **TRAINER_QUIET)
+    with SimulatedMemory() as memory:
+        trainer.validate(fitted, DataLoader(CNN.data(), batch_size=BATCH), verbose=False)
+    assert memory.num_ooms >= 1 and callback.eval_k["validation"] == 2
+    recompiled = [d for d in decisions(trainer) if d.kind == "recompilation"]
+    assert [d.message for d in recompiled] == [
+        f"recompiled after split {BATCH} → {BATCH // 2} in validation (batch dimension dynamic from now on)"
+    ]
+    # dynamo's own reasons: one recompilation, for the batch dimension (Lightning's `self.log` under compile
+    # recompiles for reasons of its own, which the pack neither causes nor counts)
+    reasons = [m.recompile_reason or "" for m in get_compilation_metrics()]
+    batch_dimension = [r for r in reasons if "size mismatch at index 0" in r]
+    assert len(batch_dimension) == 1 == recompiled[0].data["frames"], reasons
+    assert batch_dimension[0].endswith(f"expected {BATCH}, actual {BATCH // 2}")
+
+
+def test_only_recompilations_a_batch_size_or_autocast_explains_are_the_packs():
+    from torch._dynamo.utils import clear_compilation_metrics
+
+    from lightning_gpuopt._compiled import caused_compilations
+
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    scale = {"value": 2.0}
+    step = torch.compile(lambda x: x * scale["value"], backend="eager")
+    step(torch.randn(4, 3))
+    scale["value"] = 3.0  # a guard on the user's own state: not the pack's doing
+    step(torch.randn(4, 3))
+    step(torch.randn(2, 3))  # a new batch size
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a precision switch
+        step(torch.randn(2, 3))
+    assert caused_compilations(3) == 2
+    assert caused_compilations(4) == 3  # the first compilation of a frame counts
