@@ -23,7 +23,8 @@ from lightning_gpuopt import _compat
 from lightning_gpuopt._compiled import (
     RecompileBudget,
     caused_compilations,
-    compiled_frames,
+    compilations_since,
+    compile_marker,
     is_compiled_anywhere,
     mark_batch_dynamic,
 )
@@ -196,9 +197,7 @@ class MicroBatchEngine:
         self.compiled = False
         #: The recompilations the pack caused in this fit (splits, precision switches).
         self.recompiles = RecompileBudget()
-        #: Why the next attempt may recompile (a new micro-batch size, a precision switch); ``None``: nothing
-        #: the pack changed, so a recompilation then is the user's own (the first step, a short last batch).
-        self.compile_cause: str | None = None
+        self._compile_causes: dict[str, str] = {}  # per stage: why its next attempt may recompile
         self._last_k: dict[str, int] = {}
         self._single_ok: set[str] = set()  # stages where a micro-batch of 2 failed under compile
 
@@ -516,7 +515,7 @@ class MicroBatchEngine:
             failure: OOMFailure | None = None
             peer_votes = None  # the vote at which another rank's failure stopped this attempt (FSDP2)
             output = None
-            frames = self._before_attempt()
+            marker = self._before_attempt()
             try:
                 self.exchange.begin(k)
                 with self._no_sync():
@@ -542,7 +541,7 @@ class MicroBatchEngine:
                         None
                     )  # re-raised later; its frames must not pin memory
                 failure = self._describe(err, probe if measured else None, batch_idx, n, k, baseline, params)
-            self._after_attempt(frames, "train", n, k)
+            self._after_attempt(marker, "train", n, k)
             fatal: BaseException | None = None
             if failure is not None or peer_votes is not None:
                 # Outside the except block: the traceback and the activations it pinned are gone.
@@ -700,16 +699,16 @@ class MicroBatchEngine:
             baseline = probe.allocated if measured else None
             failure: OOMFailure | None = None
             peer_votes = None
-            frames = self._before_attempt()
+            marker = self._before_attempt()
             try:
-                if voting:
-                    self.exchange.begin(k)
-                elif k == 1:
-                    output = original(*args, **kwargs)
-                    self._after_attempt(frames, stage, n, k)
-                    return output
-                output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
-                self._after_attempt(frames, stage, n, k)
+                try:
+                    if voting:
+                        self.exchange.begin(k)
+                    elif k == 1:
+                        return original(*args, **kwargs)
+                    output, logs = self._run_eval(original, batch, args[1:], kwargs, n, k)
+                finally:  # once, however the attempt ended
+                    self._after_attempt(marker, stage, n, k)
                 if not voting:  # nobody else to agree with: a step that ran is kept
                     self._ran(n, k, stage)
                     self._emit_logs(*logs)
@@ -717,7 +716,6 @@ class MicroBatchEngine:
             except PeerFailure as err:
                 peer_votes = err.votes
             except Exception as err:
-                self._after_attempt(frames, stage, n, k)
                 if self.oom_handler is None or not is_oom_error(err):
                     self._raise_if_too_small(err, n, k, stage)
                     raise
@@ -865,7 +863,6 @@ class MicroBatchEngine:
                 self._phase = "forward"
                 attempt.start()
                 out = self._orig_training_step(chunk, *rest, **kwargs)
-                attempt.keep(weight)
                 loss, extra = split_output(out)
                 if loss is None:
                     raise Refused(
@@ -881,6 +878,7 @@ class MicroBatchEngine:
                 if scaler is not None:
                     scaled = scaler.scale(scaled)
                 self._orig_backward(scaled)
+                attempt.keep(weight)  # what the step and its backward logged
                 part = loss.detach() if weight == 1.0 else loss.detach() * weight
                 total = part if total is None else total + part
                 del out, loss, scaled
@@ -900,31 +898,45 @@ class MicroBatchEngine:
             for chunk in chunks:
                 mark_batch_dynamic(chunk, self._batch_size(chunk))
 
-    def _before_attempt(self) -> int | None:
-        return compiled_frames() if self.compiled else None
+    @property
+    def compile_cause(self) -> str | None:
+        """Why the next training attempt may recompile besides a new micro-batch size (a precision switch sets
+        it); set, it holds for the next attempt of every stage (each stage's compiled frames recompile once)."""
+        return self._compile_causes.get("train")
 
-    def _after_attempt(self, frames: int | None, stage: str, n: int, k: int) -> None:
-        """Count what dynamo compiled during an attempt, and record it when the pack's change caused it."""
-        if frames is None:
+    @compile_cause.setter
+    def compile_cause(self, cause: str | None) -> None:
+        for stage in ("train", *EVAL_STAGES):
+            if cause is None:
+                self._compile_causes.pop(stage, None)
+            else:
+                self._compile_causes[stage] = cause
+
+    def _before_attempt(self) -> tuple[int, Any] | None:
+        return compile_marker() if self.compiled else None
+
+    def _after_attempt(self, marker: tuple[int, Any] | None, stage: str, n: int, k: int) -> None:
+        """Count what dynamo compiled during an attempt, and record what the pack's change caused."""
+        if marker is None:
             return
+        self.recompiles.seen(compilations_since(marker))  # every compilation uses up dynamo's per-frame limit
         last = self._last_k.get(stage)
         self._last_k[stage] = k
+        cause = self._compile_causes.pop(stage, None)
         if last is None:  # the stage's first attempt in this fit: its compilation is the model's own
-            self.compile_cause = None
             return
-        cause, self.compile_cause = self.compile_cause, None
         if k != last:
             before, after = math.ceil(n / last), math.ceil(n / k)
             where = "" if stage == "train" else f" in {stage}"
-            cause = f"split {before} → {after}{where}"
+            cause = f"{'split' if k > last else 'growing back'} {before} → {after}{where}"
             if last == 1:
                 cause += " (batch dimension dynamic from now on)"
         if cause is None:
             return
-        new = caused_compilations(compiled_frames() - frames)
+        new, names = caused_compilations(marker)
         if not new:
             return
-        self.recompiles.add(new, cause)
+        self.recompiles.add(new, cause, names)
         record_decision(
             self.trainer,
             "recompilation",

@@ -5,19 +5,22 @@
 ``trainer.fit(torch.compile(model))`` with ``strategy="ddp"``, as a script runs it: Lightning starts rank 1
 by running this script again (a compiled LightningModule cannot be pickled for spawned ranks, and forked
 ones cannot run autograd once the parent has). Rank 1 runs out of memory in its forward after two steps
-(``RankMemory``); each rank writes OUT_DIR/rank{r}.pt.
+(``RankMemory``); each rank writes OUT_DIR/rank{r}.pt and OUT_DIR/rank{r}_compile.json.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import OOMRecovery
+from lightning_gpuopt.decisions import decisions
 from tests.callbacks.oom_models import Waves, WideRegressor
 from tests.callbacks.test_oom_recovery_ddp import RankMemory
 
@@ -38,6 +41,11 @@ def main(out: Path) -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(Waves(length=128 * 2 * 8), batch_size=128, shuffle=False))
+    compiled = {  # that compile ran, and what the split made it do
+        "frames": int(counters["frames"]["ok"]),
+        "recompilations": [d.message for d in decisions(trainer) if d.kind == "recompilation"],
+    }
+    (out / f"rank{trainer.global_rank}_compile.json").write_text(json.dumps(compiled))
     # Leave gloo cleanly: its threads can abort the interpreter's exit when the process group is still alive.
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -229,6 +229,11 @@ def test_micro_batches_of_one_sample_when_two_do_not_fit():
         trainer.fit(CNN(compile_net="aot_eager"), DataLoader(CNN.data(), batch_size=BATCH))
     assert memory.num_ooms >= 1
     assert ran == [1, BATCH // 2, BATCH, BATCH], ran
+    # Micro-batches of 1 cost one more recompilation (dynamo specialises the size), recorded as such.
+    recompiled = [d.data["cause"] for d in decisions(trainer) if d.kind == "recompilation"]
+    assert recompiled == [f"split {BATCH} → 2 (batch dimension dynamic from now on)", "split 2 → 1"], (
+        recompiled
+    )
 
 
 def test_cuda_graphs_are_refused_with_the_reason_and_the_alternative():
@@ -250,10 +255,15 @@ def test_a_warning_before_dynamo_stops_compiling():
     # dynamo's own patch: monkeypatch's undo would delete the config entry for every later compilation
     with torch._dynamo.config.patch(recompile_limit=3):
         budget = RecompileBudget()
-        budget.add(1, "split 32 → 16")
-        with pytest.warns(GPUOptWarning, match="dynamo's recompile limit is 3 per frame"):
-            budget.add(1, "split 16 → 8")
-        budget.add(1, "split 8 → 4")  # warned once
+        budget.seen(["step.py:1 step", "net.py:1 forward"])
+        budget.add(1, "split 32 → 16", ["step.py:1 step"])  # another frame's compilations do not add up
+        budget.seen(["step.py:1 step"])
+        with pytest.warns(
+            GPUOptWarning, match="compiled 2 times in this fit.*recompile limit is 3 per frame"
+        ):
+            budget.add(1, "split 16 → 8", ["step.py:1 step"])
+        budget.seen(["step.py:1 step"])
+        budget.add(1, "split 8 → 4", ["step.py:1 step"])  # warned once
     assert budget.caused == 3
 
 
@@ -371,17 +381,22 @@ def test_an_evaluation_split_under_compile_recompiles_once_and_says_so(form):
 def test_only_recompilations_a_batch_size_or_autocast_explains_are_the_packs():
     from torch._dynamo.utils import clear_compilation_metrics
 
-    from lightning_gpuopt._compiled import caused_compilations
+    from lightning_gpuopt._compiled import caused_compilations, compilations_since, compile_marker
 
     torch._dynamo.reset()
     clear_compilation_metrics()
     scale = {"value": 2.0}
-    step = torch.compile(lambda x: x * scale["value"], backend="eager")
-    step(torch.randn(4, 3))
+    net = torch.compile(lambda x: (x * scale["value"]).sum(), backend="aot_eager")  # with backward graphs
+    start = compile_marker()
+    net(torch.randn(4, 3, requires_grad=True)).backward()
+    after_first = compile_marker()
     scale["value"] = 3.0  # a guard on the user's own state: not the pack's doing
-    step(torch.randn(4, 3))
-    step(torch.randn(2, 3))  # a new batch size
+    net(torch.randn(4, 3, requires_grad=True)).backward()
+    assert caused_compilations(after_first) == (0, [])
+    net(torch.randn(2, 3, requires_grad=True)).backward()  # a new batch size
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a precision switch
-        step(torch.randn(2, 3))
-    assert caused_compilations(3) == 2
-    assert caused_compilations(4) == 3  # the first compilation of a frame counts
+        net(torch.randn(2, 3, requires_grad=True)).backward()
+    caused, names = caused_compilations(after_first)
+    assert caused == 2 and len(set(names)) == 1 and names[0].endswith(" <lambda>")
+    assert caused_compilations(start)[0] == 3  # the first compilation of a frame counts
+    assert len(compilations_since(start)) == 4  # dynamo's per-frame limit counts every compilation

@@ -8,6 +8,7 @@ retry with the same k, and the result must be the plain DDP run's.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -189,6 +190,11 @@ def test_a_compiled_lightning_module_recovers_under_ddp(tmp_path, reference):
     assert zero["steps"] == one["steps"] == 8 and zero["error"] is None and one["error"] is None
     _assert_same(zero["params"], one["params"], exact=True)
     _assert_same(one["params"], reference[0]["params"], exact=False)
+    # Compiled it was, on both ranks, and both ranks' split recompiled once, alike.
+    compiled = [json.loads((tmp_path / f"rank{r}_compile.json").read_text()) for r in (0, 1)]
+    assert all(c["frames"] >= 1 for c in compiled), compiled
+    assert compiled[0]["recompilations"] == compiled[1]["recompilations"] != [], compiled
+    assert compiled[0]["recompilations"][0].startswith("recompiled after split 128 → 64")
 
 
 @pytest.mark.slow
