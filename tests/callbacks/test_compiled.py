@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch._dynamo
+import torch._inductor.config as inductor_config
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
@@ -247,6 +248,11 @@ def test_cuda_graphs_are_refused_with_the_reason_and_the_alternative():
     plain = CNN()
     plain.net = torch.compile(plain.net)
     assert cuda_graphs_refusal(plain, torch.device("cuda", 0), "OOMRecovery") is None
+    in_place = CNN()
+    in_place.net.compile(mode="reduce-overhead")  # module.compile(): the context sits in its compiled call
+    assert cuda_graphs_refusal(in_place, torch.device("cuda", 0), "OOMRecovery") == message
+    with inductor_config.patch({"triton.cudagraphs": True}):  # inductor's global switch
+        assert cuda_graphs_refusal(plain, torch.device("cuda", 0), "OOMRecovery") == message
 
 
 def test_a_warning_before_dynamo_stops_compiling():
