@@ -26,6 +26,13 @@ see the OOM there, stop their attempt (:class:`PeerFailure`) and take the same d
 votes. The ranks' sequences of collectives stay identical, so nothing hangs. Each vote reads its
 result on the host: the price of recovering under FSDP2 is one small all-reduce and one device sync
 per FSDP collective.
+
+Under HSDP (a 2-D ``(replicate, shard)`` mesh) FSDP all-gathers and reduce-scatters within a shard
+group, then all-reduces each reduce-scattered gradient across the replicas. Every rank votes in one
+global group (the default process group), before each all-gather and reduce-scatter and once more
+right after each reduce-scatter: FSDP calls the replicas' all-reduce straight after the
+reduce-scatter returns, so that vote stands before it, and a rank out of memory between the two
+stops its replicas before they enter the all-reduce.
 """
 
 from __future__ import annotations
@@ -255,26 +262,41 @@ class _VotingComm:
     others'.
     """
 
-    def __init__(self, inner: Any, exchange: FSDP2Exchange) -> None:
-        self.inner, self.exchange = inner, exchange
+    def __init__(self, inner: Any, exchange: FSDP2Exchange, vote_after: bool = False) -> None:
+        self.inner, self.exchange, self.vote_after = inner, exchange, vote_after
 
     def allocate(self, *args: Any, **kwargs: Any) -> Tensor:
         return self.inner.allocate(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.exchange.check()
-        return self.inner(*args, **kwargs)
+        out = self.inner(*args, **kwargs)
+        if self.vote_after:  # HSDP: the replicas' all-reduce of this reduce-scatter's output comes next
+            self.exchange.check()
+        return out
+
+
+def _mesh_groups(mesh_info: Any) -> tuple[Any, Any]:
+    """(shard group, replicate group or ``None``) of one FSDP parameter group's mesh."""
+    return getattr(mesh_info, "shard_process_group", None), getattr(
+        mesh_info, "replicate_process_group", None
+    )
 
 
 class FSDP2Exchange:
-    """Votes for a module sharded with FSDP2 ``fully_shard`` over one process group (see the module docs).
+    """Votes for a module sharded with FSDP2 ``fully_shard`` over one mesh (see the module docs).
+
+    The mesh is one-dimensional (the ranks vote in its process group) or HSDP's ``(replicate, shard)``
+    mesh covering every rank (the ranks vote in the default group, once more before each replicas'
+    all-reduce).
 
     Args:
         module: the LightningModule (``trainer.strategy.model``), already sharded.
 
     Raises:
-        ValueError: nothing in ``module`` is sharded, or its units shard over different process
-            groups (HSDP, several mesh dimensions).
+        ValueError: nothing in ``module`` is sharded, its units shard over different meshes, an HSDP
+            mesh does not cover every rank or shards over groups of one rank, or a unit only
+            replicates (``replicate``, DDP-style).
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -282,22 +304,30 @@ class FSDP2Exchange:
         self.groups = [g for root in self.roots for g in _param_groups(root)]
         if not self.groups:
             raise ValueError(f"{type(module).__name__} has no `fully_shard` module with parameters")
-        one_dim = all(
-            hasattr(g.mesh_info, "shard_process_group")
-            and not hasattr(g.mesh_info, "replicate_process_group")
-            for g in self.groups
-        )
-        process_groups = (
-            {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups}
-            if one_dim
-            else {}
-        )
-        if len(process_groups) != 1:
+        meshes = {
+            tuple(id(pg) for pg in _mesh_groups(g.mesh_info)): _mesh_groups(g.mesh_info) for g in self.groups
+        }
+        if len(meshes) != 1:
             raise ValueError(
-                "every `fully_shard` unit must shard over the same one-dimensional mesh (no HSDP, no `replicate`, no "
-                "2-D meshes)"
+                "every `fully_shard` unit must shard over the same mesh (one data-parallel dimension, or one HSDP "
+                "(replicate, shard) mesh for all units)"
             )
-        (self.group,) = process_groups.values()
+        ((shard_group, replicate_group),) = meshes.values()
+        if shard_group is None:
+            raise ValueError(
+                "a unit only replicates (`replicate`, no shard dimension): its all-reduce cannot be voted; shard it "
+                "with `fully_shard`"
+            )
+        #: HSDP: the units' gradients are all-reduced across replicas after each reduce-scatter.
+        self.hybrid = replicate_group is not None
+        if self.hybrid:
+            shards, replicas = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)
+            if shards < 2 or shards * replicas != dist.get_world_size():
+                raise ValueError(
+                    f"an HSDP mesh of {replicas} replica(s) x {shards} shard(s) must cover all {dist.get_world_size()} "
+                    "ranks with at least 2 ranks per shard group (FSDP2Strategy(hsdp=True) builds one)"
+                )
+        self.group = None if self.hybrid else shard_group  # HSDP: every rank votes in the default group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.device = self.groups[0].device
@@ -314,7 +344,7 @@ class FSDP2Exchange:
         for g in self.groups:
             self._originals.append((g, g._all_gather_comm, g._reduce_scatter_comm))
             g._all_gather_comm = _VotingComm(g._all_gather_comm, self)
-            g._reduce_scatter_comm = _VotingComm(g._reduce_scatter_comm, self)
+            g._reduce_scatter_comm = _VotingComm(g._reduce_scatter_comm, self, vote_after=self.hybrid)
 
     def uninstall(self) -> None:
         """Give FSDP its own collectives back."""
@@ -362,7 +392,9 @@ class FSDP2Exchange:
         """Before a retry, on every rank: reshard every unit, reset FSDP's per-step state, drop unsharded gradients.
 
         ``reset_iter_state`` keeps the unsharded parameters' ``.grad`` (gradients autograd accumulated in an
-        interrupted backward before FSDP reduce-scattered them); the retry would add to them.
+        interrupted backward before FSDP reduce-scattered them); the retry would add to them. Under HSDP it
+        also waits for and drops the replicas' all-reduce state and any partial (not yet all-reduced)
+        gradient; the sharded gradients of the interrupted attempt are dropped by the engine, on every rank.
         """
         for root in self.roots:
             root.reset_iter_state()

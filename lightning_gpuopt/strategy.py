@@ -51,6 +51,7 @@ __all__ = [
     "PlanRow",
     "StrategyPlan",
     "StrategyPlanError",
+    "hsdp_shape",
     "optimizer_of",
     "sample_batch_of",
     "select_strategy",
@@ -135,19 +136,36 @@ class FSDP2Strategy(ModelParallelStrategy):
     all processes. A module with its own ``configure_model`` is left to it. Runs on CUDA (NCCL) and on
     CPU (gloo).
 
+    With ``hsdp=True`` (hybrid sharding, HSDP) the units are sharded over a two-dimensional
+    ``(replicate, shard)`` mesh built with torch's ``init_device_mesh`` (:attr:`shard_mesh`): each
+    group of ``world_size / replicate_size`` consecutive ranks (by default the processes of one node)
+    shards the model, and the ``replicate_size`` groups (by default one per node) hold replicas that
+    all-reduce their sharded gradients. The parameters' all-gathers and the gradients'
+    reduce-scatters stay within a node; only 1/shard-size of the gradients crosses nodes. Lightning's
+    own ``(data_parallel, tensor_parallel)`` mesh (:attr:`device_mesh`) stays as it is: it spreads the
+    data over every rank.
+
     Args:
         shard_modules: module types to shard as units; ``None``: the repeated blocks.
         reshard_after_forward: free each unit's gathered parameters after its forward (full sharding);
             ``False`` keeps them until the backward (sharding gradients and optimizer state only).
         cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
+        hsdp: shard within groups of ranks and replicate across them (HSDP) instead of sharding over
+            every rank.
+        replicate_size: with ``hsdp``, the number of replicas (groups sharding the model); ``None``: the
+            number of nodes. It must divide the world size, leaving at least 2 ranks per group.
         **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``, ...).
 
     Raises:
-        ValueError: at setup, the LightningModule holds parameters itself (not in a child module), or
-            ``shard_modules`` names no submodule; the message names what to do.
+        ValueError: ``replicate_size`` without ``hsdp=True`` or not a positive int; at setup, a
+            ``replicate_size`` that does not divide the world size into groups of at least 2 ranks, the
+            LightningModule holds parameters itself (not in a child module), or ``shard_modules``
+            names no submodule; the message names what to do.
 
     Example:
         >>> FSDP2Strategy(shard_modules=["TransformerBlock"], cpu_offload=False).reshard_after_forward
+        True
+        >>> FSDP2Strategy(hsdp=True).hsdp
         True
     """
 
@@ -156,18 +174,53 @@ class FSDP2Strategy(ModelParallelStrategy):
         shard_modules: list[str | type[nn.Module]] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        hsdp: bool = False,
+        replicate_size: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(hsdp, bool):
+            raise ValueError(f"`hsdp` must be True or False, got {hsdp!r}")
+        if replicate_size is not None:
+            if isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1:
+                raise ValueError(
+                    f"`replicate_size` must be a positive int (the number of replicas) or None, got {replicate_size!r}"
+                )
+            if not hsdp:
+                raise ValueError(
+                    f"`replicate_size` ({replicate_size}) sets the replicas of HSDP: pass `hsdp=True` with it, or leave "
+                    "it out to shard over every rank"
+                )
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(**kwargs)
         self.shard_modules = list(shard_modules) if shard_modules else None
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.hsdp = hsdp
+        self.replicate_size = replicate_size
+        self._hsdp_mesh: Any = None
 
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
             self._data_parallel_size = self.num_nodes * self.num_processes
+        if self.hsdp:  # before the process group exists: a bad size fails before any process waits on another
+            hsdp_shape(self.num_nodes * self.num_processes, self.replicate_size or self.num_nodes)
         super().setup_environment()
+        if self.hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            replicas, shards = hsdp_shape(self.world_size, self.replicate_size or self.num_nodes)
+            self._hsdp_mesh = init_device_mesh(
+                self.root_device.type, (replicas, shards), mesh_dim_names=("replicate", "shard")
+            )
+
+    @property
+    def shard_mesh(self) -> Any:
+        """The mesh the pack shards over: HSDP's 2-D ``(replicate, shard)`` mesh, else Lightning's ``data_parallel`` one."""
+        if self.hsdp:
+            if self._hsdp_mesh is None:
+                raise RuntimeError("Accessing the HSDP mesh before the strategy set up its processes")
+            return self._hsdp_mesh
+        return self.device_mesh["data_parallel"]
 
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -185,11 +238,36 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Apply ``fully_shard`` to ``module``'s units and parameter-holding children; returns what was sharded."""
         return shard_module(
             module,
-            self.device_mesh["data_parallel"],
+            self.shard_mesh,
             self.shard_modules,
             self.reshard_after_forward,
             self.cpu_offload,
         )
+
+
+def hsdp_shape(world_size: int, replicate_size: int) -> tuple[int, int]:
+    """``(replicas, ranks per shard group)`` of HSDP over ``world_size`` ranks with ``replicate_size`` replicas.
+
+    Raises:
+        ValueError: ``replicate_size`` does not divide ``world_size`` into groups of at least 2 ranks.
+
+    Example:
+        >>> hsdp_shape(16, 2)   # 2 nodes of 8: each node shards the model, the nodes replicate it
+        (2, 8)
+    """
+    if world_size % replicate_size:
+        raise ValueError(
+            f"HSDP needs `replicate_size` to divide the world size: {replicate_size} replicas of {world_size} ranks "
+            "leave groups of unequal size. Pick a replicate_size that divides devices x num_nodes (by default it is "
+            "num_nodes)."
+        )
+    shards = world_size // replicate_size
+    if shards < 2:
+        raise ValueError(
+            f"HSDP with {replicate_size} replicas of {world_size} ranks leaves {shards} rank per shard group: nothing "
+            "is sharded. Use strategy='ddp' for pure replication, or a smaller replicate_size."
+        )
+    return replicate_size, shards
 
 
 def shard_module(
@@ -397,6 +475,7 @@ def _make_strategy(candidate: Candidate, units: list[nn.Module], static_graph: b
         shard_modules=types or None,
         reshard_after_forward=candidate.shard_params,
         cpu_offload=candidate.offload,
+        hsdp=candidate.hybrid,
     )
 
 
@@ -425,9 +504,12 @@ def select_strategy(
     (``activation_bytes`` when measured, e.g. by MemoryAwareBatchSize; else estimated from
     ``sample_batch`` with autograd's saved-tensor hooks; else 0, said in the plan). Among the
     candidates whose total stays under ``headroom`` × the device memory, the one with the least
-    communication is picked: single device < DDP < sharding gradients and optimizer state < full
-    sharding < full sharding with CPU offload. DeepSpeed candidates are estimated always but picked
-    only when deepspeed is installed. The model may live on the ``meta`` device: nothing is read.
+    communication is picked: single device < DDP < HSDP < sharding gradients and optimizer state <
+    full sharding < full sharding with CPU offload. HSDP (``num_nodes`` > 1, several devices per node:
+    full sharding within each node, the nodes replicate) holds 1/``devices`` of the state per device
+    plus the gathered units; it is picked whenever it fits and DDP does not, else sharding across all
+    ranks. DeepSpeed candidates are estimated always but picked only when deepspeed is installed. The
+    model may live on the ``meta`` device: nothing is read.
 
     Args:
         model: the model (a LightningModule or any ``nn.Module``).
@@ -464,6 +546,10 @@ def select_strategy(
         'fsdp: full shard'
         >>> select_strategy(big, devices=4, device_memory=80 * 2**30).pick
         'ddp'
+        >>> select_strategy(big, devices=4, num_nodes=2, device_memory=768 * 2**20).pick  # a node's 4 shards fit
+        'hsdp: full shard in node'
+        >>> select_strategy(big, devices=4, num_nodes=2, device_memory=512 * 2**20).pick  # they need all 8
+        'fsdp: full shard'
     """
     for name, value in (
         ("devices", devices),
@@ -505,14 +591,18 @@ def select_strategy(
     candidates = [
         c
         for c in CANDIDATES
-        if (c.multi_device or world == 1) and (world > 1 or c.offload or not c.multi_device)
+        if (c.multi_device or world == 1)
+        and (world > 1 or c.offload or not c.multi_device)
+        and (not c.hybrid or (num_nodes > 1 and devices > 1))  # HSDP: shard within a node of several devices
     ]
     device_type = (
         probe_device.type if probe_device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     rows = []
     for candidate in candidates:
-        e = estimate(counts, candidate, world, precision, optimizer, activations)
+        e = estimate(
+            counts, candidate, devices if candidate.hybrid else world, precision, optimizer, activations
+        )
         available, why = True, ""
         if candidate.deepspeed and not has_deepspeed:
             available, why = False, "estimate only (deepspeed not installed)"
@@ -529,6 +619,7 @@ def select_strategy(
                 device_type,
                 budget,
                 micro_batch_size,
+                num_nodes,
             )
         rows.append(row)
     optimizer_name = _optimizer_name(optimizer)
@@ -594,7 +685,9 @@ def _row_bytes(row: PlanRow) -> int:
     return row.predicted_bytes if row.predicted_bytes is not None else row.estimate.total
 
 
-def _layout_of(candidate: Candidate, world: int, units: list[nn.Module], model: nn.Module) -> ParallelLayout:
+def _layout_of(
+    candidate: Candidate, world: int, units: list[nn.Module], model: nn.Module, num_nodes: int = 1
+) -> ParallelLayout:
     if not candidate.multi_device:
         return ParallelLayout()
     if candidate.name == "ddp":
@@ -606,6 +699,7 @@ def _layout_of(candidate: Candidate, world: int, units: list[nn.Module], model: 
         reshard_after_forward=candidate.shard_params,
         cpu_offload=candidate.offload,
         units=tuple(names[id(u)] for u in units if id(u) in names) or None,
+        replicate_size=num_nodes if candidate.hybrid else 1,
     )
 
 
@@ -633,6 +727,7 @@ def _predicted_row(
     device_type: str,
     budget: int,
     micro_batch_size: int,
+    num_nodes: int = 1,
 ) -> PlanRow:
     """``row`` with the candidate's traced peak at ``micro_batch_size`` and the largest micro-batch predicted to fit."""
     import dataclasses
@@ -640,7 +735,7 @@ def _predicted_row(
     opt = _optimizer_for_prediction(optimizer)
     if opt is None and not callable(getattr(model, "configure_optimizers", None)):
         return row
-    layout = _layout_of(row.estimate.candidate, world, units, model)
+    layout = _layout_of(row.estimate.candidate, world, units, model, num_nodes)
     prediction = predict_peak_deep(
         model, sample_batch, opt, precision=precision, layout=layout, device=device_type
     )

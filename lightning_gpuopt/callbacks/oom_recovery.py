@@ -381,6 +381,12 @@ class OOMRecovery(Callback):
         ):  # a checkpoint from before the engine saved k, or a second fit
             engine.propose(self._k, Source.RESUME, "restored from checkpoint")
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Strategies that restore a checkpoint after setting up the model (ModelParallelStrategy for FSDP2 and
+        # HSDP, DeepSpeed) hand the engine its saved state after `on_fit_start`: take it before the first batch.
+        if self._engine is not None and not self._resumed:
+            self._resumed = self._engine.resume() is not None
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is None:  # `validate` outside of `fit`
             self._attach(trainer, training=False)

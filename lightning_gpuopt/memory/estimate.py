@@ -17,6 +17,9 @@ docs/multi-gpu.md says where each comes from):
   (the ZeRO paper's 16 bytes per parameter: 2 + 2 + 4 + 4 + 4);
 - for fully sharded strategies, the largest unit gathered whole while it runs (twice: the next one
   is prefetched), in the compute dtype;
+- HSDP (sharding within a node, replicating across nodes) is full sharding over the ranks of one
+  node: ``W`` is then the devices per node, and its all-reduce across nodes runs in place on the
+  sharded gradients;
 - activations: ``micro-batch × bytes per sample``, measured when MemoryAwareBatchSize measured, else
   estimated with :func:`activation_bytes_per_sample`.
 """
@@ -172,6 +175,8 @@ class Candidate:
         grad_copies: copies of the gradients on the device (plain DDP: 2, its buckets).
         master_copy: DeepSpeed mixed precision's fp32 master weights (sharded like the optimizer).
         deepspeed: needs the deepspeed package.
+        hybrid: HSDP: the sharded parts are divided among the devices of one node (the shard group),
+            and the nodes hold replicas; its ``world_size`` in :func:`estimate` is the devices per node.
         cost: communication rank, lower first: among the candidates that fit, the cheapest is picked.
     """
 
@@ -185,17 +190,29 @@ class Candidate:
     master_copy: bool = False
     deepspeed: bool = False
     multi_device: bool = True
+    hybrid: bool = False
     cost: int = 0
 
 
-#: The candidates, cheapest communication first.
+#: The candidates, cheapest communication first. HSDP (several nodes only) comes before every candidate
+#: that shards across nodes: its all-gathers and reduce-scatters stay within a node, and only its
+#: sharded gradients (1/devices of them) are all-reduced across nodes.
 CANDIDATES: tuple[Candidate, ...] = (
     Candidate("single device", multi_device=False, cost=0),
     Candidate("ddp", grad_copies=2, cost=1),
     Candidate("deepspeed zero-1", shard_optimizer=True, master_copy=True, deepspeed=True, cost=2),
-    Candidate("fsdp: shard grads+optimizer", shard_grads=True, shard_optimizer=True, cost=3),
     Candidate(
-        "deepspeed zero-2", shard_grads=True, shard_optimizer=True, master_copy=True, deepspeed=True, cost=3
+        "hsdp: full shard in node",
+        shard_params=True,
+        shard_grads=True,
+        shard_optimizer=True,
+        gathers_units=True,
+        hybrid=True,
+        cost=3,
+    ),
+    Candidate("fsdp: shard grads+optimizer", shard_grads=True, shard_optimizer=True, cost=4),
+    Candidate(
+        "deepspeed zero-2", shard_grads=True, shard_optimizer=True, master_copy=True, deepspeed=True, cost=4
     ),
     Candidate(
         "fsdp: full shard",
@@ -203,7 +220,7 @@ CANDIDATES: tuple[Candidate, ...] = (
         shard_grads=True,
         shard_optimizer=True,
         gathers_units=True,
-        cost=4,
+        cost=5,
     ),
     Candidate(
         "deepspeed zero-3",
@@ -213,7 +230,7 @@ CANDIDATES: tuple[Candidate, ...] = (
         gathers_units=True,
         master_copy=True,
         deepspeed=True,
-        cost=4,
+        cost=5,
     ),
     Candidate(
         "fsdp: full shard + cpu offload",
@@ -222,7 +239,7 @@ CANDIDATES: tuple[Candidate, ...] = (
         shard_optimizer=True,
         offload=True,
         gathers_units=True,
-        cost=6,
+        cost=7,
     ),
 )
 
@@ -263,7 +280,8 @@ def estimate(
     Args:
         counts: the model's parameter counts (:func:`count_parameters`).
         candidate: how the state is distributed.
-        world_size: ranks sharing the sharded parts (the data-parallel group).
+        world_size: ranks sharing the sharded parts (the data-parallel group; under HSDP, the devices of
+            one node).
         precision: the Lightning precision (sets bytes per element, see :func:`precision_bytes`).
         optimizer: an optimizer, its class or name (sets the state elements, see :func:`optimizer_state_elements`).
         activation_bytes: activations of the micro-batch to plan for.
@@ -273,7 +291,8 @@ def estimate(
         >>> single = estimate(counts, CANDIDATES[0], 1, "32-true", "adam")
         >>> single.parameters, single.gradients, single.optimizer
         (4000000, 4000000, 8000000)
-        >>> full = estimate(counts, CANDIDATES[5], 4, "32-true", "adam")
+        >>> full_shard = next(c for c in CANDIDATES if c.name == "fsdp: full shard")
+        >>> full = estimate(counts, full_shard, 4, "32-true", "adam")
         >>> full.parameters, full.optimizer
         (1000000, 2000000)
     """

@@ -106,10 +106,15 @@ class ParallelLayout:
         cpu_offload: FSDP2 keeps sharded parameters, gradients and optimizer state in host memory.
         units: qualified names of the modules FSDP2 gathers one at a time; ``None``: each direct child
             of the model holding parameters.
+        replicate_size: FSDP2 as HSDP: the ``world_size`` ranks form this many replicas, each sharding
+            the state over :attr:`shard_size` ranks (its all-reduce across replicas runs in place on the
+            sharded gradients); 1: sharded over every rank.
 
     Example:
         >>> ParallelLayout("fsdp", world_size=8).sharded
         True
+        >>> ParallelLayout("fsdp", world_size=16, replicate_size=2).shard_size   # 2 nodes of 8: HSDP
+        8
     """
 
     kind: str = "single"
@@ -119,6 +124,7 @@ class ParallelLayout:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     units: tuple[str, ...] | None = None
+    replicate_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("single", "ddp", "fsdp"):
@@ -129,10 +135,22 @@ class ParallelLayout:
             raise ValueError(f"`world_size` must be a positive int, got {self.world_size!r}")
         if self.cpu_offload and self.kind != "fsdp":
             raise ValueError(f"`cpu_offload` needs kind='fsdp', got kind={self.kind!r}")
+        r = self.replicate_size
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1 or self.world_size % r:
+            raise ValueError(
+                f"`replicate_size` must be a positive int dividing `world_size` ({self.world_size}), got {r!r}"
+            )
+        if r > 1 and self.kind != "fsdp":
+            raise ValueError(f"`replicate_size` > 1 (HSDP) needs kind='fsdp', got kind={self.kind!r}")
 
     @property
     def sharded(self) -> bool:
         return self.kind == "fsdp"
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks the sharded state is divided among: ``world_size`` / ``replicate_size``."""
+        return self.world_size // self.replicate_size
 
 
 @dataclass(frozen=True)
@@ -813,7 +831,7 @@ def _trace(
     import warnings
 
     params = [p for p in dict.fromkeys(model.parameters())]
-    world = layout.world_size
+    world = layout.shard_size
     sharded = layout.sharded
     offload = layout.cpu_offload
     # --- what exists before the first step: parameters, buffers, the batch, DDP's buckets ---
@@ -1048,11 +1066,13 @@ def _estimated(
         name = "ddp"
     elif layout.cpu_offload:
         name = "fsdp: full shard + cpu offload"
+    elif layout.replicate_size > 1 and layout.reshard_after_forward:
+        name = "hsdp: full shard in node"
     else:
         name = "fsdp: full shard" if layout.reshard_after_forward else "fsdp: shard grads+optimizer"
     candidate = next(c for c in CANDIDATES if c.name == name)
     opt_kind: Any = optimizer if isinstance(optimizer, torch.optim.Optimizer) else "adam"
-    e = estimate(count_parameters(model), candidate, layout.world_size, precision, opt_kind, 0)
+    e = estimate(count_parameters(model), candidate, layout.shard_size, precision, opt_kind, 0)
     categories = {c.value: 0 for c in MemoryCategory}
     categories[MemoryCategory.PARAMETERS.value] = e.parameters
     categories[MemoryCategory.GRADIENTS.value] = e.gradients

@@ -1,0 +1,182 @@
+"""HSDP (FSDP2Strategy(hsdp=True)): its mesh and arguments, and OOM recovery and checkpoints on 2 "nodes" x 2.
+
+The multi-process case starts ``hsdp_run.py`` twice, as two nodes (``NODE_RANK`` 0 and 1 on 127.0.0.1);
+Lightning's launcher starts each node's second process. Two runs (about 30 s each on 2 CPU cores): one
+epoch with three OOMs on rank 3 and a checkpoint, then a second epoch resumed from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DistributedSampler
+
+from lightning_gpuopt.microbatch import unsupported_strategy
+from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape
+from tests.callbacks.oom_models import Waves
+from tests.helpers import subprocess_env
+from tests.strategy.fsdp2_oom_run import Deep
+from tests.strategy.hsdp_run import BATCH, LIMITED_RANK, STEPS_PER_EPOCH, WORLD
+
+SCRIPT = Path(__file__).with_name("hsdp_run.py")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"replicate_size": 2}, r"`replicate_size` \(2\) sets the replicas of HSDP: pass `hsdp=True`"),
+        ({"hsdp": True, "replicate_size": 0}, r"`replicate_size` must be a positive int .* got 0"),
+        ({"hsdp": "yes"}, r"`hsdp` must be True or False, got 'yes'"),
+    ],
+    ids=["replicas-without-hsdp", "zero-replicas", "hsdp-not-bool"],
+)
+def test_bad_hsdp_arguments_fail_at_construction_with_what_to_do(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FSDP2Strategy(**kwargs)
+
+
+def test_hsdp_shape_shards_within_groups_and_refuses_sizes_that_do_not_divide():
+    assert hsdp_shape(16, 2) == (2, 8)  # 2 nodes of 8 devices
+    assert hsdp_shape(16, 4) == (4, 4)
+    with pytest.raises(
+        ValueError, match=r"3 replicas of 16 ranks leave groups of unequal size.*divides devices x"
+    ):
+        hsdp_shape(16, 3)
+    with pytest.raises(
+        ValueError, match=r"leaves 1 rank per shard group: nothing is sharded. Use strategy='ddp'"
+    ):
+        hsdp_shape(4, 4)
+
+
+def test_a_bad_replicate_size_fails_before_the_processes_meet():
+    """Checked in setup_environment before the process group is made: no rank waits for another."""
+    strategy = FSDP2Strategy(hsdp=True, replicate_size=3)
+    strategy.num_nodes, strategy.parallel_devices = 2, [torch.device("cpu")] * 2  # as the Trainer sets them
+    with pytest.raises(ValueError, match=r"3 replicas of 4 ranks"):
+        strategy.setup_environment()
+    assert not torch.distributed.is_initialized()
+
+
+# ---------------------------------------------------------------- 4 processes as 2 nodes x 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_nodes(out: Path, mode: str) -> list[dict]:
+    """Both nodes' launchers at once; every rank's result."""
+    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(out), mode],
+            cwd=out,
+            env={**env, "NODE_RANK": str(node)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: the launcher's child goes with it on a timeout
+        )
+        for node in (0, 1)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=400)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            raise
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-4000:]
+    return [torch.load(out / f"{mode}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _unsharded_reference(epochs: int) -> dict[str, torch.Tensor]:
+    """The same model on one process, each step on the 4 ranks' batches together.
+
+    Each rank's batches come from the DistributedSampler Lightning gives a training loader (shuffled, seed 0).
+    """
+    model = Deep()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = Waves(length=BATCH * WORLD * STEPS_PER_EPOCH)
+    samplers = [
+        DistributedSampler(data, num_replicas=WORLD, rank=r, shuffle=True, seed=0) for r in range(WORLD)
+    ]
+    for epoch in range(epochs):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        order = [list(sampler) for sampler in samplers]
+        for step in range(STEPS_PER_EPOCH):
+            rows = torch.tensor([i for ids in order for i in ids[step * BATCH : (step + 1) * BATCH]])
+            optimizer.zero_grad()
+            F.mse_loss(model.net(data.x[rows]), data.y[rows]).backward()
+            optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _assert_params(ranks: list[dict], reference: dict[str, torch.Tensor]) -> None:
+    for name, want in reference.items():
+        for r in ranks:
+            assert torch.equal(r["params"][name], ranks[0]["params"][name]), (
+                name
+            )  # every rank, the same model
+        # fp32, recovered steps ran as micro-batches: rounding differs from the whole batch's
+        torch.testing.assert_close(ranks[0]["params"][name], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("hsdp")
+    return {mode: _run_nodes(out, mode) for mode in ("oom", "resume")}
+
+
+_UNSUPPORTED = unsupported_strategy(FSDP2Strategy(hsdp=True), sharded=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_UNSUPPORTED is not None, reason=f"this torch cannot recover under FSDP2: {_UNSUPPORTED}")
+def test_ooms_in_forward_backward_and_before_the_replica_all_reduce_are_recovered_on_all_four_ranks(
+    hsdp_runs,
+):
+    ranks = hsdp_runs["oom"]
+    assert all(r["mesh"].startswith("DeviceMesh((replicate=2, shard=2)") for r in ranks)
+    assert all(r["error"] is None and r["steps"] == STEPS_PER_EPOCH for r in ranks)
+    history = ranks[0]["history"]
+    assert all(r["history"] == history for r in ranks)  # the same k on all four ranks, decided together
+    assert {h[0] for h in history} == {1, 2, 3} and all(h[3] == "oom" and h[2] > h[1] for h in history)
+    assert [r["k"] for r in ranks] == [ranks[0]["k"]] * WORLD
+    assert ranks[LIMITED_RANK]["failures"] >= 3
+    assert all(r["failures"] == 0 for i, r in enumerate(ranks) if i != LIMITED_RANK)
+    # Step 3: rank 3 failed after its reduce-scatter; every other rank stopped at the vote before the
+    # replicas' all-reduce (its replica, rank 1, would otherwise wait there for rank 3).
+    for i, r in enumerate(ranks):
+        if i != LIMITED_RANK:
+            assert r["peer_stops"][3] > r["peer_stops"][2], i
+    _assert_params(ranks, _unsharded_reference(epochs=1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_UNSUPPORTED is not None, reason=f"this torch cannot recover under FSDP2: {_UNSUPPORTED}")
+def test_a_checkpoint_saved_under_hsdp_loads_and_resumes_with_its_micro_batches(hsdp_runs):
+    saved, resumed = hsdp_runs["oom"], hsdp_runs["resume"]
+    assert all(r["error"] is None and r["steps"] == 2 * STEPS_PER_EPOCH for r in resumed)
+    assert (
+        resumed[0]["k"][STEPS_PER_EPOCH] == saved[0]["k"][STEPS_PER_EPOCH - 1] > 1
+    )  # the decision came back
+    # restored once, before the first batch, on every rank (ModelParallelStrategy restores after on_fit_start)
+    assert all(
+        r["history"] == [(STEPS_PER_EPOCH, 1, saved[0]["history"][-1][2], "resume", "train")] for r in resumed
+    )
+    # parameters and the SGD momentum both came back: the second epoch lands on the reference's
+    _assert_params(resumed, _unsharded_reference(epochs=2))
