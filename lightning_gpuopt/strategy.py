@@ -353,6 +353,7 @@ class StrategyPlan:
         strategy: the Lightning strategy to pass to ``Trainer(strategy=...)`` (``None`` when nothing fits).
         device_memory: bytes per device planned against; ``budget`` = ``headroom`` × that.
         world_size: devices × nodes.
+        num_nodes: nodes (the table says how the devices are spread over them).
     """
 
     rows: list[PlanRow]
@@ -366,6 +367,7 @@ class StrategyPlan:
     optimizer: str
     activation_note: str
     notes: list[str] = field(default_factory=list)
+    num_nodes: int = 1
 
     def table(self) -> str:
         """The plan as a text table: bytes per device per component per candidate, the pick and why."""
@@ -403,8 +405,11 @@ class StrategyPlan:
                 ]
             lines.append((*cells, "yes" if row.fits else "no", mark))
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+        nodes = (
+            f" ({self.num_nodes} nodes x {self.world_size // self.num_nodes})" if self.num_nodes > 1 else ""
+        )
         text = [
-            f"gpuopt plan: {self.world_size} device(s), {format_bytes(self.device_memory)} each (budget "
+            f"gpuopt plan: {self.world_size} device(s){nodes}, {format_bytes(self.device_memory)} each (budget "
             f"{format_bytes(self.budget)}), precision {self.precision}, optimizer {self.optimizer}; activations: "
             f"{self.activation_note}",
         ]
@@ -627,6 +632,7 @@ def select_strategy(
         device_memory=device_memory,
         budget=budget,
         world_size=world,
+        num_nodes=num_nodes,
         precision=str(precision),
         optimizer=optimizer_name,
         activation_note=note,
@@ -672,6 +678,11 @@ def select_strategy(
             f"{last.name} would need {format_bytes(_row_bytes(last))} per device, over the budget; "
             f"{best.name} needs {format_bytes(_row_bytes(best))}"
         )
+        hybrid = next((r for r in cheaper if r.estimate.candidate.hybrid and r is not last), None)
+        if hybrid is not None:  # the rule for several nodes: HSDP whenever sharding within a node fits
+            reason += (
+                f" (sharding within a node, {hybrid.name}, would need {format_bytes(_row_bytes(hybrid))})"
+            )
     else:
         reason = f"fits with the least communication: {format_bytes(_row_bytes(best))} of {format_bytes(budget)} per device"
     for name, why in refused[best.name]:

@@ -16,15 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
+from lightning_gpuopt.cli import main
+from lightning_gpuopt.memory.predict import ParallelLayout, predict_peak
 from lightning_gpuopt.microbatch import unsupported_strategy
-from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape
+from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape, select_strategy
 from tests.callbacks.oom_models import Waves
 from tests.helpers import subprocess_env
 from tests.strategy.fsdp2_oom_run import Deep
 from tests.strategy.hsdp_run import BATCH, LIMITED_RANK, STEPS_PER_EPOCH, WORLD
+from tests.strategy.strategy_models import Block
 
 SCRIPT = Path(__file__).with_name("hsdp_run.py")
 
@@ -63,6 +67,149 @@ def test_a_bad_replicate_size_fails_before_the_processes_meet():
     with pytest.raises(ValueError, match=r"3 replicas of 4 ranks"):
         strategy.setup_environment()
     assert not torch.distributed.is_initialized()
+
+
+# ---------------------------------------------------------------- the plan with several nodes
+
+GiB = 2**30
+
+
+def _model(width: int = 2048, depth: int = 8) -> nn.Module:
+    with torch.device("meta"):  # 268.5 M parameters, no memory
+        return nn.Sequential(*(Block(width) for _ in range(depth)), nn.Linear(width, 1))
+
+
+def _plan(memory_mib: int, num_nodes: int = 2, devices: int = 4, **kwargs):
+    return select_strategy(
+        _model(),
+        devices=devices,
+        num_nodes=num_nodes,
+        device_memory=memory_mib * 2**20,
+        device="cpu",
+        **kwargs,
+    )
+
+
+# 268.5 M parameters, fp32, Adam, 2 nodes x 4 devices, per device: DDP 20 B/parameter (5.00 GiB); HSDP, full
+# sharding over a node's 4: 4 B + two gathered blocks (1.25 GiB); sharding gradients and optimizer state over
+# all 8: 5.5 B (1.38 GiB); full sharding over all 8: 2 B + the blocks (0.75 GiB). The budget is 90 %.
+@pytest.mark.parametrize(
+    ("memory_mib", "expected"),
+    [
+        (80 * 1024, "ddp"),
+        (1638, "hsdp: full shard in node"),  # budget 1.44 GiB: HSDP fits, and so would sharding over all 8
+        (1200, "fsdp: full shard"),  # budget 1.05 GiB: a node's 4 shards do not fit, all 8 do
+    ],
+    ids=["ddp-fits", "hsdp-fits", "hsdp-does-not-fit"],
+)
+def test_with_two_nodes_hsdp_is_picked_whenever_sharding_within_a_node_fits(memory_mib, expected):
+    plan = _plan(memory_mib)
+    rows = {r.name: r for r in plan.rows}
+    hsdp = rows["hsdp: full shard in node"]
+    assert plan.pick == expected
+    assert hsdp.fits is (memory_mib >= 1638)
+    assert rows["fsdp: shard grads+optimizer"].fits is (memory_mib >= 1638)  # fits, yet HSDP is preferred
+    assert hsdp.estimate.total == pytest.approx(1.25 * GiB, rel=0.01)
+    assert rows["fsdp: full shard"].estimate.total == pytest.approx(0.75 * GiB, rel=0.01)
+    if expected == "hsdp: full shard in node":
+        strategy = plan.strategy
+        assert isinstance(strategy, FSDP2Strategy) and strategy.hsdp and strategy.replicate_size is None
+        assert (
+            strategy.reshard_after_forward and not strategy.cpu_offload and strategy.shard_modules == [Block]
+        )
+    elif expected == "fsdp: full shard":
+        assert not plan.strategy.hsdp
+        assert "(sharding within a node, hsdp: full shard in node, would need 1.25 GiB)" in plan.reason
+    assert "hsdp: full shard in node" in plan.table()
+
+
+def test_hsdp_memory_is_full_sharding_over_one_nodes_devices():
+    """Per device, HSDP on 2 nodes x 4 holds what full sharding on one node of 4 holds."""
+    two_nodes = {r.name: r.estimate for r in _plan(80 * 1024).rows}
+    one_node = {r.name: r.estimate for r in _plan(80 * 1024, num_nodes=1).rows}
+    assert "hsdp: full shard in node" not in one_node  # one node: nothing to replicate across
+    hsdp, node = two_nodes["hsdp: full shard in node"], one_node["fsdp: full shard"]
+    assert (hsdp.parameters, hsdp.gradients, hsdp.optimizer, hsdp.gathered) == (
+        node.parameters,
+        node.gradients,
+        node.optimizer,
+        node.gathered,
+    )
+
+
+@pytest.mark.usefixtures("cli_argv")
+def test_gpuopt_plan_with_two_nodes_prints_the_hsdp_row_and_why_it_was_not_picked(capsys):
+    main(
+        [
+            "plan",
+            "--model",
+            "lightning.pytorch.demos.boring_classes.BoringModel",
+            "--data",
+            "lightning.pytorch.demos.boring_classes.BoringDataModule",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "2",
+            "--trainer.num_nodes",
+            "2",
+            "--gpuopt.device_memory",
+            "556",
+        ]
+    )
+    out = capsys.readouterr().out
+    # BoringModel is one unit: gathered whole (528 B), HSDP's shards of 2 save less than that
+    assert "gpuopt plan: 4 device(s) (2 nodes x 2), 556 B each (budget 500 B)" in out
+    hsdp = next(line for line in out.splitlines() if line.startswith("hsdp: full shard in node"))
+    assert hsdp.split()[5:] == ["132", "B", "132", "B", "0", "B", "528", "B", "0", "B", "792", "B", "no"]
+    assert "pick: fsdp: shard grads+optimizer: hsdp: full shard in node would need 792 B per device" in out
+
+
+def test_one_device_per_node_plans_no_hsdp():
+    plan = _plan(1200, devices=1, num_nodes=4)  # a shard group of one device shards nothing
+    assert all(not r.estimate.candidate.hybrid for r in plan.rows)
+
+
+class _Squared(nn.Module):
+    """``net``'s output squared and averaged: a loss from a plain call."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x).square().mean()
+
+
+def test_the_traced_peak_of_hsdp_is_full_sharding_over_the_shard_group():
+    """The prediction (a sample batch given) shards over a node's devices, not over every rank."""
+    with torch.device("meta"):
+        model = _Squared(nn.Sequential(*(Block(256) for _ in range(4)), nn.Linear(256, 1)))
+    batch = torch.empty(8, 256, device="meta")
+    units = tuple(f"net.{i}" for i in range(4))
+    layouts = {
+        "hsdp 2x4": ParallelLayout("fsdp", 8, replicate_size=2, units=units),
+        "fsdp 4": ParallelLayout("fsdp", 4, units=units),
+        "fsdp 8": ParallelLayout("fsdp", 8, units=units),
+    }
+    peak = {
+        name: predict_peak(model, batch, torch.optim.Adam, layout=layout, device="cpu").peak_bytes
+        for name, layout in layouts.items()
+    }
+    assert peak["hsdp 2x4"] == peak["fsdp 4"] > peak["fsdp 8"]
+    plan = select_strategy(
+        model, devices=4, num_nodes=2, optimizer="adam", sample_batch=batch, device_memory=GiB, device="cpu"
+    )
+    hsdp = next(r for r in plan.rows if r.name == "hsdp: full shard in node")
+    assert hsdp.predicted_bytes is not None and hsdp.prediction.method.value == "traced"
+
+
+def test_a_layout_with_replicas_that_do_not_divide_the_ranks_is_refused():
+    with pytest.raises(
+        ValueError, match=r"`replicate_size` must be a positive int dividing `world_size` \(8\), got 3"
+    ):
+        ParallelLayout("fsdp", 8, replicate_size=3)
+    with pytest.raises(ValueError, match=r"\(HSDP\) needs kind='fsdp', got kind='ddp'"):
+        ParallelLayout("ddp", 8, replicate_size=2)
 
 
 # ---------------------------------------------------------------- 4 processes as 2 nodes x 2
