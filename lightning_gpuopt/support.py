@@ -89,7 +89,8 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     ),
     (Feature.OOM_RECOVERY, StrategyKind.FSDP2): _Rule(
         True,
-        "the ranks vote before each FSDP collective; needs FSDPModule.reset_iter_state (torch 2.14 or newer)",
+        "the ranks vote before each FSDP collective (under HSDP all ranks in one group, also before the replicas' "
+        "all-reduce); needs FSDPModule.reset_iter_state (torch 2.14 or newer)",
         min_torch=(2, 14),
     ),
     (Feature.OOM_RECOVERY, StrategyKind.FSDP1): _Rule(False, f"FSDP1 (FSDPStrategy) {_COLLECTIVES}"),
