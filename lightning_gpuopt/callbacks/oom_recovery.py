@@ -382,8 +382,8 @@ class OOMRecovery(Callback):
             engine.propose(self._k, Source.RESUME, "restored from checkpoint")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Strategies that restore a checkpoint after setting up the model (ModelParallelStrategy for FSDP2 and
-        # HSDP, DeepSpeed) hand the engine its saved state after `on_fit_start`: take it before the first batch.
+        # Strategies that restore a checkpoint after setting up the model (ModelParallelStrategy: FSDP2, HSDP)
+        # hand the engine its saved state after `on_fit_start`: take it before the first batch.
         if self._engine is not None and not self._resumed:
             self._resumed = self._engine.resume() is not None
 
