@@ -30,6 +30,7 @@ from lightning_gpuopt.callbacks import (
     PrecisionSwitch,
 )
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
@@ -235,6 +236,18 @@ class GPUOptCLI(LightningCLI):
                 if self.subcommand == "fit":
                     rank_zero_info(self.plan.table())
         trainer = super().instantiate_trainer(**kwargs)
+        if self.plan is not None and self.subcommand in (None, "fit"):
+            record_decision(
+                trainer,
+                "strategy",
+                "select_strategy",
+                f"{self.plan.pick}: {self.plan.reason}",
+                pick=self.plan.pick,
+                world_size=self.plan.world_size,
+                num_nodes=self.plan.num_nodes,
+                device_memory=self.plan.device_memory,
+                table=self.plan.table(),
+            )
         if self.subcommand in (None, "fit") and self._gpuopt_option("batch_size_search"):
             self._add_if_supported(trainer, MemoryAwareBatchSize)
         if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):

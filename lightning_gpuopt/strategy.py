@@ -222,7 +222,8 @@ def shard_module(
     if cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs a CUDA driver; on a CPU mesh (gloo) the shards stay in plain host memory.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=getattr(mesh, "device_type", "cpu") == "cuda")
     sharded = []
     for unit in shard_units(module, types):
         fully_shard(unit, **kwargs)
@@ -255,6 +256,13 @@ class PlanRow:
     def name(self) -> str:
         return self.estimate.candidate.name
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per rank (CPU offload: its shards of parameters, gradients and optimizer state), apart
+        from the device bytes. From the estimate: a traced prediction's ``host_bytes`` is the host memory at
+        the device's peak (in the first forward, before gradients and optimizer state exist)."""
+        return self.estimate.host
+
 
 class StrategyPlanError(RuntimeError):
     """No candidate fits the device memory; :attr:`plan` holds the table."""
@@ -275,6 +283,7 @@ class StrategyPlan:
         strategy: the Lightning strategy to pass to ``Trainer(strategy=...)`` (``None`` when nothing fits).
         device_memory: bytes per device planned against; ``budget`` = ``headroom`` × that.
         world_size: devices × nodes.
+        num_nodes: nodes (host memory is shared by the ranks of one node).
     """
 
     rows: list[PlanRow]
@@ -288,6 +297,7 @@ class StrategyPlan:
     optimizer: str
     activation_note: str
     notes: list[str] = field(default_factory=list)
+    num_nodes: int = 1
 
     def table(self) -> str:
         """The plan as a text table: bytes per device per component per candidate, the pick and why."""
@@ -305,6 +315,9 @@ class StrategyPlan:
         predicted = any(row.predicted_bytes is not None for row in self.rows)
         if predicted:
             head = (*head[:7], "predicted peak", "max micro-batch", *head[7:])
+        host = any(row.host_bytes for row in self.rows)
+        if host:  # CPU offload: host memory per rank, apart from the device columns
+            head = (*head[:-2], "host per rank", *head[-2:])
         lines = [head]
         for row in self.rows:
             e = row.estimate
@@ -323,6 +336,8 @@ class StrategyPlan:
                     format_bytes(row.predicted_bytes) if row.predicted_bytes is not None else "-",
                     str(row.largest_micro_batch) if row.largest_micro_batch is not None else "-",
                 ]
+            if host:
+                cells.append(format_bytes(row.host_bytes) if row.host_bytes else "-")
             lines.append((*cells, "yes" if row.fits else "no", mark))
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
         text = [
@@ -335,6 +350,13 @@ class StrategyPlan:
             if i == 0:
                 text.append("  ".join("-" * w for w in widths))
         text.append(f"pick: {self.pick or 'none'}: {self.reason}")
+        picked = next((row for row in self.rows if row.name == self.pick), None)
+        if picked is not None and picked.host_bytes:
+            per_node = self.world_size // max(1, self.num_nodes)
+            text.append(
+                f"host memory: {format_bytes(picked.host_bytes)} per rank on top of the device's, "
+                f"{format_bytes(picked.host_bytes * per_node)} per node ({per_node} rank(s) per node)"
+            )
         text += [f"note: {n}" for n in self.notes]
         return "\n".join(text)
 
@@ -539,6 +561,7 @@ def select_strategy(
         precision=str(precision),
         optimizer=optimizer_name,
         activation_note=note,
+        num_nodes=num_nodes,
     )
     notes = []
     if units:
