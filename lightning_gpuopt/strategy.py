@@ -140,11 +140,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard_after_forward: free each unit's gathered parameters after its forward (full sharding);
             ``False`` keeps them until the backward (sharding gradients and optimizer state only).
         cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit (e.g. bfloat16 parameters gathered,
+            float32 reductions); ``None``: FSDP2's default (the parameters' own dtype throughout).
+            :class:`~lightning_gpuopt.PrecisionSwitch` sets it at setup when it chooses ``bf16-mixed``.
+            Fixed once the model is sharded: FSDP2 has no API to change it afterwards.
         **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``, ...).
 
     Raises:
-        ValueError: at setup, the LightningModule holds parameters itself (not in a child module), or
-            ``shard_modules`` names no submodule; the message names what to do.
+        ValueError: at setup, the LightningModule holds parameters itself (not in a child module),
+            ``shard_modules`` names no submodule, or ``mp_policy`` is given for a module that shards
+            itself in ``configure_model``; the message names what to do.
 
     Example:
         >>> FSDP2Strategy(shard_modules=["TransformerBlock"], cpu_offload=False).reshard_after_forward
@@ -156,6 +161,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         shard_modules: list[str | type[nn.Module]] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        mp_policy: Any = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tensor_parallel_size", 1)
@@ -163,6 +169,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.shard_modules = list(shard_modules) if shard_modules else None
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.mp_policy = mp_policy
 
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
@@ -172,6 +179,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         if is_overridden("configure_model", module):
+            if self.mp_policy is not None:
+                raise ValueError(
+                    f"FSDP2Strategy(mp_policy=...) applies the policy when the pack shards the module, but "
+                    f"{type(module).__name__} shards itself in `configure_model`. Pass `mp_policy=` to your own "
+                    "`fully_shard` calls there, or leave FSDP2Strategy's `mp_policy` unset."
+                )
             return super().setup(trainer)
         self.shard(module)
         module.configure_model = _sharded_by_the_pack
@@ -189,6 +202,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.shard_modules,
             self.reshard_after_forward,
             self.cpu_offload,
+            mp_policy=self.mp_policy,
         )
 
 
@@ -198,9 +212,11 @@ def shard_module(
     types: list[str | type[nn.Module]] | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    mp_policy: Any = None,
 ) -> list[nn.Module]:
     """``fully_shard`` every unit of ``module`` (:func:`shard_units`), then every child holding parameters, over ``mesh``.
 
+    ``mp_policy`` (a ``MixedPrecisionPolicy``; ``None``: FSDP2's default) goes to every ``fully_shard`` call.
     Returns the modules sharded, units first.
 
     Raises:
@@ -224,6 +240,8 @@ def shard_module(
 
         # Pinned host memory needs a CUDA driver; on a CPU mesh (gloo) the shards stay in plain host memory.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=getattr(mesh, "device_type", "cpu") == "cuda")
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     sharded = []
     for unit in shard_units(module, types):
         fully_shard(unit, **kwargs)

@@ -118,12 +118,17 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
         True, "swaps the precision plugin at a window boundary"
     ),
     (Feature.PRECISION_SWITCH, StrategyKind.DDP): _Rule(True, "every rank swaps at the same window boundary"),
-    (Feature.PRECISION_SWITCH, StrategyKind.FSDP2): _Rule(False, _FIXED_PRECISION),
+    (Feature.PRECISION_SWITCH, StrategyKind.FSDP2): _Rule(
+        True,
+        "bfloat16 autocast over float32 sharded parameters switches at a window boundary on every rank; "
+        "FSDP2's MixedPrecisionPolicy (PrecisionSwitch's default for bf16-mixed under FSDP2Strategy) is fixed "
+        "once the model is sharded: its non-finite steps are held back, fsdp2_policy=False for the fallback",
+    ),
     (Feature.PRECISION_SWITCH, StrategyKind.FSDP1): _Rule(False, _FIXED_PRECISION),
     (Feature.PRECISION_SWITCH, StrategyKind.DEEPSPEED): _Rule(False, _FIXED_PRECISION),
     (Feature.PRECISION_SWITCH, StrategyKind.TENSOR_PARALLEL): _Rule(False, _FIXED_PRECISION),
     (Feature.PRECISION_SWITCH, StrategyKind.OTHER): _Rule(
-        False, "runtime switching supports single-device and DDP strategies"
+        False, "runtime switching supports single-device, DDP and FSDP2 strategies"
     ),
 }
 
