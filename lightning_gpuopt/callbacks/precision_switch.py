@@ -558,7 +558,8 @@ class PrecisionSwitch(Callback):
         if not rungs:
             if self._policy is not None:
                 raise FloatingPointError(
-                    f"PrecisionSwitch: {reason} in {before}, and {self._policy}. Check the learning rate, the data "
+                    f"PrecisionSwitch: {reason} in {before}, and there is no precision to fall back to: {self._policy}. "
+                    "Check the learning rate, the data "
                     "(inf/NaN inputs or labels) and the loss; or raise `patience` to skip more bad steps."
                 )
             raise FloatingPointError(

@@ -7,19 +7,24 @@ running it again). CPU has no native bfloat16, so every run forces ``initial="bf
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader
 
 from lightning_gpuopt import FSDP2Strategy, PrecisionSwitch
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.precision import fsdp2_mixed_precision
-from tests.helpers import subprocess_env
+from tests.callbacks.oom_models import Waves
+from tests.callbacks.precision_models import AppliedSteps, Troubled, finite
+from tests.helpers import TRAINER_QUIET, subprocess_env
 
 SCRIPT = Path(__file__).with_name("fsdp2_precision_run.py")
 STEPS, TROUBLE_STEP, UNITS = 8, 3, 3
@@ -134,6 +139,37 @@ def test_a_policy_for_a_module_that_shards_itself_is_refused():
     strategy._lightning_module = _ShardsItself()
     with pytest.raises(ValueError, match="Pass `mp_policy=` to your own `fully_shard` calls there"):
         strategy.setup(None)
+
+
+@pytest.fixture
+def one_rank_group():
+    """An in-process FSDP2 fit initialises a one-rank gloo group and sets Lightning's launch variables (LOCAL_RANK
+    would tell a later test's launcher that its processes already exist) and the thread count: undo all three."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
+
+
+def test_under_the_policy_persistent_nonfinite_steps_raise_naming_the_fallback(one_rank_group):
+    switch, hook = PrecisionSwitch(initial="bf16-mixed", verbose=False), AppliedSteps()
+    trainer = pl.Trainer(
+        strategy=FSDP2Strategy(),
+        max_steps=6,
+        callbacks=[switch, hook],
+        **{k: v for k, v in TRAINER_QUIET.items() if k != "devices"},
+    )
+    model = Troubled(overflow=(2, None), bad_in="always")
+    with pytest.raises(
+        FloatingPointError,
+        match=r"no precision to fall back to: FSDP2's MixedPrecisionPolicy.*fsdp2_policy=False",
+    ):
+        trainer.fit(model, DataLoader(Waves(length=512), batch_size=16))
+    assert hook.steps() == [0, 1] and hook.nonfinite_applied == 0 and finite(model)
+    assert switch.nonfinite_steps == 2 and switch.switches == [] and switch.precision == "bf16-mixed"
 
 
 # ----------------------------------------------------------------------------- two FSDP2 ranks
