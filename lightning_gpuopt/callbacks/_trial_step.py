@@ -369,9 +369,8 @@ class TrialSteps:
             probe.reset_peak()
             self.optimizer.step()
             step_peak = probe.peak
-        except (
-            PeerFailure
-        ) as err:  # FSDP2: another rank failed, this one stopped at the vote before a collective
+        except PeerFailure as err:
+            # FSDP2: another rank failed, and this one stopped at the vote before one of FSDP's collectives.
             peer_votes = err.votes
         except Exception as err:
             if not is_oom_error(err):
@@ -412,9 +411,7 @@ class TrialSteps:
                 f"MemoryAwareBatchSize: a trial step failed on rank(s) {', '.join(map(str, fatal))} (the error there says "
                 "why); every rank stops."
             )
-        if any(
-            v.status for v in votes
-        ):  # an OOM on some rank: every rank resets FSDP's state for the next step
+        if any(v.status for v in votes):  # an OOM on some rank: every rank resets FSDP's step state
             exchange.recover()
             free_memory()
         return peer_votes is not None
