@@ -81,7 +81,7 @@ class GPUOptCLI(LightningCLI):
       on a single device, under DDP or under FSDP2, unless ``--trainer.callbacks`` already has one.
     * ``--gpuopt.batch_size_search`` (default true): add :class:`~lightning_gpuopt.MemoryAwareBatchSize`
       (``mode="micro"``: the micro-batch from measured memory; batch_size kept) to ``fit`` on a single
-      device or under DDP, unless ``--trainer.callbacks`` already has one.
+      device, under DDP or under FSDP2, unless ``--trainer.callbacks`` already has one.
     * ``--gpuopt.precision_switch`` (default true): add :class:`~lightning_gpuopt.PrecisionSwitch` to
       ``fit``, unless ``--trainer.callbacks`` already has one: ``initial="auto"`` (the fastest precision
       the hardware runs natively), or ``initial="keep"`` when ``--trainer.precision`` (or a precision
@@ -147,7 +147,7 @@ class GPUOptCLI(LightningCLI):
             "--gpuopt.batch_size_search",
             type=bool,
             default=True,
-            help="Add MemoryAwareBatchSize to fit on a single device or under DDP (measure a few real steps, use the "
+            help="Add MemoryAwareBatchSize to fit on a single device, under DDP or FSDP2 (measure a few real steps, use the "
             "largest micro-batch that fits; batch_size kept), unless trainer.callbacks has one.",
         )
         parser.add_argument(

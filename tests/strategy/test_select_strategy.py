@@ -152,17 +152,15 @@ def test_shard_units_finds_repeated_blocks_or_the_named_types():
     assert shard_units(nn.Linear(3, 3)) == []
 
 
-def test_under_fsdp2_oom_recovery_runs_and_memory_aware_batch_size_refuses_with_the_reason():
+def test_under_fsdp2_oom_recovery_and_memory_aware_batch_size_are_accepted():
     import lightning.pytorch as pl
 
     from lightning_gpuopt import FSDP2Strategy, MemoryAwareBatchSize, OOMRecovery
 
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)
     OOMRecovery().setup(trainer, pl.LightningModule(), "fit")  # accepted: test_fsdp2_oom_recovery.py runs it
-    with pytest.raises(
-        RuntimeError, match=r"MemoryAwareBatchSize measures single-device and DDP training, got FSDP2Strategy"
-    ):
-        MemoryAwareBatchSize().setup(trainer, pl.LightningModule(), "fit")
+    # Accepted: test_batch_size_fsdp2.py runs it; test_support.py checks the refusal on an older torch.
+    MemoryAwareBatchSize().setup(trainer, pl.LightningModule(), "fit")
 
 
 def test_fsdp2_strategy_refuses_a_module_holding_parameters_itself():
@@ -194,7 +192,7 @@ def test_on_cuda_sharding_is_planned_as_fsdp2_as_on_cpu(memory_mib):
 def test_with_deepspeed_installed_oom_recovery_keeps_the_plan_off_deepspeed(monkeypatch):
     import importlib.util
 
-    from lightning_gpuopt.support import Feature
+    from lightning_gpuopt.support import Feature, supports
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -214,7 +212,11 @@ def test_with_deepspeed_installed_oom_recovery_keeps_the_plan_off_deepspeed(monk
         device="cpu",
         features=[Feature.OOM_RECOVERY, Feature.BATCH_SIZE_SEARCH],
     )
-    assert both.pick == kept.pick and "MemoryAwareBatchSize does not run under" in both.reason
+    # FSDP2 runs both (MemoryAwareBatchSize measures sharded steps): nothing named as refused.
+    assert both.pick == kept.pick and "does not run under" not in both.reason
+    assert all(
+        supports(f, both.strategy).supported for f in (Feature.OOM_RECOVERY, Feature.BATCH_SIZE_SEARCH)
+    )
 
 
 def test_offload_is_planned_in_host_memory_apart_from_the_device():
