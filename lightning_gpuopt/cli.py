@@ -30,6 +30,7 @@ from lightning_gpuopt.callbacks import (
     PrecisionSwitch,
 )
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
@@ -80,7 +81,7 @@ class GPUOptCLI(LightningCLI):
       on a single device, under DDP or under FSDP2, unless ``--trainer.callbacks`` already has one.
     * ``--gpuopt.batch_size_search`` (default true): add :class:`~lightning_gpuopt.MemoryAwareBatchSize`
       (``mode="micro"``: the micro-batch from measured memory; batch_size kept) to ``fit`` on a single
-      device or under DDP, unless ``--trainer.callbacks`` already has one.
+      device, under DDP or under FSDP2, unless ``--trainer.callbacks`` already has one.
     * ``--gpuopt.precision_switch`` (default true): add :class:`~lightning_gpuopt.PrecisionSwitch` to
       ``fit``, unless ``--trainer.callbacks`` already has one: ``initial="auto"`` (the fastest precision
       the hardware runs natively), or ``initial="keep"`` when ``--trainer.precision`` (or a precision
@@ -146,7 +147,7 @@ class GPUOptCLI(LightningCLI):
             "--gpuopt.batch_size_search",
             type=bool,
             default=True,
-            help="Add MemoryAwareBatchSize to fit on a single device or under DDP (measure a few real steps, use the "
+            help="Add MemoryAwareBatchSize to fit on a single device, under DDP or FSDP2 (measure a few real steps, use the "
             "largest micro-batch that fits; batch_size kept), unless trainer.callbacks has one.",
         )
         parser.add_argument(
@@ -235,6 +236,18 @@ class GPUOptCLI(LightningCLI):
                 if self.subcommand == "fit":
                     rank_zero_info(self.plan.table())
         trainer = super().instantiate_trainer(**kwargs)
+        if self.plan is not None and self.subcommand in (None, "fit"):
+            record_decision(
+                trainer,
+                "strategy",
+                "select_strategy",
+                f"{self.plan.pick}: {self.plan.reason}",
+                pick=self.plan.pick,
+                world_size=self.plan.world_size,
+                num_nodes=self.plan.num_nodes,
+                device_memory=self.plan.device_memory,
+                table=self.plan.table(),
+            )
         if self.subcommand in (None, "fit") and self._gpuopt_option("batch_size_search"):
             self._add_if_supported(trainer, MemoryAwareBatchSize)
         if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):

@@ -31,6 +31,7 @@ __all__ = [
     "fallback_ladder",
     "faster_rung",
     "fp8_available",
+    "fsdp2_mixed_precision",
     "grad_norms",
     "grads_nonfinite",
     "precision_index",
@@ -386,10 +387,46 @@ class StabilityWatch:
 # ----------------------------------------------------------------------------- torch-level helpers
 
 
+def fsdp2_mixed_precision(precision: str) -> object | None:
+    """FSDP2's ``MixedPrecisionPolicy`` for a Lightning ``precision`` name, or ``None`` when FSDP2's default serves.
+
+    ``bf16-mixed``: parameters all-gathered and computed in bfloat16, gradients reduce-scattered in
+    float32, the sharded parameters (what the optimizer steps) float32. Other names: ``None``.
+
+    Example:
+        >>> policy = fsdp2_mixed_precision("bf16-mixed")
+        >>> policy.param_dtype, policy.reduce_dtype
+        (torch.bfloat16, torch.float32)
+        >>> fsdp2_mixed_precision("32-true") is None
+        True
+    """
+    if precision != "bf16-mixed":
+        return None
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a sharded ``DTensor`` (FSDP2's gradients); any other tensor as it is.
+
+    The non-finite check reads each rank's own shard and all-reduces the flag: no collective per tensor.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def grad_norms(grads: Iterable[Tensor | None]) -> list[Tensor]:
-    """The float32 L2 norm of each gradient, one fused kernel per device and dtype (``torch._foreach_norm``)."""
+    """The float32 L2 norm of each gradient, one fused kernel per device and dtype (``torch._foreach_norm``).
+
+    A sharded gradient (FSDP2's ``DTensor``) counts by this rank's shard only.
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for g in grads:
+        if g is not None:
+            g = _local(g)
         if g is not None and not g.is_sparse:
             groups.setdefault((g.device, g.dtype), []).append(g)
     norms: list[Tensor] = []

@@ -202,6 +202,14 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     """
     run, steps, made = report.get("run", {}), report.get("steps", []), report.get("decisions", [])
     rows: list[tuple[str, str]] = [("device", str(run.get("device", "?")))]
+    world = int(run.get("world_size") or 1)
+    if world > 1 or any(d["kind"] == "strategy" for d in made):
+        nodes = int(run.get("num_nodes") or 1)
+        text = f"{run.get('strategy', '?')} on {world} rank(s)" + (f", {nodes} nodes" if nodes > 1 else "")
+        plan = next((d for d in reversed(made) if d["kind"] == "strategy"), None)
+        if plan is not None:  # gpuopt fit planned it: the pick and why (the table is in the decision's data)
+            text += f"; planned: {plan['message']}"
+        rows.append(("strategy", text))
     if steps:
         first, last = steps[0], steps[-1]
         rows.append(("steps", f"{len(steps)} recorded (global step {first['step']} to {last['step']})"))
@@ -218,6 +226,18 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         share = f" ({peak / limit:.0%} of {format_bytes(limit)})" if limit else ""
         rows.append((f"peak memory ({run.get('memory_kind', 'device')})", f"{format_bytes(peak)}{share}"))
         rows.append(("memory at the last step", format_bytes(last["allocated_bytes"])))
+        ranks = run.get("rank_peaks") or []
+        if len(ranks) > 1:
+            rows.append(
+                (
+                    "peak memory per rank",
+                    ", ".join(
+                        f"{r['rank']}: {format_bytes(r['peak_bytes'])}"
+                        + (f" of {format_bytes(r['limit_bytes'])}" if r.get("limit_bytes") else "")
+                        for r in ranks
+                    ),
+                )
+            )
         ks = [s["k"] for s in steps]
         rows.append(
             (

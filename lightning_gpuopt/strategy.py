@@ -150,6 +150,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard_after_forward: free each unit's gathered parameters after its forward (full sharding);
             ``False`` keeps them until the backward (sharding gradients and optimizer state only).
         cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit (e.g. bfloat16 parameters gathered,
+            float32 reductions); ``None``: FSDP2's default (the parameters' own dtype throughout).
+            :class:`~lightning_gpuopt.PrecisionSwitch` sets it at setup when it chooses ``bf16-mixed``.
+            Fixed once the model is sharded: FSDP2 has no API to change it afterwards.
         hsdp: shard within groups of ranks and replicate across them (HSDP) instead of sharding over
             every rank.
         replicate_size: with ``hsdp``, the number of replicas (groups sharding the model); ``None``: the
@@ -159,8 +163,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     Raises:
         ValueError: ``replicate_size`` without ``hsdp=True`` or not a positive int; at setup, a
             ``replicate_size`` that does not divide the world size into groups of at least 2 ranks, the
-            LightningModule holds parameters itself (not in a child module), or ``shard_modules``
-            names no submodule; the message names what to do.
+            LightningModule holds parameters itself (not in a child module), ``shard_modules`` names no
+            submodule, or ``mp_policy`` is given for a module that shards itself in ``configure_model``;
+            the message names what to do.
 
     Example:
         >>> FSDP2Strategy(shard_modules=["TransformerBlock"], cpu_offload=False).reshard_after_forward
@@ -174,6 +179,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         shard_modules: list[str | type[nn.Module]] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        mp_policy: Any = None,
         hsdp: bool = False,
         replicate_size: int | None = None,
         **kwargs: Any,
@@ -195,6 +201,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.shard_modules = list(shard_modules) if shard_modules else None
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.mp_policy = mp_policy
         self.hsdp = hsdp
         self.replicate_size = replicate_size
         self._hsdp_mesh: Any = None
@@ -225,6 +232,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         if is_overridden("configure_model", module):
+            if self.mp_policy is not None:
+                raise ValueError(
+                    f"FSDP2Strategy(mp_policy=...) applies the policy when the pack shards the module, but "
+                    f"{type(module).__name__} shards itself in `configure_model`. Pass `mp_policy=` to your own "
+                    "`fully_shard` calls there, or leave FSDP2Strategy's `mp_policy` unset."
+                )
             return super().setup(trainer)
         self.shard(module)
         module.configure_model = _sharded_by_the_pack
@@ -242,6 +255,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.shard_modules,
             self.reshard_after_forward,
             self.cpu_offload,
+            mp_policy=self.mp_policy,
         )
 
 
@@ -276,9 +290,11 @@ def shard_module(
     types: list[str | type[nn.Module]] | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    mp_policy: Any = None,
 ) -> list[nn.Module]:
     """``fully_shard`` every unit of ``module`` (:func:`shard_units`), then every child holding parameters, over ``mesh``.
 
+    ``mp_policy`` (a ``MixedPrecisionPolicy``; ``None``: FSDP2's default) goes to every ``fully_shard`` call.
     Returns the modules sharded, units first.
 
     Raises:
@@ -300,7 +316,10 @@ def shard_module(
     if cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs a CUDA driver; on a CPU mesh (gloo) the shards stay in plain host memory.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=getattr(mesh, "device_type", "cpu") == "cuda")
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     sharded = []
     for unit in shard_units(module, types):
         fully_shard(unit, **kwargs)
@@ -333,6 +352,13 @@ class PlanRow:
     def name(self) -> str:
         return self.estimate.candidate.name
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per rank (CPU offload: its shards of parameters, gradients and optimizer state), apart
+        from the device bytes. From the estimate: a traced prediction's ``host_bytes`` is the host memory at
+        the device's peak (in the first forward, before gradients and optimizer state exist)."""
+        return self.estimate.host
+
 
 class StrategyPlanError(RuntimeError):
     """No candidate fits the device memory; :attr:`plan` holds the table."""
@@ -353,7 +379,8 @@ class StrategyPlan:
         strategy: the Lightning strategy to pass to ``Trainer(strategy=...)`` (``None`` when nothing fits).
         device_memory: bytes per device planned against; ``budget`` = ``headroom`` × that.
         world_size: devices × nodes.
-        num_nodes: nodes (the table says how the devices are spread over them).
+        num_nodes: nodes (the table says how the devices are spread over them; host memory is shared by
+            the ranks of one node).
     """
 
     rows: list[PlanRow]
@@ -385,6 +412,9 @@ class StrategyPlan:
         predicted = any(row.predicted_bytes is not None for row in self.rows)
         if predicted:
             head = (*head[:7], "predicted peak", "max micro-batch", *head[7:])
+        host = any(row.host_bytes for row in self.rows)
+        if host:  # CPU offload: host memory per rank, apart from the device columns
+            head = (*head[:-2], "host per rank", *head[-2:])
         lines = [head]
         for row in self.rows:
             e = row.estimate
@@ -403,6 +433,8 @@ class StrategyPlan:
                     format_bytes(row.predicted_bytes) if row.predicted_bytes is not None else "-",
                     str(row.largest_micro_batch) if row.largest_micro_batch is not None else "-",
                 ]
+            if host:
+                cells.append(format_bytes(row.host_bytes) if row.host_bytes else "-")
             lines.append((*cells, "yes" if row.fits else "no", mark))
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
         nodes = (
@@ -418,6 +450,13 @@ class StrategyPlan:
             if i == 0:
                 text.append("  ".join("-" * w for w in widths))
         text.append(f"pick: {self.pick or 'none'}: {self.reason}")
+        picked = next((row for row in self.rows if row.name == self.pick), None)
+        if picked is not None and picked.host_bytes:
+            per_node = self.world_size // max(1, self.num_nodes)
+            text.append(
+                f"host memory: {format_bytes(picked.host_bytes)} per rank on top of the device's, "
+                f"{format_bytes(picked.host_bytes * per_node)} per node ({per_node} rank(s) per node)"
+            )
         text += [f"note: {n}" for n in self.notes]
         return "\n".join(text)
 

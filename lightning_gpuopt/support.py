@@ -77,8 +77,8 @@ _COLLECTIVES = (
     "use FSDP2Strategy (sharding) or strategy='ddp', or train without OOMRecovery"
 )
 _SHARDED_MEMORY = (
-    "a sharded model's memory depends on the sharding, not only on the batch: use devices=1 or "
-    "strategy='ddp', or remove MemoryAwareBatchSize"
+    "runs collectives inside the trial steps, which cannot be kept in step when one rank runs out of memory: use "
+    "FSDP2Strategy (sharding), devices=1 or strategy='ddp', or remove MemoryAwareBatchSize"
 )
 _FIXED_PRECISION = "fixes the precision when it wraps the model, so only the setup-time choice applies"
 
@@ -108,23 +108,35 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.DDP): _Rule(
         True, "measures each rank; the ranks agree on the size"
     ),
-    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2): _Rule(False, _SHARDED_MEMORY),
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2): _Rule(
+        True,
+        "each rank measures real sharded steps (gathered units and reduce-scatter buffers included), the ranks "
+        "voting before each FSDP collective, and all use the smallest answer; needs FSDPModule.reset_iter_state "
+        "(torch 2.14 or newer)",
+        min_torch=(2, 14),
+    ),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP1): _Rule(False, _SHARDED_MEMORY),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.DEEPSPEED): _Rule(False, _SHARDED_MEMORY),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.TENSOR_PARALLEL): _Rule(False, _SHARDED_MEMORY),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.OTHER): _Rule(
-        False, "measures single-device and DDP training only: use devices=1 or strategy='ddp'"
+        False,
+        "measures single-device, DDP and FSDP2 training only: use devices=1, strategy='ddp' or FSDP2Strategy",
     ),
     (Feature.PRECISION_SWITCH, StrategyKind.SINGLE_DEVICE): _Rule(
         True, "swaps the precision plugin at a window boundary"
     ),
     (Feature.PRECISION_SWITCH, StrategyKind.DDP): _Rule(True, "every rank swaps at the same window boundary"),
-    (Feature.PRECISION_SWITCH, StrategyKind.FSDP2): _Rule(False, _FIXED_PRECISION),
+    (Feature.PRECISION_SWITCH, StrategyKind.FSDP2): _Rule(
+        True,
+        "bfloat16 autocast over float32 sharded parameters switches at a window boundary on every rank; "
+        "FSDP2's MixedPrecisionPolicy (PrecisionSwitch's default for bf16-mixed under FSDP2Strategy) is fixed "
+        "once the model is sharded: its non-finite steps are held back, fsdp2_policy=False for the fallback",
+    ),
     (Feature.PRECISION_SWITCH, StrategyKind.FSDP1): _Rule(False, _FIXED_PRECISION),
     (Feature.PRECISION_SWITCH, StrategyKind.DEEPSPEED): _Rule(False, _FIXED_PRECISION),
     (Feature.PRECISION_SWITCH, StrategyKind.TENSOR_PARALLEL): _Rule(False, _FIXED_PRECISION),
     (Feature.PRECISION_SWITCH, StrategyKind.OTHER): _Rule(
-        False, "runtime switching supports single-device and DDP strategies"
+        False, "runtime switching supports single-device, DDP and FSDP2 strategies"
     ),
 }
 

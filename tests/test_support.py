@@ -48,10 +48,13 @@ def test_every_cell_has_an_answer_and_a_reason():
                 assert answer.reason, (feature, kind, compiled)
 
 
-def test_fsdp2_recovery_depends_on_the_torch_version():
-    assert supports(Feature.OOM_RECOVERY, StrategyKind.FSDP2, torch="2.14.0").supported
-    old = supports(Feature.OOM_RECOVERY, StrategyKind.FSDP2, torch="2.11.0")
+@pytest.mark.parametrize("feature", [Feature.OOM_RECOVERY, Feature.BATCH_SIZE_SEARCH])
+def test_fsdp2_recovery_and_batch_size_search_depend_on_the_torch_version(feature):
+    """Both stop a rank's step mid-way under FSDP2 (an OOM), which only FSDPModule.reset_iter_state undoes."""
+    assert supports(feature, StrategyKind.FSDP2, torch="2.14.0").supported
+    old = supports(feature, StrategyKind.FSDP2, torch="2.11.0")
     assert not old.supported and "2.11.0" in old.reason and "upgrade torch" in old.reason
+    assert "reset_iter_state" in old.reason
 
 
 def test_lightning_refuses_a_compiled_module_under_model_parallel_for_every_feature():

@@ -13,6 +13,16 @@ and no Lightning hook, callback or loop counter is involved. Afterwards everythi
 A trial of a micro-batch runs with gradients allocated (zeros when there were none): the state a
 micro-batch after the first one starts from. A trial of a whole batch starts without gradients, as
 a step that zeroes them first does.
+
+Under FSDP2 (``fully_shard``) a trial is a real sharded step: every unit all-gathers its parameters
+in the forward and the backward and reduce-scatters its gradients, so the measured peak holds the
+gathered units and the reduce-scatter buffers as a training step's does; parameters, gradients and
+optimizer state are this rank's shards (DTensors, copied and counted by their local part). The ranks
+must run their trials together: given the micro-batch engine's FSDP2 exchange, the ranks vote before
+each of FSDP's collectives (a rank that runs out of memory mid-step stops the others at their next
+one instead of leaving them waiting), once after each trial (every rank learns whether any failed,
+and every rank resets FSDP's step state when one did), and once before each trial
+(:meth:`TrialSteps.agree_size`: every rank runs the smallest size any rank's search asks for).
 """
 
 from __future__ import annotations
@@ -29,10 +39,12 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor
 
 from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, mark_batch_dynamic
+from lightning_gpuopt._exchange import FSDP2Exchange, PeerFailure
 from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
 from lightning_gpuopt.memory.peak_model import StepMeasurement
+from lightning_gpuopt.oom_policy import Status
 
-__all__ = ["TrainingState", "TrialSteps"]
+__all__ = ["TrainingState", "TrialSteps", "local_bytes"]
 
 _PLAIN = (type(None), bool, int, float, str, complex)
 _CONTAINERS = (list, dict, set)
@@ -40,14 +52,32 @@ _CONTAINERS = (list, dict, set)
 _SKIP_KEYS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 
 
+def _local(t: Tensor) -> Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2), else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    with torch.no_grad():  # a view of the shard's storage: writing into it writes the DTensor
+        return to_local()
+
+
+def local_bytes(t: Tensor) -> int:
+    """Bytes of ``t`` on this process's device: a DTensor's local shard only (its ``numel`` is the global one)."""
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
 class _HostCopy:
-    """A tensor's bytes in host memory that no torch allocator owns, and the tensor to put them back into."""
+    """A tensor's bytes in host memory that no torch allocator owns, and the tensor to put them back into.
+
+    A DTensor (an FSDP2 shard) is copied and put back through its local part.
+    """
 
     __slots__ = ("buffer", "tensor")
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
-        data = tensor.detach()
+        data = _local(tensor).detach()
         if data.device.type != "cpu":
             data = data.to("cpu")  # host memory: not the device's
         data = data.contiguous()
@@ -59,13 +89,10 @@ class _HostCopy:
 
     def restore(self) -> Tensor:
         if self.buffer:
-            source = (
-                torch.frombuffer(self.buffer, dtype=torch.uint8)
-                .view(self.tensor.dtype)
-                .view(self.tensor.shape)
-            )
+            target = _local(self.tensor)
+            source = torch.frombuffer(self.buffer, dtype=torch.uint8).view(target.dtype).view(target.shape)
             with torch.no_grad():
-                self.tensor.copy_(source)
+                target.copy_(source)
         return self.tensor
 
 
@@ -192,12 +219,7 @@ class TrainingState:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for s in optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, Tensor)
-    )
+    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
 
 
 def _silent_log(*args: Any, **kwargs: Any) -> None:
@@ -212,14 +234,22 @@ class TrialSteps:
         module: the LightningModule.
         probe: the memory probe of the training device.
         batch_idx: passed to ``training_step``.
+        exchange: under FSDP2, the micro-batch engine's exchange: the ranks run their trials together
+            (see the module docstring); ``None``: this process alone (one device, DDP).
 
     On exit, everything is restored (see the module docstring) and memory is freed.
     """
 
     def __init__(
-        self, trainer: pl.Trainer, module: pl.LightningModule, probe: MemoryProbe, batch_idx: int = 0
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        probe: MemoryProbe,
+        batch_idx: int = 0,
+        exchange: FSDP2Exchange | None = None,
     ) -> None:
         self.trainer = trainer
+        self.exchange = exchange
         self.module = module
         self.probe = probe
         self.batch_idx = batch_idx
@@ -233,8 +263,8 @@ class TrialSteps:
         self._params = [
             p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad
         ]
-        #: Bytes of the gradients of every trained parameter.
-        self.grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
+        #: Bytes of the gradients of every trained parameter (this rank's shards under FSDP2).
+        self.grad_bytes = sum(local_bytes(p) for p in self._params)
         #: The first line of the last out-of-memory error.
         self.last_error: str | None = None
         #: Bytes of the optimizer's state once a trial's optimizer step ran (``None``: none ran).
@@ -246,7 +276,7 @@ class TrialSteps:
 
     def missing_grad_bytes(self) -> int:
         """Bytes of the gradients not allocated now, which the first trial allocates and every later one holds."""
-        return sum(p.numel() * p.element_size() for p in self._params if p.grad is None)
+        return sum(local_bytes(p) for p in self._params if p.grad is None)
 
     def __enter__(self) -> TrialSteps:
         module = self.module
@@ -256,7 +286,22 @@ class TrialSteps:
                 self._saved_attrs[name] = vars(module)[name]
             setattr(module, name, _silent_log)
         module.train()
+        if self.exchange is not None:
+            self.exchange.prepare()
+            self.exchange.install()
         return self
+
+    def agree_size(self, size: int | None) -> int | None:
+        """The size every rank's next trial step runs at: the smallest any rank asks for; ``None``: no step.
+
+        ``size`` is what this rank's search asks for (``None``: nothing more). Under FSDP2 one vote of every
+        rank (a step's all-gathers and reduce-scatters need every rank, and the ranks use the smallest
+        answer, so the rank with the least memory leads); elsewhere ``size`` itself.
+        """
+        if self.exchange is None:
+            return size
+        asked = [v.k for v in self.exchange.vote(Status.NONE, size or 0) if v.k > 0]
+        return min(asked, default=None)
 
     def __exit__(self, *exc_info: Any) -> None:
         module = self.module
@@ -276,7 +321,9 @@ class TrialSteps:
             kwargs["batch_idx"] = self.batch_idx
         return kwargs
 
-    def measure(self, batch: Any, size: int, batch_bytes: int = 0, whole: bool = False) -> StepMeasurement:
+    def measure(
+        self, batch: Any, size: int, batch_bytes: int = 0, whole: bool = False
+    ) -> StepMeasurement | None:
         """One training step on ``batch`` (``size`` samples, of which ``batch_bytes`` were allocated for this step).
 
         ``whole``: the step starts without gradients (a whole batch after zeroing), else with them (a
@@ -284,6 +331,10 @@ class TrialSteps:
         optimizer step added, both over the memory held after the step once its outputs are dropped
         (parameters, gradients, optimizer state, first-use workspaces; the batch excluded):
         :attr:`held_bytes`. Or an out-of-memory measurement. Errors other than out-of-memory propagate.
+
+        Under FSDP2 (an ``exchange``) every rank calls it together: ``None`` when another rank ran out of
+        memory before this rank's step ended (nothing measured here); an error on any rank raises on every
+        rank (this rank's own error, or a ``RuntimeError`` naming the ranks that failed).
         """
         probe, module = self.probe, self.module
         for p in self._params:
@@ -300,6 +351,8 @@ class TrialSteps:
         out = loss = None
         forward_backward = step_peak = None
         failed = False
+        error: BaseException | None = None
+        peer_votes = None
         try:
             with torch.enable_grad():
                 with self.precision.train_step_context():
@@ -316,14 +369,22 @@ class TrialSteps:
             probe.reset_peak()
             self.optimizer.step()
             step_peak = probe.peak
+        except PeerFailure as err:
+            # FSDP2: another rank failed, and this one stopped at the vote before one of FSDP's collectives.
+            peer_votes = err.votes
         except Exception as err:
             if not is_oom_error(err):
-                raise
-            failed = True
-            self.last_error = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                if self.exchange is None:
+                    raise
+                error = err  # raised once the other ranks know (they would wait in the next collective)
+            else:
+                failed = True
+                self.last_error = (str(err).strip().splitlines() or [type(err).__name__])[0]
         out = loss = None  # outside the except block: the traceback no longer pins the step's tensors
         if self.compiled:
             self.frames_compiled += compiled_frames() - frames
+        if self.exchange is not None and self._settle(failed, error, peer_votes):
+            return None
         if failed:
             free_memory()
             return StepMeasurement(size, None, None)
@@ -335,3 +396,22 @@ class TrialSteps:
         self.state_bytes = _state_bytes(self.optimizer)
         kept = held - start - (self.state_bytes - state_before)
         return StepMeasurement(size, int(forward_backward - kept), max(0, int(step_peak - held)))
+
+    def _settle(self, failed: bool, error: BaseException | None, peer_votes: list | None) -> bool:
+        """Under FSDP2, after a trial on every rank: the ranks' verdict. ``True``: another rank's failure stopped
+        this step (nothing measured here). Raises on every rank when a step failed other than out of memory."""
+        exchange = self.exchange
+        status = Status.FATAL if error is not None else Status.OOM if failed else Status.NONE
+        votes = peer_votes if peer_votes is not None else exchange.vote(status, exchange.k)
+        fatal = [r for r, v in enumerate(votes) if v.status & Status.FATAL]
+        if fatal:
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                f"MemoryAwareBatchSize: a trial step failed on rank(s) {', '.join(map(str, fatal))} (the error there says "
+                "why); every rank stops."
+            )
+        if any(v.status for v in votes):  # an OOM on some rank: every rank resets FSDP's step state
+            exchange.recover()
+            free_memory()
+        return peer_votes is not None

@@ -18,16 +18,16 @@ from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, first_samples
 from lightning_gpuopt.callbacks._predicted_start import start_search
-from lightning_gpuopt.callbacks._trial_step import TrialSteps
+from lightning_gpuopt.callbacks._trial_step import TrialSteps, local_bytes
 from lightning_gpuopt.callbacks.batch_size_max import MaxBatchSizeMode
 from lightning_gpuopt.callbacks.oom_recovery import MicroBatchOOMError
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
-from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, memory_budget
+from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, StepMeasurement, memory_budget
 from lightning_gpuopt.memory.predicted_search import PredictedSearch
 from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine
 from lightning_gpuopt.oom_policy import Source
-from lightning_gpuopt.support import Feature, supports
+from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 
 __all__ = ["MemoryAwareBatchSize"]
 
@@ -69,7 +69,13 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
     optimizer batch, and it says so; ``lr_scaling`` can scale the learning rate with it. The budget
     reserves room for the batches the data pipeline holds ahead on the device at the new size.
 
-    Under DDP every rank measures on its own device and all use the smallest answer. The result is
+    Under DDP every rank measures on its own device and all use the smallest answer. Under FSDP2
+    (:class:`~lightning_gpuopt.FSDP2Strategy`, or ``ModelParallelStrategy`` over a ``fully_shard`` model) the
+    trial steps are real sharded steps: each rank's measured peak holds the units FSDP2 gathers and its
+    reduce-scatter buffers. The ranks run them together, each at the smallest size any rank's search asks
+    for (each FSDP collective is preceded by a vote, so a rank that runs out of memory in a trial stops the
+    others instead of leaving them waiting), and all use the smallest answer; the step is not traced there
+    (the measured search, at most four steps). The result is
     kept in ``state_dict``: a resumed run does not search again. A change of the precision plugin (a
     precision switch) since the measurement triggers a new measurement at the next batch that starts
     an accumulation window; :meth:`remeasure` asks for one. On a CPU device without
@@ -100,8 +106,9 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
     Raises:
         ValueError: an argument is out of range.
         RuntimeError: in ``setup``/``on_fit_start``, for setups it cannot run (manual optimization,
-            sharded strategies, several optimizers, BatchSizeFinder in the same Trainer, a compiled
-            module, ``mode="max"`` without a ``batch_size`` attribute), naming the alternative.
+            sharded strategies other than FSDP2, FSDP2 on a torch older than 2.14, several optimizers,
+            BatchSizeFinder in the same Trainer, a compiled module, ``mode="max"`` without a ``batch_size``
+            attribute), naming the alternative.
         MicroBatchOOMError: even ``min_batch_size`` does not fit; the message has the measured breakdown.
 
     Example:
@@ -169,7 +176,8 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
         self.batch_size: int | None = None
         #: The model's peak at ``micro_batch_size``, in bytes.
         self.predicted_peak_bytes: int | None = None
-        #: Real training steps the last search measured (0: none yet, or restored from a checkpoint).
+        #: Real training steps the last search measured (0: none yet, or restored from a checkpoint); under FSDP2
+        #: every rank runs as many, at the same sizes.
         self.trials = 0
         #: What a step may use at its peak, in bytes, at the last search.
         self.budget_bytes: int | None = None
@@ -233,7 +241,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
         answer = supports(Feature.BATCH_SIZE_SEARCH, strategy)
         if not answer.supported:
             raise RuntimeError(
-                f"MemoryAwareBatchSize measures single-device and DDP training, got {type(strategy).__name__} "
+                f"MemoryAwareBatchSize measures single-device, DDP and FSDP2 training, got {type(strategy).__name__} "
                 f"({answer.reason})."
             )
         if not pl_module.automatic_optimization:
@@ -393,7 +401,10 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
         engine = self._engine
         budget = memory_budget(probe.total, self.target_fraction)
         started = time.perf_counter()
-        with TrialSteps(trainer, module, probe, batch_idx) as trials:
+        # Under FSDP2 the trial steps all-gather and reduce-scatter: the ranks run them together.
+        together = strategy_kind(trainer.strategy) is StrategyKind.FSDP2
+        exchange = engine.exchange if together else None
+        with TrialSteps(trainer, module, probe, batch_idx, exchange) as trials:
             # Held besides what a trial sees: the engine's own copies, and with accumulation the window's
             # earlier gradients, which the engine keeps apart while a batch runs.
             extra = engine.snapshot_bytes() + _STEP_SLACK_BYTES
@@ -411,21 +422,18 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
                 # 1/16 of the range, 2 to 16 samples: small, yet past the sizes where fixed costs dominate a step.
                 first_size=min(16, max(2, largest // 16)),
             )
-            if self.predict:  # the first real step at the size traced steps predict (nothing allocated)
+            if self.predict and not together:  # the first real step at the size traced steps predict
                 search, self.prediction_note = start_search(
                     trainer, module, make_batch, batch_idx, extra + trials.missing_grad_bytes(), **arguments
                 )
+            elif self.predict:
+                search = SizeSearch(**arguments)
+                self.prediction_note = (
+                    "under FSDP2 the step is not traced (its collectives run inside it): the measured search"
+                )
             else:
                 search, self.prediction_note = SizeSearch(**arguments), "predict=False: the measured search"
-            while (size := search.next_size()) is not None:
-                batch, actual, nbytes, whole = make_batch(
-                    size
-                )  # a split hook may choose another size: record what ran
-                measurement = trials.measure(batch, actual, nbytes, whole)
-                del batch
-                if trials.held_bytes is not None:
-                    search.base_bytes = trials.held_bytes + extra
-                search.record(measurement)
+            run_trials(search, trials, make_batch, extra)
             if isinstance(search, PredictedSearch):
                 self.prediction_note = search.note
             self._last_error = trials.last_error
@@ -523,7 +531,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
     def _no_fit_message(
         self, trainer: pl.Trainer, result: SearchResult, probe: MemoryProbe, smallest: int
     ) -> str:
-        params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
+        params = sum(local_bytes(p) for p in trainer.lightning_module.parameters())
         state = (
             "not measured (no trial reached the optimizer step)"
             if self._state_bytes is None
@@ -561,6 +569,32 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
 def _precision_of(trainer: pl.Trainer) -> str:
     plugin = trainer.precision_plugin
     return f"{type(plugin).__name__}:{getattr(plugin, 'precision', '')}"
+
+
+def run_trials(
+    search: SizeSearch,
+    trials: TrialSteps,
+    make_batch: Callable[[int], tuple[Any, int, int, bool]],
+    extra: int,
+) -> None:
+    """Measure the sizes ``search`` asks for with ``trials`` until it is over (under FSDP2: until every rank's is).
+
+    ``extra``: bytes held through a real step that a trial does not hold (added to the measured base).
+    Under FSDP2 every rank runs each trial step at the same size, the smallest any rank's search asks for
+    (:meth:`TrialSteps.agree_size`; the ranks use the smallest answer, so the rank with the least memory
+    leads), and records it, so that no rank runs more trial steps than one search may. A step that another
+    rank's OOM stopped here is recorded as out of memory: the answer the ranks agree on lies below it anyway.
+    """
+    while (size := trials.agree_size(search.next_size())) is not None:
+        # A split hook may choose another size: record what ran.
+        batch, actual, nbytes, whole = make_batch(size)
+        measurement = trials.measure(batch, actual, nbytes, whole)
+        del batch
+        if measurement is None:
+            measurement = StepMeasurement(actual, None)
+        elif trials.held_bytes is not None:
+            search.base_bytes = trials.held_bytes + extra
+        search.record(measurement)
 
 
 def _samples(batch: Any) -> int | None:

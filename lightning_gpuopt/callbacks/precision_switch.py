@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import (
     XLAStrategy,
 )
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_gpuopt.decisions import record_decision
@@ -43,12 +44,14 @@ from lightning_gpuopt.precision import (
     fallback_ladder,
     faster_rung,
     fp8_available,
+    fsdp2_mixed_precision,
     grad_norms,
     precision_index,
     restore_tf32,
     tf32_wanted,
     unsupported_reason,
 )
+from lightning_gpuopt.strategy import FSDP2Strategy
 from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 
 __all__ = ["PrecisionChange", "PrecisionSwitch"]
@@ -108,7 +111,7 @@ class PrecisionSwitch(Callback):
     global setting restored at teardown. ``initial="keep"`` keeps the Trainer's precision; a
     precision name forces that one.
 
-    **While training** (single device and DDP, automatic optimization), every optimizer step is
+    **While training** (single device, DDP and FSDP2, automatic optimization), every optimizer step is
     watched without a host sync where the GradScaler already knows: a step it skipped is seen from
     the host, and only then is anything read back. A step with a non-finite loss, or (without a
     GradScaler: ``bf16-mixed``, ``32-true``) non-finite gradients, is never applied. ``patience``
@@ -123,7 +126,13 @@ class PrecisionSwitch(Callback):
     long after each relapse). Non-finite steps with no rung left to fall to raise
     ``FloatingPointError``.
 
-    Under FSDP, DeepSpeed and ModelParallel (precision fixed when the model is wrapped) only the
+    **Under the pack's FSDP2Strategy**, ``bf16-mixed`` chosen at setup becomes FSDP2's
+    ``MixedPrecisionPolicy`` (``fsdp2_policy=True``): bfloat16 parameters all-gathered, float32
+    reductions. FSDP2 cannot change that policy once the model is sharded, so such a run has no
+    runtime fallback: non-finite steps are held back on every rank, and ``patience`` of them in a row
+    raise ``FloatingPointError``. With ``fsdp2_policy=False`` the float32 sharded parameters stay
+    float32 under bfloat16 autocast, which falls back to ``32-true`` at a window boundary as under DDP.
+    Under FSDP1, DeepSpeed and tensor parallelism (precision fixed when the model is wrapped) only the
     setup-time choice applies, and so it says. The checkpoint records the precision (with Lightning's
     own GradScaler state); a resumed run continues in it. One rank-zero line per decision;
     ``gpuopt/precision`` (:data:`~lightning_gpuopt.precision.PRECISION_INDEX`) goes to the loggers.
@@ -141,6 +150,9 @@ class PrecisionSwitch(Callback):
         cpu_bf16: ``initial="auto"`` on a CPU picks ``bf16-mixed`` instead of ``32-true``.
         tf32: turn TF32 matmuls on for ``32-true`` runs on sm >= 8.0 (while nothing else chose).
         fp8: ``initial="auto"`` picks ``transformer-engine`` where installed and sm >= 8.9.
+        fsdp2_policy: under the pack's FSDP2Strategy, run ``bf16-mixed`` as FSDP2's
+            ``MixedPrecisionPolicy`` (bfloat16 all-gathers, float32 reductions; no runtime fallback);
+            ``False``: bfloat16 autocast over float32 parameters, with the runtime fallback.
         verbose: print the rank-zero lines.
 
     Raises:
@@ -173,6 +185,7 @@ class PrecisionSwitch(Callback):
         cpu_bf16: bool = False,
         tf32: bool = True,
         fp8: bool = False,
+        fsdp2_policy: bool = True,
         verbose: bool = True,
     ) -> None:
         if initial not in _INITIAL:
@@ -193,6 +206,7 @@ class PrecisionSwitch(Callback):
             ("cpu_bf16", cpu_bf16),
             ("tf32", tf32),
             ("fp8", fp8),
+            ("fsdp2_policy", fsdp2_policy),
             ("verbose", verbose),
         ):
             if not isinstance(value, bool):
@@ -211,6 +225,7 @@ class PrecisionSwitch(Callback):
         self.cpu_bf16 = cpu_bf16
         self.tf32 = tf32
         self.fp8 = fp8
+        self.fsdp2_policy = fsdp2_policy
         self.verbose = verbose
         self._ladder_given = ladder is not None
         self._reset_record()
@@ -237,6 +252,7 @@ class PrecisionSwitch(Callback):
         self._info: DeviceInfo | None = None
         self._watch = StabilityWatch(self.patience, self.min_scale)
         self._why_fixed: str | None = None  # why precision cannot change at runtime; None: it can
+        self._policy: str | None = None  # FSDP2's MixedPrecisionPolicy set at setup: watched, never switched
         self._watching = False
         self._hook: OptimizerStepHook | None = None
         self._engine: MicroBatchEngine | None = None
@@ -326,15 +342,43 @@ class PrecisionSwitch(Callback):
         self._precision = trainer.precision
         if self._start is None:
             self._start = self._precision
+        policy_note = self._set_fsdp2_policy(strategy, pl_module)
         if tf32_wanted(info, self._precision, self.tf32):
             self._tf32_previous = enable_tf32()
         self._why_fixed = _why_fixed(strategy, pl_module)
         change = f"{before} → {self._precision}" if self._precision != before else self._precision
         self._say(
             f"PrecisionSwitch: precision {change} ({reason})",
+            policy_note,
             self._tf32_note(),
             self._fallback_note(),
         )
+
+    def _set_fsdp2_policy(self, strategy: Strategy, pl_module: pl.LightningModule) -> str:
+        """Under the pack's FSDP2Strategy, hand ``bf16-mixed`` to FSDP2's ``MixedPrecisionPolicy`` (before it shards)."""
+        if not isinstance(strategy, FSDP2Strategy) or strategy_kind(strategy) is not StrategyKind.FSDP2:
+            return ""
+        policy = fsdp2_mixed_precision(self._precision)
+        if strategy.mp_policy is not None and strategy.mp_policy != policy:
+            self._policy = (
+                f"FSDP2Strategy's own mp_policy ({strategy.mp_policy}) is fixed once the model is sharded"
+            )
+            return f"FSDP2: the strategy's own mp_policy kept ({strategy.mp_policy})"
+        if policy is None:
+            return ""
+        if is_overridden("configure_model", pl_module):
+            return (
+                f"{type(pl_module).__name__} shards itself in configure_model: {self._precision} is autocast over "
+                "its own sharding (pass `mp_policy=` to your fully_shard calls for bfloat16 all-gathers)"
+            )
+        if not self.fsdp2_policy:
+            return "FSDP2: bfloat16 autocast over float32 sharded parameters (fsdp2_policy=False)"
+        strategy.mp_policy = policy
+        self._policy = (
+            "FSDP2's MixedPrecisionPolicy is fixed once the model is sharded (fsdp2_policy=False: bfloat16 "
+            "autocast over float32 parameters, which can fall back at runtime)"
+        )
+        return "FSDP2 MixedPrecisionPolicy: bfloat16 parameters all-gathered, float32 reductions"
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trainer is not trainer:
@@ -351,9 +395,7 @@ class PrecisionSwitch(Callback):
         self._hook = OptimizerStepHook.attach(trainer, self)
         self._hook.guards.append(self._guard)
         self._watching = True
-        can_switch = (
-            bool(fallback_ladder(self._start, self.ladder, self._info)) or self._start != self._precision
-        )
+        can_switch = bool(self._fallbacks(self._start)) or self._start != self._precision
         if self.rerun and can_switch and trainer.accumulate_grad_batches == 1:
             try:
                 engine = MicroBatchEngine.attach(trainer, self)
@@ -500,7 +542,7 @@ class PrecisionSwitch(Callback):
         )
         reason = self._watch.verdict(outcome)
         # Same inputs on every rank (all-reduced flags, the same history): the same answer everywhere.
-        if reason is None or not fallback_ladder(self._precision, self.ladder, self._info):
+        if reason is None or not self._fallbacks():
             return False  # the step is skipped or held back, and counted (or raises) at the batch's end
         self._switch_down(trainer, reason, rerun=True, batch_idx=batch_idx)
         self._verdict = None
@@ -512,8 +554,14 @@ class PrecisionSwitch(Callback):
         self, trainer: pl.Trainer, reason: str, rerun: bool, batch_idx: int | None = None
     ) -> None:
         before = self._precision
-        rungs = fallback_ladder(before, self.ladder, self._info)
+        rungs = self._fallbacks()
         if not rungs:
+            if self._policy is not None:
+                raise FloatingPointError(
+                    f"PrecisionSwitch: {reason} in {before}, and there is no precision to fall back to: {self._policy}. "
+                    "Check the learning rate, the data "
+                    "(inf/NaN inputs or labels) and the loss; or raise `patience` to skip more bad steps."
+                )
             raise FloatingPointError(
                 f"PrecisionSwitch: {reason} in {before}, and no more stable precision is left "
                 f"(ladder {self.ladder}). This is not a precision problem: check the learning rate, the data "
@@ -577,11 +625,12 @@ class PrecisionSwitch(Callback):
             self._precision = trainer.precision
             return
         if restored != trainer.precision:
-            plugin = _plugin_for(restored, trainer.strategy) if self._why_fixed is None else None
+            fixed = self._why_fixed or self._policy
+            plugin = _plugin_for(restored, trainer.strategy) if fixed is None else None
             if plugin is None:
                 self._say(
                     f"PrecisionSwitch: the checkpoint was saved in {restored}, but this run stays in {trainer.precision}: "
-                    f"{self._why_fixed or type(trainer.strategy).__name__ + ' cannot take it'}"
+                    f"{fixed or type(trainer.strategy).__name__ + ' cannot take it'}"
                 )
             else:
                 before = trainer.precision
@@ -590,6 +639,12 @@ class PrecisionSwitch(Callback):
         self._precision = trainer.precision
 
     # ------------------------------------------------------------------ helpers
+
+    def _fallbacks(self, current: str | None = None) -> tuple[str, ...]:
+        """The precisions this run can still fall back to from ``current`` (default: the one in force)."""
+        if self._policy is not None:
+            return ()
+        return fallback_ladder(current or self._precision, self.ladder, self._info)
 
     def _scaler(self) -> Any:
         return getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
@@ -619,7 +674,9 @@ class PrecisionSwitch(Callback):
     def _fallback_note(self) -> str:
         if self._why_fixed is not None:
             return f"no runtime fallback: {self._why_fixed}"
-        rungs = fallback_ladder(self._precision, self.ladder, self._info)
+        if self._policy is not None:
+            return f"no runtime fallback: {self._policy}; non-finite steps are held back on every rank"
+        rungs = self._fallbacks()
         if not rungs:
             return f"no more stable precision below {self._precision}: non-finite steps are held back"
         return f"falls back to {' → '.join(rungs)} on persistent non-finite values"

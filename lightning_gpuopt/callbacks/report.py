@@ -277,6 +277,7 @@ class GPUOptReport(Callback):
             self._counter.__exit__(None, None, None)
             self._counter = None
         probe = get_probe(trainer.strategy.root_device)
+        rank_peaks = _rank_peaks(trainer, self._steps)  # a collective: every rank, before rank zero goes on
         self.report = {
             "format": FORMAT,
             "run": {
@@ -284,6 +285,8 @@ class GPUOptReport(Callback):
                 "memory_kind": probe.kind,
                 "strategy": type(trainer.strategy).__name__,
                 "world_size": trainer.world_size,
+                "num_nodes": trainer.num_nodes,
+                "rank_peaks": rank_peaks,
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "precision_at_end": str(trainer.precision),
                 "flops_per_batch": self._flops,
@@ -335,6 +338,21 @@ class GPUOptReport(Callback):
             metrics["gpuopt/mfu"] = float(record["mfu"])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _rank_peaks(trainer: pl.Trainer, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's highest step peak and its memory limit, gathered from every rank (rank order)."""
+    peak = max((s["peak_bytes"] for s in steps), default=0)
+    limit = next((s["limit_bytes"] for s in reversed(steps) if s.get("limit_bytes")), None) or 0
+    mine = torch.tensor([peak, limit], dtype=torch.int64, device=trainer.strategy.root_device)
+    if trainer.world_size > 1:
+        gathered = trainer.strategy.all_gather(mine).reshape(-1, 2).tolist()
+    else:
+        gathered = [mine.tolist()]
+    return [
+        {"rank": rank, "peak_bytes": int(peak), "limit_bytes": int(limit) or None}
+        for rank, (peak, limit) in enumerate(gathered)
+    ]
 
 
 def _limit(probe: Any) -> int | None:

@@ -246,7 +246,11 @@ CANDIDATES: tuple[Candidate, ...] = (
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device of one candidate, by component."""
+    """Bytes per device of one candidate, by component.
+
+    ``host`` is what one rank keeps in host memory instead (CPU offload: its shards of the parameters,
+    gradients and optimizer state); it is not part of :attr:`total`, which is device memory only.
+    """
 
     candidate: Candidate
     parameters: int
@@ -256,6 +260,7 @@ class MemoryEstimate:
     buffers: int
     activations: int
     components: dict[str, int] = field(default_factory=dict)
+    host: int = 0
 
     @property
     def model_state(self) -> int:
@@ -295,6 +300,9 @@ def estimate(
         >>> full = estimate(counts, full_shard, 4, "32-true", "adam")
         >>> full.parameters, full.optimizer
         (1000000, 2000000)
+        >>> offload = estimate(counts, next(c for c in CANDIDATES if c.offload), 4, "32-true", "adam")
+        >>> offload.parameters, offload.host  # the rank's shards of parameters, gradients and Adam state
+        (0, 4000000)
     """
     world = max(1, int(world_size)) if candidate.multi_device else 1
     stored, compute = precision_bytes(precision)
@@ -305,22 +313,23 @@ def estimate(
     def share(n: float, sharded: bool) -> int:
         return int(-(-n // world)) if sharded else int(n)
 
-    on_device = 0 if candidate.offload else 1
-    params = share(counts.total * stored, candidate.shard_params) * on_device
-    grads = share(counts.trainable * stored, candidate.shard_grads) * candidate.grad_copies * on_device
+    params = share(counts.total * stored, candidate.shard_params)
+    grads = share(counts.trainable * stored, candidate.shard_grads) * candidate.grad_copies
     state_bytes = counts.trainable * state * (4 if candidate.deepspeed else stored)
     if candidate.master_copy and stored < 4:
         state_bytes += counts.trainable * 4
-    optimizer_bytes = share(state_bytes, candidate.shard_optimizer) * on_device
+    optimizer_bytes = share(state_bytes, candidate.shard_optimizer)
     gathered = 2 * counts.largest_unit * compute if candidate.gathers_units else 0
+    on_device = 0 if candidate.offload else 1
     return MemoryEstimate(
         candidate=candidate,
-        parameters=params,
-        gradients=grads,
-        optimizer=optimizer_bytes,
+        parameters=params * on_device,
+        gradients=grads * on_device,
+        optimizer=optimizer_bytes * on_device,
         gathered=gathered,
         buffers=counts.buffers_bytes,
         activations=int(activation_bytes),
+        host=(params + grads + optimizer_bytes) * (1 - on_device),
     )
 
 

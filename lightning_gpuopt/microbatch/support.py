@@ -49,7 +49,7 @@ def unsupported_strategy(strategy: Any, sharded: bool = False) -> str | None:
 
     The answer comes from :mod:`lightning_gpuopt.support`: with ``sharded=True`` for OOMRecovery (single
     device, DDP and FSDP2 without tensor parallelism, on a torch that can reset FSDP2 after an interrupted
-    step), else for MemoryAwareBatchSize (single device and DDP). Not under FSDP1 (``FSDPStrategy``) or
+    step), else for MemoryAwareBatchSize (the same, on the same torch). Not under FSDP1 (``FSDPStrategy``) or
     DeepSpeed, whose collectives inside the step cannot be kept in step when one rank runs out of memory.
     """
     feature = Feature.OOM_RECOVERY if sharded else Feature.BATCH_SIZE_SEARCH
@@ -64,17 +64,13 @@ def unsupported_strategy(strategy: Any, sharded: bool = False) -> str | None:
             f"{_compat.tensor_parallel_size(strategy)} (tensor-parallel collectives inside the forward cannot be kept in "
             "step). Use tensor_parallel_size=1, or train without OOMRecovery here."
         )
-    if sharded and kind is StrategyKind.FSDP2:
-        return f"{answer.reason}, or train without OOMRecovery under {name}."
-    supported = (
-        "single-device, DDP and FSDP2 (ModelParallelStrategy) training"
-        if sharded
-        else "single-device and DDP training"
-    )
+    if kind is StrategyKind.FSDP2:
+        callback = "OOMRecovery" if sharded else "MemoryAwareBatchSize"
+        return f"{answer.reason}, or train without {callback} under {name}."
     return (
-        f"micro-batching supports {supported}, got {name} ({answer.reason}). Use strategy='ddp' (or one device)"
-        + (", or FSDP2Strategy for a sharded model" if sharded else "")
-        + ", or train without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
+        f"micro-batching supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got {name} "
+        f"({answer.reason}). Use strategy='ddp' (or one device), or FSDP2Strategy for a sharded model, or train "
+        "without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
     )
 
 

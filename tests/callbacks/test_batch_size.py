@@ -452,7 +452,10 @@ def test_sharded_strategies_are_refused():
     from lightning.pytorch.strategies import FSDPStrategy
 
     trainer = types.SimpleNamespace(strategy=FSDPStrategy(), callbacks=[])
-    with pytest.raises(RuntimeError, match=r"measures single-device and DDP training, got FSDPStrategy"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"measures single-device, DDP and FSDP2 training, got FSDPStrategy \(.*use FSDP2Strategy",
+    ):
         MemoryAwareBatchSize().setup(trainer, WideRegressor(), "fit")
 
 
