@@ -236,8 +236,11 @@ def _installed() -> str:
     return torch.__version__
 
 
-def markdown_table() -> str:
-    """The support table as Markdown (what ``docs/support.md`` holds between its markers)."""
+def markdown_table(reasons: bool = True) -> str:
+    """The support table as Markdown (what ``docs/support.md`` holds between its markers).
+
+    ``reasons=False``: the cells only (``docs/multi-gpu.md``'s copy, which links to the reasons).
+    """
     kinds = list(StrategyKind)
     lines = [
         "| feature | " + " | ".join(k.value for k in kinds) + " | compiled module |",
@@ -255,6 +258,8 @@ def markdown_table() -> str:
                 cells.append("yes")
         cells.append("single device, DDP")
         lines.append(f"| {feature.value} | " + " | ".join(cells) + " |")
+    if not reasons:
+        return "\n".join(lines)
     lines.append("")
     lines.append("Why, for each cell that says no or names a torch version:")
     lines.append("")

@@ -12,13 +12,14 @@ from tests.helpers import REPO
 DOCS = REPO / "docs" / "support.md"
 
 
-def test_the_docs_table_is_the_support_module():
-    text = DOCS.read_text()
+@pytest.mark.parametrize(("page", "reasons"), [("support.md", True), ("multi-gpu.md", False)])
+def test_the_docs_table_is_the_support_module(page, reasons):
+    text = (DOCS.parent / page).read_text()
     start, end = "<!-- support-table:start -->\n", "\n<!-- support-table:end -->"
-    assert start in text and end in text, "docs/support.md lost its table markers"
+    assert start in text and end in text, f"docs/{page} lost its table markers"
     documented = text.split(start, 1)[1].split(end, 1)[0]
-    assert documented == markdown_table(), (
-        "docs/support.md is stale: paste support.markdown_table() between the markers"
+    assert documented == markdown_table(reasons=reasons), (
+        f"docs/{page} is stale: paste support.markdown_table(reasons={reasons}) between the markers"
     )
 
 

@@ -64,6 +64,9 @@ def test_gpuopt_plan_prints_the_table_the_pick_and_the_reason(capsys):
         "gathered",
         "activations",
         "total",
+        "host",
+        "per",
+        "rank",
         "fits",
     ]
     rows = lines[header + 2 : header + 9]
