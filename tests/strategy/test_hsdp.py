@@ -160,7 +160,8 @@ def test_gpuopt_plan_with_two_nodes_prints_the_hsdp_row_and_why_it_was_not_picke
     # BoringModel is one unit: gathered whole (528 B), HSDP's shards of 2 save less than that
     assert "gpuopt plan: 4 device(s) (2 nodes x 2), 556 B each (budget 500 B)" in out
     hsdp = next(line for line in out.splitlines() if line.startswith("hsdp: full shard in node"))
-    assert hsdp.split()[5:] == ["132", "B", "132", "B", "0", "B", "528", "B", "0", "B", "792", "B", "no"]
+    # parameters, gradients, optimizer, gathered, activations, total; no host memory (no offload)
+    assert hsdp.split()[5:] == ["132", "B", "132", "B", "0", "B", "528", "B", "0", "B", "792", "B", "-", "no"]
     assert "pick: fsdp: shard grads+optimizer: hsdp: full shard in node would need 792 B per device" in out
 
 
