@@ -1,8 +1,8 @@
 """HSDP (FSDP2Strategy(hsdp=True)): its mesh and arguments, and OOM recovery and checkpoints on 2 "nodes" x 2.
 
 The multi-process case starts ``hsdp_run.py`` twice, as two nodes (``NODE_RANK`` 0 and 1 on 127.0.0.1);
-Lightning's launcher starts each node's second process. Two runs (about 30 s each on 2 CPU cores): one
-epoch with three OOMs on rank 3 and a checkpoint, then a second epoch resumed from that checkpoint.
+Lightning's launcher starts each node's second process. Two runs (40-75 s together on the shared 2-core
+machine): one epoch with three OOMs on rank 3 and a checkpoint, then a second epoch resumed from it.
 """
 
 from __future__ import annotations
