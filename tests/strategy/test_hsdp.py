@@ -69,6 +69,29 @@ def test_a_bad_replicate_size_fails_before_the_processes_meet():
     assert not torch.distributed.is_initialized()
 
 
+def test_recovery_refuses_an_hsdp_mesh_whose_shard_groups_hold_one_rank():
+    """FSDP skips the reduce-scatter of a one-rank shard group, so nothing would stand before the replicas'
+    all-reduce to vote: refused with the reason (one process, a (1, 1) mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gpuopt._exchange import FSDP2Exchange
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        with pytest.raises(
+            ValueError, match=r"HSDP mesh of 1 replica\(s\) x 1 shard\(s\) .* at least 2 ranks"
+        ):
+            FSDP2Exchange(model)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- the plan with several nodes
 
 GiB = 2**30
