@@ -345,8 +345,12 @@ def _rank_peaks(trainer: pl.Trainer, steps: list[dict[str, Any]]) -> list[dict[s
     peak = max((s["peak_bytes"] for s in steps), default=0)
     limit = next((s["limit_bytes"] for s in reversed(steps) if s.get("limit_bytes")), None) or 0
     mine = torch.tensor([peak, limit], dtype=torch.int64, device=trainer.strategy.root_device)
-    if trainer.world_size > 1:
-        gathered = trainer.strategy.all_gather(mine).reshape(-1, 2).tolist()
+    if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # torch's plain collective: with Lightning's all_gather (torch's autograd-aware one) the only process
+        # of a second node aborted at exit ("terminate called without an active exception").
+        parts = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(parts, mine)
+        gathered = [part.tolist() for part in parts]
     else:
         gathered = [mine.tolist()]
     return [

@@ -193,3 +193,48 @@ def test_with_cuda_the_sharded_plan_is_fsdp2_and_keeps_oom_recovery(monkeypatch,
     assert cli.plan.pick.startswith("fsdp") and isinstance(cli.trainer.strategy, FSDP2Strategy)
     assert any(isinstance(cb, OOMRecovery) for cb in cli.trainer.callbacks)
     assert "OOMRecovery not added" not in caplog.text
+
+
+@pytest.mark.slow
+def test_fit_on_two_nodes_ends_with_a_report_of_the_plan_and_every_rank(tmp_path):
+    """`gpuopt fit --trainer.devices 1 --trainer.num_nodes 2`: two launchers as two nodes on 127.0.0.1."""
+    import os
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    args = [*CPU2[:2], "--trainer.devices", "1", "--trainer.num_nodes", "2", *CPU2[4:]]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lightning_gpuopt", "fit", *BORING, *args],
+            cwd=tmp_path,
+            env={**env, "NODE_RANK": str(node)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=400)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            raise
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    (found,) = list(tmp_path.rglob("gpuopt_report.json"))  # rank 0 writes it
+    report = load_report(found)
+    assert report["run"]["num_nodes"] == 2 and report["run"]["world_size"] == 2
+    assert [r["rank"] for r in report["run"]["rank_peaks"]] == [0, 1]
+    (planned,) = [d for d in report["decisions"] if d["kind"] == "strategy"]
+    assert planned["data"]["num_nodes"] == 2 and planned["data"]["pick"] == "ddp"
+    rows = dict(summary_rows(report))
+    assert rows["strategy"].startswith("DDPStrategy on 2 rank(s), 2 nodes; planned: ddp: ")
+    assert "1: " in rows["peak memory per rank"] and rows["precision"] == "32-true"
+    assert "peak memory per rank" in logs[0] and "pick: ddp:" in logs[0]
