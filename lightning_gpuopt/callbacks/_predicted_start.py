@@ -17,12 +17,21 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.utils._pytree import tree_map
 
 from lightning_gpuopt.memory.peak_model import SizeSearch
-from lightning_gpuopt.memory.predict import Phase, PredictionMethod, predict_peak, predict_peak_deep
+from lightning_gpuopt.memory.predict import (
+    MemoryCategory,
+    Phase,
+    PredictionMethod,
+    predict_peak,
+    predict_peak_deep,
+)
 from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve, plan_traces
 
 __all__ = ["CannotPredict", "start_search"]
 
 _GROWING = (Phase.FORWARD.value, Phase.BACKWARD.value)
+#: What forward and backward allocate and free again: the rest of a phase's peak is held (parameters, inputs, ...).
+_ALLOCATED_IN_STEP = (MemoryCategory.ACTIVATIONS.value, MemoryCategory.TEMPORARIES.value)
+_MODEL = (MemoryCategory.PARAMETERS, MemoryCategory.BUFFERS)
 
 
 class CannotPredict(Exception):
@@ -43,21 +52,52 @@ def _resized(batch: Any, samples: int, n: int) -> Any:
     return tree_map(resize, batch)
 
 
-def traced_step(prediction: Any) -> TracedStep:
-    """A :class:`TracedStep` from a :class:`~lightning_gpuopt.memory.PeakPrediction`."""
-    growing = [ph.transient_bytes for ph in prediction.phases if ph.phase in _GROWING]
+def traced_step(prediction: Any, whole: bool = False) -> TracedStep:
+    """A :class:`TracedStep` from a :class:`~lightning_gpuopt.memory.PeakPrediction`.
+
+    ``whole``: the step starts without gradients (a whole batch: the micro-batch engine zeroes them before
+    the forward), so forward and backward are those of the traced first step, where no gradients are alive
+    before the backward allocates them; what they add is their peak above the memory held after the step,
+    all gradients included (what a trial step measures). Not the activations alone: the backward frees
+    activations as it allocates gradients, so that at a small batch the peak is where the gradients are
+    complete, and the activations of the forward show only where they outgrow the gradients. Else the
+    step starts with the gradients alive (a micro-batch after the first, the steady state of the trace):
+    the most activations and temporaries alive at once.
+
+    With ``whole`` the optimizer step's bytes are also counted as a trial measures them, above the memory
+    held after the step (the state it creates included), and the parameters and buffers are reported:
+    the plan aims from them where the probe does not count them yet.
+    """
     optimizer = [ph.transient_bytes for ph in prediction.phases if ph.phase == Phase.OPTIMIZER.value]
     state = max((ph.categories.get("optimizer state", 0) for ph in prediction.phases), default=0)
+    model = 0
+    if whole:
+        optimizer = [max(0, b - state) for b in optimizer]  # the first step's transient holds the new state
+        model = max(
+            (sum(ph.categories.get(c.value, 0) for c in _MODEL) for ph in prediction.phases), default=0
+        )
+        grads = MemoryCategory.GRADIENTS.value
+        held_grads = max((ph.categories.get(grads, 0) for ph in prediction.phases), default=0)
+        growing = [
+            max(0, sum(ph.categories.get(c, 0) for c in (*_ALLOCATED_IN_STEP, grads)) - held_grads)
+            for ph in prediction.phases
+            if ph.phase in _GROWING and ph.step == 1
+        ]
+    else:
+        growing = [ph.transient_bytes for ph in prediction.phases if ph.phase in _GROWING]
     return TracedStep(
         size=prediction.batch_size,
         forward_backward_bytes=max(growing, default=0),
         optimizer_bytes=max(optimizer, default=0),
         state_bytes=state,
         peak_bytes=prediction.peak_bytes,
+        model_bytes=model,
     )
 
 
-def _tracer(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, samples: int, batch_idx: int):
+def _tracer(
+    trainer: pl.Trainer, module: pl.LightningModule, batch: Any, samples: int, batch_idx: int, whole: bool
+):
     optimizer = trainer.optimizers[0]
     precision = str(trainer.precision)  # Lightning's precision string: "32-true", "bf16-mixed", ...
     device = trainer.strategy.root_device.type
@@ -81,7 +121,7 @@ def _tracer(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, samples
             ) from None
         if prediction.method is not PredictionMethod.TRACED:
             raise CannotPredict(f"the training step could not be traced ({prediction.decision})")
-        return traced_step(prediction)
+        return traced_step(prediction, whole)
 
     return trace
 
@@ -108,14 +148,17 @@ def start_search(
     """
     if not trainer.optimizers:
         return SizeSearch(**search), "no optimizer to trace: the measured search"
-    template, samples, _, _ = make_batch(min(search["largest"], max(search["smallest"], 2)))
-    trace = _tracer(trainer, module, template, samples, batch_idx)
+    # Whole batches (mode='max') start without gradients, micro-batches with them: traced as they run.
+    template, samples, _, whole = make_batch(min(search["largest"], max(search["smallest"], 2)))
+    trace = _tracer(trainer, module, template, samples, batch_idx, whole)
     del template
-    base, held = search["base_bytes"] + pending_bytes, search.get("held_bytes_per_sample", 0.0)
+    held = search.get("held_bytes_per_sample", 0.0)
 
     def peak(
         curve: TransientCurve, n: int
     ) -> float:  # the state counted in full: the trace aims a little low
+        # The parameters as traced where the probe does not count them yet (a module not yet run).
+        base = max(search["base_bytes"], curve.model_bytes) + pending_bytes
         return base + curve.state_bytes + held * n + max(curve(n), curve.optimizer_bytes)
 
     try:

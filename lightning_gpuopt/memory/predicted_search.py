@@ -53,6 +53,10 @@ FIRST_STEP_MARGIN = 0.15
 #: extrapolated growth below the budget: with one measured step (the traced slope, unchecked), with two.
 _CURVE_MARGIN = 0.3
 _SLOPE_MARGIN = 0.02
+#: With two measured steps the share is at least the traced curve's bend (its steepest chord over its
+#: flattest, less one; at most _CURVE_MARGIN): two steps calibrate a slope, not where the growth bends, and
+#: kernel scratch no trace sees moves the bends (a whole batch's peak moves between the forward and points of
+#: the backward as the batch grows).
 #: The measured slope is taken as at most this many times the traced one (and at least its inverse).
 _MAX_SCALE = 4.0
 #: After a calibrated step did not fit, the next aims at this share of it: if it fits, it is within 10 %
@@ -74,6 +78,7 @@ class TracedStep:
         optimizer_bytes: the most temporaries alive at once in the optimizer step.
         state_bytes: the optimizer state the step creates (held by every later step).
         peak_bytes: the traced peak of the whole step (for reports).
+        model_bytes: the parameters and buffers the step holds (0: not reported).
     """
 
     size: int
@@ -81,6 +86,7 @@ class TracedStep:
     optimizer_bytes: int = 0
     state_bytes: int = 0
     peak_bytes: int = 0
+    model_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,10 @@ class TransientCurve:
     @property
     def state_bytes(self) -> int:
         return max(t.state_bytes for t in self.traces)
+
+    @property
+    def model_bytes(self) -> int:
+        return max(t.model_bytes for t in self.traces)
 
     def __call__(self, n: float) -> float:
         points = [(t.size, float(t.forward_backward_bytes)) for t in self.traces]
@@ -308,11 +318,24 @@ class PredictedSearch(SizeSearch):
         optimizer = self.curve.optimizer_bytes if optimizer is None else optimizer
         return self.base_bytes + self.held_bytes_per_sample * n + max(self.calibrated(n), optimizer)
 
+    def _slope_margin(self) -> float:
+        """The share of the growth the step after two measured ones aims low: :data:`_SLOPE_MARGIN`, or the
+        traced curve's bend where that is larger (its steepest chord over its flattest, less one; at most
+        :data:`_CURVE_MARGIN`)."""
+        t = self.curve.traces
+        slopes = [
+            (b.forward_backward_bytes - a.forward_backward_bytes) / (b.size - a.size)
+            for a, b in itertools.pairwise(t)
+        ]
+        if len(slopes) < 2 or min(slopes) <= 0:
+            return _SLOPE_MARGIN
+        return min(_CURVE_MARGIN, max(_SLOPE_MARGIN, max(slopes) / min(slopes) - 1))
+
     def _target(self, below: int) -> int | None:
         """The largest size under ``below`` the calibrated curve says fits (the whole batch first), a little low
         where it extrapolates: by a share of the growth past the largest measured size."""
         points = self._measured()
-        share = _SLOPE_MARGIN if len(points) >= 2 else _CURVE_MARGIN
+        share = self._slope_margin() if len(points) >= 2 else _CURVE_MARGIN
 
         def budget_for(n: int) -> float:
             if not points or n <= points[-1].size:

@@ -270,8 +270,23 @@ def peaks_at(family: str, sizes: list[int], batch_size: int) -> dict[int, int]:
     return probe.peaks
 
 
+class EngineStepPeaks(StepPeaks):
+    """:class:`StepPeaks` of steps run by the micro-batch engine, as in every run with MemoryAwareBatchSize.
+
+    The engine zeroes the gradients before the forward (Lightning zeroes them after it, so that a plain
+    step's forward runs with the previous step's gradients alive): its whole-batch step holds less.
+    """
+
+    def on_fit_start(self, trainer, pl_module):
+        self.engine = MicroBatchEngine.attach(trainer, self)
+
+    def teardown(self, trainer, pl_module, stage):
+        self.engine.release(self)
+
+
 def batch_peak(family: str, batch_size: int) -> int:
-    """Steady-state peak of real training steps at ``batch_size`` (whole batches), from the DataModule."""
-    recorder = StepPeaks()
+    """Steady-state peak of real training steps at ``batch_size`` (whole batches, through the micro-batch engine as
+    MemoryAwareBatchSize runs them), from the DataModule."""
+    recorder = EngineStepPeaks()
     fit(family, [recorder], steps=2, batch_size=batch_size, datamodule=True)
     return recorder.peaks[-1]  # the first step creates the optimizer state
