@@ -101,12 +101,27 @@ class MetricsLogger(Logger):
         self.rows.append((step, dict(metrics)))
 
 
+#: What a launcher tells a process about its place in a distributed run (torchrun's and Lightning's names).
+LAUNCH_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+)
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """``os.environ`` for a test script run as a subprocess: the repository root first on ``PYTHONPATH`` (so
     that it imports ``tests.helpers`` and the other test modules as a package, whatever its working
     directory), Lightning's tips off, plus ``extra``."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "LIGHTNING_DISABLE_TIPS": "1", **extra}
+    # A script run is a launch of its own: none of this process's place in a distributed run goes with it.
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    return {**inherited, "PYTHONPATH": path, "LIGHTNING_DISABLE_TIPS": "1", **extra}
 
 
 # --- "Same training": the one measure every parity test uses (docs/oom-recovery.md, "Guarantees").
