@@ -433,3 +433,16 @@ def main(args: list[str] | None = None) -> None:
             sys.exit(status)
         return
     run(args)
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Destroy the default process group a finished multi-process run leaves (Lightning does not).
+
+    Left to the interpreter's exit, its destruction raced gloo's threads: a second node's only process
+    ended with "terminate called without an active exception" (SIGABRT) after a run that had succeeded.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

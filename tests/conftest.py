@@ -3,13 +3,10 @@ more than one test file uses (helpers that are not fixtures live in tests/helper
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
-
-from tests.helpers import LAUNCH_VARIABLES
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -27,23 +24,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _quiet_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
     # Lightning prints tips and banners on every Trainer; tests assert on their own output.
     monkeypatch.setenv("LIGHTNING_DISABLE_TIPS", "1")
-
-
-@pytest.fixture(autouse=True)
-def _no_distributed_leftovers():
-    """Every test ends with the launch variables it found and without a process group it started: an in-process
-    fit with a multi-process strategy sets them (Lightning: MASTER_PORT, LOCAL_RANK, ...) and its store keeps the
-    port, so a later test's script run would find the port taken and leave its other rank waiting."""
-    before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
-    had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
-    yield
-    for name, value in before.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    if not had_group and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture
