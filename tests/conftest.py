@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import free_port
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -24,6 +26,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _quiet_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
     # Lightning prints tips and banners on every Trainer; tests assert on their own output.
     monkeypatch.setenv("LIGHTNING_DISABLE_TIPS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _own_main_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An in-process multi-process fit (ddp_spawn, DDP) takes its store's port from MASTER_PORT: a fresh one
+    # per test, outside the ephemeral range that the suite's other processes' connections draw from.
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
 
 
 @pytest.fixture

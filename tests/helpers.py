@@ -114,6 +114,27 @@ LAUNCH_VARIABLES = (
 )
 
 
+def free_port() -> int:
+    """A TCP port free now, below the kernel's ephemeral range (32768 and up on Linux).
+
+    A port from that range (what binding port 0 gives, and Lightning's own choice) can be handed to any
+    outgoing connection in the meantime: with gloo processes coming and going through the suite, CI saw a
+    rank's store fail with EADDRINUSE on such a port.
+    """
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port between 20000 and 32000")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """``os.environ`` for a test script run as a subprocess: the repository root first on ``PYTHONPATH`` (so
     that it imports ``tests.helpers`` and the other test modules as a package, whatever its working
@@ -121,7 +142,13 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     # A script run is a launch of its own: none of this process's place in a distributed run goes with it.
     inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    return {**inherited, "PYTHONPATH": path, "LIGHTNING_DISABLE_TIPS": "1", **extra}
+    return {
+        **inherited,
+        "PYTHONPATH": path,
+        "LIGHTNING_DISABLE_TIPS": "1",
+        "MASTER_PORT": str(free_port()),
+        **extra,
+    }
 
 
 # --- "Same training": the one measure every parity test uses (docs/oom-recovery.md, "Guarantees").

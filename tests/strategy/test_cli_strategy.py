@@ -10,7 +10,7 @@ import pytest
 
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.report import load_report, summary_rows
-from tests.helpers import subprocess_env
+from tests.helpers import free_port, subprocess_env
 from tests.strategy import strategy_probe
 
 BORING = [
@@ -200,12 +200,8 @@ def test_fit_on_two_nodes_ends_with_a_report_of_the_plan_and_every_rank(tmp_path
     """`gpuopt fit --trainer.devices 1 --trainer.num_nodes 2`: two launchers as two nodes on 127.0.0.1."""
     import os
     import signal
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     args = [*CPU2[:2], "--trainer.devices", "1", "--trainer.num_nodes", "2", *CPU2[4:]]
     procs = [
         subprocess.Popen(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 from lightning_gpuopt.memory.estimate import CANDIDATES, count_parameters, estimate
 from lightning_gpuopt.strategy import shard_module, shard_units
 from lightning_gpuopt.testing import SimulatedMemory
+from tests.helpers import free_port
 from tests.strategy.strategy_models import Block
 
 TOLERANCE = 0.10
@@ -64,12 +64,6 @@ def test_single_device_estimate_matches_the_measured_state(width, optimizer, pre
     assert abs(measured - expected) <= TOLERANCE * measured, (measured, expected)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -88,7 +82,7 @@ def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_per_rank_estimate_matches_the_measured_state(tmp_path):
-    mp.start_processes(_fsdp2_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_fsdp2_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     for config in CONFIGS:
         expected = _estimated(*config, "fsdp: full shard", 2)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from lightning_gpuopt.memory.predict import ParallelLayout, predict_peak
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape, select_strategy
 from tests.callbacks.oom_models import Waves
-from tests.helpers import subprocess_env
+from tests.helpers import free_port, subprocess_env
 from tests.strategy.fsdp2_oom_run import Deep
 from tests.strategy.hsdp_run import BATCH, LIMITED_RANK, STEPS_PER_EPOCH, WORLD
 from tests.strategy.strategy_models import Block
@@ -239,15 +238,9 @@ def test_a_layout_with_replicas_that_do_not_divide_the_ranks_is_refused():
 # ---------------------------------------------------------------- 4 processes as 2 nodes x 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_nodes(out: Path, mode: str) -> list[dict]:
     """Both nodes' launchers at once; every rank's result."""
-    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), str(out), mode],
