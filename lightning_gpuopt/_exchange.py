@@ -45,7 +45,15 @@ from torch import Tensor
 
 from lightning_gpuopt.oom_policy import Vote
 
-__all__ = ["DDPExchange", "FSDP2Exchange", "LocalExchange", "PeerFailure", "fsdp2_roots", "fsdp2_unsupported"]
+__all__ = [
+    "DDPExchange",
+    "FSDP2Exchange",
+    "LocalExchange",
+    "PeerFailure",
+    "fsdp2_roots",
+    "fsdp2_unsupported",
+    "local_shard",
+]
 
 
 class LocalExchange:
@@ -208,6 +216,16 @@ class PeerFailure(RuntimeError):
         failed = [r for r, v in enumerate(votes) if v.status]
         super().__init__(f"rank(s) {', '.join(map(str, failed))} ran out of memory during this attempt")
         self.votes = votes
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard (FSDP2's parameters, gradients and
+    optimizer state), else ``t`` itself. A view of the shard's storage: writing into it writes the DTensor."""
+    to_local = getattr(t, "to_local", None)
+    if not callable(to_local):
+        return t
+    with torch.no_grad():
+        return to_local()
 
 
 def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_gpuopt._exchange import local_shard
+
 __all__ = [
     "LADDER",
     "PRECISION_INDEX",
@@ -409,24 +411,16 @@ def fsdp2_mixed_precision(precision: str) -> object | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _local(tensor: Tensor) -> Tensor:
-    """This rank's part of a sharded ``DTensor`` (FSDP2's gradients); any other tensor as it is.
-
-    The non-finite check reads each rank's own shard and all-reduces the flag: no collective per tensor.
-    """
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
 def grad_norms(grads: Iterable[Tensor | None]) -> list[Tensor]:
     """The float32 L2 norm of each gradient, one fused kernel per device and dtype (``torch._foreach_norm``).
 
-    A sharded gradient (FSDP2's ``DTensor``) counts by this rank's shard only.
+    A sharded gradient (FSDP2's ``DTensor``) counts by this rank's shard only: the non-finite check reads
+    each rank's own shard and all-reduces the flag, no collective per tensor.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for g in grads:
         if g is not None:
-            g = _local(g)
+            g = local_shard(g)
         if g is not None and not g.is_sparse:
             groups.setdefault((g.device, g.dtype), []).append(g)
     norms: list[Tensor] = []

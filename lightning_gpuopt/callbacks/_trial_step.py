@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor
 
 from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, mark_batch_dynamic
-from lightning_gpuopt._exchange import FSDP2Exchange, PeerFailure
+from lightning_gpuopt._exchange import FSDP2Exchange, PeerFailure, local_shard
 from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
 from lightning_gpuopt.memory.peak_model import StepMeasurement
 from lightning_gpuopt.oom_policy import Status
@@ -52,18 +52,9 @@ _CONTAINERS = (list, dict, set)
 _SKIP_KEYS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 
 
-def _local(t: Tensor) -> Tensor:
-    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2), else ``t`` itself."""
-    to_local = getattr(t, "to_local", None)
-    if to_local is None:
-        return t
-    with torch.no_grad():  # a view of the shard's storage: writing into it writes the DTensor
-        return to_local()
-
-
 def local_bytes(t: Tensor) -> int:
     """Bytes of ``t`` on this process's device: a DTensor's local shard only (its ``numel`` is the global one)."""
-    t = _local(t)
+    t = local_shard(t)
     return t.numel() * t.element_size()
 
 
@@ -77,7 +68,7 @@ class _HostCopy:
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
-        data = _local(tensor).detach()
+        data = local_shard(tensor).detach()
         if data.device.type != "cpu":
             data = data.to("cpu")  # host memory: not the device's
         data = data.contiguous()
@@ -89,7 +80,7 @@ class _HostCopy:
 
     def restore(self) -> Tensor:
         if self.buffer:
-            target = _local(self.tensor)
+            target = local_shard(self.tensor)
             source = torch.frombuffer(self.buffer, dtype=torch.uint8).view(target.dtype).view(target.shape)
             with torch.no_grad():
                 target.copy_(source)
