@@ -135,6 +135,38 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port between 20000 and 32000")
 
 
+def run_as_two_nodes(argv: list[str], cwd, timeout: float = 400) -> list[str]:
+    """Run ``argv`` twice at once as the two nodes of one job on 127.0.0.1 (``NODE_RANK`` 0 and 1); each
+    node's output. Both must succeed; on a timeout every process of both is killed."""
+    import signal
+    import subprocess
+
+    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env={**env, "NODE_RANK": str(node)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: the launcher's children go with it on a timeout
+        )
+        for node in (0, 1)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            raise
+    for node, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"node {node} exited with {proc.returncode}:\n{log[-4000:]}"
+    return logs
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """``os.environ`` for a test script run as a subprocess: the repository root first on ``PYTHONPATH`` (so
     that it imports ``tests.helpers`` and the other test modules as a package, whatever its working

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.report import load_report, summary_rows
-from tests.helpers import free_port, subprocess_env
+from tests.helpers import run_as_two_nodes, subprocess_env
 from tests.strategy import strategy_probe
 
 BORING = [
@@ -198,32 +198,8 @@ def test_with_cuda_the_sharded_plan_is_fsdp2_and_keeps_oom_recovery(monkeypatch,
 @pytest.mark.slow
 def test_fit_on_two_nodes_ends_with_a_report_of_the_plan_and_every_rank(tmp_path):
     """`gpuopt fit --trainer.devices 1 --trainer.num_nodes 2`: two launchers as two nodes on 127.0.0.1."""
-    import os
-    import signal
-
-    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     args = [*CPU2[:2], "--trainer.devices", "1", "--trainer.num_nodes", "2", *CPU2[4:]]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "lightning_gpuopt", "fit", *BORING, *args],
-            cwd=tmp_path,
-            env={**env, "NODE_RANK": str(node)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for node in (0, 1)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=400)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                os.killpg(p.pid, signal.SIGKILL)
-            raise
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    logs = run_as_two_nodes([sys.executable, "-m", "lightning_gpuopt", "fit", *BORING, *args], tmp_path)
     (found,) = list(tmp_path.rglob("gpuopt_report.json"))  # rank 0 writes it
     report = load_report(found)
     assert report["run"]["num_nodes"] == 2 and report["run"]["world_size"] == 2

@@ -7,9 +7,6 @@ machine): one epoch with three OOMs on rank 3 and a checkpoint, then a second ep
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from lightning_gpuopt.memory.predict import ParallelLayout, predict_peak
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape, select_strategy
 from tests.callbacks.oom_models import Waves
-from tests.helpers import free_port, subprocess_env
+from tests.helpers import run_as_two_nodes
 from tests.strategy.fsdp2_oom_run import Deep
 from tests.strategy.hsdp_run import BATCH, LIMITED_RANK, STEPS_PER_EPOCH, WORLD
 from tests.strategy.strategy_models import Block
@@ -240,29 +237,7 @@ def test_a_layout_with_replicas_that_do_not_divide_the_ranks_is_refused():
 
 def _run_nodes(out: Path, mode: str) -> list[dict]:
     """Both nodes' launchers at once; every rank's result."""
-    env = {**subprocess_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(out), mode],
-            cwd=out,
-            env={**env, "NODE_RANK": str(node)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group: the launcher's child goes with it on a timeout
-        )
-        for node in (0, 1)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=400)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                os.killpg(p.pid, signal.SIGKILL)
-            raise
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
+    run_as_two_nodes([sys.executable, str(SCRIPT), str(out), mode], out)
     return [torch.load(out / f"{mode}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
