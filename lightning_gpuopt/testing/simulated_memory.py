@@ -456,6 +456,8 @@ class _Adopter:
     def tensor(self, t: torch.Tensor, as_input: bool = False) -> None:
         if self._closed:
             return
+        if getattr(t, "fake_mode", None) is not None:
+            return  # a fake tensor (predict_peak's trace): nothing behind it to count
         try:
             if t.device.type != "cpu":
                 return
