@@ -30,7 +30,11 @@ __all__ = ["CannotPredict", "start_search"]
 
 _GROWING = (Phase.FORWARD.value, Phase.BACKWARD.value)
 #: What forward and backward allocate and free again: the rest of a phase's peak is held (parameters, inputs, ...).
-_ALLOCATED_IN_STEP = (MemoryCategory.ACTIVATIONS.value, MemoryCategory.TEMPORARIES.value)
+_ALLOCATED_IN_STEP = (
+    MemoryCategory.ACTIVATIONS.value,
+    MemoryCategory.TEMPORARIES.value,
+    MemoryCategory.SCRATCH.value,
+)
 _MODEL = (MemoryCategory.PARAMETERS, MemoryCategory.BUFFERS)
 
 
@@ -165,4 +169,4 @@ def start_search(
         curve = plan_traces(trace, peak, search["budget_bytes"], search["smallest"], search["largest"])
     except CannotPredict as err:
         return SizeSearch(**search), f"{err}: the measured search"
-    return PredictedSearch(**search, curve=curve), ""
+    return PredictedSearch(**search, curve=curve, tracer=trace), ""

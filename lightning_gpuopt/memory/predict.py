@@ -72,7 +72,8 @@ class MemoryCategory(str, enum.Enum):
     TEMPORARIES = "temporaries"
     INPUTS = "inputs"
     GATHERED = "gathered parameters"
-    WORKSPACES = "kernel workspaces"
+    WORKSPACES = "kernel workspaces"  # held through the step (cuBLAS's)
+    SCRATCH = "kernel scratch"  # allocated inside one operator call, for that call (CPU: measured)
 
 
 class PredictionMethod(str, enum.Enum):
@@ -244,15 +245,21 @@ class _Record:
 
 
 #: What a phase adds above the memory held through the step.
-_TRANSIENT = (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES)
+_TRANSIENT = (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES, MemoryCategory.SCRATCH)
 
 
 class _Counter(TorchDispatchMode):
     """Counts live storages by category and module; keeps the breakdown at the peak."""
 
-    def __init__(self, device_type: str, rounding: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        rounding: Callable[[int], int] | None = None,
+        scratch: Callable[[Any, tuple, dict, Any], int] | None = None,
+    ) -> None:
         super().__init__()
         self.device_type = device_type
+        self.scratch = scratch  # bytes a kernel allocates inside itself (memory/scratch.py)
         self.rounding = rounding or (lambda n: n)
         self.records: dict[int, _Record] = {}
         self._refs: dict[int, weakref.ref] = {}
@@ -457,6 +464,13 @@ class _Counter(TorchDispatchMode):
                     rec.nbytes = self.rounding(rec.nbytes * raw // rec.raw)
                     rec.raw = raw
                     self._charge(rec, +1)
+        if self.scratch is not None:
+            nbytes = self.scratch(func, args, kwargs or {}, out)
+            if nbytes:  # alive with the outputs, for the call only
+                module = self.module_stack[-1] if self.module_stack else ""
+                rec = _Record(self.rounding(nbytes), MemoryCategory.SCRATCH, module, self.host_phase)
+                self._charge(rec, +1)
+                self._charge(rec, -1)
         return out
 
     def _new(self, t: torch.Tensor) -> None:
@@ -667,6 +681,7 @@ def predict_peak(
     device: torch.device | str = "cpu",
     rounding: Callable[[int], int] | None = None,
     workspace_bytes: int | None = None,
+    kernel_scratch: bool | None = None,
     fallback: bool = True,
 ) -> PeakPrediction:
     """Predict the peak device memory of training ``model`` on ``batch``, without allocating it.
@@ -696,6 +711,11 @@ def predict_peak(
             else exact bytes.
         workspace_bytes: kernel workspaces alive through the step; ``None``: on CUDA, cuBLAS's
             (:func:`lightning_gpuopt.memory.allocator.cublas_workspace_bytes`), else 0.
+        kernel_scratch: measure what each CPU kernel allocates inside itself (oneDNN's layout
+            reorders, softmax intermediates: :mod:`lightning_gpuopt.memory.scratch`) by running each
+            distinct operator call once on zero-filled tensors of its shapes; ``None``: when predicting
+            for the CPU and the counting allocator can be built here (else the prediction's
+            ``decision`` says why not); ``True``: required (raises when it cannot be measured).
         fallback: when the trace fails (data-dependent operations), return the arithmetic estimate of
             :mod:`lightning_gpuopt.memory.estimate` with ``method=ESTIMATED`` and the reason in
             ``decision``; ``False``: raise.
@@ -736,7 +756,8 @@ def predict_peak(
     traced_on = dev if dev.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     state = _FakeState(model, traced_on, weight_dtype)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    counter = _Counter(traced_on.type, rounding)
+    scratch, scratch_note = _kernel_scratch(kernel_scratch, dev, traced_on)
+    counter = _Counter(traced_on.type, rounding, scratch)
     try:
         with fake_mode:
             state.swap()
@@ -807,9 +828,38 @@ def predict_peak(
                 if counter.guessed
                 else []
             )
+            + ([scratch_note] if scratch_note else [])
+            + (
+                [
+                    f"kernel scratch not measured for {', '.join(sorted(scratch.skipped))} (too large, or refused zeros)"
+                ]
+                if scratch is not None and scratch.skipped
+                else []
+            )
         )
         or None,
     )
+
+
+def _kernel_scratch(
+    wanted: bool | None, dev: torch.device, traced_on: torch.device
+) -> tuple[Any, str | None]:
+    """The scratch measurer for this prediction (or None) and, when it was wanted but is missing, why."""
+    if wanted is False or (wanted is None and (dev.type != "cpu" or traced_on.type != "cpu")):
+        return None, None
+    if dev.type != "cpu" or traced_on.type != "cpu":
+        raise ValueError(
+            f"kernel_scratch=True measures CPU kernels, but this prediction is for {dev.type}: "
+            "pass kernel_scratch=None or False"
+        )
+    from lightning_gpuopt.memory.scratch import KernelScratch, kernel_scratch_unavailable
+
+    why = kernel_scratch_unavailable()
+    if why is not None:
+        if wanted:
+            raise RuntimeError(f"kernel_scratch=True, but kernel scratch cannot be measured here: {why}")
+        return None, f"kernel scratch not measured ({why}): the peak may be a few percent low"
+    return KernelScratch(), None
 
 
 class _InputError(ValueError):

@@ -9,13 +9,14 @@ interpolates between them, and :class:`PredictedSearch` runs at most :data:`PRED
 steps:
 
 1. a small step, the plain search's first: it creates the optimizer state, and the curve is moved
-   onto it (memory no trace sees: oneDNN's convolution scratch on CPU, tens of MB on ResNet-18,
+   onto it (memory no trace sees, such as kernel workspaces a device allocates inside its kernels,
    nearly constant in the batch);
 2. the largest size the moved curve predicts to fit, aimed 30 % of the extrapolated growth low (the
    traced slope is not checked yet): where the fixed part dominates, a small error in the predicted
    peak is a large error in the size, and the first step removed the fixed part's error;
-3. the curve's increments scaled to the two measured steps (the slope checked), aimed 2 % of the
-   growth low, which verifies the answer; or 90 % of the second step when that ran out of memory (if
+3. the curve's increments scaled up to the two measured steps where those grew faster (the slope
+   checked; a flatter measured chord is not trusted), aimed 2 % of the growth low (or by the traced
+   curve's bend), which verifies the answer; or 90 % of the second step when that ran out of memory (if
    it fits, it is within 10 % of the largest that fits).
 
 A first step that does not fit, or steps that end without a verified answer, hand over to the plain
@@ -54,10 +55,9 @@ FIRST_STEP_MARGIN = 0.15
 _CURVE_MARGIN = 0.3
 _SLOPE_MARGIN = 0.02
 #: With two measured steps the share is at least the traced curve's bend (its steepest chord over its
-#: flattest, less one; at most _CURVE_MARGIN): two steps calibrate a slope, not where the growth bends, and
-#: kernel scratch no trace sees moves the bends (a whole batch's peak moves between the forward and points of
-#: the backward as the batch grows).
-#: The measured slope is taken as at most this many times the traced one (and at least its inverse).
+#: flattest, less one; at most _CURVE_MARGIN): two steps calibrate a slope, not where the growth bends (a
+#: whole batch's peak moves between the forward and points of the backward as the batch grows).
+#: The measured slope is taken as at most this many times the traced one (and never below it).
 _MAX_SCALE = 4.0
 #: After a calibrated step did not fit, the next aims at this share of it: if it fits, it is within 10 %
 #: of the largest that fits (which lies below the size that did not).
@@ -217,6 +217,8 @@ class PredictedSearch(SizeSearch):
     """
 
     curve: TransientCurve | None = None
+    #: ``tracer(n)`` traces a step at ``n`` samples: each completed step's size is traced as well.
+    tracer: Callable[[int], TracedStep] | None = field(default=None, repr=False)
     #: Why the search handed over to the plain search, or how the prediction served (for reports).
     note: str = ""
     fallback: SizeSearch | None = field(default=None, repr=False)
@@ -241,6 +243,23 @@ class PredictedSearch(SizeSearch):
         super().record(measurement)
         if self.fallback is not None:
             self.fallback.record(measurement)
+            return
+        self._trace_at(measurement)
+
+    def _trace_at(self, measurement: StepMeasurement) -> None:
+        """Trace a completed step's size too: the calibration then compares a measured step with a trace of
+        the same size, not with the chord between traces (where memory bends, the chord is off by more than
+        any trace)."""
+        traced = {t.size for t in self.curve.traces}
+        if self.tracer is None or measurement.out_of_memory or measurement.size in traced:
+            return
+        if self.whole_largest and measurement.size == self.largest:
+            return
+        try:
+            extra = self.tracer(measurement.size)
+        except Exception:  # a trace is a help, never a failure: the chord stays
+            return
+        self.curve = TransientCurve((*self.curve.traces, extra))
 
     def next_size(self) -> int | None:
         if self.fallback is not None:
@@ -294,9 +313,9 @@ class PredictedSearch(SizeSearch):
     def calibrated(self, n: float) -> float:
         """Forward+backward bytes at ``n``: the curve through the measured steps.
 
-        One step: the curve moved to it (the part no trace sees, kernel scratch, is constant in the
-        size). Two or more: the curve's increments from the largest, scaled to the two largest steps'
-        (the traced slope was off by that much).
+        One step: the curve moved to it (a part no trace sees is constant in the size). Two or more: the
+        curve's increments from the largest, scaled up to the two largest steps' where those grew faster
+        (the traced slope was short by that much), never down.
         """
         points = self._measured()
         if not points:
@@ -307,9 +326,9 @@ class PredictedSearch(SizeSearch):
         a = points[-2]
         traced = self.curve(b.size) - self.curve(a.size)
         measured = b.forward_backward_bytes - a.forward_backward_bytes
-        scale = (
-            min(_MAX_SCALE, max(1 / _MAX_SCALE, measured / traced)) if traced > 0 and measured > 0 else 1.0
-        )
+        # Steeper than traced: the trace missed growth, scale up. Flatter: not trusted, since between traces
+        # the curve is a chord and memory that bends past the measured steps lies above it.
+        scale = min(_MAX_SCALE, max(1.0, measured / traced)) if traced > 0 and measured > 0 else 1.0
         return b.forward_backward_bytes + scale * (self.curve(n) - self.curve(b.size))
 
     def calibrated_peak(self, n: int) -> float:
@@ -318,11 +337,14 @@ class PredictedSearch(SizeSearch):
         optimizer = self.curve.optimizer_bytes if optimizer is None else optimizer
         return self.base_bytes + self.held_bytes_per_sample * n + max(self.calibrated(n), optimizer)
 
-    def _slope_margin(self) -> float:
-        """The share of the growth the step after two measured ones aims low: :data:`_SLOPE_MARGIN`, or the
-        traced curve's bend where that is larger (its steepest chord over its flattest, less one; at most
-        :data:`_CURVE_MARGIN`)."""
+    def _slope_margin(self, n: int) -> float:
+        """The share of the growth the step after two measured ones aims low at ``n``: :data:`_SLOPE_MARGIN`
+        between traces (a chord between two traced sizes), else the traced curve's bend where that is larger
+        (its steepest chord over its flattest, less one; at most :data:`_CURVE_MARGIN`): past the last trace
+        the curve is an extrapolation, and memory may bend there."""
         t = self.curve.traces
+        if n <= t[-1].size:
+            return _SLOPE_MARGIN
         slopes = [
             (b.forward_backward_bytes - a.forward_backward_bytes) / (b.size - a.size)
             for a, b in itertools.pairwise(t)
@@ -335,11 +357,11 @@ class PredictedSearch(SizeSearch):
         """The largest size under ``below`` the calibrated curve says fits (the whole batch first), a little low
         where it extrapolates: by a share of the growth past the largest measured size."""
         points = self._measured()
-        share = self._slope_margin() if len(points) >= 2 else _CURVE_MARGIN
 
         def budget_for(n: int) -> float:
             if not points or n <= points[-1].size:
                 return self.budget_bytes
+            share = self._slope_margin(n) if len(points) >= 2 else _CURVE_MARGIN
             return self.budget_bytes - share * (
                 self.calibrated_peak(n) - self.calibrated_peak(points[-1].size)
             )

@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["NativeCounter", "NativeUnavailableError", "load_native"]
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 #: The C++ source, shipped as package data beside this module (``simulated_allocator.cpp``).
 _SOURCE = (importlib.resources.files(__package__) / "simulated_allocator.cpp").read_text()
@@ -145,6 +145,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "simmem_allocated": ([], i64),
         "simmem_peak": ([], i64),
         "simmem_reset_peak": ([], None),
+        "simmem_set_peak": ([i64], None),
+        "simmem_limit": ([], i64),
         "simmem_num_ooms": ([], i64),
         "simmem_num_allocs": ([], i64),
         "simmem_adopt": ([ctypes.c_void_p], ctypes.c_int),

@@ -17,7 +17,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 struct Block {
   int64_t bytes;
@@ -195,6 +195,16 @@ SIMMEM_API int64_t simmem_peak() {
 SIMMEM_API void simmem_reset_peak() {
   std::lock_guard<std::mutex> lock(mu());
   g_peak = g_cur;
+}
+// Put back a peak read earlier (never below what is allocated now): a measurement that is not the
+// simulated program's own (a kernel's scratch, measured for a prediction) leaves no trace in it.
+SIMMEM_API void simmem_set_peak(int64_t peak) {
+  std::lock_guard<std::mutex> lock(mu());
+  g_peak = peak > g_cur ? peak : g_cur;
+}
+SIMMEM_API int64_t simmem_limit() {
+  std::lock_guard<std::mutex> lock(mu());
+  return g_limit;
 }
 SIMMEM_API int64_t simmem_num_ooms() {
   std::lock_guard<std::mutex> lock(mu());

@@ -13,6 +13,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchvision
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -76,11 +77,67 @@ class GPT2(SizedModule):
         return Tensors(ids, ids.clone())
 
 
-FAMILIES.update(mlp=MLP, gpt2=GPT2)
+class SqueezeNet(SizedModule):
+    """torchvision SqueezeNet 1.1 on 32×32 images, SGD with momentum: convolutions and their CPU scratch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = torchvision.models.squeezenet1_1(num_classes=10)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    @staticmethod
+    def data(n: int = 512):
+        g = torch.Generator().manual_seed(0)
+        return Tensors(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+class BERT(SizedModule):
+    """A tiny Hugging Face BERT (2 layers, 32 wide, 16 tokens) with its masked-LM loss, AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers", reason="the [test] extra installs transformers")
+        config = transformers.BertConfig(
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            hidden_size=32,
+            intermediate_size=64,
+            vocab_size=256,
+            max_position_embeddings=16,
+        )
+        with torch.random.fork_rng(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            self.net = transformers.BertForMaskedLM(config)
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.net(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    @staticmethod
+    def data(n: int = 512):
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (n, 16), generator=g)
+        return Tensors(ids, ids.clone())
+
+
+FAMILIES.update(mlp=MLP, gpt2=GPT2, squeezenet=SqueezeNet, bert=BERT)
 
 
 @pytest.mark.parametrize(
-    ("family", "calibration"), [("mlp", (8, 56)), ("gpt2", (8, 56))], ids=["mlp", "gpt2"]
+    ("family", "calibration"),
+    [("mlp", (8, 56)), ("gpt2", (8, 56)), ("squeezenet", (8, 56)), ("bert", (8, 56))],
+    ids=["mlp", "gpt2", "squeezenet", "bert"],
 )
 def test_at_most_three_real_steps_reach_90_percent_of_the_true_maximum(family, calibration):
     lo, hi = calibration
@@ -91,7 +148,7 @@ def test_at_most_three_real_steps_reach_90_percent_of_the_true_maximum(family, c
     assert run.trainer.global_step == 1 and run.memory.num_ooms == 0  # trained at the answer
     assert finder.trials <= 3, finder.result.measurements
     assert finder.prediction_note.startswith("started from the prediction"), finder.prediction_note
-    truth = true_maxima(family, [limit], 32)[limit]
+    truth = true_maxima(family, [limit], 64)[limit]  # micro-batches of the same batch as the run
     assert 0.9 * truth <= finder.micro_batch_size <= truth, (finder.micro_batch_size, truth)
     # The report's decision says how the prediction served: predicted against measured peak.
     decision = next(d for d in decisions(run.trainer) if d.kind == "batch size")
@@ -187,3 +244,32 @@ def test_a_right_prediction_needs_three_steps_where_memory_grows_faster_than_lin
     truth = max(n for n in range(1, 513) if 20_000 + _quadratic(n).forward_backward_bytes <= 120_000)
     assert guided.used_prediction and len(guided.measurements) <= 3
     assert 0.9 * truth <= guided.result.size <= truth
+
+
+def _bent(n: int) -> StepMeasurement:
+    """A real step whose growth bends between two traced sizes (a convolution's algorithm changing with the
+    batch: 14 KB per sample below 55 samples, 22.5 KB above), as measured on ResNet-18."""
+    below = min(n, 55)
+    return StepMeasurement(n, 140_000 + 14_336 * (below - 2) + 22_528 * max(0, n - 55), 0)
+
+
+def test_completed_steps_are_traced_so_a_bend_between_traces_does_not_mislead_the_calibration():
+    """Traces exact at 2, 19 and 78 samples; the bend lies between 19 and 78. Calibrated against the chord,
+    the first two steps (below the bend) scale the curve down and the third overshoots; with each completed
+    step traced too, the third lands on the largest size that fits."""
+    args = dict(ARGS, budget_bytes=1_300_000, base_bytes=0, first_size=16)
+    truth = max(n for n in range(1, 513) if _bent(n).forward_backward_bytes <= args["budget_bytes"])
+    traces = tuple(TracedStep(n, _bent(n).forward_backward_bytes) for n in (2, 19, 78))
+    step = _within(_bent, args["budget_bytes"], 0)
+    chord_only = _run(PredictedSearch(**args, curve=TransientCurve(traces)), step)
+    assert not chord_only.used_prediction  # it ran past three steps
+    traced = []
+
+    def tracer(n: int) -> TracedStep:
+        traced.append(n)
+        return TracedStep(n, _bent(n).forward_backward_bytes)
+
+    guided = _run(PredictedSearch(**args, curve=TransientCurve(traces), tracer=tracer), step)
+    assert guided.used_prediction and len(guided.measurements) == 3, guided.note
+    assert guided.result.size == truth
+    assert traced == [m.size for m in guided.measurements]  # every completed step, once

@@ -99,7 +99,3 @@ OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
-
-#: CPU convolutions (oneDNN) allocate scratch inside the kernel, which no operator output shows and
-#: fake tensors cannot see (docs/memory.md): for these models the truth is what the operators allocate.
-KERNEL_SCRATCH = {"resnet18", "squeezenet"}
