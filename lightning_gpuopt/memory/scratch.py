@@ -37,14 +37,14 @@ _CACHE: dict[tuple, int] = {}
 
 
 def _lib() -> Any:
-    from lightning_gpuopt.testing._native import load_native
+    from lightning_gpuopt.memory._native import load_native
 
     return load_native()
 
 
 def kernel_scratch_unavailable() -> str | None:
     """Why kernel scratch cannot be measured in this process (no C++ compiler, no torch headers), or None."""
-    from lightning_gpuopt.testing._native import NativeUnavailableError
+    from lightning_gpuopt.memory._native import NativeUnavailableError
 
     try:
         _lib()

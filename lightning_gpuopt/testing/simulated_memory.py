@@ -3,8 +3,8 @@
 How bytes are counted (see docs/memory.md for the full list of what is and is not modelled):
 
 * **New allocations** while entered. The ``"allocator"`` backend installs a counting c10 CPU
-  allocator (a small C++ library built on first use, see ``_native.py``): it sees every CPU tensor
-  allocation of every thread, including kernel-internal temporaries, and raises at allocation time.
+  allocator (a small C++ library built on first use, see ``lightning_gpuopt/memory/_native.py``): it
+  sees every CPU tensor allocation of every thread, including kernel-internal temporaries, and raises at allocation time.
   The ``"dispatch"`` backend (pure Python, used where no C++ compiler exists) counts op outputs on
   the entering thread; it misses kernel-internal temporaries.
 * **Tensors that existed before entering**, counted the first time the training touches them, as if
@@ -47,9 +47,9 @@ import torch.distributed as _dist
 from torch.optim import optimizer as _optim
 from torch.utils.data import dataloader as _dataloader
 
+from lightning_gpuopt.memory._native import NativeCounter, NativeUnavailableError, load_native
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, MemoryProbe, _pop_active_probe, _push_active_probe
 from lightning_gpuopt.testing._dispatch import DispatchCounter
-from lightning_gpuopt.testing._native import NativeCounter, NativeUnavailableError, load_native
 
 __all__ = ["SimulatedMemory"]
 

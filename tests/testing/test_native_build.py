@@ -78,7 +78,7 @@ def test_a_cached_build_needs_no_compiler(tmp_path):
     # The library this process built, put where a fresh process with this cache directory looks.
     import shutil
 
-    from lightning_gpuopt.testing import _native
+    from lightning_gpuopt.memory import _native
 
     include, _ = _native._torch_dirs()
     cached = os.path.join(_native._cache_dir(), f"simmem_{_native._build_key(include)}.so")
@@ -105,7 +105,7 @@ def test_a_built_wheel_ships_the_allocator_source_that_simulated_memory_builds_f
     import zipfile
     from pathlib import Path
 
-    from lightning_gpuopt.testing import _native
+    from lightning_gpuopt.memory import _native
 
     pytest.importorskip(
         "setuptools", reason="building the wheel without network needs setuptools in this env"
@@ -130,6 +130,6 @@ def test_a_built_wheel_ships_the_allocator_source_that_simulated_memory_builds_f
     )
     (wheel,) = tmp_path.glob("lightning_gpuopt-*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        shipped = archive.read("lightning_gpuopt/testing/simulated_allocator.cpp").decode()
+        shipped = archive.read("lightning_gpuopt/memory/counting_allocator.cpp").decode()
     assert shipped == _native._SOURCE  # the allocator is built from this very text
     assert "SetCPUAllocator" in shipped and "_SOURCE = r" not in Path(_native.__file__).read_text()

@@ -1,4 +1,7 @@
-"""The counting CPU allocator behind SimulatedMemory: its C++ source (``simulated_allocator.cpp``), built on first use, ctypes binding.
+"""The counting CPU allocator: its C++ source (``counting_allocator.cpp``), built on first use, ctypes binding.
+
+It backs :class:`~lightning_gpuopt.testing.SimulatedMemory` and the kernel-scratch measurement of
+:func:`~lightning_gpuopt.memory.predict_peak` (:mod:`lightning_gpuopt.memory.scratch`).
 
 A c10 CPU allocator (installed with ``c10::SetCPUAllocator`` while a SimulatedMemory is entered, the
 previous one restored at exit) sees every CPU tensor allocation, including the temporaries that
@@ -33,8 +36,8 @@ __all__ = ["NativeCounter", "NativeUnavailableError", "load_native"]
 
 _ABI_VERSION = 2
 
-#: The C++ source, shipped as package data beside this module (``simulated_allocator.cpp``).
-_SOURCE = (importlib.resources.files(__package__) / "simulated_allocator.cpp").read_text()
+#: The C++ source, shipped as package data beside this module (``counting_allocator.cpp``).
+_SOURCE = (importlib.resources.files(__package__) / "counting_allocator.cpp").read_text()
 
 
 class NativeUnavailableError(RuntimeError):
