@@ -28,8 +28,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lightning_gpuopt.memory._native import native_status
 from lightning_gpuopt.testing import SimulatedMemory
-from lightning_gpuopt.testing.simulated_memory import native_status
 
 TARGET = 1.1
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -276,8 +276,8 @@ def simulated_on_this_machine(c: Checks) -> None:
     import torch
 
     from lightning_gpuopt.memory import get_probe
+    from lightning_gpuopt.memory._native import native_status
     from lightning_gpuopt.testing import SimulatedMemory
-    from lightning_gpuopt.testing.simulated_memory import native_status
 
     started = time.perf_counter()
     status = native_status()

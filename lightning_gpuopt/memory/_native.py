@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-__all__ = ["NativeCounter", "NativeUnavailableError", "load_native"]
+__all__ = ["NativeCounter", "NativeUnavailableError", "load_native", "native_status"]
 
 _ABI_VERSION = 2
 
@@ -216,6 +216,15 @@ def _load_uncached() -> ctypes.CDLL:
     if lib.simmem_abi_version() != _ABI_VERSION:
         raise NativeUnavailableError(f"{target} has ABI {lib.simmem_abi_version()}, expected {_ABI_VERSION}")
     return lib
+
+
+def native_status() -> str | None:
+    """None when the counting allocator is available here, else why not (for tests and diagnostics)."""
+    try:
+        load_native()
+    except NativeUnavailableError as err:
+        return str(err)
+    return None
 
 
 class NativeCounter:

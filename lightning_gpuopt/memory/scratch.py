@@ -44,13 +44,9 @@ def _lib() -> Any:
 
 def kernel_scratch_unavailable() -> str | None:
     """Why kernel scratch cannot be measured in this process (no C++ compiler, no torch headers), or None."""
-    from lightning_gpuopt.memory._native import NativeUnavailableError
+    from lightning_gpuopt.memory._native import native_status
 
-    try:
-        _lib()
-    except NativeUnavailableError as err:
-        return str(err)
-    return None
+    return native_status()
 
 
 @contextlib.contextmanager

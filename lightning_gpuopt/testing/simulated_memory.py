@@ -47,7 +47,7 @@ import torch.distributed as _dist
 from torch.optim import optimizer as _optim
 from torch.utils.data import dataloader as _dataloader
 
-from lightning_gpuopt.memory._native import NativeCounter, NativeUnavailableError, load_native
+from lightning_gpuopt.memory._native import NativeCounter, NativeUnavailableError
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, MemoryProbe, _pop_active_probe, _push_active_probe
 from lightning_gpuopt.testing._dispatch import DispatchCounter
 
@@ -641,12 +641,3 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def native_status() -> str | None:
-    """None when the counting allocator is available here, else why not (for tests and diagnostics)."""
-    try:
-        load_native()
-    except NativeUnavailableError as err:
-        return str(err)
-    return None

@@ -49,19 +49,8 @@ class MLP(SizedModule):
         return Tensors(torch.randn(n, 64, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-class GPT2(SizedModule):
-    """A tiny Hugging Face GPT-2 (2 layers, 32 wide, 16 tokens), its own shifted-token loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        transformers = pytest.importorskip("transformers", reason="the [test] extra installs transformers")
-        config = transformers.GPT2Config(
-            n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=16, bos_token_id=0, eos_token_id=0
-        )
-        with torch.random.fork_rng(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.manual_seed(0)
-            self.net = transformers.GPT2LMHeadModel(config)
+class _HFTokens(SizedModule):
+    """A Hugging Face language model (``self.net``) on 16-token sequences of a 256-word vocabulary, its own loss, AdamW."""
 
     def training_step(self, batch, batch_idx):
         ids, labels = batch
@@ -75,6 +64,24 @@ class GPT2(SizedModule):
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, 256, (n, 16), generator=g)
         return Tensors(ids, ids.clone())
+
+    def _build(self, make) -> None:
+        with torch.random.fork_rng(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            self.net = make()
+
+
+class GPT2(_HFTokens):
+    """A tiny Hugging Face GPT-2 (2 layers, 32 wide), its own shifted-token loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers", reason="the [test] extra installs transformers")
+        config = transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
+        self._build(lambda: transformers.GPT2LMHeadModel(config))
 
 
 class SqueezeNet(SizedModule):
@@ -98,8 +105,8 @@ class SqueezeNet(SizedModule):
         return Tensors(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-class BERT(SizedModule):
-    """A tiny Hugging Face BERT (2 layers, 32 wide, 16 tokens) with its masked-LM loss, AdamW."""
+class BERT(_HFTokens):
+    """A tiny Hugging Face BERT (2 layers, 32 wide) with its masked-LM loss."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,23 +119,7 @@ class BERT(SizedModule):
             vocab_size=256,
             max_position_embeddings=16,
         )
-        with torch.random.fork_rng(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.manual_seed(0)
-            self.net = transformers.BertForMaskedLM(config)
-
-    def training_step(self, batch, batch_idx):
-        ids, labels = batch
-        return self.net(input_ids=ids, labels=labels).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    @staticmethod
-    def data(n: int = 512):
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, 256, (n, 16), generator=g)
-        return Tensors(ids, ids.clone())
+        self._build(lambda: transformers.BertForMaskedLM(config))
 
 
 FAMILIES.update(mlp=MLP, gpt2=GPT2, squeezenet=SqueezeNet, bert=BERT)
