@@ -512,7 +512,9 @@ def _fake_like(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None 
 
 
 class _FakeState:
-    """Swaps a module's parameters and buffers for fake ones (shared ones stay shared), and back."""
+    """Swaps a module's parameters, buffers and plain tensor attributes for fake ones (shared ones stay
+    shared), and back; attributes the traced step set (a cache made on the first forward) are put back
+    as they were, so that no fake tensor stays in the model."""
 
     def __init__(self, model: nn.Module, device: torch.device, weight_dtype: torch.dtype | None) -> None:
         self.model = model
@@ -520,6 +522,8 @@ class _FakeState:
         self.weight_dtype = weight_dtype
         self.undo: list[tuple[dict, str, Any]] = []
         self.mapping: dict[int, torch.Tensor] = {}
+        self.attributes: list[torch.Tensor] = []  # fakes of plain tensor attributes (held like buffers)
+        self._before: list[tuple[nn.Module, dict[str, Any]]] = []
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.weight_dtype if self.weight_dtype is not None and t.dtype in _FLOATS else t.dtype
@@ -537,11 +541,37 @@ class _FakeState:
                         self.mapping[id(t)] = new
                     self.undo.append((table, name, t))
                     table[name] = new
+            self._before.append((module, dict(module.__dict__)))
+            for name, t in list(module.__dict__.items()):
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    new = self.mapping.get(id(t))
+                    if new is None:
+                        new = self.mapping[id(t)] = _fake_like(t, self.device, t.dtype)
+                        self.attributes.append(new)
+                    module.__dict__[name] = new
 
     def restore(self) -> None:
         for table, name, t in reversed(self.undo):
             table[name] = t
         self.undo = []
+        for module, before in reversed(self._before):
+            for name in [k for k, v in module.__dict__.items() if _holds_fake(v)]:
+                if name in before:
+                    module.__dict__[name] = before[name]
+                else:
+                    del module.__dict__[name]
+        self._before = []
+
+
+def _holds_fake(value: Any, depth: int = 2) -> bool:
+    """Whether ``value`` is a fake tensor, or a list, tuple or dict holding one (two levels deep)."""
+    if isinstance(value, torch.Tensor):
+        return getattr(value, "fake_mode", None) is not None
+    if depth and isinstance(value, (list, tuple)):
+        return any(_holds_fake(v, depth - 1) for v in value)
+    if depth and isinstance(value, dict):
+        return any(_holds_fake(v, depth - 1) for v in value.values())
+    return False
 
 
 def _fake_batch(batch: Any, device: torch.device, input_dtype: torch.dtype | None) -> Any:
@@ -899,6 +929,8 @@ def _trace(
             param_owner.setdefault(id(p), name)
         for b in module.buffers(recurse=False):
             counter.add(b, MemoryCategory.BUFFERS, module=name)
+    for t in state.attributes:  # plain tensor attributes: held like buffers
+        counter.add(t, MemoryCategory.BUFFERS, module="")
     for t in _tensors(batch):
         counter.add(t, MemoryCategory.INPUTS, module="")
     keep: list[Any] = []

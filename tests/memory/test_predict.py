@@ -103,6 +103,36 @@ def test_kernel_scratch_is_measured_for_cpu_targets_only():
         predict_peak(model, make_batch(4), OPTIMIZERS["sgd"], step=step, device="cuda", kernel_scratch=True)
 
 
+class _CachedTable(nn.Module):
+    """Keeps a tensor as a plain attribute, made on the first forward (Lightning's demo PositionalEncoding does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.ones(16)
+        return self.linear(x) + self.table
+
+
+def test_a_tensor_attribute_the_step_caches_is_not_left_fake_and_an_existing_one_is_traced():
+    model = _CachedTable()
+    args = (torch.zeros(4, 16), OPTIMIZERS["sgd"])
+    step = lambda m, x: m(x).sum()  # noqa: E731
+    first = predict_peak(model, *args, step=step)
+    assert first.method is PredictionMethod.TRACED
+    assert model.table is None  # the cache the trace made is gone: the real forward makes its own
+    model(torch.zeros(4, 16)).sum().backward()
+    table = model.table
+    second = predict_peak(model, *args, step=step)
+    # The real attribute was traced as a fake (not a mix of real and fake tensors: the estimate).
+    assert second.method is PredictionMethod.TRACED, second.decision
+    assert model.table is table
+    assert second.categories["buffers"] == table.numel() * table.element_size()
+
+
 class _Tokens(torch.utils.data.Dataset):
     def __len__(self):
         return 64
