@@ -122,13 +122,34 @@ class BERT(_HFTokens):
         self._build(lambda: transformers.BertForMaskedLM(config))
 
 
-FAMILIES.update(mlp=MLP, gpt2=GPT2, squeezenet=SqueezeNet, bert=BERT)
+class DemoTransformer(SizedModule):
+    """Lightning's demo Transformer (``lightning.pytorch.demos.Transformer``: 2 layers, 32 wide) on 16 tokens, SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = Transformer(vocab_size=256, ninp=32, nhead=2, nhid=64, nlayers=2)
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        return F.nll_loss(self.net(ids, targets), targets.view(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    data = _HFTokens.data
+
+
+FAMILIES.update(mlp=MLP, gpt2=GPT2, squeezenet=SqueezeNet, bert=BERT, demo_transformer=DemoTransformer)
 
 
 @pytest.mark.parametrize(
     ("family", "calibration"),
-    [("mlp", (8, 56)), ("gpt2", (8, 56)), ("squeezenet", (8, 56)), ("bert", (8, 56))],
-    ids=["mlp", "gpt2", "squeezenet", "bert"],
+    [(name, (8, 56)) for name in ("mlp", "gpt2", "squeezenet", "bert", "demo_transformer")],
+    ids=["mlp", "gpt2", "squeezenet", "bert", "demo_transformer"],
 )
 def test_at_most_three_real_steps_reach_90_percent_of_the_true_maximum(family, calibration):
     lo, hi = calibration
