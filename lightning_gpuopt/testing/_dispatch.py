@@ -159,8 +159,8 @@ class DispatchCounter:
                         self._track(sub, is_alias)
 
     def _track(self, t: torch.Tensor, is_alias: bool) -> None:
-        if t.device.type != "cpu":
-            return
+        if t.device.type != "cpu" or getattr(t, "fake_mode", None) is not None:
+            return  # a fake tensor (predict_peak's trace) has no memory behind it
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested or wrapper tensors: no plain storage
