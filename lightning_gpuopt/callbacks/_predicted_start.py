@@ -1,8 +1,9 @@
 """MemoryAwareBatchSize's start from the prediction: trace the user's training step, build the search that verifies it.
 
 The trace runs inside :class:`~lightning_gpuopt.callbacks._trial_step.TrialSteps` (``self.log`` is
-silent, attributes the step touches are put back) on fake tensors: nothing is allocated, the
-parameters are swapped for fake ones and back. The batch is the trial's own, resized in its sample
+silent, attributes the step touches are put back) on fake tensors: none of the step is allocated
+(on the CPU single operator calls measure their kernels' scratch), the parameters are swapped for
+fake ones and back. The batch is the trial's own, resized in its sample
 dimension on the ``meta`` device, so any size is traced without making its samples.
 """
 

@@ -97,7 +97,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
             schedulers' base rates) by the batch-size ratio, ``None`` leaves it.
         verbose: log the result once on rank zero.
         predict: start from the prediction: before any real step, the training step is traced on fake
-            tensors (:func:`~lightning_gpuopt.memory.predict_peak`, nothing allocated) at up to three
+            tensors (:func:`~lightning_gpuopt.memory.predict_peak`, none of the step allocated) at up to three
             sizes; the first real step (small) calibrates the traced curve, the second runs at the size
             it predicts, the third verifies (:mod:`lightning_gpuopt.memory.predicted_search`). A step that
             cannot be traced, or steps that cannot show an answer, leave the measured search (at most four

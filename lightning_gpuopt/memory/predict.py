@@ -5,7 +5,8 @@ this module imports torch only), ``zero_grad``, backward and the optimizer step,
 included -- runs twice (the first step creates the optimizer state; the second is the steady state,
 where the previous step's gradients are alive during the forward) on *fake tensors*
 (``torch._subclasses.fake_tensor.FakeTensorMode``): every operator computes its output's shape,
-dtype and device, and nothing is allocated. A ``TorchDispatchMode`` above the fake mode sees every
+dtype and device, and nothing of the step is allocated (on the CPU, each distinct operator call
+runs once on zeros to measure what its kernel allocates inside itself: :mod:`.scratch`). A ``TorchDispatchMode`` above the fake mode sees every
 new storage, counts its bytes until its last reference dies (a weakref finalizer), sorts it into a
 category (parameters, buffers, gradients, optimizer state, activations, temporaries, inputs, gathered
 parameters) and the module that made it, and keeps the breakdown at the highest total.
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_gpuopt.memory._ops import alias_mask
 from lightning_gpuopt.memory.units import format_bytes
@@ -255,11 +256,11 @@ class _Counter(TorchDispatchMode):
         self,
         device_type: str,
         rounding: Callable[[int], int] | None = None,
-        scratch: Callable[[Any, tuple, dict, Any], int] | None = None,
+        scratch: Callable[[Any, tuple, dict, Any], Any] | None = None,
     ) -> None:
         super().__init__()
         self.device_type = device_type
-        self.scratch = scratch  # bytes a kernel allocates inside itself (memory/scratch.py)
+        self.scratch = scratch  # what a kernel allocates that fake tensors do not show (memory/scratch.py)
         self.rounding = rounding or (lambda n: n)
         self.records: dict[int, _Record] = {}
         self._refs: dict[int, weakref.ref] = {}
@@ -465,13 +466,31 @@ class _Counter(TorchDispatchMode):
                     rec.raw = raw
                     self._charge(rec, +1)
         if self.scratch is not None:
-            nbytes = self.scratch(func, args, kwargs or {}, out)
-            if nbytes:  # alive with the outputs, for the call only
-                module = self.module_stack[-1] if self.module_stack else ""
-                rec = _Record(self.rounding(nbytes), MemoryCategory.SCRATCH, module, self.host_phase)
-                self._charge(rec, +1)
-                self._charge(rec, -1)
+            self._kernel_cost(self.scratch(func, args, kwargs or {}, out, self._enlarged), out)
         return out
+
+    def _enlarged(self, t: torch.Tensor) -> int | None:
+        """The real bytes of a storage counted larger than its fake (an opaque workspace), else None."""
+        found = _storage_key(t)
+        rec = self.records.get(found[1]) if found else None
+        return rec.nbytes if rec is not None and rec.nbytes > found[0].nbytes() else None
+
+    def _kernel_cost(self, cost: Any, out: Any) -> None:
+        if cost.outputs is not None:  # outputs larger for real (a workspace its fake gives no size)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            for t, nbytes in zip(outs, cost.outputs):
+                found = _storage_key(t)
+                if found is None or nbytes <= found[0].nbytes():
+                    continue
+                if found[1] in self.records:
+                    self.update(t, nbytes=nbytes)
+                else:  # an empty fake storage is not counted yet
+                    self.add(t, nbytes=nbytes)
+        if cost.scratch:  # alive with the outputs, for the call only
+            module = self.module_stack[-1] if self.module_stack else ""
+            rec = _Record(self.rounding(cost.scratch), MemoryCategory.SCRATCH, module, self.host_phase)
+            self._charge(rec, +1)
+            self._charge(rec, -1)
 
     def _new(self, t: torch.Tensor) -> None:
         if t.device.type == "cpu" and self.device_type != "cpu":
@@ -717,8 +736,9 @@ def predict_peak(
     """Predict the peak device memory of training ``model`` on ``batch``, without allocating it.
 
     Runs two training steps in Lightning's order -- forward, ``zero_grad(set_to_none=True)``,
-    backward, optimizer step -- on fake tensors (nothing is allocated, nothing in ``model`` changes:
-    its parameters are swapped for fake ones during the trace and put back), counting every storage
+    backward, optimizer step -- on fake tensors (nothing of the step is allocated, nothing in ``model``
+    changes: its parameters, buffers and tensor attributes are swapped for fake ones during the trace
+    and put back; for the CPU, ``kernel_scratch`` runs single operator calls), counting every storage
     the step makes until it dies. The peak is per device (``layout``: DDP's buckets, FSDP2's shards,
     CPU offload).
 

@@ -62,7 +62,9 @@ _MAX_SCALE = 4.0
 #: After a calibrated step did not fit, the next aims at this share of it: if it fits, it is within 10 %
 #: of the largest that fits (which lies below the size that did not).
 _RETREAT = 0.9
-#: Traces at most (each costs about as much as a real step's wall time, and allocates nothing).
+#: Traces at most before the first real step (each costs about as much as a real step's wall time, and allocates
+#: none of the step: on the CPU, single operator calls measure their kernels' scratch). Each completed real
+#: step that a calibrated one follows is traced too.
 MAX_TRACES = 3
 #: A third trace is skipped when the size it would trace is this close to a traced one (relative).
 _CLOSE = 0.05
@@ -250,13 +252,15 @@ class PredictedSearch(SizeSearch):
         """Trace a completed step's size too: the calibration then compares a measured step with a trace of
         the same size, not with the chord between traces (where memory bends, the chord is off by more than
         any trace)."""
-        traced = {t.size for t in self.curve.traces}
-        if self.tracer is None or measurement.out_of_memory or measurement.size in traced:
-            return
-        if self.whole_largest and measurement.size == self.largest:
+        n = measurement.size
+        if self.tracer is None or measurement.out_of_memory or len(self.measurements) >= self.max_trials:
+            return  # nothing to trace, or no calibrated step follows
+        if any(abs(n - t.size) <= _CLOSE * t.size for t in self.curve.traces):
+            return  # a trace this close serves (a short chord would set the slope past the last trace)
+        if self.whole_largest and n == self.largest:
             return
         try:
-            extra = self.tracer(measurement.size)
+            extra = self.tracer(n)
         except Exception:  # a trace is a help, never a failure: the chord stays
             return
         self.curve = TransientCurve((*self.curve.traces, extra))
@@ -349,8 +353,10 @@ class PredictedSearch(SizeSearch):
             (b.forward_backward_bytes - a.forward_backward_bytes) / (b.size - a.size)
             for a, b in itertools.pairwise(t)
         ]
-        if len(slopes) < 2 or min(slopes) <= 0:
+        if len(slopes) < 2:
             return _SLOPE_MARGIN
+        if min(slopes) <= 0:  # memory that does not grow somewhere: irregular, no bend to measure
+            return _CURVE_MARGIN
         return min(_CURVE_MARGIN, max(_SLOPE_MARGIN, max(slopes) / min(slopes) - 1))
 
     def _target(self, below: int) -> int | None:

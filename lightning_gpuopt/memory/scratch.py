@@ -22,18 +22,46 @@ measured, and the simulated peak is put back afterwards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["DEFAULT_MAX_BYTES", "KernelScratch", "kernel_scratch_unavailable"]
+__all__ = ["DEFAULT_MAX_BYTES", "KernelCost", "KernelScratch", "kernel_scratch_unavailable", "runnable"]
 
-#: The largest call measured: its real inputs and outputs together.
+#: The largest call measured: the bytes its real inputs and outputs take.
 DEFAULT_MAX_BYTES = 256 << 20
 
-_CACHE: dict[tuple, int] = {}
+#: Arguments that carry a kernel's private state between calls (an RNN's workspace from its forward to its
+#: backward): fake tensors give them no size, and a kernel handed an empty one reads past it. Such a call
+#: runs only when the real size of each is known (measured where the forward made it).
+_OPAQUE_ARGUMENTS = frozenset({"workspace", "reserve", "reserve_space", "weight_buf"})
+#: Ops not run: a random number generator's users (they would draw from the user's stream), in-place
+#: metadata changes, and the fused RNN kernels (their workspaces are opaque, above).
+_SKIPPED_TAGS = ("nondeterministic_seeded", "inplace_view")
+_SKIPPED_PREFIXES = ("_cudnn_rnn", "miopen_rnn", "_thnn_fused", "lstm", "gru", "rnn_")
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """What running an operator call for real showed that its fake outputs do not.
+
+    Attributes:
+        scratch: bytes allocated inside the call above its inputs and outputs.
+        outputs: the bytes of each tensor output (flattened), where the real one is larger than the fake
+            one (an RNN's workspace: its fake has no size); ``None`` when all agree.
+    """
+
+    scratch: int = 0
+    outputs: tuple[int, ...] | None = None
+
+
+NOTHING = KernelCost()
+_CACHE: dict[tuple, KernelCost] = {}
+_LOCK = threading.Lock()  # one measurement at a time: the counting allocator counts every thread
 
 
 def _lib() -> Any:
@@ -71,32 +99,99 @@ def _counting(lib: Any) -> Iterator[None]:
         lib.simmem_end()
 
 
+def runnable(func: Any) -> bool:
+    """Whether :class:`KernelScratch` may run ``func`` on zero-filled tensors (see the skipped kinds above)."""
+    if getattr(func, "namespace", None) != "aten":
+        return False
+    name = func.overloadpacket.__name__
+    if name.startswith(_SKIPPED_PREFIXES):
+        return False
+    tags = {str(t).rsplit(".", 1)[-1] for t in getattr(func, "tags", ())}
+    return not tags.intersection(_SKIPPED_TAGS)
+
+
+def _opaque(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The values of ``func``'s opaque arguments in this call."""
+    found = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in _OPAQUE_ARGUMENTS:
+            found.append(args[i] if i < len(args) else kwargs.get(a.name))
+    return found
+
+
+def _settings() -> tuple:
+    """Global switches that change which CPU kernel runs."""
+    return (
+        torch.get_num_threads(),
+        torch.is_grad_enabled(),
+        torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_float32_matmul_precision(),
+    )
+
+
 def _key(func: Any, flat: list[Any]) -> tuple:
-    parts: list[Any] = [func, torch.get_num_threads()]
+    parts: list[Any] = [func, _settings()]
     for x in flat:
         if isinstance(x, torch.Tensor):
-            parts.append(("T", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype))
+            parts.append(
+                ("T", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.is_conj(), x.is_neg())
+            )
         else:
             try:
                 hash(x)
-                parts.append(x)
+                parts.append((type(x), x))  # 2 and 2.0 pick different kernels
             except TypeError:
                 parts.append(repr(x))
     return tuple(parts)
 
 
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """A zero-filled CPU tensor with ``t``'s shape, strides, offset and dtype (zeros: valid indices, no NaN)."""
+def _span(t: torch.Tensor) -> int:
+    """Elements from the first to the last one ``t`` addresses (stride 0 addresses one)."""
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether materialising ``t`` with its own strides costs about its own bytes (not a view of a far bigger tensor)."""
+    return t.numel() == 0 or _span(t) <= 2 * t.numel()
+
+
+def _real(t: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
+    """A zero-filled CPU tensor with ``t``'s shape, dtype and (where that costs about its own bytes) strides.
+
+    Zeros: valid indices, no NaN. A view that addresses a far bigger span is made contiguous instead.
+    ``nbytes``: the real size of an opaque buffer whose fake has none (1-D, that many bytes).
+    """
+    if nbytes is not None:
+        return torch.zeros(nbytes // t.element_size(), dtype=t.dtype, device="cpu")
     if t.numel() == 0:
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
-    extent = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return torch.zeros(extent, dtype=t.dtype).as_strided(
-        tuple(t.shape), tuple(t.stride()), t.storage_offset()
-    )
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+    if not _dense(t):
+        return torch.zeros(tuple(t.shape), dtype=t.dtype, device="cpu")
+    return torch.zeros(_span(t), dtype=t.dtype, device="cpu").as_strided(tuple(t.shape), tuple(t.stride()))
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _real_bytes(t: torch.Tensor) -> int:
+    return (_span(t) if _dense(t) and t.numel() else t.numel()) * t.element_size()
+
+
+def _storage_bytes(out: Any) -> list[int]:
+    return [t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+def _run(lib: Any, func: Any, flat: list[Any], spec: Any, fake_out: Any, sizes: dict[int, int]) -> KernelCost:
+    """The call's cost; its tensors die when this returns (or with the exception it raises)."""
+    real = [_real(x, sizes.get(id(x))) if isinstance(x, torch.Tensor) else x for x in flat]
+    args, kwargs = tree_unflatten(real, spec)
+    before = lib.simmem_allocated()
+    lib.simmem_reset_peak()
+    result = func(*args, **kwargs)
+    peak, after = lib.simmem_peak(), lib.simmem_allocated()
+    outputs = _storage_bytes(result)
+    del result
+    fake = _storage_bytes(fake_out)
+    larger = len(outputs) == len(fake) and any(r > f for r, f in zip(outputs, fake))
+    return KernelCost(max(0, peak - max(before, after)), tuple(outputs) if larger else None)
 
 
 class KernelScratch:
@@ -109,7 +204,7 @@ class KernelScratch:
         >>> scratch = KernelScratch()
         >>> x, w = torch.zeros(8, 64, 8, 8), torch.zeros(64, 64, 3, 3)
         >>> args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
-        >>> scratch(torch.ops.aten.convolution.default, args, {}, torch.zeros(8, 64, 8, 8)) >= 0
+        >>> scratch(torch.ops.aten.convolution.default, args, {}, torch.zeros(8, 64, 8, 8)).scratch >= 0
         True
     """
 
@@ -119,42 +214,70 @@ class KernelScratch:
         self.skipped: set[str] = set()  # operators not measured: too large, or they failed on zeros
         self._lib = _lib()
 
-    def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-        if getattr(func, "namespace", None) != "aten":
-            return 0
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        if not tensors or any(t.device.type != "cpu" or t.layout is not torch.strided for t in tensors):
-            return 0
-        key = _key(func, flat)
+    def __call__(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        known: Callable[[torch.Tensor], int | None] | None = None,
+    ) -> KernelCost:
+        """What ``func(*args, **kwargs)`` (fake tensors, ``out`` its fake result) allocates for real.
+
+        ``known(t)``: the real bytes of a fake tensor whose real one is larger (an earlier call's
+        :attr:`KernelCost.outputs`), else None; an opaque argument without it is not run.
+        """
+        if not runnable(func):
+            return NOTHING
+        name = str(func.overloadpacket.__name__)
+        sizes: dict[int, int] = {}
+        for t in _opaque(func, args, kwargs):
+            real = known(t) if known is not None and isinstance(t, torch.Tensor) else None
+            if real is None:
+                self.skipped.add(name)
+                return NOTHING
+            sizes[id(t)] = real
+        try:
+            flat, spec = tree_flatten((args, kwargs))
+            tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+            if not tensors or any(t.device.type != "cpu" or t.layout is not torch.strided for t in tensors):
+                return NOTHING
+            key = _key(func, flat)
+            outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            size = sum(sizes.get(id(t)) or _real_bytes(t) for t in tensors)
+            size += sum(t.numel() * t.element_size() for t in outputs)
+        except Exception:  # a tensor without plain strides (a subclass): not measured
+            self.skipped.add(name)
+            return NOTHING
         cached = _CACHE.get(key)
         if cached is not None:
             self.measured += 1
             return cached
-        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        if sum(_nbytes(t) for t in tensors + outputs) > self.max_bytes:
-            self.skipped.add(str(func.overloadpacket.__name__))
-            return 0
-        try:
-            nbytes = self._measure(func, flat, spec)
-        except Exception:  # an operator that refuses zeros (or this allocator): no scratch known
-            self.skipped.add(str(func.overloadpacket.__name__))
-            return 0
-        _CACHE[key] = nbytes
+        if size > self.max_bytes:
+            self.skipped.add(name)
+            return NOTHING
+        cost = self._measure(func, flat, spec, out, sizes)
+        if cost is None:  # an operator that refuses zeros: no scratch known
+            self.skipped.add(name)
+            return NOTHING
+        _CACHE[key] = cost
         self.measured += 1
-        return nbytes
+        return cost
 
-    def _measure(self, func: Any, flat: list[Any], spec: Any) -> int:
+    def _measure(
+        self, func: Any, flat: list[Any], spec: Any, out: Any, sizes: dict[int, int]
+    ) -> KernelCost | None:
         from torch.utils._python_dispatch import _disable_current_modes
 
         lib = self._lib
-        with _disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
-            with _counting(lib):
-                real = [_real(x) if isinstance(x, torch.Tensor) else x for x in flat]
-                args, kwargs = tree_unflatten(real, spec)
-                before = lib.simmem_allocated()
-                lib.simmem_reset_peak()
-                result = func(*args, **kwargs)
-                peak, after = lib.simmem_peak(), lib.simmem_allocated()
-                del result, args, kwargs, real
-        return max(0, peak - max(before, after))
+        # Grad mode as the trace has it (a kernel may keep a workspace for the backward only then); the
+        # zeros require no grad, so no graph is built.
+        with _LOCK, _disable_current_modes(), torch.autocast("cpu", enabled=False):
+            with _counting(lib), torch.random.fork_rng(devices=[]):  # its saved state: inside, uncounted
+                try:
+                    return _run(lib, func, flat, spec, out, sizes)
+                except Exception:
+                    # Leaving this block frees the traceback and with it the call's tensors, before
+                    # _counting puts the simulated peak back.
+                    pass
+        return None

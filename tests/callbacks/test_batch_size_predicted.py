@@ -284,4 +284,4 @@ def test_completed_steps_are_traced_so_a_bend_between_traces_does_not_mislead_th
     guided = _run(PredictedSearch(**args, curve=TransientCurve(traces), tracer=tracer), step)
     assert guided.used_prediction and len(guided.measurements) == 3, guided.note
     assert guided.result.size == truth
-    assert traced == [m.size for m in guided.measurements]  # every completed step, once
+    assert traced == [m.size for m in guided.measurements[:2]]  # each step a calibrated one follows

@@ -65,11 +65,12 @@ def test_without_kernel_scratch_the_prediction_is_the_operator_outputs(model_nam
     assert -UNDER <= error <= OVER, (prediction, truth, error)
 
 
-def test_measuring_kernel_scratch_leaves_no_trace_in_simulated_memory():
+@pytest.mark.parametrize("backend", ["allocator", "dispatch"])
+def test_measuring_kernel_scratch_leaves_no_trace_in_simulated_memory(backend):
     """The kernels run for real to measure their scratch; the simulated device must not see it."""
     model, make_batch, step = MODELS["resnet18"]()
     batch = make_batch(4)
-    with SimulatedMemory() as mem:
+    with SimulatedMemory(backend=backend) as mem:
         mem.track(model, batch)
         limit = mem.allocated_bytes + (1 << 20)  # 1 MiB free: less than the largest convolution's weight
         mem.limit_bytes = limit
@@ -81,6 +82,49 @@ def test_measuring_kernel_scratch_leaves_no_trace_in_simulated_memory():
         assert mem.peak_bytes - peak < 1024
         assert mem.limit_bytes == limit
     assert prediction.method is PredictionMethod.TRACED
+
+
+def test_an_operator_that_refuses_zeros_is_skipped_and_leaves_no_trace():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_gpuopt.memory.scratch import KernelScratch
+
+    with FakeTensorMode():
+        x = torch.empty(1024, 1024)  # 4 MiB of zeros is no positive-definite matrix
+        out = torch.empty(1024, 1024)
+    with SimulatedMemory() as mem:
+        mem.limit_bytes = mem.allocated_bytes + (1 << 20)
+        peak = mem.peak_bytes
+        scratch = KernelScratch()
+        assert scratch(torch.ops.aten.linalg_cholesky.default, (x,), {}, out).scratch == 0
+        assert scratch.skipped == {"linalg_cholesky"}
+        assert (mem.peak_bytes, mem.num_ooms) == (peak, 0)
+
+
+def test_random_operators_are_not_run_and_the_random_stream_is_untouched():
+    model = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.5), nn.Linear(256, 10))
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    prediction = predict_peak(model, torch.zeros(32, 64), OPTIMIZERS["sgd"], step=lambda m, x: m(x).sum())
+    assert prediction.method is PredictionMethod.TRACED
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_an_lstm_workspace_that_fake_tensors_give_no_size_is_measured():
+    """oneDNN's LSTM passes a workspace from its forward to its backward; its fake has 0 bytes. The
+    forward's real outputs size it, and the backward is measured with a workspace of that size (handed
+    an empty one, it would read past it)."""
+
+    def make():
+        torch.manual_seed(0)
+        lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        return lstm, lambda n: torch.zeros(n, 16, 32), lambda m, x: m(x)[0].square().mean()
+
+    truth = measured_peak(make, "sgd", 8)
+    model, make_batch, step = make()
+    prediction = predict_peak(model, make_batch(8), OPTIMIZERS["sgd"], step=step)
+    error = (prediction.peak_bytes - truth) / truth
+    assert -UNDER <= error <= OVER, (prediction, truth, error)
 
 
 def test_without_a_counting_allocator_the_prediction_says_its_scratch_is_not_measured(monkeypatch):
