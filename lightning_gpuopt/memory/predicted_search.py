@@ -344,8 +344,8 @@ class PredictedSearch(SizeSearch):
     def _slope_margin(self, n: int) -> float:
         """The share of the growth the step after two measured ones aims low at ``n``: :data:`_SLOPE_MARGIN`
         between traces (a chord between two traced sizes), else the traced curve's bend where that is larger
-        (its steepest chord over its flattest, less one; at most :data:`_CURVE_MARGIN`): past the last trace
-        the curve is an extrapolation, and memory may bend there."""
+        (its steepest chord over its flattest, less one; at most :data:`_CURVE_MARGIN`, and that where some
+        chord does not grow): past the last trace the curve is an extrapolation, and memory may bend there."""
         t = self.curve.traces
         if n <= t[-1].size:
             return _SLOPE_MARGIN
