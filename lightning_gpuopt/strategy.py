@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.memory import format_bytes, get_probe
@@ -823,10 +824,13 @@ def optimizer_of(module: nn.Module) -> Any:
     return found if found is not None else "adam"
 
 
-def sample_batch_of(datamodule: Any, samples: int = 2) -> Any:
-    """A small batch (``samples`` samples, collated as the loaders do) from a GPUOptDataModule's training data; else ``None``.
+def sample_batch_of(datamodule: Any, samples: int = 2, scan: int = 256) -> Any:
+    """A small batch from a GPUOptDataModule's training data, as long as its longest samples; else ``None``.
 
-    Only the pack's datamodule is read: it gives its dataset without building loaders (no worker processes).
+    The ``samples`` largest samples (by tensor elements and list items: the longest sequences) among up
+    to ``scan`` spread evenly over the dataset, collated as the loaders do, so that variable-length data
+    padded per batch is planned at its longest. Samples of one size give the first ones. Only the
+    pack's datamodule is read: it gives its dataset without building loaders (no worker processes).
     """
     from lightning_gpuopt.data import GPUOptDataModule
 
@@ -835,6 +839,17 @@ def sample_batch_of(datamodule: Any, samples: int = 2) -> Any:
     try:
         dataset = datamodule._dataset("train")
         collate = datamodule.collate_fn() or torch.utils.data.default_collate
-        return collate([dataset[i] for i in range(min(samples, len(dataset)))])
+        n = len(dataset)
+        if n == 0:
+            return None
+        indices = range(0, n, max(1, n // scan))[:scan]
+        items = [dataset[i] for i in indices]
+        longest = sorted(range(len(items)), key=lambda k: -_elements(items[k]))[:samples]
+        return collate([items[k] for k in sorted(longest)])
     except Exception:  # an iterable dataset, or one that cannot be indexed: plan without activations
         return None
+
+
+def _elements(sample: Any) -> int:
+    leaves = tree_flatten(sample)[0]
+    return sum(x.numel() if isinstance(x, torch.Tensor) else 1 for x in leaves)

@@ -84,3 +84,29 @@ def test_gpuopt_plan_accepts_a_device_memory_with_a_unit(monkeypatch, capsys):
         ]
     )
     assert "2 device(s), 80.00 GiB each" in capsys.readouterr().out
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Token sequences of 8 to 40 tokens; the longest (64) at index 150."""
+
+    def __len__(self):
+        return 300
+
+    def __getitem__(self, i):
+        return torch.ones(64 if i == 150 else 8 + i % 33, dtype=torch.long)
+
+
+def test_a_plan_of_variable_length_data_is_made_for_its_longest_samples():
+    from lightning_gpuopt import GPUOptDataModule
+    from lightning_gpuopt.strategy import sample_batch_of
+
+    class Padded(GPUOptDataModule):
+        def train_dataset(self):
+            return _Sequences()
+
+        def collate_fn(self):
+            return lambda items: torch.nn.utils.rnn.pad_sequence(items, batch_first=True)
+
+    batch = sample_batch_of(Padded(batch_size=8))
+    assert batch.shape == (2, 64)  # the longest sample, and the next longest (40 tokens) padded to it
+    assert sorted(int(row.count_nonzero()) for row in batch) == [40, 64]
