@@ -242,3 +242,16 @@ def assert_same_training(
         for name in theta_ref:
             torch.testing.assert_close(theta[name], theta_ref[name], rtol=1e-9, atol=1e-12, msg=name)
     return distance
+
+
+def end_process_group() -> None:
+    """A multi-process script's last act: destroy the process group its run left.
+
+    Left to the interpreter's exit, its destruction races gloo's threads: a process may abort with
+    "terminate called without an active exception" (SIGABRT) after a run that succeeded, as `gpuopt`
+    avoids the same way (``lightning_gpuopt.cli._close_process_group``).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
