@@ -38,10 +38,11 @@ DEFAULT_MAX_BYTES = 256 << 20
 #: Arguments that carry a kernel's private state between calls (an RNN's workspace from its forward to its
 #: backward): fake tensors give them no size, and a kernel handed an empty one reads past it. Such a call
 #: runs only when the real size of each is known (measured where the forward made it).
-_OPAQUE_ARGUMENTS = frozenset({"workspace", "reserve", "reserve_space", "weight_buf"})
-#: Ops not run: a random number generator's users (they would draw from the user's stream), in-place
-#: metadata changes, and the fused RNN kernels (their workspaces are opaque, above).
-_SKIPPED_TAGS = ("nondeterministic_seeded", "inplace_view")
+_OPAQUE_ARGUMENTS = frozenset({"workspace"})
+#: Ops not run: in-place metadata changes (measured with their metadata after the call), and the CUDA and
+#: ROCm fused RNN kernels (never on the CPU). Random operators run under a forked generator: the user's
+#: random stream stays as it was.
+_SKIPPED_TAGS = ("inplace_view",)
 _SKIPPED_PREFIXES = ("_cudnn_rnn", "miopen_rnn", "_thnn_fused", "lstm", "gru", "rnn_")
 
 
@@ -211,7 +212,7 @@ class KernelScratch:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self.measured = 0  # distinct calls measured in this prediction (cached ones included)
-        self.skipped: set[str] = set()  # operators not measured: too large, or they failed on zeros
+        self.skipped: dict[str, str] = {}  # operators not measured, and why
         self._lib = _lib()
 
     def __call__(
@@ -234,7 +235,7 @@ class KernelScratch:
         for t in _opaque(func, args, kwargs):
             real = known(t) if known is not None and isinstance(t, torch.Tensor) else None
             if real is None:
-                self.skipped.add(name)
+                self.skipped.setdefault(name, "an opaque workspace of unknown size")
                 return NOTHING
             sizes[id(t)] = real
         try:
@@ -247,18 +248,18 @@ class KernelScratch:
             size = sum(sizes.get(id(t)) or _real_bytes(t) for t in tensors)
             size += sum(t.numel() * t.element_size() for t in outputs)
         except Exception:  # a tensor without plain strides (a subclass): not measured
-            self.skipped.add(name)
+            self.skipped.setdefault(name, "a tensor without plain strides")
             return NOTHING
         cached = _CACHE.get(key)
         if cached is not None:
             self.measured += 1
             return cached
         if size > self.max_bytes:
-            self.skipped.add(name)
+            self.skipped.setdefault(name, "over the size cap")
             return NOTHING
         cost = self._measure(func, flat, spec, out, sizes)
         if cost is None:  # an operator that refuses zeros: no scratch known
-            self.skipped.add(name)
+            self.skipped.setdefault(name, "it refused zero-filled inputs")
             return NOTHING
         _CACHE[key] = cost
         self.measured += 1

@@ -110,3 +110,31 @@ def test_a_plan_of_variable_length_data_is_made_for_its_longest_samples():
     batch = sample_batch_of(Padded(batch_size=8))
     assert batch.shape == (2, 64)  # the longest sample, and the next longest (40 tokens) padded to it
     assert sorted(int(row.count_nonzero()) for row in batch) == [40, 64]
+
+
+class _SortedByLength(torch.utils.data.Dataset):
+    """1000 sequences sorted by length (a bucketed dataset): the longest is the last."""
+
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        return torch.ones(1 + i // 10, dtype=torch.long)
+
+
+def test_the_plan_scans_the_whole_dataset_for_its_longest_samples():
+    from lightning_gpuopt import GPUOptDataModule
+    from lightning_gpuopt.strategy import sample_batch_of
+
+    class Sorted(GPUOptDataModule):
+        def train_dataset(self):
+            return _SortedByLength()
+
+        def collate_fn(self):
+            return lambda items: torch.nn.utils.rnn.pad_sequence(items, batch_first=True)
+
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    batch = sample_batch_of(Sorted(batch_size=8))
+    assert batch.shape == (2, 100)  # index 999 (100 tokens) is among the samples scanned
+    assert torch.equal(torch.get_rng_state(), state)
