@@ -8,7 +8,10 @@ on ``sys.path``, see ``pythonpath`` in pyproject.toml); a subprocess gets it fro
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -244,14 +247,31 @@ def assert_same_training(
     return distance
 
 
-def end_process_group() -> None:
-    """A multi-process script's last act: destroy the process group its run left.
+def run_script(main: Callable[[], object]) -> NoReturn:
+    """Run a multi-process test script's ``main`` and end the process with its status at once.
 
-    Left to the interpreter's exit, its destruction races gloo's threads: a process may abort with
-    "terminate called without an active exception" (SIGABRT) after a run that succeeded, as `gpuopt`
-    avoids the same way (``lightning_gpuopt.cli._close_process_group``).
+    A script's result is what it saved and its exit status. The interpreter's teardown after a run is
+    not under test, and there gloo's threads race the destruction of the process group: in full-suite
+    runs a script ended "terminate called without an active exception" (SIGABRT) after a run that
+    had succeeded and saved its results, also with the group destroyed first (`gpuopt` destroys it,
+    ``lightning_gpuopt.cli._close_process_group``). So the process group is destroyed, the streams
+    flushed, and the process ends with ``os._exit``: 0, the code of a ``SystemExit``, or 1 after an
+    exception (its traceback printed).
     """
+    import traceback
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    code = 0
+    try:
+        main()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -199,6 +199,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     # The process group a DDP run leaves, destroyed before the interpreter's exit races gloo's threads
-    # (a SIGABRT after a run that succeeded; tests.helpers.end_process_group, not importable here).
+    # (a SIGABRT after a run that succeeded; tests.helpers.run_script, not importable here).
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

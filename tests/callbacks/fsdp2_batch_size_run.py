@@ -38,7 +38,7 @@ from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.batch_models import ChunkProbe, Tensors
-from tests.helpers import end_process_group
+from tests.helpers import run_script
 
 BATCH, STEPS = 64, 4
 #: The two sizes that place the limits, and where between their peaks each rank's limit lies.
@@ -252,5 +252,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    end_process_group()
+    run_script(main)

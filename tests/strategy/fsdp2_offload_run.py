@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpuopt import FSDP2Strategy
-from tests.helpers import end_process_group
+from tests.helpers import run_script
 from tests.strategy.strategy_models import Block
 
 WIDTH, DEPTH, BATCH = 48, 3, 16
@@ -101,5 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    end_process_group()
+    run_script(main)

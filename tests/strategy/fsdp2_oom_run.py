@@ -28,7 +28,7 @@ from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves
-from tests.helpers import end_process_group
+from tests.helpers import run_script
 
 LIMITED_RANK, LIMIT_AFTER = 1, 2
 
@@ -163,5 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    end_process_group()
+    run_script(main)

@@ -33,7 +33,7 @@ from lightning_gpuopt._exchange import fsdp2_roots
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves
-from tests.helpers import end_process_group
+from tests.helpers import run_script
 from tests.strategy.fsdp2_oom_run import Deep
 
 LIMITED_RANK = 3
@@ -168,5 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    end_process_group()
+    run_script(main)
