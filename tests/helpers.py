@@ -250,23 +250,20 @@ def assert_same_training(
 def run_script(main: Callable[[], object]) -> NoReturn:
     """Run a multi-process test script's ``main`` and end the process with its status at once.
 
-    A script's result is what it saved and its exit status. The interpreter's teardown after a run is
-    not under test, and there gloo's threads race the destruction of the process group: in full-suite
-    runs a script ended "terminate called without an active exception" (SIGABRT) after a run that
-    had succeeded and saved its results, also with the group destroyed first (`gpuopt` destroys it,
-    ``lightning_gpuopt.cli._close_process_group``). So the process group is destroyed, the streams
-    flushed, and the process ends with ``os._exit``: 0, the code of a ``SystemExit``, or 1 after an
-    exception (its traceback printed).
+    A script's result is what it saved and its exit status. The teardown after a run is not under
+    test, and there gloo's threads race the destruction of the process group: in full-suite runs a
+    script ended "terminate called without an active exception" (SIGABRT) after a run that had
+    succeeded and saved its results, also with the group destroyed before the interpreter's exit (as
+    `gpuopt` does, ``lightning_gpuopt.cli._close_process_group``). Every collective has completed when
+    ``main`` returns, so the streams are flushed and the process ends with ``os._exit``, leaving the
+    connections to the kernel: 0, the code of a ``SystemExit``, or 1 after an exception (its traceback
+    printed; Lightning has already stopped the other ranks).
     """
     import traceback
-
-    import torch.distributed as dist
 
     code = 0
     try:
         main()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:
