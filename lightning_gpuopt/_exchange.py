@@ -45,6 +45,33 @@ from torch import Tensor
 
 from lightning_gpuopt.oom_policy import Vote
 
+#: How long a process that ran the pack's collectives waits at exit before the interpreter shuts down.
+EXIT_GRACE_SECONDS = 0.2
+_exit_grace_registered = False
+
+
+def register_exit_grace() -> None:
+    """At exit, give the process group's worker threads the GIL for a moment before the interpreter shuts down.
+
+    A gloo worker thread that completes a collective drops its reference to the tensors, and where
+    Python had dropped its own, freeing their Python objects needs the GIL. Python's own thread holds
+    the GIL while it runs, so a worker can still be waiting for it when the interpreter begins to shut
+    down; the worker is then ended inside C++ code and the process aborts ("terminate called without
+    an active exception", SIGABRT) after a run that succeeded. Measured: a gloo worker's backtrace
+    through ``ProcessGroupGloo::runLoop``, ``TensorImpl::decref_pyobject`` and ``pthread_exit``. A
+    short sleep in an ``atexit`` handler (before the shutdown, the GIL released) lets it finish.
+    Registered once per process, by the first exchange or broadcast of the pack.
+    """
+    global _exit_grace_registered
+    if _exit_grace_registered:
+        return
+    import atexit
+    import time
+
+    atexit.register(time.sleep, EXIT_GRACE_SECONDS)
+    _exit_grace_registered = True
+
+
 __all__ = [
     "DDPExchange",
     "FSDP2Exchange",
@@ -98,6 +125,10 @@ class DDPExchange:
         self._votes: Tensor | None = None
         self._used: list[bool] = [True] * len(self.params)
         self._staging: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        # The reduced prefixes of each staging buffer, kept: a view made per all-reduce and dropped at
+        # once would be freed by the process group's worker thread (see register_exit_grace).
+        self._prefixes: dict[tuple[int, int], Tensor] = {}
+        register_exit_grace()
 
     def prepare(self) -> None:
         """Allocate the vote tensor and the staging buffers once (an OOM here is the attempt's own)."""
@@ -156,7 +187,10 @@ class DDPExchange:
 
         def flush() -> None:
             nonlocal cursor
-            dist.all_reduce(staging[:cursor], group=self.group)
+            prefix = self._prefixes.get((id(staging), cursor))
+            if prefix is None:
+                prefix = self._prefixes[(id(staging), cursor)] = staging[:cursor]
+            dist.all_reduce(prefix, group=self.group)
             for target, offset, start, count in pending:
                 target.view(-1)[offset : offset + count].copy_(staging[start : start + count])
             pending.clear()
@@ -318,6 +352,7 @@ class FSDP2Exchange:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
+        register_exit_grace()
         self.roots = fsdp2_roots(module)
         self.groups = [g for root in self.roots for g in _param_groups(root)]
         if not self.groups:
