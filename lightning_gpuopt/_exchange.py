@@ -60,7 +60,8 @@ def register_exit_grace() -> None:
     an active exception", SIGABRT) after a run that succeeded. Measured: a gloo worker's backtrace
     through ``ProcessGroupGloo::runLoop``, ``TensorImpl::decref_pyobject`` and ``pthread_exit``. A
     short sleep in an ``atexit`` handler (before the shutdown, the GIL released) lets it finish.
-    Registered once per process, by the first exchange or broadcast of the pack.
+    Registered once per process: by the pack's engine attached in a distributed run, its exchanges, or
+    its loss-weighting broadcast.
     """
     global _exit_grace_registered
     if _exit_grace_registered:

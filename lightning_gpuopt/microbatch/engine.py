@@ -28,7 +28,13 @@ from lightning_gpuopt._compiled import (
     is_compiled_anywhere,
     mark_batch_dynamic,
 )
-from lightning_gpuopt._exchange import DDPExchange, FSDP2Exchange, LocalExchange, PeerFailure
+from lightning_gpuopt._exchange import (
+    DDPExchange,
+    FSDP2Exchange,
+    LocalExchange,
+    PeerFailure,
+    register_exit_grace,
+)
 from lightning_gpuopt.batching import (
     SPLIT_HOOK,
     UnsplittableBatchError,
@@ -214,6 +220,8 @@ class MicroBatchEngine:
         if engine is None:
             engine = cls(trainer)
             setattr(trainer, _ENGINE_ATTR, engine)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            register_exit_grace()  # the pack's callbacks run collectives here (see register_exit_grace)
         engine._users.add(id(user))
         try:
             engine._install(training)
