@@ -480,12 +480,8 @@ class _Counter(TorchDispatchMode):
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             for t, nbytes in zip(outs, cost.outputs):
                 found = _storage_key(t)
-                if found is None or nbytes <= found[0].nbytes():
-                    continue
-                if found[1] in self.records:
-                    self.update(t, nbytes=nbytes)
-                else:  # an empty fake storage is not counted yet
-                    self.add(t, nbytes=nbytes)
+                if found is not None and nbytes > found[0].nbytes():
+                    self.update(t, nbytes=nbytes)  # counts it first when new (an empty fake storage)
         if cost.scratch:  # alive with the outputs, for the call only
             module = self.module_stack[-1] if self.module_stack else ""
             rec = _Record(self.rounding(cost.scratch), MemoryCategory.SCRATCH, module, self.host_phase)
@@ -968,9 +964,10 @@ def _kernel_scratch(
     wanted: bool | None, dev: torch.device, traced_on: torch.device
 ) -> tuple[Any, str | None]:
     """The scratch measurer for this prediction (or None) and, when it was wanted but is missing, why."""
-    if wanted is False or (wanted is None and (dev.type != "cpu" or traced_on.type != "cpu")):
+    on_cpu = dev.type == "cpu" and traced_on.type == "cpu"
+    if wanted is False or (wanted is None and not on_cpu):
         return None, None
-    if dev.type != "cpu" or traced_on.type != "cpu":
+    if not on_cpu:
         raise ValueError(
             f"kernel_scratch=True measures CPU kernels, but this prediction is for {dev.type}: "
             "pass kernel_scratch=None or False"

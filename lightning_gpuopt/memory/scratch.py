@@ -89,15 +89,14 @@ def _counting(lib: Any) -> Iterator[None]:
             lib.simmem_set_limit(limit)
             lib.simmem_set_peak(peak)
         return
-    rc = lib.simmem_begin(-1)
-    if rc != 0:
-        if rc == 2:
-            lib.simmem_end()
-        raise RuntimeError("the counting CPU allocator could not be installed")
+    from lightning_gpuopt.memory._native import NativeCounter
+
+    session = NativeCounter()
+    session.begin(None)  # raises, saying why, when the allocator cannot be installed
     try:
         yield
     finally:
-        lib.simmem_end()
+        session.end()
 
 
 def runnable(func: Any) -> bool:
