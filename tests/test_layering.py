@@ -1,6 +1,7 @@
 """The layers of docs/architecture.md, checked over the whole package from its syntax trees.
 
-1. ``memory/`` imports only ``memory/`` of the pack (plus ``_warnings`` and ``_compat``), and no Lightning.
+1. ``memory/`` imports only ``memory/`` of the pack (plus the leaves ``_warnings``, ``_compat``, ``_validate``), and
+   no Lightning.
 2. Nothing outside ``callbacks/``, ``cli.py`` and the package ``__init__`` imports a callback.
 3. No pack module reads a private name of another module: an attribute ``x._name`` (or ``getattr(x, "_name")``,
    ``hasattr``/``setattr``/``delattr`` alike) whose name the module does not define itself, or
@@ -25,7 +26,7 @@ PRIVATE_GATES = {"_compat.py", "_compiled.py"}
 #: Underscore names that are documented, public API of their owners (namedtuple and ``os``).
 DOCUMENTED = {"_fields", "_asdict", "_replace", "_make", "_exit"}
 #: The pack modules that ``memory/`` may import besides its own.
-MEMORY_MAY_IMPORT = {"lightning_gpuopt._warnings", "lightning_gpuopt._compat"}
+MEMORY_MAY_IMPORT = {"lightning_gpuopt._warnings", "lightning_gpuopt._compat", "lightning_gpuopt._validate"}
 
 
 @dataclass(frozen=True)
