@@ -687,7 +687,7 @@ def _agree(result: CheckResult, pool: Sequence[Candidate]) -> CheckResult:
         return result
     chosen = result.chosen.description if result.chosen is not None else None
     box = [(chosen, dict(result.errors), result.tolerance, result.tied, result.checked)]
-    from lightning_gpuopt._exchange import register_exit_grace
+    from lightning_gpuopt.microbatch.exchange import register_exit_grace
 
     register_exit_grace()  # torch's broadcast drops its tensors at once: freed by gloo's worker thread
     torch.distributed.broadcast_object_list(box, src=0)

@@ -224,7 +224,7 @@ def supports(feature: Feature, strategy: Any, *, torch: str | None = None, compi
                 False, f"{rule.reason}; torch {torch or _installed()} is older than {wanted}: upgrade torch"
             )
         if torch is None and kind is StrategyKind.FSDP2:
-            from lightning_gpuopt._exchange import fsdp2_unsupported
+            from lightning_gpuopt.microbatch.exchange import fsdp2_unsupported
 
             missing = fsdp2_unsupported()
             if missing is not None:

@@ -18,7 +18,7 @@ succeeded everywhere can be dropped and run again the same way when one of its `
 (PrecisionSwitch, after switching the precision on non-finite values).
 
 After every attempt the ranks agree (:func:`~lightning_gpuopt.oom_policy.agree` over one vote per
-rank, see ``_exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
+rank, see ``exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
 and proposals for the next batch (grow back, allocator thrashing) apply only when the ranks agree.
 Under DDP every micro-batch runs under ``no_sync`` and the engine averages the gradients itself at the
 optimizer-step boundary. Under FSDP2 (``ModelParallelStrategy``, :class:`~lightning_gpuopt.FSDP2Strategy`)

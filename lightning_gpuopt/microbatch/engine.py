@@ -28,13 +28,6 @@ from lightning_gpuopt._compiled import (
     is_compiled_anywhere,
     mark_batch_dynamic,
 )
-from lightning_gpuopt._exchange import (
-    DDPExchange,
-    FSDP2Exchange,
-    LocalExchange,
-    PeerFailure,
-    register_exit_grace,
-)
 from lightning_gpuopt.batching import (
     SPLIT_HOOK,
     UnsplittableBatchError,
@@ -54,6 +47,13 @@ from lightning_gpuopt.microbatch.attempt import (
     split_output,
 )
 from lightning_gpuopt.microbatch.errors import MicroBatchOOMError, RankOutOfMemoryError, Refused
+from lightning_gpuopt.microbatch.exchange import (
+    DDPExchange,
+    FSDP2Exchange,
+    LocalExchange,
+    PeerFailure,
+    register_exit_grace,
+)
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.microbatch.support import check_strategy, check_supported, make_exchange

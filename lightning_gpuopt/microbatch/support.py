@@ -2,7 +2,7 @@
 
 The answers per strategy come from :mod:`lightning_gpuopt.support` (the one support matrix); this module
 turns them into the engine's refusals, each naming the alternative, and builds the exchange the ranks
-vote through (``_exchange.py``).
+vote through (``exchange.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt._exchange import DDPExchange, FSDP2Exchange, LocalExchange
 from lightning_gpuopt.microbatch.errors import Refused
+from lightning_gpuopt.microbatch.exchange import DDPExchange, FSDP2Exchange, LocalExchange
 from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 
 __all__ = ["check_strategy", "check_supported", "make_exchange", "unsupported_strategy"]

@@ -268,7 +268,7 @@ class RemoteOOM(pl.Callback):
         self.step, self.done = step, False
 
     def on_fit_start(self, trainer, pl_module):
-        from lightning_gpuopt._exchange import LocalExchange
+        from lightning_gpuopt.microbatch.exchange import LocalExchange
         from lightning_gpuopt.oom_policy import STATUS_OOM, Vote
 
         callback = self

@@ -71,7 +71,7 @@ def test_recovery_refuses_an_hsdp_mesh_whose_shard_groups_hold_one_rank():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_gpuopt._exchange import FSDP2Exchange
+    from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
 
     dist = torch.distributed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
