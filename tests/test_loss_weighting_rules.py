@@ -1,4 +1,4 @@
-"""The pure parts of loss_weighting.py: candidates, the choice, ties, tolerance, HF head detection."""
+"""The pure parts of microbatch/loss_weighting.py: candidates, the choice, ties, tolerance, HF head detection."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpuopt.loss_weighting import (
+from lightning_gpuopt.microbatch.loss_weighting import (
     Candidate,
     HFHead,
     LossWeighting,
@@ -89,7 +89,7 @@ def test_hf_head_from_class_names_without_importing_transformers():
 
 
 def test_the_package_does_not_import_transformers():
-    import lightning_gpuopt.loss_weighting as lw
+    import lightning_gpuopt.microbatch.loss_weighting as lw
 
     with open(lw.__file__) as f:
         source = f.read()

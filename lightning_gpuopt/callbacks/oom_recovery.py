@@ -16,7 +16,6 @@ from lightning_gpuopt import _compat
 from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.loss_weighting import MODES, ON_MISMATCH, LossWeighting
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.microbatch import (
     CHECKPOINTING,
@@ -27,6 +26,7 @@ from lightning_gpuopt.microbatch import (
     WeightFn,
     unsupported_strategy,
 )
+from lightning_gpuopt.microbatch.loss_weighting import MODES, ON_MISMATCH, LossWeighting
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.oom_policy import (
     OOMFailure,

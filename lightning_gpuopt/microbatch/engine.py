@@ -36,7 +36,6 @@ from lightning_gpuopt.batching import (
     split_batch,
 )
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.loss_weighting import LossWeighting, is_final
 from lightning_gpuopt.memory import free_memory, get_probe, is_maybe_size_error, is_oom_error
 from lightning_gpuopt.microbatch.attempt import (
     Attempt,
@@ -54,6 +53,7 @@ from lightning_gpuopt.microbatch.exchange import (
     PeerFailure,
     register_exit_grace,
 )
+from lightning_gpuopt.microbatch.loss_weighting import LossWeighting, is_final
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.microbatch.support import check_strategy, check_supported, make_exchange
