@@ -1,5 +1,5 @@
 """The micro-batch engine (a package: ``engine.py`` the loop, ``attempt.py`` an attempt's side effects,
-``support.py`` where it runs, ``step.py`` the optimizer step, ``rungs.py`` the recovery rungs): the one owner of k (micro-batches per training batch) for a Trainer.
+``setup_checks.py`` where it runs, ``step.py`` the optimizer step, ``rungs.py`` the recovery rungs): the one owner of k (micro-batches per training batch) for a Trainer.
 
 Installed by the first callback that needs it, it wraps ``trainer.strategy.training_step`` so that
 each training batch runs as k micro-batches inside Lightning's own step: every micro-batch goes
@@ -49,8 +49,8 @@ from lightning_gpuopt.microbatch.errors import (
     RankOutOfMemoryError,
 )
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
+from lightning_gpuopt.microbatch.setup_checks import unsupported_strategy
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
-from lightning_gpuopt.microbatch.support import unsupported_strategy
 
 __all__ = [
     "CHECKPOINTING",

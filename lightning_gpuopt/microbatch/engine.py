@@ -1,7 +1,7 @@
 """The micro-batch engine's loop: each training batch as k micro-batches, retried until every rank agrees.
 
 See :mod:`lightning_gpuopt.microbatch` for what the engine does and its contract; an attempt's side
-effects live in ``attempt.py``, where it can run in ``support.py``, the optimizer step in ``step.py``,
+effects live in ``attempt.py``, where it can run in ``setup_checks.py``, the optimizer step in ``step.py``,
 the recovery rungs in ``rungs.py``.
 """
 
@@ -55,8 +55,8 @@ from lightning_gpuopt.microbatch.exchange import (
 )
 from lightning_gpuopt.microbatch.loss_weighting import LossWeighting, is_final
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
+from lightning_gpuopt.microbatch.setup_checks import check_strategy, check_supported, make_exchange
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
-from lightning_gpuopt.microbatch.support import check_strategy, check_supported, make_exchange
 from lightning_gpuopt.oom_policy import (
     Agreement,
     OOMFailure,
