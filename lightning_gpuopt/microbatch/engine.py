@@ -45,7 +45,12 @@ from lightning_gpuopt.microbatch.attempt import (
     restore_grads,
     split_output,
 )
-from lightning_gpuopt.microbatch.errors import MicroBatchOOMError, RankOutOfMemoryError, Refused
+from lightning_gpuopt.microbatch.errors import (
+    LossWeightingError,
+    MicroBatchOOMError,
+    RankOutOfMemoryError,
+    Refused,
+)
 from lightning_gpuopt.microbatch.exchange import (
     DDPExchange,
     FSDP2Exchange,
@@ -53,7 +58,7 @@ from lightning_gpuopt.microbatch.exchange import (
     PeerFailure,
     register_exit_grace,
 )
-from lightning_gpuopt.microbatch.loss_weighting import LossWeighting, is_final
+from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.microbatch.setup_checks import check_strategy, check_supported, make_exchange
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
@@ -537,7 +542,9 @@ class MicroBatchEngine:
                 if size_error and first_size_error is not None:
                     restore_grads(params, stash)
                     raise first_size_error from None
-                if is_final(err):  # the loss-weighting check refused to split: not an OOM to retry
+                if isinstance(
+                    err, LossWeightingError
+                ):  # the loss-weighting check refused to split: not an OOM to retry
                     restore_grads(params, stash)
                     raise
                 if self.oom_handler is None or not (is_oom_error(err) or size_error):

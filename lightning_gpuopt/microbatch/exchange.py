@@ -1,4 +1,4 @@
-"""What the micro-batch engine exchanges between ranks: one vote per batch, gradients at the optimizer step (private).
+"""What the micro-batch engine exchanges between ranks: one vote per batch, gradients at the optimizer step.
 
 Under DDP the engine runs every micro-batch under ``no_sync`` (DDP's own bucket all-reduce, launched
 from inside the backward, cannot survive an OOM that stops one rank mid-backward: the other ranks'
@@ -51,17 +51,9 @@ _exit_grace_registered = False
 
 
 def register_exit_grace() -> None:
-    """At exit, give the process group's worker threads the GIL for a moment before the interpreter shuts down.
-
-    A gloo worker thread that completes a collective drops its reference to the tensors, and where
-    Python had dropped its own, freeing their Python objects needs the GIL. Python's own thread holds
-    the GIL while it runs, so a worker can still be waiting for it when the interpreter begins to shut
-    down; the worker is then ended inside C++ code and the process aborts ("terminate called without
-    an active exception", SIGABRT) after a run that succeeded. Measured: a gloo worker's backtrace
-    through ``ProcessGroupGloo::runLoop``, ``TensorImpl::decref_pyobject`` and ``pthread_exit``. A
-    short sleep in an ``atexit`` handler (before the shutdown, the GIL released) lets it finish.
-    Registered once per process: by the pack's engine attached in a distributed run, its exchanges, or
-    its loss-weighting broadcast.
+    """At exit, sleep :data:`EXIT_GRACE_SECONDS` so that the process group's worker threads finish freeing the
+    tensors of the pack's collectives before the interpreter shuts down (else gloo can abort a run that
+    succeeded). Registered once per process.
     """
     global _exit_grace_registered
     if _exit_grace_registered:
@@ -78,9 +70,11 @@ __all__ = [
     "FSDP2Exchange",
     "LocalExchange",
     "PeerFailure",
+    "broadcast_from_rank_zero",
     "fsdp2_roots",
     "fsdp2_unsupported",
     "local_shard",
+    "register_exit_grace",
 ]
 
 
@@ -89,6 +83,9 @@ class LocalExchange:
 
     world_size = 1
     rank = 0
+    #: Whether the ranks also vote inside a step, before each collective (FSDP2's all-gathers in the forward):
+    #: a rank that runs out of memory anywhere in a step, an evaluation step or an extra forward, stops them all.
+    votes_inside_step = False
 
     def prepare(self) -> None:
         """Nothing to allocate."""
@@ -113,6 +110,8 @@ class DDPExchange:
         ddp: the DDP-wrapped module (``trainer.strategy.model``).
         bucket_bytes: the most bytes one all-reduce carries (DDP's ``bucket_cap_mb``).
     """
+
+    votes_inside_step = False
 
     def __init__(self, ddp: torch.nn.Module, bucket_bytes: int = 25 * 2**20) -> None:
         self.module = ddp.module
@@ -352,6 +351,8 @@ class FSDP2Exchange:
             replicates (``replicate``, DDP-style).
     """
 
+    votes_inside_step = True
+
     def __init__(self, module: torch.nn.Module) -> None:
         register_exit_grace()
         self.roots = fsdp2_roots(module)
@@ -462,3 +463,13 @@ class FSDP2Exchange:
 
     def reduce(self) -> None:
         """Nothing: FSDP reduce-scattered the gradients in each backward."""
+
+
+def broadcast_from_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` (plain, picklable values) on every rank; ``value`` itself without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    register_exit_grace()  # torch's broadcast drops its tensors at once: freed by gloo's worker thread
+    payload = [value]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]

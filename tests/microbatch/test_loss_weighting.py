@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
-from lightning_gpuopt.microbatch.loss_weighting import Weighting
+from lightning_gpuopt.microbatch.loss_weighting_rules import Weighting
 from tests.helpers import (
     TRAINER_QUIET,
     assert_same_training,
