@@ -18,13 +18,14 @@ import torch
 
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy
+from lightning_gpuopt.support import Feature
 from tests.helpers import subprocess_env
 
 SCRIPT = Path(__file__).with_name("fsdp2_oom_run.py")
 
 pytestmark = pytest.mark.skipif(
-    unsupported_strategy(FSDP2Strategy(), sharded=True) is not None,
-    reason=f"this torch cannot recover under FSDP2: {unsupported_strategy(FSDP2Strategy(), sharded=True)}",
+    unsupported_strategy(FSDP2Strategy(), Feature.OOM_RECOVERY) is not None,
+    reason=f"this torch cannot recover under FSDP2: {unsupported_strategy(FSDP2Strategy(), Feature.OOM_RECOVERY)}",
 )
 
 

@@ -20,6 +20,7 @@ from lightning_gpuopt.cli import main
 from lightning_gpuopt.memory.predict import ParallelLayout, predict_peak
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape, select_strategy
+from lightning_gpuopt.support import Feature
 from tests.callbacks.oom_models import Waves
 from tests.helpers import run_as_two_nodes
 from tests.strategy.fsdp2_oom_run import Deep
@@ -280,7 +281,7 @@ def hsdp_runs(tmp_path_factory) -> dict[str, list[dict]]:
     return {mode: _run_nodes(out, mode) for mode in ("oom", "resume")}
 
 
-_UNSUPPORTED = unsupported_strategy(FSDP2Strategy(hsdp=True), sharded=True)
+_UNSUPPORTED = unsupported_strategy(FSDP2Strategy(hsdp=True), Feature.OOM_RECOVERY)
 
 
 @pytest.mark.slow
