@@ -227,9 +227,7 @@ def supports(feature: Feature, strategy: Any, *, torch: str | None = None, compi
                 False, f"{rule.reason}; torch {torch or _installed()} is older than {wanted}: upgrade torch"
             )
         if torch is None and kind is StrategyKind.FSDP2:
-            from lightning_gpuopt.microbatch.exchange import fsdp2_unsupported
-
-            missing = fsdp2_unsupported()
+            missing = _fsdp2_missing()
             if missing is not None:
                 return Answer(False, f"{missing}: upgrade torch")
     return Answer(rule.supported, rule.reason)
@@ -237,6 +235,20 @@ def supports(feature: Feature, strategy: Any, *, torch: str | None = None, compi
 
 def _installed() -> str:
     return torch.__version__
+
+
+def _fsdp2_missing() -> str | None:
+    """Why this torch cannot recover from an OOM under FSDP2; ``None`` when it can."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return f"torch {torch.__version__} has no FSDP2 (`torch.distributed.fsdp.FSDPModule`)"
+    if not hasattr(FSDPModule, "reset_iter_state"):
+        return (
+            f"torch {torch.__version__} lacks FSDPModule.reset_iter_state, which recovering from an OOM mid-step "
+            "under FSDP2 needs (torch 2.14 or newer has it)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

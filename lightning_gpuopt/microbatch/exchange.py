@@ -41,9 +41,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor
 
+from lightning_gpuopt import _compat
+from lightning_gpuopt.microbatch.errors import Refused
 from lightning_gpuopt.oom_policy import Vote
+
+__all__ = [
+    "DDPExchange",
+    "FSDP2Exchange",
+    "LocalExchange",
+    "PeerFailure",
+    "broadcast_from_rank_zero",
+    "fsdp2_roots",
+    "local_shard",
+    "make_exchange",
+    "register_exit_grace",
+]
 
 #: How long a process that ran the pack's collectives waits at exit before the interpreter shuts down.
 EXIT_GRACE_SECONDS = 0.2
@@ -63,19 +78,6 @@ def register_exit_grace() -> None:
 
     atexit.register(time.sleep, EXIT_GRACE_SECONDS)
     _exit_grace_registered = True
-
-
-__all__ = [
-    "DDPExchange",
-    "FSDP2Exchange",
-    "LocalExchange",
-    "PeerFailure",
-    "broadcast_from_rank_zero",
-    "fsdp2_roots",
-    "fsdp2_unsupported",
-    "local_shard",
-    "register_exit_grace",
-]
 
 
 class LocalExchange:
@@ -279,20 +281,6 @@ def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:
     return roots
 
 
-def fsdp2_unsupported() -> str | None:
-    """Why this torch cannot recover from an OOM under FSDP2; ``None`` when it can."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return f"torch {torch.__version__} has no FSDP2 (`torch.distributed.fsdp.FSDPModule`)"
-    if not hasattr(FSDPModule, "reset_iter_state"):
-        return (
-            f"torch {torch.__version__} lacks FSDPModule.reset_iter_state, which recovering from an OOM mid-step "
-            "under FSDP2 needs (torch 2.14 or newer has it)"
-        )
-    return None
-
-
 def _param_groups(root: torch.nn.Module) -> list[Any]:
     groups = []
     for sub in root.modules():
@@ -463,6 +451,22 @@ class FSDP2Exchange:
 
     def reduce(self) -> None:
         """Nothing: FSDP reduce-scattered the gradients in each backward."""
+
+
+def make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange:
+    """The exchange for ``strategy``'s ranks (a strategy :mod:`~lightning_gpuopt.microbatch.setup_checks` accepted)."""
+    if isinstance(strategy, ModelParallelStrategy):
+        try:
+            return FSDP2Exchange(strategy.model)
+        except ValueError as err:
+            raise Refused(
+                f"Micro-batching under {type(strategy).__name__} needs the model sharded with FSDP2 `fully_shard`: "
+                f"{err}. Use FSDP2Strategy (it shards an unchanged module), or train without OOMRecovery here."
+            ) from err
+    if isinstance(strategy, DDPStrategy):
+        bucket_mb = _compat.ddp_kwargs(strategy).get("bucket_cap_mb", 25) or 25
+        return DDPExchange(strategy.model, bucket_bytes=int(bucket_mb * 2**20))
+    return LocalExchange()
 
 
 def broadcast_from_rank_zero(value: Any) -> Any:

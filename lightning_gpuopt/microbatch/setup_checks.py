@@ -2,7 +2,7 @@
 
 The answers per strategy come from :mod:`lightning_gpuopt.support` (the one support matrix, which also words
 the refusals the engine shares with the callbacks); this module turns them into the engine's refusals, each
-naming the alternative, and builds the exchange the ranks vote through (``exchange.py``).
+naming the alternative.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt.microbatch.errors import Refused
-from lightning_gpuopt.microbatch.exchange import DDPExchange, FSDP2Exchange, LocalExchange
 from lightning_gpuopt.support import (
     Feature,
     StrategyKind,
@@ -24,7 +23,7 @@ from lightning_gpuopt.support import (
     supports,
 )
 
-__all__ = ["check_strategy", "check_supported", "make_exchange", "unsupported_strategy"]
+__all__ = ["check_strategy", "check_supported", "unsupported_strategy"]
 
 
 def check_supported(trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -108,18 +107,3 @@ def check_strategy(strategy: Any, module: pl.LightningModule) -> None:
             "Micro-batching under DDP cannot run with `static_graph=True`: DDP would all-reduce inside the "
             "first backward, which the engine keeps free of collectives. Use DDPStrategy(static_graph=False)."
         )
-
-
-def make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange:
-    if isinstance(strategy, ModelParallelStrategy):
-        try:
-            return FSDP2Exchange(strategy.model)
-        except ValueError as err:
-            raise Refused(
-                f"Micro-batching under {type(strategy).__name__} needs the model sharded with FSDP2 `fully_shard`: "
-                f"{err}. Use FSDP2Strategy (it shards an unchanged module), or train without OOMRecovery here."
-            ) from err
-    if isinstance(strategy, DDPStrategy):
-        bucket_mb = _compat.ddp_kwargs(strategy).get("bucket_cap_mb", 25) or 25
-        return DDPExchange(strategy.model, bucket_bytes=int(bucket_mb * 2**20))
-    return LocalExchange()
