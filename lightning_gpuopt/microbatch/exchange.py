@@ -55,7 +55,6 @@ __all__ = [
     "PeerFailure",
     "broadcast_from_rank_zero",
     "fsdp2_roots",
-    "local_shard",
     "make_exchange",
     "register_exit_grace",
 ]
@@ -254,16 +253,6 @@ class PeerFailure(RuntimeError):
         self.votes = votes
 
 
-def local_shard(t: Tensor) -> Tensor:
-    """The part of ``t`` this rank holds: a DTensor's local shard (FSDP2's parameters, gradients and
-    optimizer state), else ``t`` itself. A view of the shard's storage: writing into it writes the DTensor."""
-    to_local = getattr(t, "to_local", None)
-    if not callable(to_local):
-        return t
-    with torch.no_grad():
-        return to_local()
-
-
 def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The ``fully_shard`` modules of ``module`` with no ``fully_shard`` module above them (FSDP2's roots)."""
     try:
@@ -279,19 +268,6 @@ def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:
             roots.append(sub)
             inside.update(id(m) for m in sub.modules())
     return roots
-
-
-def _param_groups(root: torch.nn.Module) -> list[Any]:
-    groups = []
-    for sub in root.modules():
-        state = sub._get_fsdp_state() if hasattr(sub, "_get_fsdp_state") else None
-        if state is None:
-            continue
-        own = getattr(state, "_fsdp_param_groups", None)
-        if own is None:  # torch before per-parameter meshes: one group per state
-            own = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) is not None else []
-        groups.extend(g for g in own if all(g is not seen for seen in groups))
-    return groups
 
 
 class _VotingComm:
@@ -344,7 +320,7 @@ class FSDP2Exchange:
     def __init__(self, module: torch.nn.Module) -> None:
         register_exit_grace()
         self.roots = fsdp2_roots(module)
-        self.groups = [g for root in self.roots for g in _param_groups(root)]
+        self.groups = [g for root in self.roots for g in _compat.fsdp_param_groups(root)]
         if not self.groups:
             raise ValueError(f"{type(module).__name__} has no `fully_shard` module with parameters")
         meshes = {
@@ -385,14 +361,18 @@ class FSDP2Exchange:
         if self._originals:
             return
         for g in self.groups:
-            self._originals.append((g, g._all_gather_comm, g._reduce_scatter_comm))
-            g._all_gather_comm = _VotingComm(g._all_gather_comm, self)
-            g._reduce_scatter_comm = _VotingComm(g._reduce_scatter_comm, self, vote_after=self.hybrid)
+            all_gather, reduce_scatter = _compat.fsdp_collectives(g)
+            self._originals.append((g, all_gather, reduce_scatter))
+            _compat.set_fsdp_collectives(
+                g,
+                _VotingComm(all_gather, self),
+                _VotingComm(reduce_scatter, self, vote_after=self.hybrid),
+            )
 
     def uninstall(self) -> None:
         """Give FSDP its own collectives back."""
         for g, all_gather, reduce_scatter in self._originals:
-            g._all_gather_comm, g._reduce_scatter_comm = all_gather, reduce_scatter
+            _compat.set_fsdp_collectives(g, all_gather, reduce_scatter)
         self._originals = []
 
     def prepare(self) -> None:
@@ -443,7 +423,7 @@ class FSDP2Exchange:
             root.reset_iter_state()
         for g in self.groups:
             for fsdp_param in getattr(g, "fsdp_params", []):
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                unsharded = _compat.fsdp_unsharded_param(fsdp_param)
                 if unsharded is not None:
                     unsharded.grad = None
                 if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:

@@ -97,7 +97,7 @@ def check_strategy(strategy: Any, module: pl.LightningModule) -> None:
     if isinstance(strategy, ModelParallelStrategy):
         return  # the DDP settings below do not apply; the exchange checks the sharded model when it is built
     ddp = strategy.model
-    if getattr(strategy, "_ddp_comm_hook", None) is not None or getattr(ddp, "_comm_hooks", None):
+    if _compat.ddp_comm_hook_set(strategy, ddp):
         raise Refused(
             "Micro-batching under DDP averages the gradients itself at the optimizer step, so a DDP "
             "communication hook (`ddp_comm_hook`) would never run. Remove the hook, or remove OOMRecovery."
