@@ -10,15 +10,25 @@ from typing import Any
 
 __all__ = [
     "cluster_environment",
+    "ddp_comm_hook_set",
     "ddp_kwargs",
     "drop_train_loader",
+    "fsdp_collectives",
+    "fsdp_param_groups",
+    "fsdp_unsharded_param",
     "is_compiled",
+    "local_shard",
+    "local_tensor",
+    "lr_scheduler_mark",
     "mark_checkpoint_saved",
     "metric_counters",
     "metric_state_names",
     "reset_grad_scaler",
+    "set_fsdp_collectives",
+    "set_lr_scheduler_mark",
     "should_accumulate",
     "tensor_parallel_size",
+    "tensor_version",
 ]
 
 
@@ -82,3 +92,70 @@ def drop_train_loader(fit_loop: Any) -> None:
     """Make the fit loop rebuild the training DataLoader at the next epoch's start (new ``num_workers``)."""
     if hasattr(fit_loop, "_combined_loader"):
         fit_loop._combined_loader = None
+
+
+def ddp_comm_hook_set(strategy: Any, ddp: Any) -> bool:
+    """Whether a DDP communication hook is registered: on Lightning's ``DDPStrategy`` (``ddp_comm_hook=``, applied
+    when the model is wrapped) or on the ``DistributedDataParallel`` module itself."""
+    return getattr(strategy, "_ddp_comm_hook", None) is not None or bool(getattr(ddp, "_comm_hooks", None))
+
+
+def fsdp_param_groups(root: Any) -> list[Any]:
+    """FSDP2's parameter groups (``FSDPParamGroup``) of every ``fully_shard`` module inside ``root``, once each."""
+    groups: list[Any] = []
+    for sub in root.modules():
+        state = sub._get_fsdp_state() if hasattr(sub, "_get_fsdp_state") else None
+        if state is None:
+            continue
+        own = getattr(state, "_fsdp_param_groups", None)
+        if own is None:  # torch before per-parameter meshes: one group per state
+            own = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) is not None else []
+        groups.extend(g for g in own if all(g is not seen for seen in groups))
+    return groups
+
+
+def fsdp_collectives(group: Any) -> tuple[Any, Any]:
+    """An FSDP2 parameter group's all-gather and reduce-scatter, the callables FSDP calls for its collectives."""
+    return group._all_gather_comm, group._reduce_scatter_comm
+
+
+def set_fsdp_collectives(group: Any, all_gather: Any, reduce_scatter: Any) -> None:
+    """Give an FSDP2 parameter group its all-gather and reduce-scatter (see :func:`fsdp_collectives`)."""
+    group._all_gather_comm, group._reduce_scatter_comm = all_gather, reduce_scatter
+
+
+def fsdp_unsharded_param(fsdp_param: Any) -> Any:
+    """The unsharded parameter FSDP2 gathers for a forward or backward (``None`` before the first)."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def local_tensor(t: Any) -> Any:
+    """A DTensor's local tensor (FSDP2's parameters, gradients and optimizer state, the object itself), else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
+def local_shard(t: Any) -> Any:
+    """The part of ``t`` this rank holds: a DTensor's local shard, else ``t`` itself. A view of the shard's storage:
+    writing into it writes the DTensor."""
+    to_local = getattr(t, "to_local", None)
+    if not callable(to_local):
+        return t
+    import torch
+
+    with torch.no_grad():
+        return to_local()
+
+
+def tensor_version(t: Any) -> int:
+    """How often ``t`` was written in place (autograd's version counter)."""
+    return t._version
+
+
+def lr_scheduler_mark(step: Any) -> bool:
+    """Whether ``optimizer.step`` carries the mark an LR scheduler puts on the ``step`` it wrapped."""
+    return bool(getattr(step, "_wrapped_by_lr_sched", False))
+
+
+def set_lr_scheduler_mark(step: Any) -> None:
+    """Put the LR scheduler's mark on a ``step`` wrapper, so a scheduler created later does not warn about it."""
+    step._wrapped_by_lr_sched = True

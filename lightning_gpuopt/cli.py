@@ -321,7 +321,7 @@ class GPUOptCLI(LightningCLI):
         if any(isinstance(cb, callback) for cb in trainer.callbacks):
             return
         feature = Feature.OOM_RECOVERY if callback is OOMRecovery else Feature.BATCH_SIZE_SEARCH
-        reason = unsupported_strategy(trainer.strategy, sharded=feature is Feature.OOM_RECOVERY)
+        reason = unsupported_strategy(trainer.strategy, feature)
         if reason is not None:
             rank_zero_info(f"gpuopt: {callback.__name__} not added: {reason}")
             return

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_gpuopt._exchange import local_shard
+from lightning_gpuopt._compat import local_shard
 
 __all__ = [
     "LADDER",

@@ -2,7 +2,9 @@
 
 One table answers for everything that needs to know: the micro-batch engine, the callbacks, the CLI
 (which callbacks it adds) and :func:`~lightning_gpuopt.select_strategy` (which strategies it plans).
-The docs table (``docs/support.md``) is rendered from it and a test holds the two equal.
+The docs table (``docs/support.md``) is rendered from it and a test holds the two equal. The setups the
+micro-batching callbacks refuse beyond the strategy (manual optimization, BatchSizeFinder beside them, a
+compiled module, CUDA graphs) are worded here too, once per feature (:func:`setup_refusal`).
 
 Example:
     >>> from lightning_gpuopt.support import Feature, StrategyKind, supports
@@ -21,13 +23,16 @@ from typing import Any
 
 import torch
 
-from lightning_gpuopt._compiled import CUDA_GRAPHS_REASON
+from lightning_gpuopt._compat import is_compiled, tensor_parallel_size
+from lightning_gpuopt._compiled import CUDA_GRAPHS_REASON, cuda_graphs_refusal
 
 __all__ = [
     "Answer",
     "Feature",
     "StrategyKind",
+    "manual_optimization_refusal",
     "markdown_table",
+    "setup_refusal",
     "strategy_kind",
     "supports",
     "torch_version",
@@ -192,8 +197,6 @@ def strategy_kind(strategy: Any) -> StrategyKind:
     if isinstance(strategy, FSDPStrategy):
         return StrategyKind.FSDP1
     if isinstance(strategy, ModelParallelStrategy):
-        from lightning_gpuopt._compat import tensor_parallel_size
-
         if tensor_parallel_size(strategy) > 1:
             return StrategyKind.TENSOR_PARALLEL
         return StrategyKind.FSDP2
@@ -224,9 +227,7 @@ def supports(feature: Feature, strategy: Any, *, torch: str | None = None, compi
                 False, f"{rule.reason}; torch {torch or _installed()} is older than {wanted}: upgrade torch"
             )
         if torch is None and kind is StrategyKind.FSDP2:
-            from lightning_gpuopt._exchange import fsdp2_unsupported
-
-            missing = fsdp2_unsupported()
+            missing = _fsdp2_missing()
             if missing is not None:
                 return Answer(False, f"{missing}: upgrade torch")
     return Answer(rule.supported, rule.reason)
@@ -234,6 +235,84 @@ def supports(feature: Feature, strategy: Any, *, torch: str | None = None, compi
 
 def _installed() -> str:
     return torch.__version__
+
+
+def _fsdp2_missing() -> str | None:
+    """Why this torch cannot recover from an OOM under FSDP2; ``None`` when it can."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return f"torch {torch.__version__} has no FSDP2 (`torch.distributed.fsdp.FSDPModule`)"
+    if not hasattr(FSDPModule, "reset_iter_state"):
+        return (
+            f"torch {torch.__version__} lacks FSDPModule.reset_iter_state, which recovering from an OOM mid-step "
+            "under FSDP2 needs (torch 2.14 or newer has it)"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class _SetupWords:
+    """How a micro-batching feature words a setup it refuses: why, and what to do instead."""
+
+    manual_why: str
+    manual_instead: str
+    finder_why: str
+    finder_instead: str
+
+
+_SETUP_WORDS = {
+    Feature.OOM_RECOVERY: _SetupWords(
+        manual_why="",
+        manual_instead="Split the batch yourself inside `training_step`",
+        finder_why="both change how a batch runs, and the finder's trial steps would be retried",
+        finder_instead="OOMRecovery already fits the micro-batch to memory without changing the optimizer batch",
+    ),
+    Feature.BATCH_SIZE_SEARCH: _SetupWords(
+        manual_why=" (a manual step cannot be measured or split)",
+        manual_instead="Choose the batch size yourself",
+        finder_why="both choose the batch size",
+        finder_instead="MemoryAwareBatchSize(mode='max') also sets batch_size, in at most four measured steps",
+    ),
+}
+
+
+def manual_optimization_refusal(feature: Feature, module: Any, who: str | None = None) -> str | None:
+    """Why ``feature`` cannot run a module that steps its optimizer itself; ``None`` under automatic optimization.
+
+    ``who`` names what refuses in the message (default: the feature's callback; the engine says "Micro-batching").
+    """
+    if module.automatic_optimization:
+        return None
+    words = _SETUP_WORDS[Feature(feature)]
+    return (
+        f"{who or Feature(feature).value} needs automatic optimization, but the LightningModule sets "
+        f"`automatic_optimization = False`{words.manual_why}. {words.manual_instead}, or use automatic optimization."
+    )
+
+
+def setup_refusal(feature: Feature, trainer: Any, module: Any) -> str | None:
+    """Why ``feature``'s callback cannot run this Trainer and module, naming what to do instead; ``None`` when it can.
+
+    Asked in ``setup``, after the strategy: automatic optimization, Lightning's ``BatchSizeFinder`` in the same
+    Trainer, a ``torch.compile``'d LightningModule under a strategy that refuses it, CUDA graphs on a CUDA device.
+    """
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    feature = Feature(feature)
+    refusal = manual_optimization_refusal(feature, module)
+    if refusal is not None:
+        return refusal
+    if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):
+        words = _SETUP_WORDS[feature]
+        return (
+            f"{feature.value} cannot run beside Lightning's BatchSizeFinder ({words.finder_why}). Remove "
+            f"BatchSizeFinder: {words.finder_instead}."
+        )
+    compiled = supports(feature, trainer.strategy, compiled=is_compiled(module))
+    if not compiled.supported:
+        return f"{feature.value} does not support a torch.compile'd LightningModule here: {compiled.reason}."
+    return cuda_graphs_refusal(module, trainer.strategy.root_device, feature.value)
 
 
 def markdown_table(reasons: bool = True) -> str:

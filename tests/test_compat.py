@@ -1,11 +1,14 @@
-"""Each private attribute of Lightning / torchmetrics the pack touches still exists: a release that moves one fails here."""
+"""Each private attribute of Lightning, torch and torchmetrics the pack touches still exists: a release that
+moves one fails here."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 import torchmetrics
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
 
 from lightning_gpuopt import _compat
 
@@ -90,3 +93,60 @@ def test_reset_grad_scaler_forgets_the_optimizer_step():
     scaler.unscale_(optimizer)
     _compat.reset_grad_scaler(scaler, optimizer)
     scaler.unscale_(optimizer)  # would raise "unscale_() has already been called" without the reset
+
+
+def test_lr_scheduler_mark_and_tensor_version():
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert _compat.lr_scheduler_mark(optimizer.step) is False
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    assert _compat.lr_scheduler_mark(optimizer.step), "the LR scheduler's _wrapped_by_lr_sched mark moved"
+
+    def step():
+        return None
+
+    _compat.set_lr_scheduler_mark(step)
+    assert _compat.lr_scheduler_mark(step)
+    t = torch.zeros(2)
+    before = _compat.tensor_version(t)
+    t.add_(1)
+    assert _compat.tensor_version(t) == before + 1
+
+
+def test_ddp_and_fsdp2_internals_on_one_process():
+    """DDP's comm hooks, FSDP2's parameter groups, collectives and unsharded parameters, DTensor's local tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(2, 2))
+        assert _compat.ddp_comm_hook_set(DDPStrategy(), ddp) is False
+        ddp.register_comm_hook(None, lambda state, bucket: None)
+        assert _compat.ddp_comm_hook_set(DDPStrategy(), ddp), "DistributedDataParallel._comm_hooks moved"
+        hooked = DDPStrategy(ddp_comm_hook=lambda state, bucket: None)
+        assert _compat.ddp_comm_hook_set(hooked, None), "DDPStrategy._ddp_comm_hook moved"
+
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        groups = _compat.fsdp_param_groups(model)
+        assert len(groups) == 2, "FSDPState._fsdp_param_group(s) moved"
+        all_gather, reduce_scatter = _compat.fsdp_collectives(groups[0])
+        assert all_gather is not None and reduce_scatter is not None
+        _compat.set_fsdp_collectives(groups[0], "gather", "scatter")
+        assert _compat.fsdp_collectives(groups[0]) == ("gather", "scatter")
+        _compat.set_fsdp_collectives(groups[0], all_gather, reduce_scatter)
+        model(torch.ones(2, 4)).sum().backward()
+        assert all(_compat.fsdp_unsharded_param(p) is not None for g in groups for p in g.fsdp_params), (
+            "FSDPParam._unsharded_param moved"
+        )
+        weight = model[0].weight
+        assert type(_compat.local_tensor(weight)) is torch.Tensor, "DTensor._local_tensor moved"
+        assert _compat.local_shard(weight).shape == (4, 4) and _compat.local_shard(torch.ones(1)).shape == (
+            1,
+        )
+    finally:
+        dist.destroy_process_group()

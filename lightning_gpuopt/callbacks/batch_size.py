@@ -9,12 +9,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BatchSizeFinder, Callback
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
-from lightning_gpuopt import _compat
-from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, first_samples
 from lightning_gpuopt.callbacks._predicted_start import start_search
@@ -27,7 +25,7 @@ from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, StepMea
 from lightning_gpuopt.memory.predicted_search import PredictedSearch
 from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine
 from lightning_gpuopt.oom_policy import Source
-from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
+from lightning_gpuopt.support import Feature, StrategyKind, setup_refusal, strategy_kind, supports
 
 __all__ = ["MemoryAwareBatchSize"]
 
@@ -244,24 +242,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
                 f"MemoryAwareBatchSize measures single-device, DDP and FSDP2 training, got {type(strategy).__name__} "
                 f"({answer.reason})."
             )
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "MemoryAwareBatchSize needs automatic optimization, but the LightningModule sets "
-                "`automatic_optimization = False` (a manual step cannot be measured or split). Choose the batch "
-                "size yourself, or use automatic optimization."
-            )
-        if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):
-            raise RuntimeError(
-                "MemoryAwareBatchSize cannot run beside Lightning's BatchSizeFinder (both choose the batch size). "
-                "Remove BatchSizeFinder: MemoryAwareBatchSize(mode='max') also sets batch_size, in at most four "
-                "measured steps."
-            )
-        compiled = supports(Feature.BATCH_SIZE_SEARCH, strategy, compiled=_compat.is_compiled(pl_module))
-        if not compiled.supported:
-            raise RuntimeError(
-                f"MemoryAwareBatchSize does not support a torch.compile'd LightningModule here: {compiled.reason}."
-            )
-        refusal = cuda_graphs_refusal(pl_module, strategy.root_device, "MemoryAwareBatchSize")
+        refusal = setup_refusal(Feature.BATCH_SIZE_SEARCH, trainer, pl_module)
         if refusal is not None:
             raise RuntimeError(refusal)
         if self.mode == "max" and not lightning_hasattr(pl_module, "batch_size"):

@@ -7,16 +7,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import BatchSizeFinder, Callback
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpuopt import _compat
-from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.loss_weighting import MODES, ON_MISMATCH, LossWeighting
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.microbatch import (
     CHECKPOINTING,
@@ -27,6 +24,7 @@ from lightning_gpuopt.microbatch import (
     WeightFn,
     unsupported_strategy,
 )
+from lightning_gpuopt.microbatch.loss_weighting import MODES, ON_MISMATCH, LossWeighting
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.oom_policy import (
     OOMFailure,
@@ -41,7 +39,7 @@ from lightning_gpuopt.oom_policy import (
     smaller_micro_batch_count,
     smallest_split_cannot_fit,
 )
-from lightning_gpuopt.support import Feature, supports
+from lightning_gpuopt.support import Feature, setup_refusal
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
 
@@ -347,26 +345,10 @@ class OOMRecovery(Callback):
         EngineState.ensure(trainer)
         if stage != "fit":
             return
-        reason = unsupported_strategy(trainer.strategy, sharded=True)
+        reason = unsupported_strategy(trainer.strategy, Feature.OOM_RECOVERY)
         if reason is not None:
             raise RuntimeError(f"OOMRecovery: {reason}")
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "OOMRecovery needs automatic optimization, but the LightningModule sets `automatic_optimization = "
-                "False`. Split the batch yourself inside `training_step`, or use automatic optimization."
-            )
-        if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):
-            raise RuntimeError(
-                "OOMRecovery cannot run beside Lightning's BatchSizeFinder (both change how a batch runs, and the "
-                "finder's trial steps would be retried). Remove BatchSizeFinder: OOMRecovery already fits the "
-                "micro-batch to memory without changing the optimizer batch."
-            )
-        compiled = supports(Feature.OOM_RECOVERY, trainer.strategy, compiled=_compat.is_compiled(pl_module))
-        if not compiled.supported:
-            raise RuntimeError(
-                f"OOMRecovery does not support a torch.compile'd LightningModule here: {compiled.reason}."
-            )
-        refusal = cuda_graphs_refusal(pl_module, trainer.strategy.root_device, "OOMRecovery")
+        refusal = setup_refusal(Feature.OOM_RECOVERY, trainer, pl_module)
         if refusal is not None:
             raise RuntimeError(refusal)
 

@@ -1,5 +1,12 @@
-"""The micro-batch engine (a package: ``engine.py`` the loop, ``attempt.py`` an attempt's side effects,
-``support.py`` where it runs, ``step.py`` the optimizer step, ``rungs.py`` the recovery rungs): the one owner of k (micro-batches per training batch) for a Trainer.
+"""The micro-batch engine: the one owner of k (micro-batches per training batch) for a Trainer.
+
+A package, one job a module: ``engine.py`` the engine (k, its state, what callbacks read and change),
+``attempt_loop.py`` the one attempt loop and the patches that lead the Trainer's steps into it,
+``batches.py`` what a training and an evaluation batch do differently in it, ``attempt.py`` an attempt's
+side effects, ``exchange.py`` how the ranks vote and reduce, ``setup_checks.py`` where the engine runs,
+``loss_weighting.py`` (and its rules, ``loss_weighting_rules.py``) the micro-batches' loss weights,
+``compile_watch.py`` what torch.compile changes, ``step.py`` the optimizer step, ``rungs.py`` the recovery
+rungs, ``errors.py`` the errors it ends a run with.
 
 Installed by the first callback that needs it, it wraps ``trainer.strategy.training_step`` so that
 each training batch runs as k micro-batches inside Lightning's own step: every micro-batch goes
@@ -18,7 +25,7 @@ succeeded everywhere can be dropped and run again the same way when one of its `
 (PrecisionSwitch, after switching the precision on non-finite values).
 
 After every attempt the ranks agree (:func:`~lightning_gpuopt.oom_policy.agree` over one vote per
-rank, see ``_exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
+rank, see ``exchange.py``): an OOM on any rank makes every rank retry the batch with the same k,
 and proposals for the next batch (grow back, allocator thrashing) apply only when the ranks agree.
 Under DDP every micro-batch runs under ``no_sync`` and the engine averages the gradients itself at the
 optimizer-step boundary. Under FSDP2 (``ModelParallelStrategy``, :class:`~lightning_gpuopt.FSDP2Strategy`)
@@ -29,10 +36,11 @@ Evaluation steps (validation, test, predict) are wrapped too: an OOM there split
 chunks, runs them, and puts their outputs back together in order.
 
 Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`,
-``next_proposal``, ``oom_handler``, ``attempt_checks``, ``enable_checkpointing`` and ``listeners``, and
-read it through :meth:`~MicroBatchEngine.effective_k`, :meth:`~MicroBatchEngine.micro_batch_size`,
-:meth:`~MicroBatchEngine.batch_size` and :meth:`~MicroBatchEngine.installed`; the rest is private, and
-no component of the pack reads it.
+``next_proposal``, ``oom_handler``, ``attempt_checks``, the recovery rungs (:meth:`~MicroBatchEngine.add_rung`,
+:meth:`~MicroBatchEngine.turn_on`, ``rung_listeners``), ``loss_weighting``, ``compile_cause`` and
+``listeners``, and read it through :meth:`~MicroBatchEngine.effective_k`,
+:meth:`~MicroBatchEngine.micro_batch_size`, :meth:`~MicroBatchEngine.batch_size` and
+:meth:`~MicroBatchEngine.installed`; the rest is private, and no component of the pack reads it.
 """
 
 from lightning_gpuopt.microbatch.engine import (
@@ -49,8 +57,8 @@ from lightning_gpuopt.microbatch.errors import (
     RankOutOfMemoryError,
 )
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
+from lightning_gpuopt.microbatch.setup_checks import unsupported_strategy
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
-from lightning_gpuopt.microbatch.support import unsupported_strategy
 
 __all__ = [
     "CHECKPOINTING",

@@ -17,8 +17,18 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 
-__all__ = ["Attempt", "SideEffects", "emit_logs", "merge_grads", "restore_grads", "split_output"]
+__all__ = [
+    "Attempt",
+    "SideEffects",
+    "Snapshot",
+    "batch_samples",
+    "emit_logs",
+    "merge_grads",
+    "restore_grads",
+    "split_output",
+]
 
 try:  # torchmetrics is a dependency, but the engine must not break if a user removed it
     from torchmetrics import Metric as _Metric
@@ -35,7 +45,6 @@ class Attempt:
     """The side effects of one attempt at a batch, kept so a failed attempt leaves no trace."""
 
     logs: list[LogCall] = field(default_factory=list)
-    extras: list[dict[str, Any]] = field(default_factory=list)
     #: The running micro-batch's ``self.log`` calls (name, value, args, kwargs): a fresh list per micro-batch,
     #: weighted by :meth:`keep` after it ran, so that a compiled step that logs never guards on a weight.
     calls: list[tuple[str, Any, tuple, dict]] = field(default_factory=list)
@@ -88,7 +97,7 @@ class SideEffects:
         tensors += [
             v
             for metric in self.metrics
-            for name in metric._defaults
+            for name in _compat.metric_state_names(metric)
             if isinstance(v := getattr(metric, name), Tensor)
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -128,6 +137,14 @@ def emit_logs(
         if kwargs.get("batch_size") is not None:
             kwargs["batch_size"] = n
         log(name, combined, *args, **kwargs)
+
+
+def batch_samples(batch: Any) -> int:
+    """The samples in ``batch`` as the engine counts them (1 for a batch without a sample dimension: it runs whole)."""
+    try:
+        return batch_size_of(batch)
+    except UnsplittableBatchError:
+        return 1
 
 
 def split_output(out: Any) -> tuple[Tensor | None, dict[str, Any] | None]:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MicroBatchOOMError", "OptimizerStepOOMError", "RankOutOfMemoryError", "Refused"]
+__all__ = [
+    "LossWeightingError",
+    "MicroBatchOOMError",
+    "OptimizerStepOOMError",
+    "RankOutOfMemoryError",
+    "Refused",
+]
 
 
 class Refused(RuntimeError):
@@ -17,6 +23,11 @@ class RankOutOfMemoryError(torch.OutOfMemoryError):
 
 class MicroBatchOOMError(torch.OutOfMemoryError):
     """Out of memory and nothing left to split: the message carries a memory breakdown and next steps."""
+
+
+class LossWeightingError(MicroBatchOOMError):
+    """No weighting of micro-batch losses reproduces the user's loss (or the given one does not): the split is
+    refused before it runs, and the engine raises it as it is instead of retrying it as an OOM."""
 
 
 class OptimizerStepOOMError(torch.OutOfMemoryError):

@@ -12,7 +12,7 @@ To add a rung, subclass :class:`Rung` and pass it to ``OOMRecovery(rungs=[...])`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,7 +25,7 @@ from lightning_gpuopt.activation_checkpointing import (
 )
 from lightning_gpuopt.oom_policy import OOMFailure
 
-__all__ = ["MORE_MICRO_BATCHES", "ActivationCheckpointing", "Rung"]
+__all__ = ["MORE_MICRO_BATCHES", "ActivationCheckpointing", "Ladder", "Rung"]
 
 #: The name of the first rung, the engine's own: more micro-batches per batch.
 MORE_MICRO_BATCHES = "more micro-batches"
@@ -93,3 +93,70 @@ class ActivationCheckpointing(Rung):
     def describe(self) -> str:
         names = sorted({type(m).__name__ for m in self.modules}) or [str(t) for t in self.module_types]
         return f"activation checkpointing of {len(self.modules)} module(s) ({', '.join(names)})"
+
+
+class Ladder:
+    """One engine's recovery rungs past more micro-batches, in order: which are on, which could change nothing.
+
+    A rung's index here is its bit in the ranks' votes (:func:`~lightning_gpuopt.oom_policy.rung_bits`), so every
+    callback's rungs must be added alike on every rank.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.rungs: list[Rung] = []
+        #: ``listener(rung, reason)``, told after a rung was turned on (by an OOM, or on resume).
+        self.listeners: list[Callable[[Rung, str], None]] = []
+        #: The names of the rungs turned on in this run (saved with k).
+        self.active: list[str] = []
+        self._spent: set[str] = set()
+
+    def names(self) -> list[str]:
+        return [rung.name for rung in self.rungs]
+
+    def index(self, name: str) -> int:
+        """The position of the rung ``name``; raises ``ValueError`` naming the ladder when there is none."""
+        try:
+            return self.names().index(name)
+        except ValueError:
+            raise ValueError(
+                f"no recovery rung named {name!r} in this run's ladder ({self.names()}); add it with "
+                "`MicroBatchEngine.add_rung` (OOMRecovery(rungs=[...]) does)"
+            ) from None
+
+    def add(self, rung: Rung) -> None:
+        """Add ``rung`` at the end (once per name)."""
+        if not isinstance(rung, Rung) or not rung.name:
+            raise TypeError(
+                f"a recovery rung must be a named `Rung` (lightning_gpuopt.microbatch.rungs), got {rung!r}"
+            )
+        if rung.name not in self.names():
+            self.rungs.append(rung)
+
+    def available(self) -> list[Rung]:
+        """The rungs still to try, in order: off, and not found unable to change anything."""
+        return [rung for rung in self.rungs if not rung.active and rung.name not in self._spent]
+
+    def turn_on(self, indices: Iterable[int], reason: str) -> bool:
+        """Turn on the rungs at ``indices`` on this rank; returns whether anything changed."""
+        changed = False
+        for i in indices:
+            rung = self.rungs[i]
+            if rung.active:
+                continue
+            if not rung.apply(self.trainer, reason):
+                self._spent.add(rung.name)  # nothing to change: not asked again in this fit
+                continue
+            rung.active = changed = True
+            if rung.name not in self.active:
+                self.active.append(rung.name)
+            for listener in list(self.listeners):
+                listener(rung, reason)
+        return changed
+
+    def turn_off(self) -> None:
+        """Undo every rung that is on (the engine is released)."""
+        for rung in self.rungs:
+            if rung.active:
+                rung.undo(self.trainer)
+                rung.active = False

@@ -121,8 +121,8 @@ class OptimizerStepHook:
 
         # An LR scheduler created before us wrapped `step` and checks its mark; one created later wraps ours
         # (it reads `step.__func__`, hence a bound method).
-        if getattr(original, "_wrapped_by_lr_sched", False):
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        if _compat.lr_scheduler_mark(original):
+            _compat.set_lr_scheduler_mark(step)
         optimizer.step = types.MethodType(step, optimizer)
         self._wrapped.append((optimizer, had, previous))
 
@@ -232,16 +232,19 @@ def _tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
             if p.grad is not None:
                 out.append(p.grad)
             out.extend(v for v in optimizer.state.get(p, {}).values() if isinstance(v, Tensor))
-    return [getattr(t, "_local_tensor", t) for t in out]
+    return [_compat.local_tensor(t) for t in out]
 
 
 def _versions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    return {id(t): t._version for t in _tensors(optimizer)}
+    return {id(t): _compat.tensor_version(t) for t in _tensors(optimizer)}
 
 
 def _changed(optimizer: torch.optim.Optimizer, versions: dict[int, int]) -> bool:
     """Whether the step wrote a tensor that existed before it (new state tensors do not count)."""
-    return any(versions.get(id(t), t._version) != t._version for t in _tensors(optimizer))
+    return any(
+        versions.get(id(t), _compat.tensor_version(t)) != _compat.tensor_version(t)
+        for t in _tensors(optimizer)
+    )
 
 
 def _drop_new_state(optimizer: torch.optim.Optimizer, before: dict[int, set[Any]]) -> None:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery, TokenCount
 from lightning_gpuopt.microbatch import unsupported_strategy
+from lightning_gpuopt.support import Feature
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Run, StepLog, WideRegressor, fit, optimizer_step_ids, step_marks
 from tests.helpers import TRAINER_QUIET
@@ -456,7 +457,7 @@ def test_tensor_parallelism_and_fsdp1_are_refused_naming_the_alternative():
         match=r"OOMRecovery: micro-batching under ModelParallelStrategy supports FSDP2 data parallelism only, got tensor_parallel_size=2 .* Use tensor_parallel_size=1",
     ):
         cb.setup(trainer, WideRegressor(), "fit")
-    reason = unsupported_strategy(FSDPStrategy(), sharded=True)
+    reason = unsupported_strategy(FSDPStrategy(), Feature.OOM_RECOVERY)
     assert (
         "supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got FSDPStrategy" in reason
     )

@@ -27,7 +27,7 @@ from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine, OptimizerStepOOMError, RankOutOfMemoryError
 from lightning_gpuopt.microbatch.errors import Refused
-from lightning_gpuopt.microbatch.support import check_strategy
+from lightning_gpuopt.microbatch.setup_checks import check_strategy
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves, WideRegressor
 from tests.helpers import subprocess_env
@@ -268,7 +268,7 @@ class RemoteOOM(pl.Callback):
         self.step, self.done = step, False
 
     def on_fit_start(self, trainer, pl_module):
-        from lightning_gpuopt._exchange import LocalExchange
+        from lightning_gpuopt.microbatch.exchange import LocalExchange
         from lightning_gpuopt.oom_policy import STATUS_OOM, Vote
 
         callback = self

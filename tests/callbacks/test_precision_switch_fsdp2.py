@@ -22,13 +22,14 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt import FSDP2Strategy, PrecisionSwitch
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.precision import fsdp2_mixed_precision
+from lightning_gpuopt.support import Feature
 from tests.callbacks.oom_models import Waves
 from tests.callbacks.precision_models import AppliedSteps, Troubled, finite
 from tests.helpers import TRAINER_QUIET, subprocess_env
 
 SCRIPT = Path(__file__).with_name("fsdp2_precision_run.py")
 STEPS, TROUBLE_STEP, UNITS = 8, 3, 3
-ENGINE_MISSING = unsupported_strategy(FSDP2Strategy(), sharded=True)
+ENGINE_MISSING = unsupported_strategy(FSDP2Strategy(), Feature.OOM_RECOVERY)
 
 
 def fsdp2_fit(out: Path, mode: str) -> list[dict]:

@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import FSDP2Strategy, OOMRecovery
-from lightning_gpuopt._exchange import fsdp2_roots
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch.exchange import fsdp2_roots
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves
 from tests.helpers import run_script

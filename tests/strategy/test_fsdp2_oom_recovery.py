@@ -18,13 +18,14 @@ import torch
 
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy
+from lightning_gpuopt.support import Feature
 from tests.helpers import subprocess_env
 
 SCRIPT = Path(__file__).with_name("fsdp2_oom_run.py")
 
 pytestmark = pytest.mark.skipif(
-    unsupported_strategy(FSDP2Strategy(), sharded=True) is not None,
-    reason=f"this torch cannot recover under FSDP2: {unsupported_strategy(FSDP2Strategy(), sharded=True)}",
+    unsupported_strategy(FSDP2Strategy(), Feature.OOM_RECOVERY) is not None,
+    reason=f"this torch cannot recover under FSDP2: {unsupported_strategy(FSDP2Strategy(), Feature.OOM_RECOVERY)}",
 )
 
 
@@ -106,7 +107,7 @@ def test_nothing_left_to_split_on_one_rank_stops_both_without_hanging(tmp_path):
 
 def test_ranks_that_would_run_different_numbers_of_micro_batches_stop_alike_with_the_reason():
     """Each micro-batch all-gathers and reduce-scatters: different counts would pair mismatched collectives."""
-    from lightning_gpuopt._exchange import FSDP2Exchange
+    from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
     from lightning_gpuopt.oom_policy import Vote
 
     exchange = FSDP2Exchange.__new__(FSDP2Exchange)  # the check alone: one process, the ranks' counts given

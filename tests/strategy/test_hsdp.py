@@ -20,6 +20,7 @@ from lightning_gpuopt.cli import main
 from lightning_gpuopt.memory.predict import ParallelLayout, predict_peak
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape, select_strategy
+from lightning_gpuopt.support import Feature
 from tests.callbacks.oom_models import Waves
 from tests.helpers import run_as_two_nodes
 from tests.strategy.fsdp2_oom_run import Deep
@@ -71,7 +72,7 @@ def test_recovery_refuses_an_hsdp_mesh_whose_shard_groups_hold_one_rank():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_gpuopt._exchange import FSDP2Exchange
+    from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
 
     dist = torch.distributed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -280,7 +281,7 @@ def hsdp_runs(tmp_path_factory) -> dict[str, list[dict]]:
     return {mode: _run_nodes(out, mode) for mode in ("oom", "resume")}
 
 
-_UNSUPPORTED = unsupported_strategy(FSDP2Strategy(hsdp=True), sharded=True)
+_UNSUPPORTED = unsupported_strategy(FSDP2Strategy(hsdp=True), Feature.OOM_RECOVERY)
 
 
 @pytest.mark.slow

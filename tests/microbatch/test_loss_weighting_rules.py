@@ -1,4 +1,5 @@
-"""The pure parts of loss_weighting.py: candidates, the choice, ties, tolerance, HF head detection."""
+"""The pure rules of the loss weighting (microbatch/loss_weighting_rules.py): candidates, the choice, ties, tolerance,
+HF head detection; and LossWeighting's arguments and checkpoint state."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpuopt.loss_weighting import (
+from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
+from lightning_gpuopt.microbatch.loss_weighting_rules import (
     Candidate,
     HFHead,
-    LossWeighting,
     Weighting,
     candidates,
     choose,
@@ -89,7 +90,7 @@ def test_hf_head_from_class_names_without_importing_transformers():
 
 
 def test_the_package_does_not_import_transformers():
-    import lightning_gpuopt.loss_weighting as lw
+    import lightning_gpuopt.microbatch.loss_weighting_rules as lw
 
     with open(lw.__file__) as f:
         source = f.read()

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import OOMRecovery
-from tests.callbacks.loss_weighting_models import TokenMeanLM, TokenText
+from tests.microbatch.loss_weighting_models import TokenMeanLM, TokenText
 
 
 class SaveDecision(pl.Callback):

@@ -1,4 +1,4 @@
-"""What the micro-batch engine exchanges between ranks: one vote per batch, gradients at the optimizer step (private).
+"""What the micro-batch engine exchanges between ranks: one vote per batch, gradients at the optimizer step.
 
 Under DDP the engine runs every micro-batch under ``no_sync`` (DDP's own bucket all-reduce, launched
 from inside the backward, cannot survive an OOM that stops one rank mid-backward: the other ranks'
@@ -41,9 +41,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor
 
+from lightning_gpuopt import _compat
+from lightning_gpuopt.microbatch.errors import Refused
 from lightning_gpuopt.oom_policy import Vote
+
+__all__ = [
+    "DDPExchange",
+    "FSDP2Exchange",
+    "LocalExchange",
+    "PeerFailure",
+    "broadcast_from_rank_zero",
+    "fsdp2_roots",
+    "make_exchange",
+    "register_exit_grace",
+]
 
 #: How long a process that ran the pack's collectives waits at exit before the interpreter shuts down.
 EXIT_GRACE_SECONDS = 0.2
@@ -51,17 +65,9 @@ _exit_grace_registered = False
 
 
 def register_exit_grace() -> None:
-    """At exit, give the process group's worker threads the GIL for a moment before the interpreter shuts down.
-
-    A gloo worker thread that completes a collective drops its reference to the tensors, and where
-    Python had dropped its own, freeing their Python objects needs the GIL. Python's own thread holds
-    the GIL while it runs, so a worker can still be waiting for it when the interpreter begins to shut
-    down; the worker is then ended inside C++ code and the process aborts ("terminate called without
-    an active exception", SIGABRT) after a run that succeeded. Measured: a gloo worker's backtrace
-    through ``ProcessGroupGloo::runLoop``, ``TensorImpl::decref_pyobject`` and ``pthread_exit``. A
-    short sleep in an ``atexit`` handler (before the shutdown, the GIL released) lets it finish.
-    Registered once per process: by the pack's engine attached in a distributed run, its exchanges, or
-    its loss-weighting broadcast.
+    """At exit, sleep :data:`EXIT_GRACE_SECONDS` so that the process group's worker threads finish freeing the
+    tensors of the pack's collectives before the interpreter shuts down (else gloo can abort a run that
+    succeeded). Registered once per process.
     """
     global _exit_grace_registered
     if _exit_grace_registered:
@@ -73,22 +79,14 @@ def register_exit_grace() -> None:
     _exit_grace_registered = True
 
 
-__all__ = [
-    "DDPExchange",
-    "FSDP2Exchange",
-    "LocalExchange",
-    "PeerFailure",
-    "fsdp2_roots",
-    "fsdp2_unsupported",
-    "local_shard",
-]
-
-
 class LocalExchange:
     """A single device: the vote is this process's own, and there is nothing to reduce."""
 
     world_size = 1
     rank = 0
+    #: Whether the ranks also vote inside a step, before each collective (FSDP2's all-gathers in the forward):
+    #: a rank that runs out of memory anywhere in a step, an evaluation step or an extra forward, stops them all.
+    votes_inside_step = False
 
     def prepare(self) -> None:
         """Nothing to allocate."""
@@ -113,6 +111,8 @@ class DDPExchange:
         ddp: the DDP-wrapped module (``trainer.strategy.model``).
         bucket_bytes: the most bytes one all-reduce carries (DDP's ``bucket_cap_mb``).
     """
+
+    votes_inside_step = False
 
     def __init__(self, ddp: torch.nn.Module, bucket_bytes: int = 25 * 2**20) -> None:
         self.module = ddp.module
@@ -253,16 +253,6 @@ class PeerFailure(RuntimeError):
         self.votes = votes
 
 
-def local_shard(t: Tensor) -> Tensor:
-    """The part of ``t`` this rank holds: a DTensor's local shard (FSDP2's parameters, gradients and
-    optimizer state), else ``t`` itself. A view of the shard's storage: writing into it writes the DTensor."""
-    to_local = getattr(t, "to_local", None)
-    if not callable(to_local):
-        return t
-    with torch.no_grad():
-        return to_local()
-
-
 def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The ``fully_shard`` modules of ``module`` with no ``fully_shard`` module above them (FSDP2's roots)."""
     try:
@@ -278,33 +268,6 @@ def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:
             roots.append(sub)
             inside.update(id(m) for m in sub.modules())
     return roots
-
-
-def fsdp2_unsupported() -> str | None:
-    """Why this torch cannot recover from an OOM under FSDP2; ``None`` when it can."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return f"torch {torch.__version__} has no FSDP2 (`torch.distributed.fsdp.FSDPModule`)"
-    if not hasattr(FSDPModule, "reset_iter_state"):
-        return (
-            f"torch {torch.__version__} lacks FSDPModule.reset_iter_state, which recovering from an OOM mid-step "
-            "under FSDP2 needs (torch 2.14 or newer has it)"
-        )
-    return None
-
-
-def _param_groups(root: torch.nn.Module) -> list[Any]:
-    groups = []
-    for sub in root.modules():
-        state = sub._get_fsdp_state() if hasattr(sub, "_get_fsdp_state") else None
-        if state is None:
-            continue
-        own = getattr(state, "_fsdp_param_groups", None)
-        if own is None:  # torch before per-parameter meshes: one group per state
-            own = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) is not None else []
-        groups.extend(g for g in own if all(g is not seen for seen in groups))
-    return groups
 
 
 class _VotingComm:
@@ -352,10 +315,12 @@ class FSDP2Exchange:
             replicates (``replicate``, DDP-style).
     """
 
+    votes_inside_step = True
+
     def __init__(self, module: torch.nn.Module) -> None:
         register_exit_grace()
         self.roots = fsdp2_roots(module)
-        self.groups = [g for root in self.roots for g in _param_groups(root)]
+        self.groups = [g for root in self.roots for g in _compat.fsdp_param_groups(root)]
         if not self.groups:
             raise ValueError(f"{type(module).__name__} has no `fully_shard` module with parameters")
         meshes = {
@@ -396,14 +361,18 @@ class FSDP2Exchange:
         if self._originals:
             return
         for g in self.groups:
-            self._originals.append((g, g._all_gather_comm, g._reduce_scatter_comm))
-            g._all_gather_comm = _VotingComm(g._all_gather_comm, self)
-            g._reduce_scatter_comm = _VotingComm(g._reduce_scatter_comm, self, vote_after=self.hybrid)
+            all_gather, reduce_scatter = _compat.fsdp_collectives(g)
+            self._originals.append((g, all_gather, reduce_scatter))
+            _compat.set_fsdp_collectives(
+                g,
+                _VotingComm(all_gather, self),
+                _VotingComm(reduce_scatter, self, vote_after=self.hybrid),
+            )
 
     def uninstall(self) -> None:
         """Give FSDP its own collectives back."""
         for g, all_gather, reduce_scatter in self._originals:
-            g._all_gather_comm, g._reduce_scatter_comm = all_gather, reduce_scatter
+            _compat.set_fsdp_collectives(g, all_gather, reduce_scatter)
         self._originals = []
 
     def prepare(self) -> None:
@@ -454,7 +423,7 @@ class FSDP2Exchange:
             root.reset_iter_state()
         for g in self.groups:
             for fsdp_param in getattr(g, "fsdp_params", []):
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                unsharded = _compat.fsdp_unsharded_param(fsdp_param)
                 if unsharded is not None:
                     unsharded.grad = None
                 if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
@@ -462,3 +431,29 @@ class FSDP2Exchange:
 
     def reduce(self) -> None:
         """Nothing: FSDP reduce-scattered the gradients in each backward."""
+
+
+def make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange:
+    """The exchange for ``strategy``'s ranks (a strategy :mod:`~lightning_gpuopt.microbatch.setup_checks` accepted)."""
+    if isinstance(strategy, ModelParallelStrategy):
+        try:
+            return FSDP2Exchange(strategy.model)
+        except ValueError as err:
+            raise Refused(
+                f"Micro-batching under {type(strategy).__name__} needs the model sharded with FSDP2 `fully_shard`: "
+                f"{err}. Use FSDP2Strategy (it shards an unchanged module), or train without OOMRecovery here."
+            ) from err
+    if isinstance(strategy, DDPStrategy):
+        bucket_mb = _compat.ddp_kwargs(strategy).get("bucket_cap_mb", 25) or 25
+        return DDPExchange(strategy.model, bucket_bytes=int(bucket_mb * 2**20))
+    return LocalExchange()
+
+
+def broadcast_from_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` (plain, picklable values) on every rank; ``value`` itself without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    register_exit_grace()  # torch's broadcast drops its tensors at once: freed by gloo's worker thread
+    payload = [value]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]

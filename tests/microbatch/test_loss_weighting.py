@@ -19,8 +19,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
-from lightning_gpuopt.loss_weighting import Weighting
-from tests.callbacks.loss_weighting_models import (
+from lightning_gpuopt.microbatch.loss_weighting_rules import Weighting
+from tests.helpers import (
+    TRAINER_QUIET,
+    assert_same_training,
+    gradient_distance,
+    parameters_of,
+    training_distance,
+)
+from tests.microbatch.loss_weighting_models import (
     KINDS,
     HFModule,
     PaddedText,
@@ -28,13 +35,6 @@ from tests.callbacks.loss_weighting_models import (
     TokenText,
     exact_count,
     train,
-)
-from tests.helpers import (
-    TRAINER_QUIET,
-    assert_same_training,
-    gradient_distance,
-    parameters_of,
-    training_distance,
 )
 
 EXPECTED = {

@@ -1,0 +1,435 @@
+"""The engine's one attempt loop, for training and evaluation: a batch runs until every rank keeps an attempt.
+
+An attempt runs the batch as k micro-batches: in training each one's forward and backward inside
+Lightning's step, in evaluation chunks whose outputs are put back together. Every attempt ends in one
+vote per rank (``exchange.py``), from which every rank takes the same decision: keep the attempt, run
+the batch again (a larger k, a recovery rung turned on, or an attempt check that changed what the batch
+runs under), or stop. A dropped attempt leaves no trace (``attempt.py``).
+
+:class:`AttemptLoop` also holds the patches that bring the Trainer's steps here: the strategy's step
+methods, and the module's ``log``, ``backward`` and ``optimizer_zero_grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_gpuopt.batching import SPLIT_HOOK, split_batch
+from lightning_gpuopt.memory import MemoryProbe, free_memory, get_probe, is_maybe_size_error, is_oom_error
+from lightning_gpuopt.microbatch.attempt import Attempt, SideEffects, emit_logs
+from lightning_gpuopt.microbatch.batches import EvalBatch, TrainingBatch
+from lightning_gpuopt.microbatch.errors import LossWeightingError, MicroBatchOOMError, RankOutOfMemoryError
+from lightning_gpuopt.microbatch.exchange import PeerFailure
+from lightning_gpuopt.oom_policy import (
+    Agreement,
+    OOMFailure,
+    Recovery,
+    Status,
+    Vote,
+    agree,
+    parse_tried_bytes,
+    rung_bits,
+)
+
+if TYPE_CHECKING:
+    from lightning_gpuopt.microbatch.engine import MicroBatchEngine
+
+__all__ = ["EVAL_STAGES", "AttemptLoop", "agree_or_stop"]
+
+#: The evaluation steps the engine wraps, by the name of the strategy method.
+EVAL_STAGES = ("validation", "test", "predict")
+
+#: How often the attempt checks may send one batch back before the engine gives up (each re-run
+#: follows a change the check made, such as one precision switch).
+_MAX_RECHECKS = 8
+
+#: ``vote(status, k)``: every rank's vote, in rank order.
+VoteFn = Callable[[int, int], list[Vote]]
+
+
+class AttemptLoop:
+    """Runs one Trainer's training and evaluation batches as attempts, for its :class:`MicroBatchEngine`."""
+
+    def __init__(self, engine: MicroBatchEngine) -> None:
+        self.engine = engine
+        self.trainer = engine.trainer
+        self.module: pl.LightningModule | None = None
+        #: What a dropped attempt must put back besides gradients (torchmetrics, BatchNorm); set when patched.
+        self.side_effects: SideEffects | None = None
+        #: The originals the patches stand in for.
+        self.module_log: Callable[..., Any] | None = None
+        self.module_backward: Callable[..., Any] | None = None
+        self.module_zero_grad: Callable[..., Any] | None = None
+        self.strategy_training_step: Callable[..., Any] | None = None
+        self.strategy_eval_steps: dict[str, Callable[..., Any]] = {}
+        #: Where ``self.log`` calls go while an attempt runs (``None``: straight to Lightning).
+        self.capture: Attempt | None = None
+        #: The phase of the training attempt running now, for its failure (``"forward"``, ``"backward"``).
+        self.phase = "forward"
+        self._patched: list[tuple[object, str]] = []
+        self._ddp_forward_sync: bool | None = None
+        self._skip_backward = False
+        self._skip_zero_grad = False
+        #: The smallest micro-batch (samples) that ran in this fit, per stage.
+        self._smallest_ran: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ patches
+
+    def patch_evaluation(self, module: pl.LightningModule) -> None:
+        """Route ``self.log`` and the strategy's evaluation steps through the loop."""
+        strategy = self.trainer.strategy
+        self.module = module
+        self.module_log = module.log
+        module.log = self._log
+        self._patched.append((module, "log"))
+        for stage in EVAL_STAGES:
+            name = f"{stage}_step"
+            self.strategy_eval_steps[stage] = getattr(strategy, name)
+            setattr(strategy, name, self._eval_step_for(stage))
+            self._patched.append((strategy, name))
+        self.side_effects = SideEffects(module)
+
+    def patch_training(self, ddp: torch.nn.Module | None) -> None:
+        """Route the strategy's training step, the module's backward and its ``optimizer_zero_grad`` through the loop.
+
+        ``ddp``: the DDP-wrapped module under DDP; the engine never lets DDP sync, so DDP must not broadcast
+        buffers at the start of a forward either (the engine hands out rank 0's at the optimizer step).
+        """
+        strategy, module = self.trainer.strategy, self.module
+        self.strategy_training_step = strategy.training_step
+        self.module_backward = module.backward
+        self.module_zero_grad = module.optimizer_zero_grad
+        strategy.training_step = self._training_step
+        module.backward = self._backward
+        module.optimizer_zero_grad = self._optimizer_zero_grad
+        self._patched += [(strategy, "training_step"), (module, "backward"), (module, "optimizer_zero_grad")]
+        self._ddp_forward_sync = getattr(ddp, "require_forward_param_sync", None)
+        if ddp is not None:
+            ddp.require_forward_param_sync = False
+
+    def unpatch(self) -> None:
+        """Give the strategy and the module their own methods back."""
+        if self._ddp_forward_sync is not None:
+            self.trainer.strategy.model.require_forward_param_sync = self._ddp_forward_sync
+            self._ddp_forward_sync = None
+        for obj, name in self._patched:
+            if name in vars(obj):
+                delattr(obj, name)
+        self._patched = []
+
+    @contextlib.contextmanager
+    def leave_no_trace(self) -> Iterator[None]:
+        """Run extra forwards whose ``self.log`` values are dropped and whose module state is restored on exit."""
+        snapshot = self.side_effects.snapshot()
+        previous, self.capture = self.capture, Attempt()
+        try:
+            yield
+        finally:
+            self.capture = previous
+            SideEffects.restore(snapshot)
+
+    def _backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        # Lightning's backward on the returned (detached) loss: the engine already ran every backward.
+        if self._skip_backward:
+            self._skip_backward = False
+            return None
+        return self.module_backward(loss, *args, **kwargs)
+
+    def _optimizer_zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        # Lightning zeroes after training_step; the engine zeroed before the first micro-batch instead.
+        if self._skip_zero_grad:
+            self._skip_zero_grad = False
+            return None
+        return self.module_zero_grad(*args, **kwargs)
+
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.capture is None:
+            return self.module_log(name, value, *args, **kwargs)
+        self.capture.calls.append((name, value, args, kwargs))
+        return None
+
+    # ------------------------------------------------------------------ the two kinds of batch
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._skip_backward = self._skip_zero_grad = False
+        batch = TrainingBatch(self, args, kwargs)
+        output = self._run_attempts(batch)
+        self._skip_backward = True
+        self._skip_zero_grad = batch.first_in_window
+        return output
+
+    def _eval_step_for(self, stage: str) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            engine = self.engine
+            if (
+                engine.eval_k.get(stage, 1) == 1
+                and engine.oom_handler is None
+                and not engine.exchange.votes_inside_step
+            ):
+                return self.strategy_eval_steps[stage](*args, **kwargs)
+            return self._run_attempts(EvalBatch(self, stage, args, kwargs))
+
+        return step
+
+    # ------------------------------------------------------------------ the one loop
+
+    def _run_attempts(self, batch: TrainingBatch | EvalBatch) -> Any:
+        """Run ``batch`` until every rank keeps an attempt; returns the kept attempt's output.
+
+        After a failed attempt (an OOM, or another rank's at a vote inside the step) the attempt is dropped
+        and memory freed outside the ``except`` block, the OOM handler says what this rank wants, and every
+        rank takes the same decision from the votes: retry, or stop with an error on every rank.
+        """
+        engine, n, stage = self.engine, batch.n, batch.stage
+        watch = engine.compile_watch
+        probe = get_probe(self.trainer.strategy.root_device)
+        measured = probe.kind != "cpu"  # host RSS says nothing about one step; read device figures only
+        smallest_failed = n + 1
+        rechecks = 0
+        first_size_error: BaseException | None = None
+        while True:
+            k = batch.k()
+            baseline = probe.allocated if measured else None
+            failure: OOMFailure | None = None
+            # The votes at which another rank's failure stopped this attempt (FSDP2).
+            peer_votes: list[Vote] | None = None
+            output = None
+            marker = watch.before_attempt()
+            try:
+                output = batch.attempt(k)
+            except PeerFailure as err:
+                peer_votes = err.votes
+            except Exception as err:
+                # cuDNN's CUDNN_STATUS_NOT_SUPPORTED is often a size limit: shrink once, then re-raise the original.
+                size_error = (
+                    batch.retries_size_errors
+                    and is_maybe_size_error(err)
+                    and engine.oom_handler is not None
+                    and k < n
+                )
+                if size_error and first_size_error is not None:
+                    batch.give_up()
+                    raise first_size_error from None
+                if isinstance(err, LossWeightingError):  # the check refused to split: not an OOM to retry
+                    batch.give_up()
+                    raise
+                if engine.oom_handler is None or not (is_oom_error(err) or size_error):
+                    batch.give_up()
+                    self._raise_if_too_small(err, n, k, stage)
+                    raise
+                if size_error:  # re-raised later: its frames must not pin memory
+                    first_size_error = err.with_traceback(None)
+                if stage != "train":  # an evaluation failure's phase is its stage
+                    self.phase = stage
+                failure = _describe(
+                    err, probe if measured else None, self.trainer.global_step, batch, self.phase, k, baseline
+                )
+            finally:
+                watch.after_attempt(self.trainer, marker, stage, n, k)
+            fatal: BaseException | None = None
+            if failure is not None or peer_votes is not None:
+                # Outside the except block: the traceback and the activations it pinned are gone.
+                output = None
+                batch.drop()
+                free_memory()
+            if failure is None:
+                proposal = batch.proposal
+                status, voted_k = (proposal.status, proposal.k) if proposal is not None else (Status.NONE, k)
+            else:
+                smallest_failed = min(smallest_failed, failure.micro_batch_size)
+                status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch.batch)
+                voted_k = batch.voted_k(recovery, k)
+            try:
+                agreement = agree_or_stop(batch.vote, status, voted_k, k, peer_votes, fatal, batch.where())
+            except torch.OutOfMemoryError:
+                batch.give_up()
+                raise
+            if not agreement.retry:
+                # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
+                # may all-reduce its own flags, and answers alike on every rank).
+                if not _sent_back(batch, output):
+                    return batch.keep(output, agreement, k)
+                rechecks += 1
+                if rechecks > _MAX_RECHECKS:
+                    batch.give_up()
+                    raise RuntimeError(
+                        f"The micro-batch engine's attempt checks sent batch {batch.batch_idx} back {_MAX_RECHECKS} "
+                        "times; a check must change what the batch runs under before it asks again."
+                    )
+                output = None
+                batch.drop()
+                continue
+            if failure is None and peer_votes is None:  # another rank failed: this attempt is redone too
+                output = None
+                batch.drop()
+            # On every rank alike (FSDP2: reshard, reset FSDP's step state, drop its unsharded gradients).
+            engine.exchange.recover()
+            if watch.at_cap(n, k, stage):  # 2 samples a micro-batch did not fit: 1 may now
+                watch.allow_single(stage)
+            if batch.retry_after(agreement, failure, k):
+                smallest_failed = n + 1  # a sample needs less memory now: sizes that failed may fit
+
+    # ------------------------------------------------------------------ parts of an attempt
+
+    def micro_batches(self, batch: Any, k: int) -> list[Any]:
+        """``batch`` as ``k`` micro-batches: the module's or datamodule's ``split_batch`` hook, else an even split."""
+        if k == 1:
+            return [batch]
+        for owner in (self.module, getattr(self.trainer, "datamodule", None)):
+            hook = getattr(owner, SPLIT_HOOK, None) if owner is not None else None
+            if callable(hook):
+                chunks = list(hook(batch, k))
+                if len(chunks) != k:
+                    raise ValueError(
+                        f"`{type(owner).__name__}.{SPLIT_HOOK}(batch, k={k})` must return {k} micro-batches, "
+                        f"got {len(chunks)}"
+                    )
+                return chunks
+        return split_batch(batch, k).chunks
+
+    def run_micro_batches(
+        self,
+        step: Callable[[Any], Any],
+        chunks: list[Any],
+        weights: list[float],
+        each: Callable[[Any, float], None],
+    ) -> Attempt:
+        """Run ``step`` on every chunk, its ``self.log`` calls captured with the chunk's weight; ``each(output,
+        weight)`` takes each output."""
+        attempt = Attempt()
+        self.capture = attempt
+        try:
+            for chunk, weight in zip(chunks, weights):
+                attempt.start()
+                each(step(chunk), weight)
+                attempt.keep(weight)
+        finally:
+            self.capture = None
+        return attempt
+
+    def emit_logs(self, logs: list, weights: list[float], n: int) -> None:
+        emit_logs(self.module_log, logs, weights, n, self.engine.sum_log_keys)
+
+    def ran(self, n: int, k: int, stage: str) -> None:
+        """Remember the smallest micro-batch that ran in this fit (per stage)."""
+        size = n // k
+        if size >= 1:
+            self._smallest_ran[stage] = min(self._smallest_ran.get(stage, size), size)
+
+    def _raise_if_too_small(self, err: BaseException, n: int, k: int, stage: str) -> None:
+        """Turn an error at micro-batches smaller than any that ran in this fit into :class:`MicroBatchOOMError`.
+
+        Only after a split the handler (OOMRecovery) asked for: such an error (BatchNorm's "Expected more
+        than 1 value per channel", a shape a model cannot take) says the model cannot run micro-batches
+        this small, not that the user's code is wrong.
+        """
+        if self.engine.oom_handler is None or k <= 1 or isinstance(err, torch.OutOfMemoryError):
+            return
+        size = n // k
+        smallest = self._smallest_ran.get(stage)
+        if smallest is not None and size >= smallest:
+            return
+        ran = (
+            f"the smallest that ran in this fit had {smallest}" if smallest is not None else "none ran before"
+        )
+        raise MicroBatchOOMError(
+            f"{type(err).__name__} in {stage} at micro-batches of {size} sample(s) (k {k} for a batch of {n}), "
+            f"smaller than any that ran ({ran}): the model cannot run micro-batches this small; it needs at least "
+            f"{size + 1} samples per micro-batch (BatchNorm in training mode needs 2). Set "
+            f"OOMRecovery(min_micro_batch_size={size + 1}), and lower the memory a sample needs (a lower-memory "
+            f"precision, activation checkpointing, a sharded strategy). Original error: {err}"
+        ) from err
+
+    def _ask_handler(
+        self, failure: OOMFailure, smallest_failed: int, batch: Any
+    ) -> tuple[Status, Recovery | None, BaseException | None]:
+        """This rank's say after an OOM: (the vote's flags, the handler's :class:`Recovery`, the error that
+        ends the run on this rank when nothing is left to try)."""
+        engine = self.engine
+        try:
+            recovery = engine.oom_handler(failure, smallest_failed, engine.splittable(batch))
+        except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
+            return Status.FATAL, None, err
+        if isinstance(recovery, int):
+            recovery = Recovery(recovery)
+        return Status.OOM | rung_bits(engine.ladder.index(name) for name in recovery.rungs), recovery, None
+
+
+def agree_or_stop(
+    vote: VoteFn,
+    status: Status,
+    voted_k: int,
+    k: int,
+    peer_votes: list[Vote] | None,
+    fatal: BaseException | None,
+    where: str,
+) -> Agreement:
+    """Every rank's decision on an attempt; raises on every rank alike when any rank has nothing left to try.
+
+    ``peer_votes``: the votes at which another rank's failure already stopped this attempt (FSDP2).
+    """
+    agreement = agree(peer_votes if peer_votes is not None else vote(status, voted_k), k)
+    if agreement.fatal_ranks:
+        if fatal is not None:
+            raise fatal
+        raise RankOutOfMemoryError(
+            f"Rank(s) {', '.join(map(str, agreement.fatal_ranks))} ran out of memory {where} with nothing "
+            "left to split; every rank stops (the error on those ranks has the memory breakdown and next "
+            "steps)."
+        )
+    return agreement
+
+
+def _sent_back(batch: TrainingBatch | EvalBatch, output: Any) -> bool:
+    """Whether an attempt check asks to run the kept attempt's batch again."""
+    if not batch.checks:
+        return False
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return any(check(batch.batch_idx, loss) for check in list(batch.checks))
+
+
+def _describe(
+    err: BaseException,
+    probe: MemoryProbe | None,
+    step: int,
+    batch: TrainingBatch | EvalBatch,
+    phase: str,
+    k: int,
+    baseline: int | None,
+) -> OOMFailure:
+    """What the OOM handler is told about a failed attempt (gradient figures for a training batch only)."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    allocated = limit = None
+    if probe is not None:
+        try:
+            allocated, limit = probe.allocated, probe.total
+        except Exception:  # a probe that cannot answer must not hide the OOM
+            pass
+    params = batch.params if probe is not None else None
+    gradients = held = None
+    if params is not None:
+        gradients = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        held = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    n = batch.n
+    return OOMFailure(
+        step=step,
+        batch_idx=batch.batch_idx,
+        phase=phase,
+        batch_size=n,
+        k=k,
+        micro_batch_size=math.ceil(n / k),
+        baseline_bytes=baseline,
+        allocated_bytes=allocated,
+        tried_bytes=parse_tried_bytes(str(err)),
+        limit_bytes=limit or None,
+        message=message,
+        gradient_bytes=gradients,
+        held_gradient_bytes=held,
+    )

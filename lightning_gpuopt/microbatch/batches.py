@@ -1,0 +1,265 @@
+"""The two kinds of batch the attempt loop runs, and what each does differently inside the one loop.
+
+A :class:`TrainingBatch` runs its micro-batches' forwards and backwards inside Lightning's training step,
+keeping the gradients of earlier batches of an accumulation window apart, and asks the attempt checks
+once every rank kept an attempt. An :class:`EvalBatch` runs chunks of a validation, test or predict
+batch and puts their outputs back together. Both tell the loop (``attempt_loop.py``) how to run an
+attempt, how to drop one, what to vote after an OOM, and what a kept attempt or an agreed retry changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_gpuopt import _compat
+from lightning_gpuopt.batching import merge_outputs
+from lightning_gpuopt.microbatch.attempt import (
+    SideEffects,
+    Snapshot,
+    batch_samples,
+    merge_grads,
+    restore_grads,
+    split_output,
+)
+from lightning_gpuopt.microbatch.errors import Refused
+from lightning_gpuopt.microbatch.exchange import DDPExchange
+from lightning_gpuopt.oom_policy import Agreement, OOMFailure, Proposal, Recovery, Source, Vote
+
+if TYPE_CHECKING:
+    from lightning_gpuopt.microbatch.attempt_loop import AttemptLoop
+
+__all__ = ["EvalBatch", "TrainingBatch", "k_change_reason"]
+
+
+class TrainingBatch:
+    """A training batch: k micro-batches inside Lightning's step, gradients kept apart from the window's."""
+
+    stage = "train"
+    #: cuDNN's "not supported" errors at a size are retried once as if out of memory (training only).
+    retries_size_errors = True
+
+    def __init__(self, loop: AttemptLoop, args: tuple, kwargs: dict) -> None:
+        self.loop, self.engine = loop, loop.engine
+        trainer = loop.trainer
+        self.rest, self.kwargs = args[1:], kwargs
+        self.batch = args[0] if args else kwargs["batch"]
+        self.batch_idx = (
+            args[1] if len(args) > 1 else kwargs.get("batch_idx", trainer.fit_loop.epoch_loop.batch_idx)
+        )
+        optimizer = trainer.optimizers[0]
+        self.accumulate = trainer.accumulate_grad_batches
+        self.first_in_window = self.batch_idx % self.accumulate == 0  # Lightning's own rule for zeroing
+        self.boundary = not _compat.should_accumulate(trainer)  # the optimizer steps after this batch
+        self.n = batch_samples(self.batch)
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.stash: list[Tensor | None] | None = None
+        if self.first_in_window:
+            loop.module_zero_grad(trainer.current_epoch, self.batch_idx, optimizer)
+        else:  # keep the gradients of earlier batches of this window apart, so a failure drops only ours
+            self.stash = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+        self.snapshot: Snapshot = loop.side_effects.snapshot()
+        self.start_k = self.engine.k
+        self.proposal: Proposal | None = self.engine.next_proposal
+        self.engine.next_proposal = None
+        self.checks = self.engine.attempt_checks
+        self.logs: tuple[list, list[float]] = ([], [])
+
+    def k(self) -> int:
+        return self.engine.effective_k(self.batch)
+
+    def vote(self, status: int, k: int) -> list[Vote]:
+        return self.engine.exchange.vote(status, k)
+
+    def where(self) -> str:
+        return f"at step {self.loop.trainer.global_step}"
+
+    def attempt(self, k: int) -> Any:
+        exchange = self.engine.exchange
+        exchange.begin(k)
+        with self._no_sync():
+            output = self._run(k)
+        exchange.prepare()
+        return output
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        if isinstance(self.engine.exchange, DDPExchange):
+            return self.loop.trainer.strategy.block_backward_sync()
+        return contextlib.nullcontext()
+
+    def _run(self, k: int) -> Any:
+        loop, step = self.loop, self.loop.strategy_training_step
+        chunks = loop.micro_batches(self.batch, k)
+        self.engine.compile_watch.mark_dynamic(chunks, batch_samples)
+        # The loss weighting's one call site: at the first split it runs the step on a piece of the batch.
+        weights = self.engine.loss_weighting.weights(
+            self.engine, chunks, lambda piece: step(piece, *self.rest, **self.kwargs), self.batch
+        )
+        scaler = getattr(loop.trainer.precision_plugin, "scaler", None)
+        extras: list[dict[str, Any] | None] = []
+        total: Tensor | None = None
+
+        def backward(out: Any, weight: float) -> None:
+            nonlocal total
+            loss, extra = split_output(out)
+            if loss is None:
+                raise Refused(
+                    "training_step returned None (skipping the batch) or no 'loss', which micro-batching "
+                    "cannot split. Return the loss for every batch, or remove OOMRecovery (and pass "
+                    "PrecisionSwitch(rerun=False))."
+                )
+            extras.append(extra)
+            loop.phase = "backward"
+            scaled = loss if weight == 1.0 else loss * weight
+            if self.accumulate != 1:
+                scaled = scaled / self.accumulate
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
+            loop.module_backward(scaled)
+            part = loss.detach() if weight == 1.0 else loss.detach() * weight
+            total = part if total is None else total + part
+
+        def forward(chunk: Any) -> Any:
+            loop.phase = "forward"
+            return step(chunk, *self.rest, **self.kwargs)
+
+        attempt = loop.run_micro_batches(forward, chunks, weights, backward)
+        self.logs = (attempt.logs, weights)  # emitted once every rank keeps the attempt
+        loss_out = total.clone().requires_grad_(True)  # a leaf: Lightning's own backward on it is skipped
+        if extras and extras[0] is not None:
+            return {"loss": loss_out, **merge_outputs(extras, weights)}
+        return loss_out
+
+    def drop(self) -> None:
+        for p in self.params:
+            p.grad = None
+        SideEffects.restore(self.snapshot)
+
+    def give_up(self) -> None:
+        """Before an error leaves the step: the window's earlier gradients go back in place."""
+        restore_grads(self.params, self.stash)
+
+    def voted_k(self, recovery: Recovery | None, k: int) -> int:
+        return (recovery.k or self.start_k) if recovery is not None else k
+
+    def retry_after(self, agreement: Agreement, failure: OOMFailure | None, k: int) -> bool:
+        """Turn on the agreed rungs and take the agreed k; returns whether a rung changed what a sample needs."""
+        reason = k_change_reason(self.loop.trainer, agreement, failure)
+        changed = self.engine.ladder.turn_on(
+            agreement.rungs, f"{reason}, and the micro-batches cannot get smaller"
+        )
+        self.engine.propose(agreement.k, Source.OOM, reason, batch_size=self.n)
+        return changed
+
+    def keep(self, output: Any, agreement: Agreement, k: int) -> Any:
+        self.loop.ran(self.n, k, self.stage)
+        self.loop.emit_logs(*self.logs, self.n)
+        merge_grads(self.params, self.stash)
+        if self.boundary:
+            self.engine.exchange.reduce()
+        if agreement.source:
+            reason = k_change_reason(self.loop.trainer, agreement, None, self.proposal)
+            self.engine.propose(agreement.k, agreement.source, reason, batch_size=self.n)
+        return output
+
+
+class EvalBatch:
+    """An evaluation batch: chunks whose outputs are put back together in order."""
+
+    retries_size_errors = False
+    proposal = None
+    checks: tuple = ()
+    params = None
+
+    def __init__(self, loop: AttemptLoop, stage: str, args: tuple, kwargs: dict) -> None:
+        self.loop, self.engine, self.stage = loop, loop.engine, stage
+        self.args, self.kwargs = args, kwargs
+        self.step = loop.strategy_eval_steps[stage]
+        self.batch = args[0] if args else kwargs["batch"]
+        self.batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self.n = batch_samples(self.batch)
+        self.snapshot: Snapshot = loop.side_effects.snapshot() if self.engine.oom_handler is not None else []
+        #: Ranks that all-gather in the forward (FSDP2) vote on each step; the others decide alone.
+        self.voting = self.engine.exchange.votes_inside_step
+        self.logs: tuple[list, list[float]] | None = None
+
+    def k(self) -> int:
+        k = (
+            max(1, min(self.engine.eval_k.get(self.stage, 1), self.n))
+            if self.engine.splittable(self.batch)
+            else 1
+        )
+        return self.engine.compile_watch.cap(self.n, k, self.stage)
+
+    def where(self) -> str:
+        return f"in {self.stage} at batch {self.batch_idx}"
+
+    def vote(self, status: int, k: int) -> list[Vote]:
+        return self.engine.exchange.vote(status, k) if self.voting else [Vote(status, k)]
+
+    def attempt(self, k: int) -> Any:
+        self.logs = None
+        if self.voting:
+            self.engine.exchange.begin(k)
+        elif k == 1:
+            return self.step(*self.args, **self.kwargs)
+        loop, rest = self.loop, self.args[1:]
+        chunks = loop.micro_batches(self.batch, k)
+        self.engine.compile_watch.mark_dynamic(chunks, batch_samples)
+        # The training's decision, or its fallback: evaluation never runs the check.
+        weights = self.engine.loss_weighting.weights(self.engine, chunks)
+        outputs: list[Any] = []
+        attempt = loop.run_micro_batches(
+            lambda chunk: self.step(chunk, *rest, **self.kwargs),
+            chunks,
+            weights,
+            lambda out, _: outputs.append(out),
+        )
+        self.logs = (attempt.logs, weights)
+        return None if all(o is None for o in outputs) else merge_outputs(outputs, weights)
+
+    def drop(self) -> None:
+        SideEffects.restore(self.snapshot)
+
+    def give_up(self) -> None:
+        """Nothing to put back before an error leaves the step."""
+
+    def voted_k(self, recovery: Recovery | None, k: int) -> int:
+        return max(recovery.k or k + 1, k + 1) if recovery is not None else k
+
+    def retry_after(self, agreement: Agreement, failure: OOMFailure | None, k: int) -> bool:
+        """Split this stage's batches further, the same on every rank (a batch of fewer samples runs them as it can)."""
+        if failure is not None:
+            reason = f"OOM in {self.stage} at batch {self.batch_idx}"
+        else:
+            ranks = ", ".join(map(str, agreement.ranks))
+            reason = f"OOM on rank {ranks} in {self.stage} at batch {self.batch_idx}"
+        self.engine.set_eval_k(self.stage, max(agreement.k, k + 1), reason, self.n)
+        return False
+
+    def keep(self, output: Any, agreement: Agreement, k: int) -> Any:
+        if self.logs is None:  # the step ran whole, straight through: nothing captured, nothing to count
+            return output
+        self.loop.ran(self.n, k, self.stage)
+        self.loop.emit_logs(*self.logs, self.n)
+        return output
+
+
+def k_change_reason(
+    trainer: pl.Trainer, agreement: Agreement, failure: OOMFailure | None, proposal: Proposal | None = None
+) -> str:
+    """Why the ranks' agreement changes k, for the :class:`~lightning_gpuopt.microbatch.KChange` record."""
+    step = trainer.global_step
+    if agreement.source is Source.OOM:
+        if failure is not None:
+            return f"OOM at step {failure.step} ({failure.phase})"
+        ranks = ", ".join(map(str, agreement.ranks))
+        return f"OOM on rank {ranks} at step {step}"
+    if proposal is not None and agreement.k == proposal.k:
+        return proposal.reason
+    return f"{agreement.source} (agreed by every rank) at step {step}"

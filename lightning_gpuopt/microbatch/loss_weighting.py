@@ -1,0 +1,347 @@
+"""Which weighting of micro-batch losses reproduces the user's own loss, found by running it.
+
+A batch split into k micro-batches reproduces the whole batch's loss (and so its gradient) only when
+each micro-batch's loss is weighted by its share of what the loss averages over: samples for a
+per-sample mean, tokens for a token mean over padded sequences (shifted by one for a causal LM),
+nothing for a sum. The engine asks :class:`LossWeighting` for the weights of every split.
+
+With ``mode="auto"`` (the default), the first split of a run runs the user's ``training_step`` on a
+piece of the real batch (the first micro-batch, at least two samples) and on that piece's two parts,
+without gradients, with dropout off and BatchNorm on its running statistics, under ``fork_rng``, eagerly
+under ``torch.compile``, and leaving no trace (logged values, torchmetrics states and BatchNorm
+statistics are restored). Each candidate's weighted combination of the parts' losses is
+compared with the piece's own loss; the one that matches within the precision's rounding
+(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.tolerance`) is used for the rest of the run. The parts are chosen so that the candidates' shares
+differ as much as the piece allows, so they cannot tie. When several still match (the parts' losses are
+too close to tell them apart), a Hugging Face ``transformers`` head inside the module decides
+(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.hf_head`); without one sample shares are kept, with a warning. When none matches (in-batch
+negatives, batch statistics), the split is refused before it runs (or, with ``on_mismatch="warn"``,
+warned about once). An explicit ``mode`` or ``weight_fn`` is used as given and checked the same way.
+The rules of the check are plain functions in ``loss_weighting_rules.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from lightning_gpuopt._warnings import warn
+from lightning_gpuopt.batching import UnsplittableBatchError, _slice, batch_size_of
+from lightning_gpuopt.decisions import record_decision
+from lightning_gpuopt.memory.oom import is_oom_error
+from lightning_gpuopt.microbatch.errors import LossWeightingError
+from lightning_gpuopt.microbatch.exchange import broadcast_from_rank_zero
+from lightning_gpuopt.microbatch.loss_weighting_rules import (
+    HEAD_WEIGHTING,
+    Candidate,
+    CheckResult,
+    HFHead,
+    Weighting,
+    candidates,
+    choose,
+    hf_head,
+    piece_of,
+    split_point,
+    tolerance,
+)
+
+if TYPE_CHECKING:
+    from lightning_gpuopt.microbatch.engine import MicroBatchEngine
+
+__all__ = ["MODES", "ON_MISMATCH", "LossWeighting", "quiet_forward"]
+
+#: What ``OOMRecovery(loss_reduction=...)`` accepts.
+MODES = ("auto", "mean", "tokens", "sum")
+#: What ``OOMRecovery(on_mismatch=...)`` accepts.
+ON_MISMATCH = ("raise", "warn")
+
+
+@contextlib.contextmanager
+def _eager() -> Any:
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+@contextlib.contextmanager
+def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextManager) -> Any:
+    """Run forwards that leave no trace: no gradients, dropout off, BatchNorm on running statistics.
+
+    ``no_trace`` is the engine's :meth:`~lightning_gpuopt.microbatch.MicroBatchEngine.leave_no_trace`
+    (``self.log`` captured and dropped, torchmetrics and BatchNorm states restored). The RNG is forked
+    (CPU and the module's CUDA devices), and ``torch.compile`` runs eagerly.
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    try:
+        module.eval()
+        with no_trace, torch.random.fork_rng(devices=devices), torch.no_grad(), _eager():
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _as_float(loss: Any) -> float:
+    if isinstance(loss, Mapping):
+        loss = loss.get("loss")
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise TypeError(f"training_step must return a scalar loss for the check, got {type(loss).__name__}")
+    return float(loss.detach().double())
+
+
+class LossWeighting:
+    """The engine's weighting of micro-batch losses: a fixed one, or ``"auto"`` (decided by the check).
+
+    Args:
+        mode: ``"auto"``, ``"mean"`` (sample shares), ``"tokens"`` (``token_key != ignore_index``) or ``"sum"``.
+        weight_fn: counts a micro-batch's share (overrides ``mode``'s count); checked like the others.
+        token_key: the batch entry holding labels (or an attention mask).
+        ignore_index: the padding value in ``token_key``.
+        on_mismatch: ``"raise"`` (refuse to split when the weighting does not reproduce the loss) or ``"warn"``.
+        check: run the check at the first split (``False``: use ``mode`` unchecked, ``"auto"`` as sample shares).
+        source: who set it, for decisions and messages.
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        weight_fn: Callable[[Any], Any] | None = None,
+        token_key: str | int = "labels",
+        ignore_index: int = -100,
+        on_mismatch: str = "raise",
+        check: bool = True,
+        source: str = "OOMRecovery",
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"`loss_reduction` must be one of {MODES}, got {mode!r}")
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"`on_mismatch` must be one of {ON_MISMATCH}, got {on_mismatch!r}")
+        self.mode = mode
+        self.weight_fn = weight_fn
+        self.token_key = token_key
+        self.ignore_index = ignore_index
+        self.on_mismatch = on_mismatch
+        self.check = check
+        self.source = source
+        #: The weighting in force once decided (or given); ``None`` in ``"auto"`` before the first split.
+        self.decided: Candidate | None = self._given()
+        #: The check's result, once it ran.
+        self.result: CheckResult | None = None
+        #: Print the decision on rank zero (it is recorded either way).
+        self.verbose = True
+        self._checked = False
+        self._warned = False
+
+    def _given(self) -> Candidate | None:
+        if self.weight_fn is not None:
+            name = getattr(self.weight_fn, "__name__", None) or repr(self.weight_fn)
+            return Candidate(Weighting.CUSTOM, f"weight_fn ({name})", count_fn=self.weight_fn)
+        if self.mode == "mean":
+            return Candidate(Weighting.SAMPLES, "sample shares")
+        if self.mode == "sum":
+            return Candidate(Weighting.SUM, "sum (micro-batch losses added)")
+        if self.mode == "tokens":
+            where = f"{self.token_key} != {self.ignore_index}"
+            return Candidate(Weighting.TOKENS, f"tokens ({where})", self.token_key, self.ignore_index)
+        return None
+
+    # ------------------------------------------------------------------ what the engine asks
+
+    def weights(
+        self,
+        engine: MicroBatchEngine,
+        chunks: list[Any],
+        run_piece: Callable[[Any], Any] | None = None,
+        batch: Any = None,
+    ) -> list[float]:
+        """The weights of ``chunks`` (the micro-batches of ``batch``), deciding first when still undecided.
+
+        ``run_piece(micro_batch)`` runs the user's training step on a micro-batch and returns its output;
+        ``None`` (evaluation) uses the decision made so far, or the fallback (HF head, else samples).
+        """
+        if len(chunks) == 1:
+            return [1.0]
+        if not self._checked and self.check and run_piece is not None:
+            self._decide(engine, chunks, run_piece, batch)
+        return (self.decided or self._fallback(engine)).weights(chunks)
+
+    def _fallback(self, engine: MicroBatchEngine) -> Candidate:
+        head = hf_head(engine.trainer.lightning_module)
+        if head is not None and head is not HFHead.SEQUENCE_CLASSIFICATION:
+            kind = HEAD_WEIGHTING[head]
+            where = f"{self.token_key} != {self.ignore_index}"
+            text = f"tokens ({where}{', shifted by one' if kind is Weighting.TOKENS_SHIFTED else ''})"
+            return Candidate(kind, text, self.token_key, self.ignore_index)
+        return Candidate(Weighting.SAMPLES, "sample shares")
+
+    def _decide(
+        self, engine: MicroBatchEngine, chunks: list[Any], run_piece: Callable[[Any], Any], batch: Any
+    ) -> None:
+        trainer = engine.trainer
+        module = trainer.lightning_module
+        head = hf_head(module)
+        source = batch if batch is not None else chunks[0]
+        options = candidates(source, self.token_key, self.ignore_index)
+        if self.decided is not None and self.decided not in options:
+            options = [self.decided, *options]
+        try:  # a piece the size of one micro-batch (at least two samples) spanning the batch's lengths
+            size = max(2, batch_size_of(chunks[0]))
+            piece = piece_of(source, min(size, batch_size_of(source)), options)
+            m = batch_size_of(piece)
+        except (UnsplittableBatchError, ValueError, TypeError, KeyError, IndexError):
+            m = 0
+        if m >= 2:
+            cut = split_point(piece, m, options)
+            parts = [_slice(piece, m, 0, cut), _slice(piece, m, cut, m)]
+            tol = tolerance(getattr(trainer, "precision", None))
+            out_of_memory = False
+            try:
+                with quiet_forward(module, engine.leave_no_trace()):
+                    piece_loss = _as_float(run_piece(piece))
+                    part_losses = [_as_float(run_piece(p)) for p in parts]
+            except Exception as err:
+                if not is_oom_error(err) or engine.exchange.votes_inside_step:
+                    raise  # FSDP2: an OOM here is the attempt's, voted on like any other (the check runs again)
+                # Out of memory in the check: every rank still reaches the broadcast below; the batch runs with
+                # the fallback and the check runs again at the next split.
+                out_of_memory = True
+            if out_of_memory:
+                result = CheckResult(None, {}, tol, checked=False)
+            elif math.isfinite(piece_loss) and all(math.isfinite(v) for v in part_losses):
+                result = choose(piece_loss, part_losses, parts, options, tol, head)
+            else:
+                result = CheckResult(self.decided or self._fallback(engine), {}, tol, checked=False)
+        else:
+            result = CheckResult(self.decided or self._fallback(engine), {}, 0.0, checked=False)
+        pool = [*options, *(c for c in (self.decided, self._fallback(engine)) if c is not None)]
+        result = _from_rank_zero(result, pool)
+        if not result.checked and result.chosen is None:
+            return  # out of memory in the check (on rank 0): decide at the next split
+        self.result = result
+        self._checked = True
+        self._take(engine, result)
+
+    def _take(self, engine: MicroBatchEngine, result: CheckResult) -> None:
+        """Use what the check decided; a given weighting stays, flagged when it does not reproduce the loss."""
+        given = self.decided
+        if given is not None:  # explicit: used as given, flagged when it does not reproduce the loss
+            error = result.errors.get(given.description)
+            if result.checked and (error is None or error > result.tolerance):
+                self._mismatch(engine, result, given)
+            self._announce(engine, given, result, explicit=True)
+            return
+        if result.chosen is None:
+            self._mismatch(engine, result, None)
+            self.decided = Candidate(Weighting.SAMPLES, "sample shares")  # only reached with "warn"
+            return
+        self.decided = result.chosen
+        if result.tied and hf_head(engine.trainer.lightning_module) is None:
+            tied = [d for d, e in result.errors.items() if e <= result.tolerance]
+            warn(
+                f"loss weighting: {', '.join(tied)} all reproduce your loss on the checked piece of the batch (its "
+                f"parts' losses are too close to tell them apart); keeping {result.chosen.description}. Pass "
+                "`loss_reduction=` or `weight_fn=` to OOMRecovery to choose."
+            )
+        self._announce(engine, result.chosen, result)
+
+    def _announce(
+        self, engine: MicroBatchEngine, chosen: Candidate, result: CheckResult, explicit: bool = False
+    ) -> None:
+        if not result.checked:
+            how = "not checked (the piece of the batch could not be split in two)"
+        else:
+            how = f"matches your loss to {result.errors.get(chosen.description, math.nan):.1g}"
+        head = hf_head(engine.trainer.lightning_module)
+        if result.tied and head is not None and not explicit:
+            how += f" (a tie, decided by the Hugging Face {head.value} head)"
+        message = f"loss weighting: {chosen.description}{' (given)' if explicit else ''} — {how}"
+        record_decision(
+            engine.trainer,
+            "loss weighting",
+            self.source,
+            message,
+            weighting=chosen.kind.value,
+            description=chosen.description,
+            mismatch=result.errors.get(chosen.description),
+            tolerance=result.tolerance,
+            checked=result.checked,
+        )
+        if self.verbose:
+            rank_zero_info(message)
+
+    def _mismatch(self, engine: MicroBatchEngine, result: CheckResult, given: Candidate | None) -> None:
+        measured = ", ".join(f"{d}: {e:.2g}" for d, e in result.errors.items())
+        better = ""
+        if given is not None and result.chosen is not None and result.chosen != given:
+            better = f" {result.chosen.description} does reproduce it (`loss_reduction='auto'` finds it)."
+        what = (
+            f"the given weighting, {given.description}, does not reproduce your loss"
+            if given is not None
+            else "no weighting of micro-batch losses reproduces your loss"
+        )
+        message = (
+            f"loss weighting: {what} on a piece of the batch and its two parts (relative differences: {measured}; "
+            f"allowed {result.tolerance:.1g}).{better} Expected a loss that is a mean or sum over samples or tokens; a loss "
+            "that couples the samples of a batch (in-batch negatives, contrastive losses, batch statistics) changes "
+            "meaning when the batch is split. Declare it with `OOMRecovery(unsplittable=True)`, or pass a `weight_fn` "
+            "that counts what your loss averages over"
+            + (" (check the one given)" if given is not None and given.kind is Weighting.CUSTOM else "")
+            + ", or `on_mismatch='warn'` to split anyway."
+        )
+        if self.on_mismatch == "warn":
+            if not self._warned:
+                self._warned = True
+                warn(message)
+            return
+        raise LossWeightingError(message)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain state: the decision, so a resumed run does not check again."""
+        chosen = self.decided if self._checked else None
+        if chosen is None or chosen.kind is Weighting.CUSTOM:
+            return {"checked": self._checked}
+        return {
+            "checked": self._checked,
+            "kind": chosen.kind.value,
+            "description": chosen.description,
+            "key": chosen.key,
+            "ignore_index": chosen.ignore_index,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not state.get("checked"):  # nothing decided yet (or an empty state): back to the constructor's
+            self._checked, self.decided, self.result = False, self._given(), None
+            return
+        self._checked = True
+        if "kind" in state and self.weight_fn is None:
+            self.decided = Candidate(
+                Weighting(state["kind"]),
+                str(state["description"]),
+                state.get("key"),
+                int(state["ignore_index"]),
+            )
+
+
+def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate]) -> CheckResult:
+    """Every rank takes rank 0's result (DDP: rank 0 decides; FSDP2: every rank ran the check together).
+
+    Plain values travel (a user's ``weight_fn`` need not pickle); each rank finds the chosen candidate
+    among its own by description.
+    """
+    chosen = result.chosen.description if result.chosen is not None else None
+    sent = (chosen, dict(result.errors), result.tolerance, result.tied, result.checked)
+    chosen, errors, tol, tied, checked = broadcast_from_rank_zero(sent)
+    match = next((c for c in pool if c.description == chosen), None) if chosen is not None else None
+    return CheckResult(match, errors, tol, tied, checked)

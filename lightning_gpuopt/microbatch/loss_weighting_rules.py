@@ -1,0 +1,372 @@
+"""The rules of the loss-weighting check, as plain functions: the candidate weightings of a batch, which one
+reproduces a loss, the tolerance, and the Hugging Face head that breaks a tie.
+
+:class:`~lightning_gpuopt.microbatch.loss_weighting.LossWeighting` runs the check and keeps its decision.
+Nothing here imports ``transformers``: a head is recognised by the class names of the module's MRO.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gpuopt.batching import (
+    UnsplittableBatchError,
+    _slice,
+    batch_size_of,
+    first_samples,
+    merge_outputs,
+)
+
+__all__ = [
+    "HEAD_WEIGHTING",
+    "Candidate",
+    "CheckResult",
+    "HFHead",
+    "Weighting",
+    "candidates",
+    "choose",
+    "hf_head",
+    "piece_of",
+    "split_point",
+    "tolerance",
+]
+
+
+class Weighting(str, enum.Enum):
+    """The kinds of micro-batch weighting the check can pick from."""
+
+    SAMPLES = "samples"
+    TOKENS = "tokens"
+    TOKENS_SHIFTED = "tokens-shifted"
+    MASK_TOKENS = "attention-mask tokens"
+    SUM = "sum"
+    CUSTOM = "weight_fn"
+
+
+class HFHead(str, enum.Enum):
+    """The Hugging Face heads whose loss convention is known."""
+
+    CAUSAL_LM = "causal LM"
+    MASKED_LM = "masked LM"
+    TOKEN_CLASSIFICATION = "token classification"
+    SEQUENCE_CLASSIFICATION = "sequence classification"
+
+
+#: The weighting each head's own loss uses (HF's ``ForCausalLMLoss`` shifts the labels by one).
+HEAD_WEIGHTING = {
+    HFHead.CAUSAL_LM: Weighting.TOKENS_SHIFTED,
+    HFHead.MASKED_LM: Weighting.TOKENS,
+    HFHead.TOKEN_CLASSIFICATION: Weighting.TOKENS,
+    HFHead.SEQUENCE_CLASSIFICATION: Weighting.SAMPLES,
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to weight micro-batch losses.
+
+    Attributes:
+        kind: the weighting.
+        description: for people, e.g. ``"tokens (labels != -100, shifted by one)"``.
+        key: the batch entry counted (token kinds only).
+        ignore_index: the value not counted in ``key``.
+        count_fn: a user's ``weight_fn`` (``Weighting.CUSTOM`` only).
+    """
+
+    kind: Weighting
+    description: str
+    key: str | int | None = None
+    ignore_index: int = -100
+    count_fn: Callable[[Any], Any] | None = field(default=None, compare=False)
+
+    def count(self, micro_batch: Any) -> float:
+        """What this weighting counts in one micro-batch (1 for a sum)."""
+        if self.kind is Weighting.SUM:
+            return 1.0
+        if self.kind is Weighting.SAMPLES:
+            return float(batch_size_of(micro_batch))
+        if self.kind is Weighting.CUSTOM:
+            return float(self.count_fn(micro_batch))
+        values = micro_batch[self.key]
+        if self.kind is Weighting.TOKENS_SHIFTED:
+            values = values[:, 1:]
+        return float((values != self.ignore_index).sum())
+
+    def per_sample(self, batch: Any) -> Tensor | None:
+        """This weighting's count for every sample of ``batch`` (token kinds only; ``None`` otherwise)."""
+        if self.kind not in (Weighting.TOKENS, Weighting.TOKENS_SHIFTED, Weighting.MASK_TOKENS):
+            return None
+        values = batch[self.key]
+        if self.kind is Weighting.TOKENS_SHIFTED:
+            values = values[:, 1:]
+        return (values != self.ignore_index).flatten(1).sum(1)
+
+    def weights(self, chunks: Sequence[Any]) -> list[float]:
+        """The chunks' weights: 1 each for a sum, else their counts normalised to sum to one.
+
+        Raises:
+            ValueError: nothing to count in the whole batch.
+
+        Example:
+            >>> labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+            >>> tokens = Candidate(Weighting.TOKENS, "tokens", "labels")
+            >>> tokens.weights([{"labels": labels[:1]}, {"labels": labels[1:]}])
+            [0.6666666666666666, 0.3333333333333333]
+        """
+        counts = [self.count(c) for c in chunks]
+        if self.kind is Weighting.SUM:
+            return counts
+        total = sum(counts)
+        if total <= 0:
+            raise ValueError(
+                f"The micro-batch weights ({self.description}) sum to {total}: nothing to count in this batch. "
+                "Check `weight_fn` / `token_key`, or pass `loss_reduction` explicitly."
+            )
+        return [c / total for c in counts]
+
+
+def _entry(batch: Any, key: str | int) -> Tensor | None:
+    try:
+        value = batch[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+    if isinstance(value, Tensor) and value.dim() >= 2 and not value.is_floating_point():
+        return value
+    return None
+
+
+def candidates(batch: Any, token_key: str | int = "labels", ignore_index: int = -100) -> list[Candidate]:
+    """The weightings that make sense for ``batch``: samples, a sum, and token counts where it has tokens.
+
+    Token candidates need a per-token integer entry (2 or more dimensions): ``batch[token_key]``
+    (labels: tokens ``!= ignore_index``, and the same shifted by one for a causal LM) and
+    ``batch["attention_mask"]`` (tokens ``!= 0``).
+
+    Example:
+        >>> batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
+        >>> [c.kind.value for c in candidates(batch)]
+        ['samples', 'tokens', 'tokens-shifted', 'sum']
+    """
+    found = [Candidate(Weighting.SAMPLES, "sample shares")]
+    if _entry(batch, token_key) is not None:
+        where = f"{token_key} != {ignore_index}"
+        found.append(Candidate(Weighting.TOKENS, f"tokens ({where})", token_key, ignore_index))
+        found.append(
+            Candidate(Weighting.TOKENS_SHIFTED, f"tokens ({where}, shifted by one)", token_key, ignore_index)
+        )
+    if token_key != "attention_mask" and _entry(batch, "attention_mask") is not None:
+        found.append(Candidate(Weighting.MASK_TOKENS, "tokens (attention_mask != 0)", "attention_mask", 0))
+    found.append(Candidate(Weighting.SUM, "sum (micro-batch losses added)"))
+    return found
+
+
+def hf_head(module: torch.nn.Module) -> HFHead | None:
+    """The head of the first Hugging Face ``PreTrainedModel`` inside ``module``, from class names only.
+
+    Does not import ``transformers``: a model class is recognised by a ``PreTrainedModel`` in its MRO,
+    its head by HF's naming (``...ForCausalLM``, ``...LMHeadModel``, ``...ForMaskedLM``,
+    ``...ForTokenClassification``, ``...ForSequenceClassification``).
+
+    Example:
+        >>> hf_head(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    for sub in module.modules():
+        names = [c.__name__ for c in type(sub).__mro__]
+        if "PreTrainedModel" not in names:
+            continue
+        name = names[0]
+        if name.endswith(("ForCausalLM", "LMHeadModel")):
+            return HFHead.CAUSAL_LM
+        if name.endswith("ForMaskedLM"):
+            return HFHead.MASKED_LM
+        if name.endswith("ForTokenClassification"):
+            return HFHead.TOKEN_CLASSIFICATION
+        if name.endswith("ForSequenceClassification"):
+            return HFHead.SEQUENCE_CLASSIFICATION
+    return None
+
+
+#: Relative tolerance of the check, by the lowest precision the loss was computed in.
+_TOLERANCE = {
+    torch.float64: 1e-6,  # models often compute parts of the loss in float32 even under 64-true
+    torch.float32: 2e-5,
+    torch.float16: 1e-2,
+    torch.bfloat16: 4e-2,
+}
+
+
+def tolerance(precision: str | None, loss_dtype: torch.dtype | None = None) -> float:
+    """The relative difference within which a candidate reproduces the loss, for a Trainer precision.
+
+    ``"64-true"``: 1e-6; ``"32-true"`` (and anything unrecognised): 2e-5; ``"16-mixed"``/``"16-true"``:
+    1e-2; ``"bf16-mixed"``/``"bf16-true"`` and lower (transformer-engine): 4e-2. The loss's own dtype
+    can only loosen it.
+
+    Example:
+        >>> tolerance("bf16-mixed")
+        0.04
+        >>> tolerance("64-true", torch.float32)
+        2e-05
+    """
+    text = str(precision or "32")
+    if text.startswith("64"):
+        dtype = torch.float64
+    elif text.startswith("bf16") or "transformer-engine" in text:
+        dtype = torch.bfloat16
+    elif text.startswith("16"):
+        dtype = torch.float16
+    else:
+        dtype = torch.float32
+    tol = _TOLERANCE[dtype]
+    if loss_dtype in _TOLERANCE:
+        tol = max(tol, _TOLERANCE[loss_dtype])
+    return tol
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What the check measured and decided.
+
+    Attributes:
+        chosen: the weighting used from now on; ``None`` when none reproduces the loss.
+        errors: each candidate's relative difference from the piece's loss, by description.
+        tolerance: the relative difference allowed.
+        tied: several candidates matched; ``chosen`` was decided by the HF head or kept at sample shares.
+        checked: the check ran (``False``: the piece could not be split; ``chosen`` is the fallback).
+    """
+
+    chosen: Candidate | None
+    errors: dict[str, float]
+    tolerance: float
+    tied: bool = False
+    checked: bool = True
+
+    @property
+    def mismatch(self) -> float:
+        """The chosen candidate's difference (or the best one's, when none matched)."""
+        if self.chosen is not None and self.chosen.description in self.errors:
+            return self.errors[self.chosen.description]
+        return min(self.errors.values(), default=math.nan)
+
+
+def choose(
+    piece_loss: float,
+    part_losses: Sequence[float],
+    parts: Sequence[Any],
+    options: Sequence[Candidate],
+    tol: float,
+    head: HFHead | None = None,
+) -> CheckResult:
+    """Pick the candidate whose weighted combination of the parts' losses equals the piece's loss.
+
+    Example:
+        >>> parts = [{"labels": torch.tensor([[1, -100]])}, {"labels": torch.tensor([[1, 2], [3, 4]])}]
+        >>> losses = [1.0, 4.0]  # token means; the piece's 5 tokens: (1 * 1 + 4 * 4) / 5
+        >>> choose(17 / 5, losses, parts, candidates(parts[1]), 1e-6).chosen.kind.value
+        'tokens'
+    """
+    scale = max(abs(piece_loss), 1e-30)
+    errors: dict[str, float] = {}
+    for option in options:
+        try:
+            weights = option.weights(parts)
+        except (ValueError, KeyError, IndexError, TypeError, UnsplittableBatchError):
+            continue
+        combined = sum(w * loss for w, loss in zip(weights, part_losses))
+        errors[option.description] = abs(combined - piece_loss) / scale
+    matched = [o for o in options if errors.get(o.description, math.inf) <= tol]
+    if len(matched) == 1:
+        return CheckResult(matched[0], errors, tol)
+    if not matched:
+        return CheckResult(None, errors, tol)
+    if head is not None:
+        for option in matched:
+            if option.kind is HEAD_WEIGHTING[head]:
+                return CheckResult(option, errors, tol, tied=True)
+    piece = merge_outputs(list(parts)) if len(parts) > 1 else parts[0]
+    if all(_same_per_sample(matched[0], o, piece) for o in matched[1:]):
+        return CheckResult(matched[0], errors, tol)  # proportional counts on every sample: no real tie
+    for option in matched:
+        if option.kind is Weighting.SAMPLES:
+            return CheckResult(option, errors, tol, tied=True)
+    return CheckResult(matched[0], errors, tol, tied=True)
+
+
+def _same_per_sample(a: Candidate, b: Candidate, piece: Any) -> bool:
+    try:
+        n = batch_size_of(piece)
+        counts_a = [a.count(_slice(piece, n, i, i + 1)) for i in range(n)]
+        counts_b = [b.count(_slice(piece, n, i, i + 1)) for i in range(n)]
+    except Exception:
+        return False
+    total_a, total_b = sum(counts_a), sum(counts_b)
+    if total_a <= 0 or total_b <= 0:
+        return False
+    return all(abs(x / total_a - y / total_b) <= 1e-12 for x, y in zip(counts_a, counts_b))
+
+
+def piece_of(batch: Any, size: int, options: Sequence[Candidate]) -> Any:
+    """``size`` samples of ``batch`` that span its range of token counts, ordered by that count.
+
+    Without token candidates the first ``size`` samples. Ordering by count lets the split into two parts
+    separate short from long samples, so that the candidates' shares of the parts differ.
+    """
+    n = batch_size_of(batch)
+    spread, counts = -1.0, None
+    for option in options:
+        try:
+            found = option.per_sample(batch)
+        except (KeyError, IndexError, TypeError):
+            found = None
+        if found is None or found.numel() != n:
+            continue
+        found = found.double()
+        value = float(found.std() / found.mean().clamp_min(1e-12)) if n > 1 else 0.0
+        if value > spread:
+            spread, counts = value, found
+    if counts is None:
+        order = list(range(min(size, n)))
+    elif size >= n:
+        order = sorted(range(n), key=lambda i: float(counts[i]))
+    else:
+        ranked = sorted(range(n), key=lambda i: float(counts[i]))
+        order = sorted(
+            {ranked[round(i * (n - 1) / (size - 1))] for i in range(size)}, key=lambda i: float(counts[i])
+        )
+    if order == list(range(len(order))):
+        return first_samples(batch, len(order))
+    return merge_outputs([_slice(batch, n, i, i + 1) for i in order])
+
+
+def split_point(piece: Any, m: int, options: Sequence[Candidate]) -> int:
+    """Where to cut the piece so that the candidates' shares of the two parts differ the most."""
+    best, best_score = max(1, m // 4), -math.inf
+    for cut in range(1, m):
+        parts = [_slice(piece, m, 0, cut), _slice(piece, m, cut, m)]
+        shares = []
+        for option in options:
+            if option.kind is Weighting.SUM:
+                continue
+            try:
+                counts = [option.count(p) for p in parts]
+            except Exception:
+                continue
+            if min(counts) <= 0:  # a part with nothing to count: its mean loss is undefined
+                shares = []
+                break
+            shares.append(counts[0] / sum(counts))
+        if not shares:
+            continue
+        gaps = [abs(a - b) for i, a in enumerate(shares) for b in shares[i + 1 :]]
+        score = min(gaps, default=0.0)
+        if score > best_score + 1e-12:
+            best, best_score = cut, score
+    return best
