@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import OOMRecovery
-from lightning_gpuopt import loss_weighting as lw
+from lightning_gpuopt.microbatch import loss_weighting as lw
 
 
 class Padded(Dataset):

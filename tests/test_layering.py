@@ -152,7 +152,6 @@ def test_memory_imports_only_memory():
     assert not offenders, "memory/ reaches out of its layer:\n" + "\n".join(offenders)
 
 
-@_IN_PROGRESS
 def test_only_callbacks_cli_and_the_package_import_callbacks():
     allowed = ("callbacks/", "cli.py", "__init__.py")
     offenders = [
