@@ -39,14 +39,9 @@ from lightning_gpuopt.memory.estimate import (
     count_parameters,
     estimate,
 )
-from lightning_gpuopt.memory.predict import (
-    ParallelLayout,
-    PeakPrediction,
-    PredictionMethod,
-    optimizer_in,
-    predict_peak_deep,
-    scale_to_batch,
-)
+from lightning_gpuopt.memory.extrapolate import predict_peak_deep, scale_to_batch
+from lightning_gpuopt.memory.optimizers import optimizer_in
+from lightning_gpuopt.memory.prediction import ParallelLayout, PeakPrediction, PredictionMethod
 from lightning_gpuopt.support import Feature, StrategyKind, supports
 
 __all__ = [
