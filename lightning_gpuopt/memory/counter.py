@@ -14,6 +14,12 @@ from torch.utils._pytree import tree_flatten
 from lightning_gpuopt.memory._ops import alias_mask
 from lightning_gpuopt.memory.prediction import MemoryCategory, Phase
 
+__all__ = [
+    "StorageCounter",
+    "storage_key",
+]
+
+
 _DATA_DEPENDENT = {
     torch.ops.aten._local_scalar_dense.default,
     torch.ops.aten.equal.default,
@@ -21,7 +27,7 @@ _DATA_DEPENDENT = {
 }
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
+def storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
@@ -42,7 +48,7 @@ class _Record:
 _TRANSIENT = (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES, MemoryCategory.SCRATCH)
 
 
-class _Counter(TorchDispatchMode):
+class StorageCounter(TorchDispatchMode):
     """Counts live storages by category and module; keeps the breakdown at the peak."""
 
     def __init__(
@@ -94,7 +100,7 @@ class _Counter(TorchDispatchMode):
         host: bool | None = None,
         module: str | None = None,
     ) -> None:
-        found = _storage_key(t)
+        found = storage_key(t)
         if found is None:
             return
         storage, key = found
@@ -153,7 +159,7 @@ class _Counter(TorchDispatchMode):
         module: str | None = None,
     ) -> None:
         """Re-classify (or re-size, or move) a counted storage; counts it first when new."""
-        found = _storage_key(t)
+        found = storage_key(t)
         if found is None:
             return
         _, key = found
@@ -173,7 +179,7 @@ class _Counter(TorchDispatchMode):
         self._charge(rec, +1)
 
     def category_of(self, t: torch.Tensor) -> MemoryCategory | None:
-        found = _storage_key(t)
+        found = storage_key(t)
         rec = self.records.get(found[1]) if found else None
         return rec.category if rec else None
 
@@ -249,7 +255,7 @@ class _Counter(TorchDispatchMode):
                             self._new(sub)
         # In-place ops that resize (out=, resize_) change a counted storage's size.
         if mask and mask[0] and isinstance(out, torch.Tensor):
-            found = _storage_key(out)
+            found = storage_key(out)
             if found is not None and found[1] in self.records:
                 rec = self.records[found[1]]
                 raw = found[0].nbytes()
@@ -264,7 +270,7 @@ class _Counter(TorchDispatchMode):
 
     def _enlarged(self, t: torch.Tensor) -> int | None:
         """The real bytes of a storage counted larger than its fake (an opaque workspace), else None."""
-        found = _storage_key(t)
+        found = storage_key(t)
         rec = self.records.get(found[1]) if found else None
         return rec.nbytes if rec is not None and rec.nbytes > found[0].nbytes() else None
 
@@ -272,7 +278,7 @@ class _Counter(TorchDispatchMode):
         if cost.outputs is not None:  # outputs larger for real (a workspace its fake gives no size)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             for t, nbytes in zip(outs, cost.outputs):
-                found = _storage_key(t)
+                found = storage_key(t)
                 if found is not None and nbytes > found[0].nbytes():
                     self.update(t, nbytes=nbytes)  # counts it first when new (an empty fake storage)
         if cost.scratch:  # alive with the outputs, for the call only

@@ -9,12 +9,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_gpuopt.memory.counter import _storage_key
+from lightning_gpuopt.memory.counter import storage_key
+
+__all__ = [
+    "FakeState",
+    "fake_batch",
+    "precision_dtypes",
+]
+
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _precision_dtypes(precision: str | int | None) -> tuple[torch.dtype | None, torch.dtype | None]:
+def precision_dtypes(precision: str | int | None) -> tuple[torch.dtype | None, torch.dtype | None]:
     """(dtype weights are converted to, autocast dtype) for a Lightning precision."""
     p = str(precision if precision is not None else "32-true")
     if p in ("64", "64-true", "double"):
@@ -40,7 +47,7 @@ def _fake_like(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None 
     return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype or t.dtype, device=device)
 
 
-class _FakeState:
+class FakeState:
     """Swaps a module's parameters, buffers and plain tensor attributes for fake ones, and back.
 
     Shared tensors stay shared: an attribute that shares a parameter's or buffer's storage becomes a view
@@ -77,7 +84,7 @@ class _FakeState:
                         fake = _fake_like(t, self.device, self._dtype(t))
                         new = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
                         self.mapping[id(t)] = new
-                        found = _storage_key(t)
+                        found = storage_key(t)
                         if found is not None:
                             shared.setdefault(found[1], (t, new))
                     self.undo.append((table, name, t))
@@ -102,7 +109,7 @@ class _FakeState:
         bases: dict[int, torch.Tensor],
     ) -> torch.Tensor:
         """A fake for a plain tensor attribute: a view of the fake it shares a storage with."""
-        found = _storage_key(t)
+        found = storage_key(t)
         key = found[1] if found is not None else None
         if key in shared:  # a parameter's or buffer's storage (spectral_norm: weight = weight_orig.data)
             real, fake = shared[key]
@@ -175,7 +182,7 @@ def _holds_fake(value: Any, depth: int = 2) -> bool:
     return False
 
 
-def _fake_batch(batch: Any, device: torch.device, input_dtype: torch.dtype | None) -> Any:
+def fake_batch(batch: Any, device: torch.device, input_dtype: torch.dtype | None) -> Any:
     def convert(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpuopt.memory.counter import _Counter
-from lightning_gpuopt.memory.fake_state import _FakeState
-from lightning_gpuopt.memory.prediction import MemoryCategory, _InputError
+from lightning_gpuopt.memory.counter import StorageCounter
+from lightning_gpuopt.memory.fake_state import FakeState
+from lightning_gpuopt.memory.prediction import MemoryCategory, PredictionInputError
 
 __all__ = [
+    "build_optimizer",
     "optimizer_in",
 ]
 
@@ -61,8 +62,8 @@ def _optimizer_from_configure(module: Any) -> torch.optim.Optimizer | None:
     return optimizer_in(configure()) if callable(configure) else None
 
 
-def _build_optimizer(
-    model: nn.Module, optimizer: Any, state: _FakeState, counter: _Counter
+def build_optimizer(
+    model: nn.Module, optimizer: Any, state: FakeState, counter: StorageCounter
 ) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = _rebuild_optimizer(optimizer, state.mapping)
@@ -71,7 +72,7 @@ def _build_optimizer(
     else:
         opt = _optimizer_from_configure(model)
         if opt is None:
-            raise _InputError(
+            raise PredictionInputError(
                 f"`configure_optimizers` of {type(model).__name__} must return an optimizer (or a list or dict "
                 "holding one) for the prediction; pass `optimizer=` instead"
             )

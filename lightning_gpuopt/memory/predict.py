@@ -32,18 +32,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpuopt.memory.counter import _Counter
-from lightning_gpuopt.memory.fake_state import _fake_batch, _FakeState, _precision_dtypes
+from lightning_gpuopt.memory.counter import StorageCounter
+from lightning_gpuopt.memory.fake_state import FakeState, fake_batch, precision_dtypes
 from lightning_gpuopt.memory.prediction import (
     MemoryCategory,
     ParallelLayout,
     PeakPrediction,
     Phase,
     PhasePeak,
+    PredictionInputError,
     PredictionMethod,
-    _InputError,
 )
-from lightning_gpuopt.memory.trace import _trace
+from lightning_gpuopt.memory.trace import trace_step
 
 __all__ = [
     "predict_peak",
@@ -135,7 +135,7 @@ def predict_peak(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     layout = layout or ParallelLayout()
-    weight_dtype, autocast_dtype = _precision_dtypes(precision)
+    weight_dtype, autocast_dtype = precision_dtypes(precision)
     dev = torch.device(device)
     if dev.type == "cuda":
         from lightning_gpuopt.memory.allocator import cublas_workspace_bytes, cuda_block_bytes
@@ -153,18 +153,18 @@ def predict_peak(
     # The autograd engine needs a real CUDA device for CUDA tensors, even fake ones: without one, trace
     # with the CPU's kernels (the same saved tensors for matmuls and attention, in the same dtypes).
     traced_on = dev if dev.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
-    state = _FakeState(model, traced_on, weight_dtype)
+    state = FakeState(model, traced_on, weight_dtype)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     scratch, scratch_note = _kernel_scratch(kernel_scratch, dev, traced_on)
-    counter = _Counter(traced_on.type, rounding, scratch)
+    counter = StorageCounter(traced_on.type, rounding, scratch)
     try:
         with fake_mode:
             state.swap()
-            fake_batch = _fake_batch(batch, traced_on, weight_dtype)
+            inputs = fake_batch(batch, traced_on, weight_dtype)
             with counter:
-                _trace(
+                trace_step(
                     model,
-                    fake_batch,
+                    inputs,
                     optimizer,
                     step,
                     layout,
@@ -174,7 +174,7 @@ def predict_peak(
                     traced_on,
                     dev.type == "cuda",
                 )
-    except _InputError:
+    except PredictionInputError:
         raise
     except Exception as err:
         if not fallback:

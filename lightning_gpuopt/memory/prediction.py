@@ -15,6 +15,7 @@ __all__ = [
     "PeakPrediction",
     "Phase",
     "PhasePeak",
+    "PredictionInputError",
     "PredictionMethod",
 ]
 
@@ -175,5 +176,5 @@ class PeakPrediction:
         return text
 
 
-class _InputError(ValueError):
+class PredictionInputError(ValueError):
     """What the caller must fix (no loss, no optimizer): raised, never turned into an estimate."""

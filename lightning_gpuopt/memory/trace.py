@@ -12,10 +12,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_gpuopt.memory.counter import _Counter
-from lightning_gpuopt.memory.fake_state import _FakeState
-from lightning_gpuopt.memory.optimizers import _build_optimizer
-from lightning_gpuopt.memory.prediction import MemoryCategory, ParallelLayout, Phase, _InputError
+from lightning_gpuopt.memory.counter import StorageCounter
+from lightning_gpuopt.memory.fake_state import FakeState
+from lightning_gpuopt.memory.optimizers import build_optimizer
+from lightning_gpuopt.memory.prediction import MemoryCategory, ParallelLayout, Phase, PredictionInputError
+
+__all__ = [
+    "trace_step",
+]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -74,14 +78,14 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def _trace(
+def trace_step(
     model: nn.Module,
     batch: Any,
     optimizer: Any,
     step: Callable[[nn.Module, Any], Any] | None,
     layout: ParallelLayout,
-    state: _FakeState,
-    counter: _Counter,
+    state: FakeState,
+    counter: StorageCounter,
     autocast_dtype: torch.dtype | None,
     dev: torch.device,
     target_cuda: bool,
@@ -198,7 +202,7 @@ def _trace(
         handles.append(p.register_post_accumulate_grad_hook(grad_ready))
 
     try:
-        opt = _build_optimizer(model, optimizer, state, counter)
+        opt = build_optimizer(model, optimizer, state, counter)
         if target_cuda:
             for group in opt.param_groups:  # on CUDA, torch's optimizers default to their foreach kernels
                 if "foreach" in group and group["foreach"] is None and not group.get("fused"):
@@ -216,7 +220,7 @@ def _trace(
             out = _run_step(model, batch, step)
         loss = _loss_of(out)
         if loss is None:
-            raise _InputError(
+            raise PredictionInputError(
                 "The training step must return a loss (a tensor, a dict with 'loss', or an object with "
                 f"`.loss`), got {type(out).__name__}: pass `step=` returning the loss"
             )
