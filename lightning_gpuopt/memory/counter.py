@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_gpuopt.memory._ops import alias_mask
 from lightning_gpuopt.memory.prediction import MemoryCategory, Phase
+from lightning_gpuopt.memory.walk import tensors
 
 __all__ = [
     "StorageCounter",
@@ -276,7 +276,7 @@ class StorageCounter(TorchDispatchMode):
 
     def _kernel_cost(self, cost: Any, out: Any) -> None:
         if cost.outputs is not None:  # outputs larger for real (a workspace its fake gives no size)
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            outs = tensors(out)
             for t, nbytes in zip(outs, cost.outputs):
                 found = storage_key(t)
                 if found is not None and nbytes > found[0].nbytes():

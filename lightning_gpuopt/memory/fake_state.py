@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from lightning_gpuopt.memory.counter import storage_key
+from lightning_gpuopt.memory.walk import rebuild
 
 __all__ = [
     "FakeState",
@@ -189,4 +189,4 @@ def fake_batch(batch: Any, device: torch.device, input_dtype: torch.dtype | None
         dtype = input_dtype if input_dtype is not None and x.dtype in _FLOATS else x.dtype
         return torch.empty(tuple(x.shape), dtype=dtype, device=device)
 
-    return tree_map(convert, batch)
+    return rebuild(batch, convert)

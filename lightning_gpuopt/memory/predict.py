@@ -26,7 +26,7 @@ statistics, and it lives in a private package. docs/memory.md says what is model
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,26 +44,11 @@ from lightning_gpuopt.memory.prediction import (
     PredictionMethod,
 )
 from lightning_gpuopt.memory.trace import trace_step
+from lightning_gpuopt.memory.walk import samples_in
 
 __all__ = [
     "predict_peak",
 ]
-
-
-def _batch_size_of(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        values = list(batch.values())
-    elif isinstance(batch, (list, tuple)):
-        values = list(batch)
-    else:
-        return 1
-    for v in values:
-        n = _batch_size_of(v)
-        if n:
-            return n
-    return 1
 
 
 def predict_peak(
@@ -145,7 +130,7 @@ def predict_peak(
             major = torch.cuda.get_device_capability(dev)[0] if torch.cuda.is_available() else 9
             workspace_bytes = cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     workspace_bytes = workspace_bytes or 0
-    n = _batch_size_of(batch)
+    n = samples_in(batch)
     if optimizer is None and not callable(getattr(model, "configure_optimizers", None)):
         raise ValueError(
             "`optimizer` must be an optimizer or a factory when the model has no `configure_optimizers`, got None"

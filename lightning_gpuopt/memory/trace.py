@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from lightning_gpuopt.memory.counter import StorageCounter
 from lightning_gpuopt.memory.fake_state import FakeState
 from lightning_gpuopt.memory.optimizers import build_optimizer
 from lightning_gpuopt.memory.prediction import MemoryCategory, ParallelLayout, Phase, PredictionInputError
+from lightning_gpuopt.memory.walk import tensors
 
 __all__ = [
     "trace_step",
@@ -114,7 +114,7 @@ def trace_step(
     for t in state.attributes:  # plain tensor attributes' storages: held like buffers
         counter.add(t, MemoryCategory.BUFFERS, module="")
     state.attributes = []  # the module holds them: replaced during the step, they are freed
-    for t in _tensors(batch):
+    for t in tensors(batch):
         counter.add(t, MemoryCategory.INPUTS, module="")
     keep: list[Any] = []
     trainable = [p for p in params if p.requires_grad]
@@ -160,7 +160,7 @@ def trace_step(
                 release(module)
             name = unit_of[id(module)][0]
             # The unit is gathered again when the gradient of its output arrives, before its own backward.
-            for t in _tensors(output):
+            for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda g, module=module, name=name: gather(module, name))
 
@@ -263,18 +263,6 @@ def trace_step(
         for h in handles:
             h.remove()
         counter.module_stack.clear()
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def visit(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        return x
-
-    tree_map(visit, obj)
-    return found
 
 
 def _run_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], Any] | None) -> Any:
