@@ -7,7 +7,8 @@ import random
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from lightning_gpuopt.memory.walk import leaves
 
 __all__ = [
     "sample_batch_of",
@@ -29,7 +30,7 @@ def sample_batch_of(datamodule: Any, samples: int = 2, scan: int = 256) -> Any:
     if not isinstance(datamodule, GPUOptDataModule):
         return None
     try:
-        dataset = datamodule._dataset("train")
+        dataset = datamodule.stage_dataset("train")
         collate = datamodule.collate_fn() or torch.utils.data.default_collate
         n = len(dataset)
         if n == 0:
@@ -52,9 +53,8 @@ def sample_batch_of(datamodule: Any, samples: int = 2, scan: int = 256) -> Any:
 
 def _elements(sample: Any) -> int:
     """A sample's size: tensor and array elements, string lengths, one per other leaf."""
-    leaves = tree_flatten(sample)[0]
     total = 0
-    for x in leaves:
+    for _, x in leaves(sample):
         if isinstance(x, torch.Tensor):
             total += x.numel()
         elif isinstance(x, (str, bytes)):
