@@ -14,6 +14,7 @@ from typing import Any
 import torch  # noqa: F401 (the examples use it)
 from torch import nn
 
+from lightning_gpuopt.memory.blocks import block_list
 from lightning_gpuopt.memory.predict import predict_peak
 from lightning_gpuopt.memory.prediction import MemoryCategory, PeakPrediction, PhasePeak, PredictionMethod
 
@@ -22,7 +23,6 @@ __all__ = [
     "PeakLine",
     "predict_peak_deep",
     "predict_peak_line",
-    "repeated_blocks",
     "scale_to_batch",
 ]
 
@@ -97,26 +97,6 @@ def predict_peak_line(
 BATCH_CATEGORIES = (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES, MemoryCategory.INPUTS)
 
 
-def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The ``nn.ModuleList`` holding the most parameters in blocks of one type (a transformer's layers), or None.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(8, 8), nn.ModuleList(nn.Linear(8, 8) for _ in range(4)))
-        >>> repeated_blocks(net)[0]
-        '1'
-    """
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 3:
-            continue
-        if len({type(m) for m in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size and (best is None or size > best[0]):
-            best = (size, name, module)
-    return (best[1], best[2]) if best else None
-
-
 @contextlib.contextmanager
 def _first_blocks(blocks: nn.ModuleList, k: int):
     saved = blocks._modules
@@ -130,11 +110,11 @@ def _first_blocks(blocks: nn.ModuleList, k: int):
 def predict_peak_deep(model: nn.Module, batch: Any, *args: Any, **kwargs: Any) -> PeakPrediction:
     """:func:`predict_peak` for a deep model: trace it with one and with two of its repeated blocks, extrapolate.
 
-    A model whose depth is a ``nn.ModuleList`` of identical blocks (:func:`repeated_blocks`; a
-    transformer's layers) costs a trace of its full depth; every block adds the same bytes to every
-    category, so two short traces (the list cut to its first one and two blocks, restored after) give
-    the full depth's peak: ``P(L) = P(1) + (L - 1) × (P(2) - P(1))``. Models without such a list are
-    traced whole. Arguments are those of :func:`predict_peak`.
+    A model whose depth is a ``nn.ModuleList`` of identical blocks (a transformer's layers, found by
+    :func:`~lightning_gpuopt.memory.blocks.block_list`) costs a trace of its full depth; every block adds
+    the same bytes to every category, so two short traces (the list cut to its first one and two blocks,
+    restored after) give the full depth's peak: ``P(L) = P(1) + (L - 1) × (P(2) - P(1))``. Models
+    without such a list are traced whole. Arguments are those of :func:`predict_peak`.
 
     Example:
         >>> net = nn.Sequential(*(nn.Linear(64, 64) for _ in range(1)), nn.ModuleList(nn.Linear(64, 64) for _ in range(8)))
@@ -144,7 +124,7 @@ def predict_peak_deep(model: nn.Module, batch: Any, *args: Any, **kwargs: Any) -
         >>> deep.peak_bytes == whole.peak_bytes
         True
     """
-    found = repeated_blocks(model)
+    found = block_list(model)
     if found is None:
         return predict_peak(model, batch, *args, **kwargs)
     name, blocks = found

@@ -4,7 +4,6 @@ shards (:func:`shard_units`) and the HSDP mesh's shape.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -12,6 +11,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
+from lightning_gpuopt.memory.blocks import repeated_blocks
 
 __all__ = [
     "FSDP2Strategy",
@@ -20,49 +20,25 @@ __all__ = [
     "shard_units",
 ]
 
-#: A module type is a repeated block when it appears this often and each instance holds this share of the parameters.
-_MIN_REPEATS = 2
-_MIN_BLOCK_SHARE = 0.01
-
 
 def shard_units(module: nn.Module, types: list[str | type[nn.Module]] | None = None) -> list[nn.Module]:
     """The submodules a fully sharded strategy gathers one at a time (the units of ``fully_shard``).
 
     With ``types``, every submodule of those types (class, class name or qualified name). Without, the
-    repeated blocks: the module type that appears at least twice with at least 1 % of the parameters in
-    each instance and holds the most parameters in total (transformer layers, ResNet stages' blocks).
-    Units never nest: only the outermost matches count.
+    repeated blocks (:func:`lightning_gpuopt.memory.blocks.repeated_blocks`): the outermost modules
+    that run and have a sibling of their type, each holding at least 1 % of the parameters
+    (transformer layers, an encoder's and a decoder's, ResNet stages). A container without a
+    ``forward`` (``ModuleList``, ``ModuleDict``) is never a unit: its items are. Units never nest: only
+    the outermost matches count.
 
     Example:
         >>> net = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)), nn.Linear(64, 1))
         >>> [type(u).__name__ for u in shard_units(net)]
         ['Sequential', 'Sequential', 'Sequential', 'Sequential']
     """
-    if types:
-        found = matching_modules(module, types)
-    else:
-        total = sum(p.numel() for p in module.parameters()) or 1
-        sizes = {id(m): sum(p.numel() for p in m.parameters()) for _, m in module.named_modules()}
-        counts = Counter(
-            type(m) for name, m in module.named_modules() if name and sizes[id(m)] >= _MIN_BLOCK_SHARE * total
-        )
-        repeated = [cls for cls, n in counts.items() if n >= _MIN_REPEATS]
-        if not repeated:
-            return []
-        weight = {
-            cls: sum(sizes[id(m)] for _, m in module.named_modules() if type(m) is cls) for cls in repeated
-        }
-        # The outermost type that covers (nearly) as many parameters as any: blocks rather than their layers.
-        heaviest = max(weight.values())
-        best = max(
-            (cls for cls in repeated if weight[cls] >= 0.9 * heaviest),
-            key=lambda cls: weight[cls] / counts[cls],
-        )
-        found = [
-            m
-            for name, m in module.named_modules()
-            if name and type(m) is best and sizes[id(m)] >= _MIN_BLOCK_SHARE * total
-        ]
+    if not types:
+        return repeated_blocks(module)
+    found = matching_modules(module, types)
     outer: list[nn.Module] = []
     inside: set[int] = set()
     for m in found:

@@ -11,6 +11,7 @@ table and carries the Lightning strategy to pass to the Trainer.
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -393,7 +394,12 @@ def select_strategy(
     )
     notes = []
     if units:
-        notes.append(f"full sharding gathers one {type(units[0]).__name__} at a time ({len(units)} units)")
+        kinds = Counter(type(u).__name__ for u in units)
+        if len(kinds) == 1:
+            notes.append(f"full sharding gathers one {next(iter(kinds))} at a time ({len(units)} units)")
+        else:  # an encoder's and a decoder's layers
+            each = ", ".join(f"{n} {name}" for name, n in kinds.items())
+            notes.append(f"full sharding gathers one unit at a time ({len(units)} units: {each})")
     fitting = [r for r in rows if r.fits and r.available]
     split = None
     if (
