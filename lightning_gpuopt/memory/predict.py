@@ -25,7 +25,6 @@ statistics, and it lives in a private package. docs/memory.md says what is model
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,6 +44,7 @@ from lightning_gpuopt.memory.prediction import (
 )
 from lightning_gpuopt.memory.trace import trace_step
 from lightning_gpuopt.memory.walk import samples_in
+from lightning_gpuopt.memory.workspaces import StepWorkspaces, workspaces_for
 
 __all__ = [
     "predict_peak",
@@ -93,8 +93,10 @@ def predict_peak(
         rounding: bytes as the device's allocator hands them out; ``None``: on CUDA, the caching
             allocator's 512-byte blocks (:func:`lightning_gpuopt.memory.allocator.cuda_block_bytes`),
             else exact bytes.
-        workspace_bytes: kernel workspaces alive through the step; ``None``: on CUDA, cuBLAS's
-            (:func:`lightning_gpuopt.memory.allocator.cublas_workspace_bytes`), else 0.
+        workspace_bytes: kernel workspaces alive through the step; ``None``: on CUDA, the cuBLAS (and
+            cuBLASLt) workspaces the step's first matmuls take that this process does not hold yet,
+            the calling thread's from the first forward on, autograd's thread's from the first backward
+            on (:mod:`lightning_gpuopt.memory.workspaces`), else 0.
         kernel_scratch: measure what each CPU kernel allocates inside itself (oneDNN's layout
             reorders, softmax intermediates: :mod:`lightning_gpuopt.memory.scratch`) by running each
             distinct operator call once on zero-filled tensors of its shapes; ``None``: when predicting
@@ -122,14 +124,14 @@ def predict_peak(
     layout = layout or ParallelLayout()
     weight_dtype, autocast_dtype = precision_dtypes(precision)
     dev = torch.device(device)
+    workspaces = StepWorkspaces(workspace_bytes or 0, 0)
     if dev.type == "cuda":
-        from lightning_gpuopt.memory.allocator import cublas_workspace_bytes, cuda_block_bytes
+        from lightning_gpuopt.memory.allocator import cuda_block_bytes
 
         rounding = rounding or cuda_block_bytes
         if workspace_bytes is None:
-            major = torch.cuda.get_device_capability(dev)[0] if torch.cuda.is_available() else 9
-            workspace_bytes = cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    workspace_bytes = workspace_bytes or 0
+            held = [*model.parameters(), *model.buffers()]
+            workspaces = workspaces_for(dev, held + [p.grad for p in held if p.grad is not None])
     n = samples_in(batch)
     if optimizer is None and not callable(getattr(model, "configure_optimizers", None)):
         raise ValueError(
@@ -172,13 +174,16 @@ def predict_peak(
         categories, modules = counter.peak_breakdown(state_at)
         phase, step_index, module, host, _, _ = state_at
         if phase is not Phase.OTHER:
-            categories[MemoryCategory.WORKSPACES.value] += workspace_bytes
-            modules = {**modules, "": modules.get("", 0) + workspace_bytes} if workspace_bytes else modules
+            # The backward's workspace (autograd's thread) is taken in the first backward and kept.
+            first_forward = phase is Phase.FORWARD and step_index == 1
+            extra = workspaces.forward + (0 if first_forward else workspaces.backward)
+            categories[MemoryCategory.WORKSPACES.value] += extra
+            modules = {**modules, "": modules.get("", 0) + extra} if extra else modules
             phases.append(
                 PhasePeak(
                     phase.value,
                     step_index,
-                    peak + workspace_bytes,
+                    peak + extra,
                     categories,
                     modules,
                     module,
