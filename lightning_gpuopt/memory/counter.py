@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_gpuopt._compat import scalar_read_op, storage_id
 from lightning_gpuopt.memory._ops import alias_mask
 from lightning_gpuopt.memory.prediction import MemoryCategory, Phase
 from lightning_gpuopt.memory.walk import tensors
@@ -21,7 +22,7 @@ __all__ = [
 
 
 _DATA_DEPENDENT = {
-    torch.ops.aten._local_scalar_dense.default,
+    scalar_read_op(),
     torch.ops.aten.equal.default,
     torch.ops.aten.is_nonzero.default,
 }
@@ -32,7 +33,7 @@ def storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return storage, storage._cdata
+    return storage, storage_id(storage)
 
 
 @dataclass
@@ -233,7 +234,7 @@ class StorageCounter(TorchDispatchMode):
             # mask is what it is checked to be, a count is 1) and say so in the prediction.
             self.guessed.add(str(func.overloadpacket.__name__))
             dtype = args[0].dtype if args and isinstance(args[0], torch.Tensor) else torch.bool
-            if func is not torch.ops.aten._local_scalar_dense.default or dtype is torch.bool:
+            if func is not scalar_read_op() or dtype is torch.bool:
                 return True
             return 1.0 if dtype.is_floating_point else 1
         out = func(*args, **(kwargs or {}))

@@ -4,7 +4,6 @@ from one and two of its repeated blocks, one trace scaled to another batch size.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any
 import torch  # noqa: F401 (the examples use it)
 from torch import nn
 
+from lightning_gpuopt._compat import first_items
 from lightning_gpuopt.memory.blocks import block_list
 from lightning_gpuopt.memory.predict import predict_peak
 from lightning_gpuopt.memory.prediction import MemoryCategory, PeakPrediction, PhasePeak, PredictionMethod
@@ -97,16 +97,6 @@ def predict_peak_line(
 BATCH_CATEGORIES = (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES, MemoryCategory.INPUTS)
 
 
-@contextlib.contextmanager
-def _first_blocks(blocks: nn.ModuleList, k: int):
-    saved = blocks._modules
-    blocks._modules = {key: saved[key] for key in list(saved)[:k]}
-    try:
-        yield
-    finally:
-        blocks._modules = saved
-
-
 def predict_peak_deep(model: nn.Module, batch: Any, *args: Any, **kwargs: Any) -> PeakPrediction:
     """:func:`predict_peak` for a deep model: trace it with one and with two of its repeated blocks, extrapolate.
 
@@ -129,11 +119,11 @@ def predict_peak_deep(model: nn.Module, batch: Any, *args: Any, **kwargs: Any) -
         return predict_peak(model, batch, *args, **kwargs)
     name, blocks = found
     depth = len(blocks)
-    with _first_blocks(blocks, 1):
+    with first_items(blocks, 1):
         one = predict_peak(model, batch, *args, **kwargs)
     if one.method is not PredictionMethod.TRACED:
         return predict_peak(model, batch, *args, **kwargs)
-    with _first_blocks(blocks, 2):
+    with first_items(blocks, 2):
         two = predict_peak(model, batch, *args, **kwargs)
 
     def grow(a: int, b: int) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpuopt._compat import module_tables
 from lightning_gpuopt.memory.counter import storage_key
 from lightning_gpuopt.memory.walk import rebuild
 
@@ -57,8 +58,6 @@ class FakeState:
     made on the first forward). A fake still reachable after that is warned about.
     """
 
-    _TABLES = ("_parameters", "_buffers", "_modules")
-
     def __init__(self, model: nn.Module, device: torch.device, weight_dtype: torch.dtype | None) -> None:
         self.model = model
         self.device = device
@@ -75,7 +74,8 @@ class FakeState:
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real storage -> (real, its fake)
         modules = list(self.model.modules())
         for module in modules:
-            for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            tables = module_tables(module)
+            for table, is_param in ((tables["parameters"], True), (tables["buffers"], False)):
                 for name, t in list(table.items()):
                     if t is None:
                         continue
@@ -96,7 +96,7 @@ class FakeState:
                 for k, v in module.__dict__.items()
                 if type(v) in (list, dict)
             }
-            tables = {t: set(getattr(module, t)) for t in self._TABLES}
+            tables = {kind: set(table) for kind, table in module_tables(module).items()}
             self._before.append((module, dict(module.__dict__), contents, tables))
             for name, t in list(module.__dict__.items()):
                 if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
@@ -138,8 +138,8 @@ class FakeState:
         self.undo = []
         left = []
         for module, before, contents, tables in reversed(self._before):
-            for table_name, names in tables.items():  # registered during the trace: a cache, removed
-                table = getattr(module, table_name)
+            for kind, names in tables.items():  # registered during the trace: a cache, removed
+                table = module_tables(module)[kind]
                 for name in [k for k in table if k not in names]:
                     del table[name]
             for name in list(module.__dict__):

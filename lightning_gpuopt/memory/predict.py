@@ -21,6 +21,11 @@ under ``FakeTensorMode``); it is not used here because it counts each storage at
 emulation of sharding and offload needs to count a storage at a shard's size, or on the host), it
 refuses a second iteration of the root module (the steady-state step) without dropping its module
 statistics, and it lives in a private package. docs/memory.md says what is modelled and what is not.
+
+The parts: :mod:`.prediction` (what is returned), :mod:`.counter` (the dispatch mode), :mod:`.fake_state`
+(fake model state and batch), :mod:`.optimizers`, :mod:`.trace` (the traced steps, DDP and FSDP2
+emulated), :mod:`.workspaces` (cuBLAS's), :mod:`.extrapolate` (in depth and in the batch size),
+:mod:`.blocks` (the repeated blocks) and :mod:`.walk` (the batch walker).
 """
 
 from __future__ import annotations
