@@ -93,15 +93,14 @@ def split_sizes(n: int, k: int) -> list[int]:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Number of samples in ``batch``: the common leading dimension of its tensors.
-
-    Per-sample lists of non-tensor values count when the batch holds no tensor.
+    """Number of samples in ``batch`` (:func:`lightning_gpuopt.memory.walk.sample_count`: its tensors' common
+    leading dimension, else its per-sample lists'), or the split's own error.
 
     Raises:
         UnsplittableBatchError: the parts disagree, or nothing in the batch has a sample dimension.
 
     Example:
-        >>> batch_size_of({"x": torch.zeros(8, 3), "y": torch.zeros(8), "names": ["a"] * 8})
+        >>> batch_size_of((torch.zeros(8, 3), ["a"] * 8))
         8
     """
     try:

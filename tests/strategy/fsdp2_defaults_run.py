@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_gpuopt import FSDP2Strategy, GPUOptDataModule, MemoryAwareBatchSize, OOMRecovery
 from lightning_gpuopt.testing import SimulatedMemory
-from tests.helpers import run_script
+from tests.helpers import TRAINER_QUIET, run_script
 
 VOCAB, SEQ, BATCH, STEPS = 100, 16, 8, 3
 
@@ -119,17 +119,10 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         strategy=FSDP2Strategy(),
-        accelerator="cpu",
-        devices=2,
         max_steps=STEPS,
-        precision="32-true",
         callbacks=[MemoryAwareBatchSize(verbose=False), OOMRecovery(verbose=False), Record(out_dir)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
+        **{**TRAINER_QUIET, "devices": 2},
     )
     trainer.fit(MODELS[model](), datamodule=Tokens())
 
