@@ -6,13 +6,18 @@ inside a training step.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "clear_cublas_workspaces",
     "cluster_environment",
     "ddp_comm_hook_set",
     "ddp_kwargs",
+    "disable_current_modes",
     "drop_train_loader",
+    "first_items",
     "fsdp_collectives",
     "fsdp_param_groups",
     "fsdp_unsharded_param",
@@ -23,10 +28,14 @@ __all__ = [
     "mark_checkpoint_saved",
     "metric_counters",
     "metric_state_names",
+    "module_tables",
+    "op_schema",
     "reset_grad_scaler",
+    "scalar_read_op",
     "set_fsdp_collectives",
     "set_lr_scheduler_mark",
     "should_accumulate",
+    "storage_id",
     "tensor_parallel_size",
     "tensor_version",
 ]
@@ -159,3 +168,57 @@ def lr_scheduler_mark(step: Any) -> bool:
 def set_lr_scheduler_mark(step: Any) -> None:
     """Put the LR scheduler's mark on a ``step`` wrapper, so a scheduler created later does not warn about it."""
     step._wrapped_by_lr_sched = True
+
+
+# --- torch (the memory layer: fake tensors, dispatch modes, the allocator) ------------------------------
+
+
+def storage_id(storage: Any) -> int:
+    """A storage's ``StorageImpl`` address (``_cdata``): tells storages apart, also on ``meta`` and fake tensors."""
+    return storage._cdata
+
+
+def op_schema(func: Any) -> Any:
+    """An ATen operator overload's schema (``_schema``): its arguments and returns, with their alias info."""
+    return func._schema
+
+
+def scalar_read_op() -> Any:
+    """``aten._local_scalar_dense.default``: the operator behind ``.item()``, which a fake tensor cannot answer."""
+    import torch
+
+    return torch.ops.aten._local_scalar_dense.default
+
+
+def module_tables(module: Any) -> dict[str, dict[str, Any]]:
+    """A module's own tables, by kind (``"parameters"``, ``"buffers"``, ``"modules"``): the dicts
+    ``_parameters``, ``_buffers`` and ``_modules``, to swap and restore entries in place."""
+    return {"parameters": module._parameters, "buffers": module._buffers, "modules": module._modules}
+
+
+@contextlib.contextmanager
+def first_items(container: Any, k: int) -> Iterator[None]:
+    """Within the block, a ``ModuleList``/``Sequential`` holds only its first ``k`` items (its ``_modules``)."""
+    saved = container._modules
+    container._modules = {key: saved[key] for key in list(saved)[:k]}
+    try:
+        yield
+    finally:
+        container._modules = saved
+
+
+def disable_current_modes() -> Any:
+    """torch's context manager that runs code below every active dispatch mode (``_disable_current_modes``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def clear_cublas_workspaces() -> None:
+    """Release the cuBLAS workspaces torch keeps per handle and stream (``torch._C._cuda_clearCublasWorkspaces``,
+    when this torch has it): they are live allocations, which ``empty_cache`` cannot return."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()

@@ -21,6 +21,7 @@ import torch
 
 from lightning_gpuopt._compat import is_compiled
 from lightning_gpuopt._warnings import GPUOptWarning
+from lightning_gpuopt.memory.walk import tensors
 
 __all__ = [
     "CUDA_GRAPHS_REASON",
@@ -219,17 +220,6 @@ def recompile_limit() -> int:
     return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
 
 
-def _tensors(obj: Any, depth: int = 4) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 0 and isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value, depth - 1)
-    elif depth > 0 and isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value, depth - 1)
-
-
 def mark_batch_dynamic(chunk: Any, size: int) -> int:
     """Mark dim 0 of every tensor of ``chunk`` that has ``size`` rows as dynamic for dynamo; the count marked.
 
@@ -237,7 +227,7 @@ def mark_batch_dynamic(chunk: Any, size: int) -> int:
     specialises a size of 1, and never raises when it specialises).
     """
     marked = 0
-    for t in _tensors(chunk):
+    for t in tensors(chunk):
         if t.dim() >= 1 and t.shape[0] == size:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             marked += 1

@@ -22,6 +22,15 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_gpuopt.memory.walk import (
+    BatchSizeError,
+    is_dataclass_instance,
+    is_namedtuple,
+    is_per_sample_list,
+    rebuild,
+    sample_count,
+)
+
 __all__ = [
     "SPLIT_HOOK",
     "BatchSplit",
@@ -35,8 +44,6 @@ __all__ = [
 
 #: Name of the method a LightningModule or GPUOptDataModule defines to split its own batches.
 SPLIT_HOOK = "split_batch"
-
-_SCALAR_LEAVES = (str, bytes, int, float, complex, bool, type(None))
 
 
 class UnsplittableBatchError(ValueError):
@@ -86,39 +93,20 @@ def split_sizes(n: int, k: int) -> list[int]:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Number of samples in ``batch``: the common leading dimension of its tensors.
-
-    Per-sample lists of non-tensor values count when the batch holds no tensor.
+    """Number of samples in ``batch`` (:func:`lightning_gpuopt.memory.walk.sample_count`: its tensors' common
+    leading dimension, else its per-sample lists'), or the split's own error.
 
     Raises:
         UnsplittableBatchError: the parts disagree, or nothing in the batch has a sample dimension.
 
     Example:
-        >>> batch_size_of({"x": torch.zeros(8, 3), "y": torch.zeros(8), "names": ["a"] * 8})
+        >>> batch_size_of((torch.zeros(8, 3), ["a"] * 8))
         8
     """
-    tensor_sizes: dict[int, str] = {}
-    list_sizes: dict[int, str] = {}
-    _collect_sizes(batch, "batch", tensor_sizes, list_sizes)
-    if len(tensor_sizes) > 1:
-        found = ", ".join(f"{where} has {n}" for n, where in sorted(tensor_sizes.items()))
-        raise UnsplittableBatchError(f"tensors disagree on the number of samples ({found})")
-    if tensor_sizes:
-        (n,) = tensor_sizes
-        bad = {m: where for m, where in list_sizes.items() if m != n}
-        if bad:
-            found = ", ".join(f"{where} has {m} items" for m, where in sorted(bad.items()))
-            raise UnsplittableBatchError(f"tensors have {n} samples but {found}")
-        return n
-    if len(list_sizes) == 1:
-        (n,) = list_sizes
-        return n
-    if list_sizes:
-        found = ", ".join(f"{where} has {n}" for n, where in sorted(list_sizes.items()))
-        raise UnsplittableBatchError(f"per-sample lists disagree on the number of samples ({found})")
-    raise UnsplittableBatchError(
-        f"found no tensor with a sample dimension in a batch of type {type(batch).__name__}"
-    )
+    try:
+        return sample_count(batch)
+    except BatchSizeError as err:
+        raise UnsplittableBatchError(err.reason) from None
 
 
 def split_batch(batch: Any, k: int) -> BatchSplit:
@@ -180,68 +168,17 @@ def _check_k(k: int, n: int) -> None:
         raise ValueError(f"`k` (micro-batches) must be in [1, {n}] for a batch of {n} samples, got {k}")
 
 
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+def _slice(batch: Any, n: int, lo: int, hi: int) -> Any:
+    """Samples ``lo:hi`` of every tensor with a sample dimension and of every per-sample list of ``n`` items."""
 
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf[lo:hi] if leaf.dim() > 0 else leaf
+        if is_per_sample_list(leaf):
+            return leaf[lo:hi] if len(leaf) == n else leaf
+        return leaf
 
-def _is_per_sample_list(obj: Any) -> bool:
-    # A list/tuple of plain values (strings, ids, numbers) is one value per sample, as default_collate
-    # leaves strings. A list of tensors or containers is a structure and is recursed into instead.
-    return (
-        isinstance(obj, (list, tuple))
-        and not _is_namedtuple(obj)
-        and len(obj) > 0
-        and all(isinstance(v, _SCALAR_LEAVES) for v in obj)
-    )
-
-
-def _children(obj: Any) -> list[tuple[str, Any]] | None:
-    if isinstance(obj, Mapping):
-        return [(f"[{key!r}]", value) for key, value in obj.items()]
-    if _is_namedtuple(obj):
-        return [(f".{name}", getattr(obj, name)) for name in obj._fields]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        return [(f"[{i}]", value) for i, value in enumerate(obj)]
-    return None
-
-
-def _collect_sizes(obj: Any, where: str, tensor_sizes: dict[int, str], list_sizes: dict[int, str]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() > 0:
-            tensor_sizes.setdefault(obj.shape[0], where)
-        return
-    if _is_per_sample_list(obj):
-        list_sizes.setdefault(len(obj), where)
-        return
-    children = _children(obj)
-    for name, child in children or []:
-        _collect_sizes(child, where + name, tensor_sizes, list_sizes)
-
-
-def _slice(obj: Any, n: int, lo: int, hi: int) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj[lo:hi] if obj.dim() > 0 else obj
-    if _is_per_sample_list(obj):
-        return obj[lo:hi] if len(obj) == n else obj
-    if isinstance(obj, Mapping):
-        items = {key: _slice(value, n, lo, hi) for key, value in obj.items()}
-        try:
-            return type(obj)(items)
-        except TypeError:  # a mapping type without a dict constructor
-            return items
-    if _is_namedtuple(obj):
-        return type(obj)(*(_slice(v, n, lo, hi) for v in obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for field in dataclasses.fields(obj):
-            # object.__setattr__ also works for frozen dataclasses.
-            object.__setattr__(new, field.name, _slice(getattr(obj, field.name), n, lo, hi))
-        return new
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_slice(v, n, lo, hi) for v in obj)
-    return obj
+    return rebuild(batch, cut, stop=is_per_sample_list)
 
 
 def merge_outputs(outputs: Sequence[Any], weights: Sequence[float] | None = None) -> Any:
@@ -300,13 +237,9 @@ def _merge(values: list[Any], weights: list[float]) -> Any:
             return type(last)(merged)
         except TypeError:
             return merged
-    if _is_namedtuple(first) and all(type(v) is type(first) for v in values):
+    if is_namedtuple(first) and all(type(v) is type(first) for v in values):
         return type(first)(*(_merge(list(parts), weights) for parts in zip(*values)))
-    if (
-        dataclasses.is_dataclass(first)
-        and not isinstance(first, type)
-        and all(type(v) is type(first) for v in values)
-    ):
+    if is_dataclass_instance(first) and all(type(v) is type(first) for v in values):
         new = copy.copy(last)
         for field in dataclasses.fields(first):
             object.__setattr__(new, field.name, _merge([getattr(v, field.name) for v in values], weights))

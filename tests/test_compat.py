@@ -150,3 +150,57 @@ def test_ddp_and_fsdp2_internals_on_one_process():
         )
     finally:
         dist.destroy_process_group()
+
+
+# --- torch's privates the memory layer reads -----------------------------------------------------------
+
+
+def test_storage_id_tells_storages_apart_on_meta_too():
+    import torch
+
+    a, b = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    assert _compat.storage_id(a.untyped_storage()) == _compat.storage_id(a[1:].untyped_storage())
+    assert _compat.storage_id(a.untyped_storage()) != _compat.storage_id(b.untyped_storage())
+
+
+def test_op_schema_and_the_scalar_read_op():
+    import torch
+
+    assert [r.alias_info is not None for r in _compat.op_schema(torch.ops.aten.view.default).returns] == [
+        True
+    ]
+    assert _compat.scalar_read_op() is torch.ops.aten._local_scalar_dense.default
+
+
+def test_module_tables_are_the_modules_own_dicts():
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
+    tables = _compat.module_tables(net[0])
+    assert set(tables["parameters"]) == {"weight", "bias"} and "running_mean" in tables["buffers"]
+    assert list(_compat.module_tables(net)["modules"]) == ["0"]
+
+
+def test_first_items_cuts_a_module_list_and_puts_it_back():
+    import torch
+
+    layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
+    with _compat.first_items(layers, 2):
+        assert len(layers) == 2
+    assert len(layers) == 4
+
+
+def test_disable_current_modes_leaves_no_mode_active():
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    with TorchDispatchMode():
+        assert _get_current_dispatch_mode() is not None
+        with _compat.disable_current_modes():
+            assert _get_current_dispatch_mode() is None
+
+
+def test_clear_cublas_workspaces_reads_torchs_function():
+    import torch
+
+    assert hasattr(torch._C, "_cuda_clearCublasWorkspaces"), "moved: update _compat.clear_cublas_workspaces"
+    _compat.clear_cublas_workspaces()

@@ -137,7 +137,6 @@ def private_reads(source: Source) -> list[str]:
 _IN_PROGRESS = pytest.mark.xfail(reason="issue 25: the layers are being restored", strict=True)
 
 
-@_IN_PROGRESS
 def test_memory_imports_only_memory():
     offenders = []
     for source in SOURCES:

@@ -17,15 +17,11 @@ import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils._pytree import tree_map
 
+from lightning_gpuopt.memory.extrapolate import predict_peak_deep
 from lightning_gpuopt.memory.peak_model import SizeSearch
-from lightning_gpuopt.memory.predict import (
-    MemoryCategory,
-    Phase,
-    PredictionMethod,
-    predict_peak,
-    predict_peak_deep,
-)
+from lightning_gpuopt.memory.predict import predict_peak
 from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve, plan_traces
+from lightning_gpuopt.memory.prediction import MemoryCategory, Phase, PredictionMethod
 
 __all__ = ["CannotPredict", "start_search"]
 

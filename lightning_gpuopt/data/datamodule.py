@@ -273,6 +273,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         """The collate function for every loader; ``None`` uses PyTorch's default."""
         return None
 
+    def stage_dataset(self, stage: str = "train") -> Dataset:
+        """The dataset ``stage``'s loader reads (``"train"``, ``"val"``, ``"test"``, ``"predict"``), built once and kept."""
+        return self._dataset(stage)
+
     # Loaders: what Lightning calls.
 
     def train_dataloader(self) -> DataLoader:

@@ -23,9 +23,8 @@ batch is handed out, whatever consumes it next.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.memory import format_bytes, free_memory, is_oom_error
+from lightning_gpuopt.memory.walk import leaves
 
 __all__ = [
     "BatchTransfer",
@@ -102,19 +102,7 @@ class PrefetchStats:
 
 def _leaves(obj: Any) -> Iterator[Any]:
     """The leaves of a batch: what is not a mapping, list, tuple or dataclass instance."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _leaves(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _leaves(value)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _leaves(getattr(obj, f.name))
-    else:
-        yield obj
+    return (leaf for _, leaf in leaves(obj))
 
 
 def batch_nbytes(batch: Any, device_type: str | None = None) -> int:

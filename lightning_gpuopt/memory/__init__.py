@@ -5,6 +5,7 @@ from :func:`get_probe`, so every algorithm runs in CI on CPU under
 :class:`lightning_gpuopt.testing.SimulatedMemory` and on a GPU unchanged. Imports torch only.
 """
 
+from lightning_gpuopt.memory.extrapolate import PeakLine, predict_peak_deep, predict_peak_line, scale_to_batch
 from lightning_gpuopt.memory.oom import (
     MAYBE_SIZE_MESSAGES,
     OOM_MESSAGES,
@@ -12,17 +13,13 @@ from lightning_gpuopt.memory.oom import (
     is_maybe_size_error,
     is_oom_error,
 )
-from lightning_gpuopt.memory.predict import (
+from lightning_gpuopt.memory.predict import predict_peak
+from lightning_gpuopt.memory.prediction import (
     MemoryCategory,
     ParallelLayout,
-    PeakLine,
     PeakPrediction,
     PhasePeak,
     PredictionMethod,
-    predict_peak,
-    predict_peak_deep,
-    predict_peak_line,
-    scale_to_batch,
 )
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, CudaMemoryProbe, MemoryProbe, get_probe
 from lightning_gpuopt.memory.units import format_bytes

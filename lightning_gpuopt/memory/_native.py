@@ -76,7 +76,7 @@ def _build_key(include: str) -> str:
         torch.__version__,
         str(getattr(torch.version, "git_version", "")),
         include,
-        str(int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))),
+        str(int(torch.compiled_with_cxx11_abi())),
         sys.platform,
     )
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
@@ -113,7 +113,7 @@ def _compile(cxx: str, include: str, libdir: str, target: str) -> None:
             "-fPIC",
             "-fvisibility=hidden",
             "-w",  # torch's headers warn under some compilers; the build output is not for users
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(getattr(torch._C, '_GLIBCXX_USE_CXX11_ABI', True))}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
             "-I",
             include,
             src,

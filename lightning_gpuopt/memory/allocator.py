@@ -8,9 +8,11 @@ Pure functions over sizes (no CUDA needed), for :func:`~lightning_gpuopt.memory.
 - a request of at most 1 MiB (``kSmallSize``) is served from 2 MiB segments (``kSmallBuffer``); a
   larger one from a 20 MiB segment (``kLargeBuffer``) when under 10 MiB (``kMinLargeAlloc``), else from
   a segment of its own size rounded up to 2 MiB (``kRoundLarge``): ``memory_reserved`` counts segments;
-- cuBLAS takes a workspace through the allocator on the first matmul of each stream (torch's default
-  ``CUBLAS_WORKSPACE_CONFIG``: ``:4096:8``, 32 MiB, from compute capability 9.0; ``:4096:2:16:8``,
-  8 MiB + 128 KiB, before), counted in ``memory_allocated`` for the rest of the process.
+- cuBLAS takes a workspace through the allocator on the first matmul of each thread and stream
+  (torch's default ``CUBLAS_WORKSPACE_CONFIG``: ``:4096:8``, 32 MiB, on compute capability 9 to 12;
+  ``:4096:2:16:8``, 8 MiB + 128 KiB, on others), counted in ``memory_allocated`` for the rest of the
+  process; cuBLASLt shares it, or takes its own (``CUBLASLT_WORKSPACE_SIZE`` KiB, 1 MiB by default).
+  Which a step takes: :mod:`lightning_gpuopt.memory.workspaces`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Iterable
 __all__ = [
     "MIN_BLOCK",
     "cublas_workspace_bytes",
+    "cublaslt_workspace_bytes",
     "cuda_block_bytes",
     "cuda_reserved_bytes",
     "cuda_segment_bytes",
@@ -96,9 +99,21 @@ def cublas_workspace_bytes(major: int = 9, config: str | None = None) -> int:
         (32, 8519680, 131072)
     """
     if not config:
-        config = ":4096:8" if major >= 9 else ":4096:2:16:8"
+        config = ":4096:8" if 9 <= major <= 12 else ":4096:2:16:8"  # Hopper and Blackwell: 32 MiB
     parts = [p for p in config.split(":") if p]
     total = 0
     for size, count in zip(parts[::2], parts[1::2]):
         total += int(size) * 1024 * int(count)
     return total
+
+
+def cublaslt_workspace_bytes(size_kib: str | None = None) -> int:
+    """cuBLASLt's own workspace of one stream, where it does not share cuBLAS's: ``CUBLASLT_WORKSPACE_SIZE``
+    KiB, else 1 MiB (torch ignores a value that is not a number).
+
+    Example:
+        >>> cublaslt_workspace_bytes(), cublaslt_workspace_bytes("4096") >> 20
+        (1048576, 4)
+    """
+    kib = int(size_kib) if size_kib is not None and size_kib.strip().isdigit() else 1024
+    return kib * 1024

@@ -33,6 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpuopt._compat import storage_id
+from lightning_gpuopt.memory.walk import sample_count
+
 __all__ = [
     "CANDIDATES",
     "Candidate",
@@ -354,18 +357,16 @@ def activation_bytes_per_sample(
         >>> activation_bytes_per_sample(net, x)  # per sample: the input (8 floats) and the ReLU output (256)
         1056
     """
-    from lightning_gpuopt.batching import batch_size_of
-
-    n = max(1, batch_size_of(sample_batch))
+    n = max(1, sample_count(sample_batch))
     # Storages are told apart by their StorageImpl address (`_cdata`), which also works on `meta`;
     # parameters (and the transposed views of weights that matmuls save) are model state, not activations.
-    seen = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen = {storage_id(p.untyped_storage()) for p in model.parameters()}
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
         try:
-            key = t.untyped_storage()._cdata
+            key = storage_id(t.untyped_storage())
         except (RuntimeError, NotImplementedError):
             key = id(t)
         if key not in seen:

@@ -24,6 +24,8 @@ import gc
 
 import torch
 
+from lightning_gpuopt._compat import clear_cublas_workspaces
+
 __all__ = ["MAYBE_SIZE_MESSAGES", "OOM_MESSAGES", "free_memory", "is_maybe_size_error", "is_oom_error"]
 
 #: Substrings that mark an out-of-memory error raised as a plain ``RuntimeError`` (or another type).
@@ -124,7 +126,5 @@ def free_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # cuBLAS keeps a workspace per (handle, stream) as a live allocation of the caching allocator,
         # so empty_cache alone cannot return it: release it first, then empty the cache.
-        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:
-            clear_workspaces()
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()

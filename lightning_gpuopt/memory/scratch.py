@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_gpuopt._compat import disable_current_modes, op_schema
+
 __all__ = ["DEFAULT_MAX_BYTES", "KernelCost", "KernelScratch", "kernel_scratch_unavailable", "runnable"]
 
 #: The largest call measured: the bytes its real inputs and outputs take.
@@ -113,7 +115,7 @@ def runnable(func: Any) -> bool:
 def _opaque(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The values of ``func``'s opaque arguments in this call."""
     found = []
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(op_schema(func).arguments):
         if a.name in _OPAQUE_ARGUMENTS:
             found.append(args[i] if i < len(args) else kwargs.get(a.name))
     return found
@@ -267,12 +269,10 @@ class KernelScratch:
     def _measure(
         self, func: Any, flat: list[Any], spec: Any, out: Any, sizes: dict[int, int]
     ) -> KernelCost | None:
-        from torch.utils._python_dispatch import _disable_current_modes
-
         lib = self._lib
         # Grad mode as the trace has it (a kernel may keep a workspace for the backward only then); the
         # zeros require no grad, so no graph is built.
-        with _LOCK, _disable_current_modes(), torch.autocast("cpu", enabled=False):
+        with _LOCK, disable_current_modes(), torch.autocast("cpu", enabled=False):
             with _counting(lib), torch.random.fork_rng(devices=[]):  # its saved state: inside, uncounted
                 try:
                     return _run(lib, func, flat, spec, out, sizes)

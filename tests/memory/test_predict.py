@@ -352,3 +352,27 @@ def test_a_model_traced_inside_simulated_memory_is_still_counted_when_it_runs():
         with torch.no_grad():
             model(torch.zeros(1, 512))
         assert mem.allocated_bytes >= before + params
+
+
+def test_a_dataclass_batch_is_counted_by_its_samples_and_traced_like_a_tuple():
+    """A dataclass batch counted 16 samples, not 1, and its tensors are traced (they were left real before)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    x, y = torch.zeros(16, 32), torch.zeros(16, 1)
+    opt = OPTIMIZERS["adamw"]
+    as_tuple = predict_peak(make(), (x, y), opt, step=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    as_dataclass = predict_peak(
+        make(), Batch(x, y), opt, step=lambda m, b: nn.functional.mse_loss(m(b.x), b.y)
+    )
+    assert as_dataclass.method is PredictionMethod.TRACED, as_dataclass.decision
+    assert as_dataclass.batch_size == as_tuple.batch_size == 16
+    assert as_dataclass.peak_bytes == as_tuple.peak_bytes

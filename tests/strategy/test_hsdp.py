@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from lightning_gpuopt.cli import main
-from lightning_gpuopt.memory.predict import ParallelLayout, predict_peak
+from lightning_gpuopt.memory import ParallelLayout, predict_peak
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy, hsdp_shape, select_strategy
 from lightning_gpuopt.support import Feature

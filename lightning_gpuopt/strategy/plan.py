@@ -1,4 +1,4 @@
-"""Choose how to spread training over devices from memory needs: :func:`select_strategy`, and FSDP2 for unchanged modules.
+"""Choose how to spread training over devices from memory needs: :func:`select_strategy` and its :class:`StrategyPlan`.
 
 :func:`select_strategy` estimates, per device, the bytes of parameters, gradients, optimizer state,
 gathered units and activations under each candidate (single device, DDP, FSDP sharding gradients and
@@ -6,30 +6,20 @@ optimizer state, full sharding, full sharding with CPU offload, DeepSpeed ZeRO s
 :mod:`lightning_gpuopt.memory.estimate`, compares them with the device's memory, and picks the
 candidate with the least communication that fits. The returned :class:`StrategyPlan` prints as a
 table and carries the Lightning strategy to pass to the Trainer.
-
-:class:`FSDP2Strategy` is Lightning's ``ModelParallelStrategy`` (FSDP2, ``fully_shard``; it also runs
-on CPU over gloo) for a LightningModule that does not define ``configure_model``: the pack applies
-``fully_shard`` to the repeated blocks it finds (or the module types named) and to each child holding
-parameters.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import random
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.memory.estimate import (
     CANDIDATES,
@@ -39,299 +29,22 @@ from lightning_gpuopt.memory.estimate import (
     count_parameters,
     estimate,
 )
-from lightning_gpuopt.memory.predict import (
-    ParallelLayout,
-    PeakPrediction,
-    PredictionMethod,
-    optimizer_in,
-    predict_peak_deep,
-    scale_to_batch,
-)
+from lightning_gpuopt.memory.extrapolate import predict_peak_deep, scale_to_batch
+from lightning_gpuopt.memory.optimizers import optimizer_in
+from lightning_gpuopt.memory.prediction import ParallelLayout, PeakPrediction, PredictionMethod
+from lightning_gpuopt.strategy.fsdp2 import FSDP2Strategy, shard_units
 from lightning_gpuopt.support import Feature, StrategyKind, supports
 
 __all__ = [
-    "FSDP2Strategy",
     "PlanRow",
     "StrategyPlan",
     "StrategyPlanError",
-    "hsdp_shape",
     "optimizer_of",
-    "sample_batch_of",
     "select_strategy",
-    "shard_module",
-    "shard_units",
 ]
 
 #: Fraction of device memory the plan fills at most (the rest: allocator fragmentation, the CUDA context).
 DEFAULT_HEADROOM = 0.9
-#: A module type is a repeated block when it appears this often and each instance holds this share of the parameters.
-_MIN_REPEATS = 2
-_MIN_BLOCK_SHARE = 0.01
-
-
-def shard_units(module: nn.Module, types: list[str | type[nn.Module]] | None = None) -> list[nn.Module]:
-    """The submodules a fully sharded strategy gathers one at a time (the units of ``fully_shard``).
-
-    With ``types``, every submodule of those types (class, class name or qualified name). Without, the
-    repeated blocks: the module type that appears at least twice with at least 1 % of the parameters in
-    each instance and holds the most parameters in total (transformer layers, ResNet stages' blocks).
-    Units never nest: only the outermost matches count.
-
-    Example:
-        >>> net = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)), nn.Linear(64, 1))
-        >>> [type(u).__name__ for u in shard_units(net)]
-        ['Sequential', 'Sequential', 'Sequential', 'Sequential']
-    """
-    if types:
-        found = matching_modules(module, types)
-    else:
-        total = sum(p.numel() for p in module.parameters()) or 1
-        sizes = {id(m): sum(p.numel() for p in m.parameters()) for _, m in module.named_modules()}
-        counts = Counter(
-            type(m) for name, m in module.named_modules() if name and sizes[id(m)] >= _MIN_BLOCK_SHARE * total
-        )
-        repeated = [cls for cls, n in counts.items() if n >= _MIN_REPEATS]
-        if not repeated:
-            return []
-        weight = {
-            cls: sum(sizes[id(m)] for _, m in module.named_modules() if type(m) is cls) for cls in repeated
-        }
-        # The outermost type that covers (nearly) as many parameters as any: blocks rather than their layers.
-        heaviest = max(weight.values())
-        best = max(
-            (cls for cls in repeated if weight[cls] >= 0.9 * heaviest),
-            key=lambda cls: weight[cls] / counts[cls],
-        )
-        found = [
-            m
-            for name, m in module.named_modules()
-            if name and type(m) is best and sizes[id(m)] >= _MIN_BLOCK_SHARE * total
-        ]
-    outer: list[nn.Module] = []
-    inside: set[int] = set()
-    for m in found:
-        if id(m) in inside:
-            continue
-        outer.append(m)
-        inside.update(id(sub) for sub in m.modules())
-    return outer
-
-
-def _fully_shard() -> Any:
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
-
-
-def _sharded_by_the_pack() -> None:
-    """Stands in for ``configure_model`` while Lightning checks that one exists: the pack already sharded."""
-
-
-class FSDP2Strategy(ModelParallelStrategy):
-    """FSDP2 (``fully_shard``) data parallelism over every process, for an unchanged LightningModule.
-
-    Lightning's ``ModelParallelStrategy`` requires the LightningModule to apply ``fully_shard`` in its
-    own ``configure_model``. This strategy does it for a module that does not: ``fully_shard`` on each
-    unit (:func:`shard_units`: the repeated blocks, or the types in ``shard_modules``), then on each
-    child of the LightningModule that holds parameters, over a one-dimensional data-parallel mesh of
-    all processes. A module with its own ``configure_model`` is left to it. Runs on CUDA (NCCL) and on
-    CPU (gloo).
-
-    With ``hsdp=True`` (hybrid sharding, HSDP) the units are sharded over a two-dimensional
-    ``(replicate, shard)`` mesh built with torch's ``init_device_mesh`` (:attr:`shard_mesh`): each
-    group of ``world_size / replicate_size`` consecutive ranks (by default the processes of one node)
-    shards the model, and the ``replicate_size`` groups (by default one per node) hold replicas that
-    all-reduce their sharded gradients. The parameters' all-gathers and the gradients'
-    reduce-scatters stay within a node; only 1/shard-size of the gradients crosses nodes. Lightning's
-    own ``(data_parallel, tensor_parallel)`` mesh (:attr:`device_mesh`) stays as it is: it spreads the
-    data over every rank.
-
-    Args:
-        shard_modules: module types to shard as units; ``None``: the repeated blocks.
-        reshard_after_forward: free each unit's gathered parameters after its forward (full sharding);
-            ``False`` keeps them until the backward (sharding gradients and optimizer state only).
-        cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
-        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit (e.g. bfloat16 parameters gathered,
-            float32 reductions); ``None``: FSDP2's default (the parameters' own dtype throughout).
-            :class:`~lightning_gpuopt.PrecisionSwitch` sets it at setup when it chooses ``bf16-mixed``.
-            Fixed once the model is sharded: FSDP2 has no API to change it afterwards.
-        hsdp: shard within groups of ranks and replicate across them (HSDP) instead of sharding over
-            every rank.
-        replicate_size: with ``hsdp``, the number of replicas (groups sharding the model); ``None``: the
-            number of nodes. It must divide the world size, leaving at least 2 ranks per group.
-        **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``, ...).
-
-    Raises:
-        ValueError: ``replicate_size`` without ``hsdp=True`` or not a positive int; at setup, a
-            ``replicate_size`` that does not divide the world size into groups of at least 2 ranks, the
-            LightningModule holds parameters itself (not in a child module), ``shard_modules`` names no
-            submodule, or ``mp_policy`` is given for a module that shards itself in ``configure_model``;
-            the message names what to do.
-
-    Example:
-        >>> FSDP2Strategy(shard_modules=["TransformerBlock"], cpu_offload=False).reshard_after_forward
-        True
-        >>> FSDP2Strategy(hsdp=True).hsdp
-        True
-    """
-
-    def __init__(
-        self,
-        shard_modules: list[str | type[nn.Module]] | None = None,
-        reshard_after_forward: bool = True,
-        cpu_offload: bool = False,
-        mp_policy: Any = None,
-        hsdp: bool = False,
-        replicate_size: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if not isinstance(hsdp, bool):
-            raise ValueError(f"`hsdp` must be True or False, got {hsdp!r}")
-        if replicate_size is not None:
-            if isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1:
-                raise ValueError(
-                    f"`replicate_size` must be a positive int (the number of replicas) or None, got {replicate_size!r}"
-                )
-            if not hsdp:
-                raise ValueError(
-                    f"`replicate_size` ({replicate_size}) sets the replicas of HSDP: pass `hsdp=True` with it, or leave "
-                    "it out to shard over every rank"
-                )
-        kwargs.setdefault("tensor_parallel_size", 1)
-        super().__init__(**kwargs)
-        self.shard_modules = list(shard_modules) if shard_modules else None
-        self.reshard_after_forward = reshard_after_forward
-        self.cpu_offload = cpu_offload
-        self.mp_policy = mp_policy
-        self.hsdp = hsdp
-        self.replicate_size = replicate_size
-        self._hsdp_mesh: Any = None
-
-    def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
-            self._data_parallel_size = self.num_nodes * self.num_processes
-        if self.hsdp:  # before the process group exists: a bad size fails before any process waits on another
-            hsdp_shape(self.num_nodes * self.num_processes, self.replicate_size or self.num_nodes)
-        super().setup_environment()
-        if self.hsdp:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            replicas, shards = hsdp_shape(self.world_size, self.replicate_size or self.num_nodes)
-            self._hsdp_mesh = init_device_mesh(
-                self.root_device.type, (replicas, shards), mesh_dim_names=("replicate", "shard")
-            )
-
-    @property
-    def shard_mesh(self) -> Any:
-        """The mesh the pack shards over: HSDP's 2-D ``(replicate, shard)`` mesh, else Lightning's ``data_parallel`` one."""
-        if self.hsdp:
-            if self._hsdp_mesh is None:
-                raise RuntimeError("Accessing the HSDP mesh before the strategy set up its processes")
-            return self._hsdp_mesh
-        return self.device_mesh["data_parallel"]
-
-    def setup(self, trainer: Any) -> None:
-        module = self.lightning_module
-        if is_overridden("configure_model", module):
-            if self.mp_policy is not None:
-                raise ValueError(
-                    f"FSDP2Strategy(mp_policy=...) applies the policy when the pack shards the module, but "
-                    f"{type(module).__name__} shards itself in `configure_model`. Pass `mp_policy=` to your own "
-                    "`fully_shard` calls there, or leave FSDP2Strategy's `mp_policy` unset."
-                )
-            return super().setup(trainer)
-        self.shard(module)
-        module.configure_model = _sharded_by_the_pack
-        try:
-            super().setup(trainer)
-        finally:
-            vars(module).pop("configure_model", None)
-        return None
-
-    def shard(self, module: nn.Module) -> list[nn.Module]:
-        """Apply ``fully_shard`` to ``module``'s units and parameter-holding children; returns what was sharded."""
-        return shard_module(
-            module,
-            self.shard_mesh,
-            self.shard_modules,
-            self.reshard_after_forward,
-            self.cpu_offload,
-            mp_policy=self.mp_policy,
-        )
-
-
-def hsdp_shape(world_size: int, replicate_size: int) -> tuple[int, int]:
-    """``(replicas, ranks per shard group)`` of HSDP over ``world_size`` ranks with ``replicate_size`` replicas.
-
-    Raises:
-        ValueError: ``replicate_size`` does not divide ``world_size`` into groups of at least 2 ranks.
-
-    Example:
-        >>> hsdp_shape(16, 2)   # 2 nodes of 8: each node shards the model, the nodes replicate it
-        (2, 8)
-    """
-    if world_size % replicate_size:
-        raise ValueError(
-            f"HSDP needs `replicate_size` to divide the world size: {replicate_size} replicas of {world_size} ranks "
-            "leave groups of unequal size. Pick a replicate_size that divides devices x num_nodes (by default it is "
-            "num_nodes)."
-        )
-    shards = world_size // replicate_size
-    if shards < 2:
-        raise ValueError(
-            f"HSDP with {replicate_size} replicas of {world_size} ranks leaves {shards} rank per shard group: nothing "
-            "is sharded. Use strategy='ddp' for pure replication, or a smaller replicate_size."
-        )
-    return replicate_size, shards
-
-
-def shard_module(
-    module: nn.Module,
-    mesh: Any,
-    types: list[str | type[nn.Module]] | None = None,
-    reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
-    mp_policy: Any = None,
-) -> list[nn.Module]:
-    """``fully_shard`` every unit of ``module`` (:func:`shard_units`), then every child holding parameters, over ``mesh``.
-
-    ``mp_policy`` (a ``MixedPrecisionPolicy``; ``None``: FSDP2's default) goes to every ``fully_shard`` call.
-    Returns the modules sharded, units first.
-
-    Raises:
-        ValueError: ``module`` holds parameters itself, or ``types`` names no submodule.
-    """
-    own = [name for name, _ in module.named_parameters(recurse=False)]
-    if own:
-        raise ValueError(
-            f"FSDP2Strategy shards the children of {type(module).__name__}, but it holds parameters itself "
-            f"({', '.join(own)}). Move them into a submodule, or define `configure_model` and apply `fully_shard` there."
-        )
-    if types and not matching_modules(module, types):
-        raise ValueError(
-            f"`shard_modules` names {types}, but {type(module).__name__} has no such submodule; its module types are: "
-            f"{describe_module_types(module)}."
-        )
-    fully_shard = _fully_shard()
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if cpu_offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        # Pinned host memory needs a CUDA driver; on a CPU mesh (gloo) the shards stay in plain host memory.
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=getattr(mesh, "device_type", "cpu") == "cuda")
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    sharded = []
-    for unit in shard_units(module, types):
-        fully_shard(unit, **kwargs)
-        sharded.append(unit)
-    for child in module.children():
-        if all(child is not unit for unit in sharded) and any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
-            sharded.append(child)
-    return sharded
 
 
 @dataclass(frozen=True)
@@ -681,7 +394,12 @@ def select_strategy(
     )
     notes = []
     if units:
-        notes.append(f"full sharding gathers one {type(units[0]).__name__} at a time ({len(units)} units)")
+        kinds = Counter(type(u).__name__ for u in units)
+        if len(kinds) == 1:
+            notes.append(f"full sharding gathers one {next(iter(kinds))} at a time ({len(units)} units)")
+        else:  # an encoder's and a decoder's layers
+            each = ", ".join(f"{n} {name}" for name, n in kinds.items())
+            notes.append(f"full sharding gathers one unit at a time ({len(units)} units: {each})")
     fitting = [r for r in rows if r.fits and r.available]
     split = None
     if (
@@ -824,54 +542,3 @@ def optimizer_of(module: nn.Module) -> Any:
         return "adam"
     found = optimizer_in(out)
     return found if found is not None else "adam"
-
-
-def sample_batch_of(datamodule: Any, samples: int = 2, scan: int = 256) -> Any:
-    """A small batch from a GPUOptDataModule's training data, as long as its longest samples; else ``None``.
-
-    The ``samples`` largest samples (by tensor and array elements, string lengths and list items: the
-    longest sequences) among up to ``scan`` spread evenly over the dataset (first and last included),
-    collated as the loaders do, so that variable-length data padded per batch is planned at the longest
-    of those. Samples of one size give the first ones. The random streams are left as they were, and a
-    sample that fails to load is passed over. Only the pack's datamodule is read: it gives its dataset
-    without building loaders (no worker processes).
-    """
-    from lightning_gpuopt.data import GPUOptDataModule
-
-    if not isinstance(datamodule, GPUOptDataModule):
-        return None
-    try:
-        dataset = datamodule._dataset("train")
-        collate = datamodule.collate_fn() or torch.utils.data.default_collate
-        n = len(dataset)
-        if n == 0:
-            return None
-        indices = range(n) if n <= scan else sorted({i * (n - 1) // (scan - 1) for i in range(scan)})
-        items = []
-        state = random.getstate()
-        with torch.random.fork_rng(devices=[]):  # augmentations draw: the training's stream stays as it was
-            for i in indices:
-                with contextlib.suppress(Exception):  # one bad sample does not lose the plan
-                    items.append(dataset[i])
-        random.setstate(state)
-        if not items:
-            return None
-        longest = sorted(range(len(items)), key=lambda k: -_elements(items[k]))[:samples]
-        return collate([items[k] for k in sorted(longest)])
-    except Exception:  # an iterable dataset, or one that cannot be indexed: plan without activations
-        return None
-
-
-def _elements(sample: Any) -> int:
-    """A sample's size: tensor and array elements, string lengths, one per other leaf."""
-    leaves = tree_flatten(sample)[0]
-    total = 0
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            total += x.numel()
-        elif isinstance(x, (str, bytes)):
-            total += len(x)
-        else:
-            size = getattr(x, "size", None)  # a numpy array
-            total += size if isinstance(size, int) else 1
-    return total
