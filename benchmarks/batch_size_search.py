@@ -4,54 +4,37 @@
     python benchmarks/batch_size_search.py --quick          # the middle limit of each model only
     python benchmarks/batch_size_search.py --out DIR --models transformer superlinear
 
-Per model (a torchvision ResNet-18 on 8x8 images, a 2-layer transformer encoder on 16 tokens, and an
-MLP whose middle layer attends over the whole batch, so that its memory grows with the square of the
-batch) and per memory limit of a :class:`~lightning_gpuopt.testing.SimulatedMemory` device, each
-method looks for the largest ``batch_size`` that trains, starting from ``batch_size=8``:
-
-- ``ours``: ``MemoryAwareBatchSize(mode="max", target_fraction=1.0)`` -- at most 4 measured steps;
-- ``power`` / ``binsearch``: ``BatchSizeFinder(mode=...)`` with Lightning's defaults (``init_val=2``,
-  ``steps_per_trial=3``, ``max_trials=25``).
-
-Reported: the size found as a fraction of the true maximum, whether 8 real training steps at that size
-then run under the limit (``survives``), the training steps the search ran, and the search's wall time
-(the method's own search call: ``BatchSizeFinder.scale_batch_size``, ``MemoryAwareBatchSize``'s fit-start
-search). The true maximum is found by bisection over real runs: the steady-state peak of the second
-step of an unlimited fit at each batch size asked (peaks are deterministic, so one fit per size serves
-every limit). Limits are set at 20 %, 50 % and 80 % of the way from the peak at a small batch to the
-peak at a large one (``--quick``: 50 % only). The methods run interleaved per limit.
-
-Targets (the issue): ours finds 90-100 % of the true maximum, and its search takes at most a third
-of binsearch's wall time. Writes ``batch_size_search.json`` to ``--out``; exits 1 when a run of ours
-misses the 90-100 % band or fails to train.
+Per model (a torchvision ResNet-18 on 8x8 images, a 2-layer transformer encoder on 16 tokens, and an MLP
+whose middle layer attends over the whole batch: memory grows with the batch's square) and per limit of a
+:class:`~lightning_gpuopt.testing.SimulatedMemory` device, each method looks for the largest ``batch_size``
+that trains, from 8: ``ours`` is ``MemoryAwareBatchSize(mode="max", target_fraction=1.0)``, ``power`` and
+``binsearch`` are ``BatchSizeFinder(mode=...)`` with Lightning's defaults. Reported: the size found as a
+fraction of the true maximum, whether 8 real training steps at that size then run under the limit
+(``survives``), the training steps the search ran, and the search's own wall time. The true maximum comes
+from a bisection over the steady-state peak (second step) of unlimited fits. Limits sit 20 %, 50 % and
+80 % of the way from the peak at a small batch to the peak at a large one (``--quick``: 50 %). Targets: ours
+within 90-100 % of the true maximum (exit 1 when missed, or when its size fails to train), its search at
+most a third of binsearch's time. Writes ``batch_size_search.json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import logging
 import math
-import os
-import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import lightning.pytorch.tuner.batch_size_scaling as bss
 import torch
 import torchvision
+from common import QUIET, Classifier, arguments, environment, print_table, quiet, write_json
 from lightning.pytorch.callbacks import BatchSizeFinder
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize
@@ -62,42 +45,17 @@ SPEEDUP_TARGET = 3.0
 BAND = (0.9, 1.0)
 START_BATCH_SIZE = 8
 TRAIN_STEPS = 8
-TRAINER = {
-    "accelerator": "cpu",
-    "devices": 1,
-    "precision": "32-true",
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "num_sanity_val_steps": 0,
-}
-
-# ----------------------------------------------------------------------------- workloads
+TRAINER = {**QUIET, "accelerator": "cpu", "precision": "32-true"}
 
 
-class Classifier(pl.LightningModule):
-    """Cross-entropy over the last dimension of ``net(x)``; the network is built under a fixed seed."""
+class Counted(Classifier):
+    """The shared classifier, counting its ``training_step`` calls (a finder's trial steps are counted from them)."""
 
-    def __init__(self, build: Callable[[], nn.Module], optimizer: str) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            self.net = build()
-        self.optimizer = optimizer
-
-    calls = 0  # training_step calls, trials included: a finder's trial steps are counted from them
+    calls = 0
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        Classifier.calls += 1
-        x, y = batch
-        logits = self.net(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+        Counted.calls += 1
+        return super().training_step(batch, batch_idx)
 
 
 class Encoder(nn.Module):
@@ -161,15 +119,10 @@ class Workload:
     high: int
 
 
+_RESNET = "torchvision resnet18(num_classes=10) on 3x8x8 images, SGD momentum"
 WORKLOADS = [
     Workload(
-        "resnet18",
-        "torchvision resnet18(num_classes=10) on 3x8x8 images, SGD momentum",
-        lambda: torchvision.models.resnet18(num_classes=10),
-        "sgd",
-        _images,
-        low=32,
-        high=512,
+        "resnet18", _RESNET, lambda: torchvision.models.resnet18(num_classes=10), "sgd", _images, 32, 512
     ),
     Workload(
         "transformer",
@@ -177,8 +130,8 @@ WORKLOADS = [
         Encoder,
         "adam",
         _tokens,
-        low=32,
-        high=1024,
+        32,
+        1024,
     ),
     Workload(
         "superlinear",
@@ -186,8 +139,8 @@ WORKLOADS = [
         BatchAttention,
         "sgd",
         _features,
-        low=32,
-        high=512,
+        32,
+        512,
     ),
 ]
 
@@ -203,9 +156,6 @@ class Data(GPUOptDataModule):
         return self.dataset
 
 
-# ----------------------------------------------------------------------------- instruments
-
-
 class StepPeaks(pl.Callback):
     """Peaks of the training steps of the fit itself, after the search; the search's training steps."""
 
@@ -213,7 +163,7 @@ class StepPeaks(pl.Callback):
         self.peaks: list[int] = []
         self.trial_steps = 0
         self._started = False
-        self._calls_at_start = Classifier.calls
+        self._calls_at_start = Counted.calls
 
     @property
     def started(self) -> bool:
@@ -222,7 +172,7 @@ class StepPeaks(pl.Callback):
     @started.setter
     def started(self, value: bool) -> None:
         if value and not self._started:  # every training_step so far was a trial
-            self.trial_steps = Classifier.calls - self._calls_at_start
+            self.trial_steps = Counted.calls - self._calls_at_start
         self._started = value
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -235,39 +185,39 @@ class StepPeaks(pl.Callback):
 
 
 class TimedFinder(BatchSizeFinder):
+    """Lightning's finder, its search timed (``scale_batch_size``); the fit's own steps follow it."""
+
     def __init__(self, peaks: StepPeaks, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.peaks = peaks
-        self.search_s = 0.0
+        self.peaks, self.search_s = peaks, 0.0
 
-    def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def scale_batch_size(self, *args: Any) -> None:
         started = time.perf_counter()
-        super().scale_batch_size(trainer, pl_module)
-        self.search_s = time.perf_counter() - started
-        self.peaks.started = True
+        super().scale_batch_size(*args)
+        self.search_s, self.peaks.started = time.perf_counter() - started, True
 
 
 class TimedOurs(MemoryAwareBatchSize):
+    """Ours, its search timed (the fit-start search); the fit's own steps follow it."""
+
     def __init__(self, peaks: StepPeaks, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.peaks = peaks
-        self.search_s = 0.0
+        self.peaks, self.search_s = peaks, 0.0
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self, *args: Any) -> None:
         started = time.perf_counter()
-        super().on_fit_start(trainer, pl_module)
-        self.search_s = time.perf_counter() - started
-        self.peaks.started = True
+        super().on_fit_start(*args)
+        self.search_s, self.peaks.started = time.perf_counter() - started, True
 
 
 def _fit(
     workload: Workload, dataset: Dataset, batch_size: int, steps: int, callbacks: list, limit: int | None
-) -> Data:
+):
     pl.seed_everything(0, verbose=False)
     data = Data(dataset, batch_size)
     trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, **TRAINER)
     with SimulatedMemory(limit):
-        trainer.fit(Classifier(workload.build, workload.optimizer), datamodule=data)
+        trainer.fit(Counted(workload.build, workload.optimizer), datamodule=data)
     return data
 
 
@@ -300,10 +250,8 @@ class TruePeaks:
 
 def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[str, Any]:
     peaks = StepPeaks()
-    if method == "ours":
-        finder: TimedOurs | TimedFinder = TimedOurs(peaks, mode="max", target_fraction=1.0, verbose=False)
-    else:
-        finder = TimedFinder(peaks, mode=method)
+    ours = TimedOurs(peaks, mode="max", target_fraction=1.0, verbose=False) if method == "ours" else None
+    finder = ours or TimedFinder(peaks, mode=method)
     trials: list[tuple[int, str]] = []
     original = bss._try_loop_run
 
@@ -325,32 +273,18 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
         data, error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     finally:
         bss._try_loop_run = original
-    found = finder.micro_batch_size if method == "ours" else finder.optimal_batch_size
-    steps = (
-        peaks.trial_steps
-    )  # BatchSizeFinder's trials run the fit loop without callbacks: count training_step calls
-    sizes = (
-        [m.size for m in finder.result.measurements]
-        if method == "ours" and finder.result
-        else [s for s, _ in trials]
-    )
-    return {
-        "found": found,
-        "trained_at": data.batch_size if data is not None else None,
-        "survives": error is None and len(peaks.peaks) == TRAIN_STEPS,
-        "error": error,
-        "trial_steps": steps,
-        "trial_sizes": sizes,
-        "trial_ooms": sum(1 for _, status in trials if status == "OOM"),
-        "search_s": finder.search_s,
-        "fit_s": time.perf_counter() - started,
-    }
+    ours = method == "ours"
+    result = {"found": finder.micro_batch_size if ours else finder.optimal_batch_size}
+    result.update(trained_at=data.batch_size if data is not None else None, error=error)
+    result["survives"] = error is None and len(peaks.peaks) == TRAIN_STEPS
+    # BatchSizeFinder's trials run the fit loop without callbacks: training_step calls count them
+    result["trial_steps"] = peaks.trial_steps
+    sizes = [m.size for m in finder.result.measurements] if ours and finder.result else [s for s, _ in trials]
+    result.update(trial_sizes=sizes, trial_ooms=sum(1 for _, status in trials if status == "OOM"))
+    return {**result, "search_s": finder.search_s, "fit_s": time.perf_counter() - started}
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def print_table(results: dict[str, Any]) -> None:
+def report(results: dict[str, Any]) -> None:
     rows = [
         ("model", "limit", "true max", "method", "found", "of max", "survives", "trial steps", "search s")
     ]
@@ -358,73 +292,35 @@ def print_table(results: dict[str, Any]) -> None:
         for case in entry["limits"]:
             for method, run in case["runs"].items():
                 fraction = f"{run['fraction']:.1%}" if run["fraction"] is not None else "-"
-                rows.append(
-                    (
-                        name,
-                        f"{case['limit_bytes'] / 2**20:.1f} MiB",
-                        str(case["true_max"]),
-                        method,
-                        str(run["found"]),
-                        fraction,
-                        "yes" if run["survives"] else "NO",
-                        str(run["trial_steps"]),
-                        f"{run['search_s']:.1f}",
-                    )
-                )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for j, row in enumerate(rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
-    for target in results["targets"]:
+                limit = f"{case['limit_bytes'] / 2**20:.1f} MiB"
+                survives = "yes" if run["survives"] else "NO"
+                cells = (name, limit, case["true_max"], method, run["found"], fraction, survives)
+                rows.append((*cells, run["trial_steps"], f"{run['search_s']:.1f}"))
+    print_table(rows)
+    for t in results["targets"]:
         print(
-            f"target: {target['metric']}: {target['value']} (threshold {target['threshold']}) -> "
-            f"{'met' if target['met'] else 'NOT met'}"
+            f"target: {t['metric']}: {t['value']} (threshold {t['threshold']}) -> {'met' if t['met'] else 'NOT met'}"
         )
 
 
-# ----------------------------------------------------------------------------- main
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results"), help="directory for batch_size_search.json"
-    )
-    parser.add_argument("--quick", action="store_true", help="the middle limit of each model only")
-    parser.add_argument(
-        "--models", nargs="+", choices=[w.name for w in WORKLOADS], default=[w.name for w in WORKLOADS]
-    )
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = arguments(__doc__, "batch_size_search.json", quick="the middle limit of each model only")
+    names = [w.name for w in WORKLOADS]
+    parser.add_argument("--models", nargs="+", choices=names, default=names)
+    args = parser.parse_args(argv)
     fractions = (0.5,) if args.quick else (0.2, 0.5, 0.8)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    quiet(logging.ERROR, every_warning=True)
     started = time.perf_counter()
-    results: dict[str, Any] = {
-        "benchmark": "batch_size_search",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+    setup = {
         "quick": args.quick,
         "start_batch_size": START_BATCH_SIZE,
         "train_steps_after_search": TRAIN_STEPS,
-        "models": {},
     }
+    results: dict[str, Any] = {"benchmark": "batch_size_search", **environment(**setup), "models": {}}
     for workload in (w for w in WORKLOADS if w.name in args.models):
         dataset = workload.data(
             4096, torch.Generator().manual_seed(0)
-        )  # made before any SimulatedMemory: host data
+        )  # before any SimulatedMemory: host data
         truth = TruePeaks(workload, dataset)
         low, high = truth(workload.low), truth(workload.high)
         entry: dict[str, Any] = {"description": workload.description, "limits": []}
@@ -434,55 +330,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{workload.name}: limit {limit / 2**20:.1f} MiB, true maximum {true_max} ...", flush=True)
             runs = {}
             for method in ("ours", "power", "binsearch"):
-                run = _run(method, workload, dataset, limit)
+                run = runs[method] = _run(method, workload, dataset, limit)
                 run["fraction"] = run["found"] / true_max if run["found"] else None
-                runs[method] = run
-                print(
-                    f"  {method}: found {run['found']} ({run['fraction'] or 0:.1%}), {run['trial_steps']} trial steps, "
-                    f"{run['search_s']:.1f} s, survives {run['survives']}",
-                    flush=True,
-                )
-            entry["limits"].append(
-                {"fraction": fraction, "limit_bytes": limit, "true_max": true_max, "runs": runs}
-            )
+                found = f"found {run['found']} ({run['fraction'] or 0:.1%}), {run['trial_steps']} trial steps"
+                print(f"  {method}: {found}, {run['search_s']:.1f} s, survives {run['survives']}", flush=True)
+            case = {"fraction": fraction, "limit_bytes": limit, "true_max": true_max, "runs": runs}
+            entry["limits"].append(case)
         entry["true_peaks"] = {str(k): v for k, v in sorted(truth.peaks.items())}
         results["models"][workload.name] = entry
 
-    ours = [case["runs"]["ours"] for e in results["models"].values() for case in e["limits"]]
-    speedups = [
-        case["runs"]["binsearch"]["search_s"] / case["runs"]["ours"]["search_s"]
-        for e in results["models"].values()
-        for case in e["limits"]
-    ]
+    cases = [case["runs"] for e in results["models"].values() for case in e["limits"]]
+    ours = [runs["ours"] for runs in cases]
+    speedup = statistics.median(runs["binsearch"]["search_s"] / runs["ours"]["search_s"] for runs in cases)
     in_band = all(r["fraction"] is not None and BAND[0] <= r["fraction"] <= BAND[1] for r in ours)
-    results["targets"] = [
-        {
-            "metric": "ours: found / true maximum, every case",
-            "threshold": "90-100 %",
-            "value": [round(r["fraction"] or 0, 3) for r in ours],
-            "met": in_band,
-        },
-        {
-            "metric": "ours: trains 8 steps at the size found, every case",
-            "threshold": "yes",
-            "value": all(r["survives"] for r in ours),
-            "met": all(r["survives"] for r in ours),
-        },
-        {
-            "metric": "binsearch search time / ours, median over cases",
-            "threshold": f">= {SPEEDUP_TARGET}",
-            "value": round(statistics.median(speedups), 2),
-            "met": statistics.median(speedups) >= SPEEDUP_TARGET,
-        },
+    survive = all(r["survives"] for r in ours)
+    targets = [
+        (
+            "ours: found / true maximum, every case",
+            "90-100 %",
+            [round(r["fraction"] or 0, 3) for r in ours],
+            in_band,
+        ),
+        ("ours: trains 8 steps at the size found, every case", "yes", survive, survive),
+        (
+            "binsearch search time / ours, median over cases",
+            f">= {SPEEDUP_TARGET}",
+            round(speedup, 2),
+            speedup >= SPEEDUP_TARGET,
+        ),
     ]
-    results["wall_s"] = time.perf_counter() - started
+    results["targets"] = [dict(zip(("metric", "threshold", "value", "met"), target)) for target in targets]
     print()
-    print_table(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "batch_size_search.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {path} ({results['wall_s']:.0f} s)")
-    return 0 if in_band and all(r["survives"] for r in ours) else 1
+    report(results)
+    write_json(args.out, "batch_size_search.json", results, started)
+    return 0 if in_band and survive else 1
 
 
 if __name__ == "__main__":

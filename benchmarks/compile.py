@@ -6,104 +6,45 @@
     python benchmarks/compile.py --device cuda          # the default where CUDA is available: inductor, real OOM
     python benchmarks/compile.py --out DIR --repeats 5 --models transformer --forms module
 
-For each workload (a small CNN with BatchNorm, and a small causal transformer LM, the models of the
-OOM benchmarks) and each compiled form:
-
-- ``submodule``: the network inside the LightningModule is compiled (``model.net = torch.compile(model.net)``;
-  for the transformer, its ``nn.TransformerEncoder``), the form that always worked with OOMRecovery;
-- ``module``: the LightningModule itself, ``trainer.fit(torch.compile(model))``, the way Lightning
-  documents it. Where OOMRecovery refuses it at setup, the form is recorded as ``refused`` with its
-  reason and skipped;
-
-one fit runs eager and one compiled (``backend``, default ``aot_eager`` on a CPU and ``inductor`` on
-CUDA), both with ``OOMRecovery()`` in the Trainer, each the same schedule of batches:
-
-1. ``warmup`` batches at k = 1 (the compiled fit compiles on the first);
-2. ``steady`` timed batches at k = 1;
-3. one batch that runs out of memory: at its start the device's limit drops so that the full batch
-   cannot fit and a split can (on a CPU :class:`~lightning_gpuopt.testing.SimulatedMemory`'s limit,
-   on CUDA ``set_per_process_memory_fraction``). OOMRecovery retries it with more micro-batches,
-   which the compiled fit must compile for;
-4. ``after`` timed batches at the split's k.
-
-The limit is calibrated, not guessed: two short eager fits at k = 1 and k = 4 (forced) give where
-halfway between their peaks sits, as a fraction of the k = 1 step's activations (peak minus what a
-step starts with). Each fit then sets its limit at that fraction of its own steady k = 1 step, so a
-compiled step that needs less memory than the eager one (inductor fuses) still runs out.
-
-Reported per workload and form, as ratios of the two fits of one repeat (interleaved: eager first,
-then compiled, then the other way round), median over repeats:
-
-- **step time** compiled / eager at k = 1 (the median steady step of each fit) and after the split
-  (the median step at the split's k);
-- **compile time** from dynamo's own records (``torch._dynamo.utils.get_compilation_metrics()``: every
-  frame compiled, forward and backward, with its seconds): the first compilation, and each
-  recompilation the split caused, with its seconds; and by timing, as a check on those: the split
-  batch's extra time compiled over eager, less the compiled fit's extra time on a batch at the
-  split's k (the retry's step itself);
-- **recompilations the split caused**: frames dynamo compiled in the split batch and after, against
-  those in the steady batches (none: the same compiled run without an OOM compiles nothing there).
-  The pack's budget is one per split (docs/oom-recovery.md).
-
-Step time is the wall clock from ``on_train_batch_start`` to ``on_train_batch_end`` (forward,
-backward and optimizer step; the device synchronised at both ends). ``torch._dynamo.reset()`` runs
-before every fit, so each compiled fit compiles from scratch (inductor's on-disk caches may still
-make later repeats compile faster: the first repeat's compile times are reported too). On a CPU
-it runs with one intra-op thread: other jobs on shared cores make more threads spin against each
-other. Writes ``compile.json`` to ``--out``; exits 1 when a fit fails (a refused form is not a
-failure). No timing target is enforced: CPU timings on a shared machine are noisy.
+Per workload (a small CNN with BatchNorm, a small causal transformer LM) and compiled form (``submodule``:
+the network inside the module; ``module``: ``trainer.fit(torch.compile(model))``, ``refused`` where
+OOMRecovery refuses it), an eager and a compiled fit with ``OOMRecovery()`` run the same schedule: warm-up
+and steady batches at k = 1, one batch whose limit (calibrated halfway between the eager peaks at k = 1
+and k = 4, as a fraction of each fit's own activations) makes it run out of memory and split, then batches
+at the split's k. Reported, median over interleaved repeats: step time compiled / eager at k = 1 and after
+the split; dynamo's compile records (``get_compilation_metrics()``): the first compilation and the
+recompilations the split caused, counted as frame compilations (by compile id: a frame's forward,
+backward and aot records are one), with their seconds, checked by timing. The pack's budget is one
+recompilation per split (docs/oom-recovery.md). Writes ``compile.json``; exits 1 when a fit fails.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import logging
-import os
-import platform
 import statistics
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-# The GPU sections' device layer and models (gpu/device.py, gpu/oom.py), after what is on the path already.
-for _path in (str(HERE / "gpu"), str(HERE)):
-    if _path not in sys.path:
-        sys.path.append(_path)
+import common
+import lightning.pytorch as pl
+import torch
+from common import QUIET, Batches, figure, quiet
+from gpu import device
+from gpu.oom import CausalLM, LimitAt, StepRecord, forced, image_batches, token_batches
+from gpu.oom import cnn as cnn_module
+from torch import Tensor
+from torch.utils.data import DataLoader
 
-import device  # noqa: E402
-import lightning  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from oom import CausalLM, Classifier, Cycle, LimitAt, StepRecord, _forced, _image_batches, _token_batches  # noqa: E402
-from torch import Tensor  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from lightning_gpuopt import OOMRecovery  # noqa: E402
-from lightning_gpuopt.decisions import decisions  # noqa: E402
+from lightning_gpuopt import OOMRecovery
+from lightning_gpuopt.decisions import decisions
 
 FORMS = ("submodule", "module")
+VARIANTS = ("eager", "compiled")
 CALIBRATION_K = 4
 CALIBRATION_STEPS = 3
-
-QUIET = {
-    "devices": 1,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "num_sanity_val_steps": 0,
-}
-
-
-# ----------------------------------------------------------------------------- workloads
 
 
 @dataclass(frozen=True)
@@ -136,73 +77,35 @@ class Schedule:
 
 def cnn(image_size: int, batch_size: int, arch: str = "tiny", num_classes: int = 10) -> Workload:
     name = "2-conv CNN with BatchNorm" if arch == "tiny" else f"torchvision {arch}"
-    return Workload(
-        "cnn",
-        f"{name} on 3x{image_size}x{image_size}, {num_classes} classes, SGD momentum",
-        lambda: Classifier(arch, num_classes),
-        lambda: _image_batches(batch_size, size=image_size, num_classes=num_classes),
-        batch_size,
-        "net",
-    )
+    what = f"{name} on 3x{image_size}x{image_size}, {num_classes} classes, SGD momentum"
+    batches = lambda: image_batches(batch_size, size=image_size, num_classes=num_classes)  # noqa: E731
+    return Workload("cnn", what, lambda: cnn_module(arch, num_classes), batches, batch_size, "net")
 
 
 def transformer(width: int, layers: int, heads: int, seq_len: int, vocab: int, batch_size: int) -> Workload:
-    return Workload(
-        "transformer",
-        f"causal LM: nn.TransformerEncoder {layers} x {width} wide, {heads} heads, {seq_len} tokens, "
-        f"vocab {vocab}, AdamW",
-        lambda: CausalLM(vocab=vocab, width=width, heads=heads, layers=layers, seq_len=seq_len),
-        lambda: _token_batches(batch_size, seq_len=seq_len, vocab=vocab),
-        batch_size,
-        "encoder",
-    )
+    what = f"causal LM: nn.TransformerEncoder {layers} x {width} wide, {heads} heads, {seq_len} tokens, vocab {vocab}"
+    build = lambda: CausalLM(vocab=vocab, width=width, heads=heads, layers=layers, seq_len=seq_len)  # noqa: E731
+    batches = lambda: token_batches(batch_size, seq_len=seq_len, vocab=vocab)  # noqa: E731
+    return Workload("transformer", f"{what}, AdamW", build, batches, batch_size, "encoder")
 
 
 def workloads(device_kind: str) -> dict[str, Workload]:
     """Small on a CPU (steps of tens of milliseconds); on CUDA big enough for compiled kernels to matter."""
     if device_kind == "cuda":
-        listed = [
-            cnn(64, 128, arch="resnet18", num_classes=100),
-            transformer(width=512, layers=4, heads=8, seq_len=256, vocab=8192, batch_size=32),
-        ]
+        listed = [cnn(64, 128, "resnet18", 100), transformer(512, 4, 8, 256, 8192, 32)]
     else:
-        listed = [
-            cnn(32, 32),
-            transformer(width=128, layers=2, heads=4, seq_len=64, vocab=512, batch_size=16),
-        ]
+        listed = [cnn(32, 32), transformer(128, 2, 4, 64, 512, 16)]
     return {w.name: w for w in listed}
 
 
-# ----------------------------------------------------------------------------- dynamo's records
-
-
-def _compilation_metrics() -> list[Any]:
-    from torch._dynamo.utils import get_compilation_metrics
-
-    return list(get_compilation_metrics())
-
-
-def _key(metrics: Any) -> tuple[Any, ...]:
-    return (
-        str(getattr(metrics, "compile_id", None)),
-        getattr(metrics, "is_forward", None),
-        getattr(metrics, "start_time_us", None) or getattr(metrics, "start_time", None),
-    )
-
-
 def compilation(metrics: Any) -> dict[str, Any]:
-    """One of dynamo's compilation records as plain figures: which frame, forward or backward, seconds."""
-    compile_id = getattr(metrics, "compile_id", None)
+    """One of dynamo's compilation records as plain figures: which compilation, frame, forward or backward, seconds."""
     seconds = getattr(metrics, "duration_us", None)
     seconds = seconds / 1e6 if seconds is not None else getattr(metrics, "entire_frame_compile_time_s", None)
-    forward = getattr(metrics, "is_forward", None) is not False
-    frame_compile_id = getattr(compile_id, "frame_compile_id", None)
     return {
-        "compile_id": str(compile_id),
+        "compile_id": str(getattr(metrics, "compile_id", None)),
         "frame": getattr(metrics, "co_name", None),
-        "forward": forward,
-        #: A forward frame compiled again (its cache already held another graph): dynamo's recompilation.
-        "recompile": forward and frame_compile_id is not None and frame_compile_id > 0,
+        "forward": getattr(metrics, "is_forward", None) is not False,
         "seconds": seconds,
         "graph_ops": getattr(metrics, "graph_op_count", None),
         "failed": getattr(metrics, "fail_type", None),
@@ -216,13 +119,23 @@ class CompileLog(pl.Callback):
         self.per_batch: list[list[dict[str, Any]]] = []
         self._seen: set[tuple[Any, ...]] = set()
 
+    @staticmethod
+    def _records() -> list[tuple[tuple[Any, ...], Any]]:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        def key(m: Any) -> tuple[Any, ...]:
+            start = getattr(m, "start_time_us", None) or getattr(m, "start_time", None)
+            return str(getattr(m, "compile_id", None)), getattr(m, "is_forward", None), start
+
+        return [(key(m), m) for m in get_compilation_metrics()]
+
     def on_train_start(self, *args: Any) -> None:
-        self._seen = {_key(m) for m in _compilation_metrics()}
+        self._seen = {k for k, _ in self._records()}
 
     def on_train_batch_end(self, *args: Any) -> None:
-        new = [m for m in _compilation_metrics() if _key(m) not in self._seen]
-        self._seen.update(_key(m) for m in new)
-        self.per_batch.append([compilation(m) for m in new])
+        new = [(k, m) for k, m in self._records() if k not in self._seen]
+        self._seen.update(k for k, _ in new)
+        self.per_batch.append([compilation(m) for _, m in new])
 
 
 class LimitAtFraction(LimitAt):
@@ -236,25 +149,15 @@ class LimitAtFraction(LimitAt):
         super().__init__(batch_idx, 0)
         self.record, self.fraction, self.steady_from = record, fraction, steady_from
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.batch_idx:
-            start = self.record.starts[-1]
-            peak = max(self.record.peaks[self.steady_from :])
+            start, peak = self.record.starts[-1], max(self.record.peaks[self.steady_from :])
             self.limit_bytes = int(start + self.fraction * (peak - start))
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
 
-# ----------------------------------------------------------------------------- fits
-
-
 class Refused(Exception):
     """OOMRecovery refused the compiled form at setup (its message is the reason)."""
-
-
-def _is_refusal(err: BaseException) -> bool:
-    return isinstance(err, RuntimeError) and "torch.compile'd LightningModule" in str(err)
 
 
 def _fit(
@@ -274,17 +177,15 @@ def _fit(
     if form == "submodule":
         setattr(model, workload.submodule, torch.compile(getattr(model, workload.submodule), backend=backend))
     fitted = torch.compile(model, backend=backend) if form == "module" else model
+    callbacks = [device.Deadline(), *callbacks]
+    accelerator = device.current().accelerator
     trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator=device.current().accelerator,
-        callbacks=[device.Deadline(), *callbacks],
-        precision=precision,
-        **QUIET,
+        max_steps=steps, accelerator=accelerator, callbacks=callbacks, precision=precision, **QUIET
     )
     try:
-        trainer.fit(fitted, DataLoader(Cycle(batches, steps), batch_size=None))
+        trainer.fit(fitted, DataLoader(Batches(batches, steps), batch_size=None))
     except RuntimeError as err:
-        if _is_refusal(err):
+        if "torch.compile'd LightningModule" in str(err):
             raise Refused(str(err)) from err
         raise
     finally:
@@ -297,19 +198,13 @@ def calibrate(workload: Workload, batches: list[tuple[Tensor, ...]], precision: 
     peaks, starts = {}, {}
     for k in (1, CALIBRATION_K):
         record = StepRecord(collect_at=(CALIBRATION_STEPS - 1,))
-        _fit(workload, batches, CALIBRATION_STEPS, [record, _forced(k)], precision)
+        _fit(workload, batches, CALIBRATION_STEPS, [record, forced(k)], precision)
         peaks[k], starts[k] = record.peaks[-1], record.starts[-1]
     start, peak_1, peak_k = starts[1], peaks[1], peaks[CALIBRATION_K]
     lowers = peak_k < 0.97 * peak_1
-    return {
-        "start_bytes": start,
-        "peak_k1_bytes": peak_1,
-        f"peak_k{CALIBRATION_K}_bytes": peak_k,
-        "splitting_lowers_peak": lowers,
-        "limit_fraction_of_activations": ((peak_1 + peak_k) / 2 - start) / (peak_1 - start)
-        if lowers
-        else None,
-    }
+    fraction = ((peak_1 + peak_k) / 2 - start) / (peak_1 - start) if lowers else None
+    result = {"start_bytes": start, "peak_k1_bytes": peak_1, f"peak_k{CALIBRATION_K}_bytes": peak_k}
+    return {**result, "splitting_lowers_peak": lowers, "limit_fraction_of_activations": fraction}
 
 
 def run(
@@ -323,27 +218,20 @@ def run(
 ) -> dict[str, Any]:
     """One fit with OOMRecovery and its OOM at ``schedule.split_at`` (none when ``fraction`` is None)."""
     recovery = OOMRecovery(verbose=False)
-    record, compiles = StepRecord(recovery), CompileLog()
-    limit = (
-        [LimitAtFraction(record, schedule.split_at, fraction, steady_from=schedule.warmup)]
-        if fraction is not None
-        else []
-    )
+    record, compiles = StepRecord(), CompileLog()
+    limit = [LimitAtFraction(record, schedule.split_at, fraction, schedule.warmup)] if fraction else []
     started = time.perf_counter()
     error, recompiled = None, []
-    try:
-        # The limit first: its gc and empty_cache are not part of the failing batch's time.
-        trainer = _fit(
-            workload, batches, schedule.steps, [*limit, record, compiles, recovery], precision, form, backend
-        )
+    try:  # the limit first: its gc and empty_cache are not part of the failing batch's time
+        callbacks = [*limit, record, compiles, recovery]
+        trainer = _fit(workload, batches, schedule.steps, callbacks, precision, form, backend)
         recompiled = [d for d in decisions(trainer) if d.kind == "recompilation"]
     except Refused as err:
         return {"status": "refused", "reason": str(err)}
     except Exception as err:  # a failed fit is a result: report it, keep the other fits
         traceback.print_exc()
         error = f"{type(err).__name__}: {err}"
-    ms = [1e3 * s for s in record.seconds]
-    split = schedule.split_at
+    ms, split = [1e3 * s for s in record.seconds], schedule.split_at
     completed = error is None and len(ms) == schedule.steps
     result: dict[str, Any] = {
         "status": "ran" if completed else "failed",
@@ -368,6 +256,7 @@ def run(
         split_ms=ms[split],
         after_ms=statistics.median(ms[split + 1 :]),
         split_happened=bool(recovery.failures) and recovery.failures[0].batch_idx == split and recovery.k > 1,
+        splits=sum(f.batch_idx == split for f in recovery.failures),
     )
     phases = {
         "first batch": compiles.per_batch[:1],
@@ -378,11 +267,11 @@ def run(
     }
     result["compilations"] = {
         phase: {
-            "frames": sum(c["forward"] for batch in batches_ for c in batch),
-            "recompiles": sum(c["recompile"] for batch in batches_ for c in batch),
-            "seconds": sum(c["seconds"] or 0.0 for batch in batches_ for c in batch),
+            # One frame compilation, whatever records dynamo keeps of it (forward, backward, aot): its compile id.
+            "frames": len({c["compile_id"] for batch in records for c in batch}),
+            "seconds": sum(c["seconds"] or 0.0 for batch in records for c in batch),
         }
-        for phase, batches_ in phases.items()
+        for phase, records in phases.items()
     }
     return result
 
@@ -392,27 +281,22 @@ def _median(values: list[float]) -> float | None:
 
 
 def measure(
-    workload: Workload,
-    forms: list[str],
-    backend: str,
-    repeats: int,
-    schedule: Schedule,
-    precision: str,
-) -> dict[str, Any]:
+    workload: Workload, forms: list[str], backend: str, repeats: int, schedule: Schedule, precision: str
+):
     """Eager and compiled fits of one workload, interleaved over repeats; ratios per repeat, medians over them."""
-    started = time.perf_counter()
-    batches = workload.batches()
+    started, batches = time.perf_counter(), workload.batches()
     calibration = calibrate(workload, batches, precision)
     fraction = calibration["limit_fraction_of_activations"]
     fits: dict[str, list[dict[str, Any]]] = {"eager": [], **{form: [] for form in forms}}
     refused: dict[str, str] = {}
-    longest = 0.0  # the longest fit so far: inside a GPU check section, a fit that would not fit its slice is left out
+    longest = (
+        0.0  # the longest fit so far: in a GPU check section, a fit that would not fit its slice is left out
+    )
     for repeat in range(repeats):
-        order = ["eager", *forms]
-        for variant in order if repeat % 2 == 0 else order[::-1]:
+        for variant in ["eager", *forms][:: 1 if repeat % 2 == 0 else -1]:
+            left = device.remaining()
             if variant in refused:
                 continue
-            left = device.remaining()
             if left is not None and left < 1.5 * longest:
                 print(f"  {workload.name}, {variant}: left out, {left:.0f} s left in the slice", flush=True)
                 continue
@@ -436,24 +320,22 @@ def measure(
             fits[variant].append(r)
             longest = max(longest, r["wall_s"])
             print(f"  {workload.name}, {variant}: {_fit_line(r)}", flush=True)
-    result: dict[str, Any] = {
+    result = {
         "description": workload.description,
         "batch_size": workload.batch_size,
         "calibration": calibration,
-        "eager": {"fits": fits["eager"]},
-        "forms": {},
     }
+    result.update(eager={"fits": fits["eager"]}, forms={})
     for form in forms:
         if form in refused:
             result["forms"][form] = {"status": "refused", "reason": refused[form]}
-            continue
-        if not fits[form]:
+        elif not fits[form]:
             result["forms"][form] = {
                 "status": "left out",
                 "reason": "the time slice ran out before its first fit",
             }
-            continue
-        result["forms"][form] = compare(fits["eager"], fits[form])
+        else:
+            result["forms"][form] = compare(fits["eager"], fits[form])
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -462,8 +344,10 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     """The figures of one form: compiled over eager per repeat (pairs of fits that both ran), and dynamo's records."""
     pairs = [(e, c) for e, c in zip(eager, compiled) if e["status"] == c["status"] == "ran"]
     if not pairs:
-        errors = [f["error"] for f in [*eager, *compiled] if f["status"] != "ran"]
-        return {"status": "failed", "errors": errors, "fits": compiled}
+        return {
+            "status": "failed",
+            "errors": [f["error"] for f in [*eager, *compiled] if f["status"] != "ran"],
+        }
 
     def ratios(key: str) -> list[float]:
         return [c[key] / e[key] for e, c in pairs]
@@ -471,251 +355,217 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     def per_fit(phase: str, what: str) -> list[float]:
         return [c["compilations"][phase][what] for _, c in pairs]
 
+    def extra_s(key: str, base: str) -> list[float]:
+        """Seconds compiled takes over eager at batch ``key``, less its extra time at ``base``."""
+        return [1e-3 * ((c[key] - e[key]) - (c[base] - e[base])) for e, c in pairs]
+
+    split_frames, after_frames = per_fit("split batch", "frames"), per_fit("after the split", "frames")
+    split_seconds = per_fit("split batch", "seconds")
+    caused = [s + a for s, a in zip(split_frames, after_frames)]
+    per_split = [n / c["splits"] for n, (_, c) in zip(caused, pairs) if c["splits"]]
+    per_recompilation = [s / n for s, n in zip(split_seconds, split_frames) if n]
     # The split batch's extra time over eager, less the compiled fit's extra time on a batch at the split's k:
     # what is left is the recompilation (and the failed attempt's own compiled-vs-eager difference).
-    recompile_by_timing = [
-        1e-3 * ((c["split_ms"] - e["split_ms"]) - (c["after_ms"] - e["after_ms"])) for e, c in pairs
-    ]
-    first_by_timing = [
-        1e-3 * ((c["first_ms"] - c["steady_ms"]) - (e["first_ms"] - e["steady_ms"])) for e, c in pairs
-    ]
-    split_frames = per_fit("split batch", "frames")
-    after_frames = per_fit("after the split", "frames")
-    split_seconds = per_fit("split batch", "seconds")
-    return {
-        "status": "ran",
-        "repeats": len(pairs),
-        "split_happened": all(c["split_happened"] and e["split_happened"] for e, c in pairs),
-        "final_k": {"eager": [e["final_k"] for e, _ in pairs], "compiled": [c["final_k"] for _, c in pairs]},
-        "step_ms": {
-            "eager_k1": _median([e["steady_ms"] for e, _ in pairs]),
-            "compiled_k1": _median([c["steady_ms"] for _, c in pairs]),
-            "eager_after_split": _median([e["after_ms"] for e, _ in pairs]),
-            "compiled_after_split": _median([c["after_ms"] for _, c in pairs]),
-        },
-        "ratio_k1": ratios("steady_ms"),
-        "ratio_k1_median": _median(ratios("steady_ms")),
-        "ratio_after_split": ratios("after_ms"),
-        "ratio_after_split_median": _median(ratios("after_ms")),
-        "ratio_split_batch": ratios("split_ms"),
-        "first_compile_s": {
-            "dynamo": per_fit("first batch", "seconds"),
-            "dynamo_median": _median(per_fit("first batch", "seconds")),
-            "frames": per_fit("first batch", "frames"),
-            "by_timing": first_by_timing,
-        },
-        "recompilations": {
-            "at_split": split_frames,
-            "after_split": after_frames,
-            "steady_before_split": per_fit("steady", "frames"),
-            "counted_by_the_pack": [c["pack_recompilations"] for _, c in pairs],
-            "caused_by_split_median": _median([s + a for s, a in zip(split_frames, after_frames)]),
-            "seconds_per_recompilation": [s / n for s, n in zip(split_seconds, split_frames) if n],
-            "seconds_per_recompilation_median": _median(
-                [s / n for s, n in zip(split_seconds, split_frames) if n]
-            ),
-            "split_batch_dynamo_s": split_seconds,
-            "split_batch_by_timing_s": recompile_by_timing,
-            "split_batch_by_timing_s_median": _median(recompile_by_timing),
-        },
-        "fits": compiled,
+    by_timing = extra_s("split_ms", "after_ms")
+    phases = (("k1", "steady_ms"), ("after_split", "after_ms"))
+    step_ms = {
+        f"{v}_{k}": _median([p[i][key] for p in pairs]) for i, v in enumerate(VARIANTS) for k, key in phases
     }
-
-
-# ----------------------------------------------------------------------------- report
+    recompilations = {"at_split": split_frames, "after_split": after_frames}
+    recompilations["steady_before_split"] = per_fit("steady", "frames")
+    recompilations["counted_by_the_pack"] = [c["pack_recompilations"] for _, c in pairs]
+    recompilations["splits"] = [c["splits"] for _, c in pairs]
+    recompilations.update(caused_by_split_median=_median(caused), per_split_median=_median(per_split))
+    recompilations["seconds_per_recompilation"] = per_recompilation
+    recompilations["seconds_per_recompilation_median"] = _median(per_recompilation)
+    recompilations["split_batch_dynamo_s"] = split_seconds
+    recompilations.update(
+        split_batch_by_timing_s=by_timing, split_batch_by_timing_s_median=_median(by_timing)
+    )
+    first = {
+        "dynamo": per_fit("first batch", "seconds"),
+        "dynamo_median": _median(per_fit("first batch", "seconds")),
+    }
+    first.update(frames=per_fit("first batch", "frames"), by_timing=extra_s("first_ms", "steady_ms"))
+    result = {"status": "ran", "repeats": len(pairs)}
+    result["split_happened"] = all(c["split_happened"] and e["split_happened"] for e, c in pairs)
+    result["final_k"] = {
+        "eager": [e["final_k"] for e, _ in pairs],
+        "compiled": [c["final_k"] for _, c in pairs],
+    }
+    result["step_ms"] = step_ms
+    for name, key in (("ratio_k1", "steady_ms"), ("ratio_after_split", "after_ms")):
+        result.update({name: ratios(key), f"{name}_median": _median(ratios(key))})
+    result["ratio_split_batch"] = ratios("split_ms")
+    return {**result, "first_compile_s": first, "recompilations": recompilations, "fits": compiled}
 
 
 def _fit_line(r: dict[str, Any]) -> str:
     if r["status"] != "ran":
         return f"{r['status']}: {r.get('error')}"
-    c = r["compilations"]
+    first, split = r["compilations"]["first batch"], r["compilations"]["split batch"]
     return (
         f"k=1 {r['steady_ms']:.1f} ms, split batch {r['split_ms']:.0f} ms, after {r['after_ms']:.1f} ms "
-        f"(k {r['final_k']}, {r['failures']} OOM); compiled frames: first batch {c['first batch']['frames']} "
-        f"({c['first batch']['seconds']:.1f} s), split batch {c['split batch']['frames']} "
-        f"({c['split batch']['seconds']:.1f} s)"
+        f"(k {r['final_k']}, {r['failures']} OOM); compiled frames: first batch {first['frames']} "
+        f"({first['seconds']:.1f} s), split batch {split['frames']} ({split['seconds']:.1f} s)"
     )
 
 
 def _spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
+    if len(values) < 2:
+        return f"{values[0]:.2f}" if values else "-"
     return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
-def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [
-        (
-            "model",
-            "form",
-            "eager k=1 ms",
-            "compiled/eager k=1",
-            "eager after split ms",
-            "compiled/eager after split",
-            "k",
-            "first compile s",
-            "recompiles (split)",
-            "pack counted",
-            "s per recompile",
-            "split extra s (timing)",
-        )
-    ]
-    for name, w in results["models"].items():
-        for form, f in w["forms"].items():
-            if f["status"] != "ran":
-                rows.append((name, form, f["status"], *["-"] * 9))
-                continue
-            r = f["recompilations"]
-            rows.append(
-                (
-                    name,
-                    form,
-                    f"{f['step_ms']['eager_k1']:.1f}",
-                    _spread(f["ratio_k1"]),
-                    f"{f['step_ms']['eager_after_split']:.1f}",
-                    _spread(f["ratio_after_split"]),
-                    "/".join(str(k) for k in sorted(set(f["final_k"]["compiled"]))),
-                    _spread(f["first_compile_s"]["dynamo"]),
-                    "/".join(str(a + b) for a, b in zip(r["at_split"], r["after_split"])),
-                    "/".join(str(n) for n in r["counted_by_the_pack"]),
-                    _spread(r["seconds_per_recompilation"]),
-                    _spread(r["split_batch_by_timing_s"]),
-                )
-            )
-    return rows
+def _slash(values: list[Any]) -> str:
+    return "/".join(map(str, values))
 
 
-def print_table(results: dict[str, Any]) -> None:
+def report(results: dict[str, Any]) -> None:
     print(
         f"torch.compile ({results['backend']}) with OOMRecovery on {results['device']}, torch {results['torch']}, "
         f"Lightning {results['lightning']}; {results['repeats']} repeat(s), median [min-max]"
     )
-    rows = table_rows(results)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for j, row in enumerate(rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
+    rows = [
+        "model|form|eager k=1 ms|compiled/eager k=1|eager after split ms|compiled/eager after split|k|first compile s|"
+        "recompiles (split)|pack counted|s per recompile|split extra s (timing)".split("|")
+    ]
     notes: dict[str, list[str]] = {}
+    messages = []
     for name, w in results["models"].items():
         for form, f in w["forms"].items():
-            if f["status"] in ("refused", "left out"):
+            if f["status"] == "failed":
+                messages.append(f"{name}, {form}: FAILED: {'; '.join(str(e) for e in f['errors'])}")
+            elif f["status"] != "ran":
                 what = "OOMRecovery refuses it at setup" if f["status"] == "refused" else "left out"
                 notes.setdefault(f"not measured, {what}: {f['reason']}", []).append(f"{name} {form}")
-            elif f["status"] == "failed":
-                print(f"{name}, {form}: FAILED: {'; '.join(str(e) for e in f['errors'])}")
-            elif not f["split_happened"]:
-                print(f"{name}, {form}: no split happened at the limit (see calibration in the JSON)")
-            elif any(f["recompilations"]["steady_before_split"]):
-                print(f"{name}, {form}: dynamo compiled during the steady batches too (before the split)")
-    for note, cases in notes.items():
-        print(f"{', '.join(cases)}: {note}")
+            if f["status"] != "ran":
+                rows.append([name, form, f["status"], *["-"] * 9])
+                continue
+            r, ms = f["recompilations"], f["step_ms"]
+            rows.append(
+                [
+                    *(name, form, f"{ms['eager_k1']:.1f}", _spread(f["ratio_k1"])),
+                    *(f"{ms['eager_after_split']:.1f}", _spread(f["ratio_after_split"])),
+                    _slash(sorted(set(f["final_k"]["compiled"]))),
+                    _spread(f["first_compile_s"]["dynamo"]),
+                    _slash(a + b for a, b in zip(r["at_split"], r["after_split"])),
+                    _slash(r["counted_by_the_pack"]),
+                    *(_spread(r["seconds_per_recompilation"]), _spread(r["split_batch_by_timing_s"])),
+                ]
+            )
+            if not f["split_happened"]:
+                messages.append(
+                    f"{name}, {form}: no split happened at the limit (see calibration in the JSON)"
+                )
+            elif any(r["steady_before_split"]):
+                messages.append(
+                    f"{name}, {form}: dynamo compiled during the steady batches too (before the split)"
+                )
+    common.print_table(rows)
+    for message in [*messages, *(f"{', '.join(cases)}: {note}" for note, cases in notes.items())]:
+        print(message)
 
 
-# ----------------------------------------------------------------------------- main
+FORM_NAMES = {"module": "compiled LightningModule", "submodule": "compiled submodule"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def section(sizes: dict[str, Any]) -> dict[str, Any]:
+    """The check's ``compile`` section: one workload, eager and compiled in each form, an OOM forced mid-run."""
+    quiet()
+    name, schedule = sizes["model"], Schedule(**sizes["schedule"])
+    workload = (cnn if name == "cnn" else transformer)(**sizes[name])
+    result = measure(
+        workload, sizes["forms"], sizes["backend"], sizes["repeats"], schedule, sizes["precision"]
     )
+    figures, skipped = [], {}
+    for form, f in result["forms"].items():
+        label = f"{name}, {FORM_NAMES[form]} ({sizes['backend']})"
+        if f["status"] in ("refused", "left out"):
+            skipped[label] = f"{f['status']}: {f['reason']}"
+            continue
+        if f["status"] != "ran":
+            figures.append(
+                figure(f"{label}: eager and compiled fits", _slash(f["errors"]), "", "both run", False)
+            )
+            continue
+        r = f["recompilations"]
+        per_split, by_timing = r["per_split_median"], r["split_batch_by_timing_s_median"]
+        counts = (
+            f"{r['caused_by_split_median']} for {_slash(r['splits'])} split(s) of the OOM batch; "
+            f"{max(r['steady_before_split'])} in the steady batches before it; "
+            f"the pack counted {_slash(r['counted_by_the_pack'])}"
+        )
+        k_after, met = _slash(sorted(set(f["final_k"]["compiled"]))), per_split is not None and per_split <= 1
+        names = {
+            "split": f"{label}: OOM at its batch, split and recovered (k after the split)",
+            "k1": f"{label}: step time compiled / eager at k = 1",
+            "after": f"{label}: step time compiled / eager after the split",
+            "per split": f"{label}: recompilations the split caused, per split (dynamo's frame compilations: {counts})",
+            "first": f"{label}: first compilation (dynamo)",
+            "seconds": f"{label}: seconds per recompilation (dynamo; the split batch's extra time over eager: "
+            f"{by_timing:.1f} s)",
+        }
+        figures += [
+            figure(names["split"], k_after, "", "k > 1, run completes", f["split_happened"]),
+            figure(names["k1"], f["ratio_k1_median"], "x", "reported"),
+            figure(names["after"], f["ratio_after_split_median"], "x", "reported"),
+            figure(names["per split"], per_split, "", "<= 1 per split", met),
+            figure(names["first"], f["first_compile_s"]["dynamo_median"], "s", "reported"),
+            figure(names["seconds"], r["seconds_per_recompilation_median"], "s", "reported"),
+        ]
+    return {"figures": figures, "details": result, "skipped": skipped}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.arguments(__doc__, "compile.json", quick="one repeat, few steps (a smoke run)")
+    on_cuda = torch.cuda.is_available()
+    what = "cpu (SimulatedMemory forces the OOM) or cuda (a real OOM)"
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if on_cuda else "cpu", help=what)
     parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results"), help="directory for compile.json"
-    )
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu (SimulatedMemory forces the OOM) or cuda (a real OOM); default cuda where available",
-    )
-    parser.add_argument(
-        "--backend",
-        default=None,
-        help="torch.compile backend: aot_eager (default on a CPU), inductor (default on CUDA), eager, ...",
+        "--backend", help="torch.compile backend: aot_eager (default on a CPU), inductor (CUDA)"
     )
     parser.add_argument("--models", default="cnn,transformer", help="comma-separated: cnn, transformer")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated: {', '.join(FORMS)}")
     parser.add_argument(
-        "--repeats", type=int, default=None, help="interleaved repeats (default 3; --quick: 1)"
+        "--repeats", type=common.positive_int, help="interleaved repeats (default 3; --quick: 1)"
     )
-    parser.add_argument("--quick", action="store_true", help="one repeat, few steps (a smoke run)")
     args = parser.parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.forms = [f.strip() for f in args.forms.split(",") if f.strip()]
-    unknown = [m for m in args.models if m not in ("cnn", "transformer")]
-    if unknown or not args.models:
-        parser.error(f"--models must name cnn and/or transformer, got {','.join(args.models)}")
-    if not args.forms or any(f not in FORMS for f in args.forms):
-        parser.error(f"--forms must name {' and/or '.join(FORMS)}, got {','.join(args.forms)}")
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats must be a positive int, got {args.repeats}")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    models, forms = ([x.strip() for x in text.split(",") if x.strip()] for text in (args.models, args.forms))
+    if not models or any(m not in ("cnn", "transformer") for m in models):
+        parser.error(f"--models must name cnn and/or transformer, got {','.join(models)}")
+    if not forms or any(f not in FORMS for f in forms):
+        parser.error(f"--forms must name {' and/or '.join(FORMS)}, got {','.join(forms)}")
+    if args.device == "cuda" and not on_cuda:
         parser.error(
             "--device cuda: no CUDA device visible (torch.cuda.is_available() is False); use --device cpu"
         )
-    args.backend = args.backend or ("inductor" if args.device == "cuda" else "aot_eager")
-    return args
-
-
-def quiet() -> None:
-    """Lightning's and dynamo's chatter off (the benchmark prints its own lines)."""
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_gpuopt"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*TF32.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    # SimulatedMemory's global module hooks (the CPU stand-in for the device) make torch.compile say so.
-    warnings.filterwarnings("ignore", message=r".*torch.compile\(module\)` when there are global hooks.*")
-    os.environ.setdefault("LIGHTNING_DISABLE_TIPS", "1")
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    on_cuda = args.device == "cuda"
+    backend = args.backend or ("inductor" if on_cuda else "aot_eager")
+    precision = "bf16-mixed" if on_cuda else "32-true"
     quiet()
     repeats = args.repeats or (1 if args.quick else 3)
-    schedule = Schedule(warmup=2, steady=3, after=3) if args.quick else Schedule(warmup=3, steady=6, after=6)
-    on_cuda = args.device == "cuda"
+    schedule = Schedule(2, 3, 3) if args.quick else Schedule(3, 6, 6)
     if not on_cuda:
         torch.set_num_threads(1)
-    precision = "bf16-mixed" if on_cuda else "32-true"
     started = time.perf_counter()
-    the_device = device.CudaDevice() if on_cuda else device.SimulatedDevice()
     results: dict[str, Any] = {
         "benchmark": "compile",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **common.environment(backend=backend, precision=precision, quick=args.quick, repeats=repeats),
         "device": torch.cuda.get_device_name(0) if on_cuda else "cpu (SimulatedMemory)",
-        "backend": args.backend,
-        "precision": precision,
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "quick": args.quick,
-        "repeats": repeats,
         "schedule": {"warmup": schedule.warmup, "steady": schedule.steady, "after": schedule.after},
         "step_time": "on_train_batch_start to on_train_batch_end, synchronised; per fit the median of its batches",
         "models": {},
     }
     listed = workloads(args.device)
-    with device.use(the_device):
-        for name in args.models:
+    with device.use(device.CudaDevice() if on_cuda else device.SimulatedDevice()):
+        for name in models:
             print(f"{name}: calibration, then eager and compiled fits ({repeats} repeat(s)) ...", flush=True)
-            results["models"][name] = measure(
-                listed[name], args.forms, args.backend, repeats, schedule, precision
-            )
-    results["wall_s"] = time.perf_counter() - started
+            results["models"][name] = measure(listed[name], forms, backend, repeats, schedule, precision)
     print()
-    print_table(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "compile.json"
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(f"\nwrote {path} ({results['wall_s']:.0f} s)")
-    failed = any(f["status"] == "failed" for w in results["models"].values() for f in w["forms"].values())
-    return 1 if failed else 0
+    report(results)
+    common.write_json(args.out, "compile.json", results, started)
+    return int(any(f["status"] == "failed" for w in results["models"].values() for f in w["forms"].values()))
 
 
 if __name__ == "__main__":

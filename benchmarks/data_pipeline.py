@@ -4,58 +4,30 @@
     python benchmarks/data_pipeline.py --quick          # smoke run, under a minute
     python benchmarks/data_pipeline.py --device cuda    # adds "defaults without device prefetch" (GPU section `data`)
 
-The workload is CPU-heavy on purpose, like an image pipeline that decodes and augments on the fly:
-generated images are stored JPEG-encoded in memory (made once, deterministic, no downloads); each
-sample is decoded (``torchvision.io.decode_jpeg``) and augmented (``RandomResizedCrop``, horizontal
-flip, ``ColorJitter``, normalisation) when it is loaded. Two models consume it:
-
-- **resnet18**: a torchvision ResNet-18 trained on the device. On a CPU-only machine its compute
-  competes with the loader workers for the same cores, so this row shows the trade-off on CPU.
-- **device stand-in** (CPU runs only): a linear classifier whose step also waits ``--standin-ms``
-  (default 60 ms) without using a CPU, as the host does while a GPU computes a step. This is the
-  situation the pipeline is built for: host CPUs are free to load the next batches during the step.
-
-Configurations, interleaved (naive, defaults, ..., then the reverse order) so that drift on a
-shared machine hits them alike:
-
-- **naive**: ``num_workers=0``, ``pin_memory=False``, ``device_prefetch=False`` -- the DataLoader's
-  own defaults: every batch is decoded and augmented in the training process, between steps;
-- **defaults**: ``GPUOptDataModule``'s defaults (``num_workers="auto"``, ``pin_memory="auto"``,
-  ``device_prefetch="auto"``, persistent workers, ``prefetch_factor=2``), resolved for this machine;
-- **defaults, no device prefetch** (CUDA only): the defaults with ``device_prefetch=False``, to see
-  what copying the next batch on a side stream adds.
-
-Per fit: the data-wait fraction that :class:`~lightning_gpuopt.DataStallMonitor` measured over the
-epoch (its first step excluded; on CUDA from CUDA events, on CPU from the wall clock) and samples/s
-over the steady steps (wall clock from the end of the first step to the end of the last, the device
-synchronised at both ends on CUDA). Reported: per configuration the median over repeats with the
-spread (min-max), and the median per-repeat ratio of samples/s to naive.
-
-Writes ``data_pipeline.json`` to ``--out``. Timing targets are reported, not enforced: CPU timings on
-a shared machine are noisy.
+A CPU-heavy pipeline on purpose: generated images stored JPEG-encoded in memory, each sample decoded and
+augmented (``RandomResizedCrop``, flip, ``ColorJitter``, normalisation) when loaded. Two models consume it:
+a torchvision ResNet-18 (on a CPU its compute competes with the loader workers for the cores), and on a
+CPU a **device stand-in**: a linear classifier whose step also waits ``--standin-ms`` off the CPU, as the
+host does while a GPU computes. Configurations, interleaved: **naive** (``num_workers=0``, no pinning, no
+device prefetch: the DataLoader's defaults), GPUOptDataModule's **defaults** (resolved for this machine),
+and on CUDA the **defaults without device prefetch**. Per fit: the data-wait fraction DataStallMonitor
+measured (first step excluded) and samples/s over the steady steps (from the end of the first step to the
+end of the last, synchronised on CUDA); per configuration the median over repeats with its spread, and
+the median per-repeat ratio to naive. Writes ``data_pipeline.json``; targets are reported, not enforced.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import logging
-import os
-import platform
-import statistics
 import time
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import lightning
+import common
 import lightning.pytorch as pl
 import torch
 import torchvision
+from common import QUIET, Classifier, figure, spread
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
@@ -84,22 +56,16 @@ class EncodedImages(Dataset):
             row, col = divmod(label, 4)
             image[:, row * cell : (row + 1) * cell, col * cell : (col + 1) * cell] = 230
             self.encoded.append(torchvision.io.encode_jpeg(image, quality=quality))
-        self.augment = v2.Compose(
-            [
-                v2.RandomResizedCrop(CROP, scale=(0.6, 1.0), antialias=True),
-                v2.RandomHorizontalFlip(),
-                v2.ColorJitter(brightness=0.3, contrast=0.3, saturation=0.3),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25]),
-            ]
-        )
+        jitter = v2.ColorJitter(brightness=0.3, contrast=0.3, saturation=0.3)
+        crop = v2.RandomResizedCrop(CROP, scale=(0.6, 1.0), antialias=True)
+        scale = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=[0.5] * 3, std=[0.25] * 3)]
+        self.augment = v2.Compose([crop, v2.RandomHorizontalFlip(), jitter, *scale])
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = torchvision.io.decode_jpeg(self.encoded[i])
-        return self.augment(image), self.labels[i]
+        return self.augment(torchvision.io.decode_jpeg(self.encoded[i])), self.labels[i]
 
 
 class ImageData(GPUOptDataModule):
@@ -113,34 +79,28 @@ class ImageData(GPUOptDataModule):
         return self._train
 
 
-class Classifier(pl.LightningModule):
-    """ResNet-18 (``standin_ms=0``), or a linear classifier whose step also waits ``standin_ms`` off the CPU."""
+class DeviceStandIn(nn.Module):
+    """A linear classifier whose forward also waits ``ms`` off the CPU: the host while a device computes."""
 
-    def __init__(self, standin_ms: float = 0.0) -> None:
+    def __init__(self, ms: float) -> None:
         super().__init__()
-        if standin_ms:
-            self.net = nn.Sequential(nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(3 * 64, NUM_CLASSES))
-        else:
-            self.net = torchvision.models.resnet18(num_classes=NUM_CLASSES)
-        self.standin_s = standin_ms / 1e3
+        self.seconds = ms / 1e3
+        self.net = nn.Sequential(nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(3 * 64, NUM_CLASSES))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        if self.standin_s:
-            time.sleep(self.standin_s)  # the device computing: the host waits, its CPUs are free
-        return F.cross_entropy(self.net(x), y)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)  # the device computing: the host waits, its CPUs are free
+        return self.net(x)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+def _network(standin_ms: float) -> nn.Module:
+    return DeviceStandIn(standin_ms) if standin_ms else torchvision.models.resnet18(num_classes=NUM_CLASSES)
 
 
 class Throughput(pl.Callback):
-    """Wall-clock samples/s from the end of the first step to the end of the last (device synchronised there)."""
+    """Wall clock from the end of the first step to the end of the epoch (the device synchronised there)."""
 
     def __init__(self) -> None:
-        self.samples = 0
-        self.start: float | None = None
-        self.end: float | None = None
+        self.samples, self.start, self.end = 0, None, None
 
     def _now(self, trainer: pl.Trainer) -> float:
         if trainer.strategy.root_device.type == "cuda":
@@ -148,23 +108,13 @@ class Throughput(pl.Callback):
         return time.perf_counter()
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: nn.Module, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int
     ) -> None:
-        if self.start is None:
-            self.start = self._now(trainer)
-        else:
-            self.samples += len(batch[1])
+        self.samples += len(batch[1]) if self.start is not None else 0
+        self.start = self.start or self._now(trainer)
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: nn.Module) -> None:
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.end = self._now(trainer)
-
-    @property
-    def samples_per_s(self) -> float:
-        return (
-            self.samples / (self.end - self.start)
-            if self.start and self.end and self.end > self.start
-            else 0.0
-        )
 
 
 @dataclass(frozen=True)
@@ -175,47 +125,32 @@ class Config:
 
 
 def configs(device: str) -> list[Config]:
-    naive = Config(
-        "naive",
-        {"num_workers": 0, "pin_memory": False, "device_prefetch": False, "persistent_workers": False},
-        "num_workers=0, pin_memory=False, device_prefetch=False (the DataLoader's defaults)",
-    )
-    defaults = Config(
-        "defaults", {}, "GPUOptDataModule defaults (num_workers/pin_memory/device_prefetch 'auto')"
-    )
-    out = [naive, defaults]
+    naive = {"num_workers": 0, "pin_memory": False, "device_prefetch": False, "persistent_workers": False}
+    listed = [
+        Config(
+            "naive",
+            naive,
+            "num_workers=0, pin_memory=False, device_prefetch=False (the DataLoader's defaults)",
+        ),
+        Config("defaults", {}, "GPUOptDataModule defaults (num_workers/pin_memory/device_prefetch 'auto')"),
+    ]
     if device == "cuda":
-        out.append(
-            Config(
-                "defaults, no device prefetch",
-                {"device_prefetch": False},
-                "the defaults with device_prefetch=False",
-            )
-        )
-    return out
+        no_prefetch = "the defaults with device_prefetch=False"
+        listed.append(Config("defaults, no device prefetch", {"device_prefetch": False}, no_prefetch))
+    return listed
 
 
-def fit_once(
-    config: Config, dataset: EncodedImages, batch_size: int, device: str, standin_ms: float
-) -> dict[str, Any]:
+def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: str, standin_ms: float) -> dict:
     pl.seed_everything(0, verbose=False)
     data = ImageData(dataset, batch_size=batch_size, **config.loader)
     monitor, throughput = DataStallMonitor(window=10_000), Throughput()  # window: never warn mid-benchmark
     trainer = pl.Trainer(
-        accelerator=device,
-        devices=1,
-        max_epochs=1,
-        precision="32-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor, throughput],
+        accelerator=device, max_epochs=1, precision="32-true", callbacks=[monitor, throughput], **QUIET
     )
-    trainer.fit(Classifier(standin_ms), datamodule=data)
+    trainer.fit(Classifier(lambda: _network(standin_ms), lr=0.05), datamodule=data)
     epoch = monitor.history[0]
     return {
-        "samples_per_s": throughput.samples_per_s,
+        "samples_per_s": throughput.samples / (throughput.end - throughput.start),
         "wait_fraction": epoch.fraction,
         "steps_measured": epoch.steps,
         "wait_ms_per_step": 1e3 * epoch.wait_s / max(1, epoch.steps),
@@ -224,10 +159,6 @@ def fit_once(
         "pin_memory": data.resolved_pin_memory(),
         "device_prefetch": data.resolved_device_prefetch(),
     }
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def measure(
@@ -240,130 +171,129 @@ def measure(
     )  # untimed warm-up
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in variants}
     for r in range(repeats):
-        order = variants if r % 2 == 0 else variants[::-1]
-        for config in order:
+        for config in variants if r % 2 == 0 else variants[::-1]:
             print(f"  repeat {r + 1}/{repeats}: {config.name} ...", flush=True)
             runs[config.name].append(fit_once(config, dataset, batch_size, device, standin_ms))
-    naive = runs["naive"]
     results: dict[str, Any] = {}
     for config in variants:
         fits = runs[config.name]
         results[config.name] = {
             "description": config.description,
             "settings": {k: fits[0][k] for k in ("num_workers", "pin_memory", "device_prefetch")},
-            "samples_per_s": _spread([f["samples_per_s"] for f in fits]),
-            "wait_fraction": _spread([f["wait_fraction"] for f in fits]),
-            "wait_ms_per_step": _spread([f["wait_ms_per_step"] for f in fits]),
-            "compute_ms_per_step": _spread([f["compute_ms_per_step"] for f in fits]),
-            "speedup_vs_naive": _spread(
-                [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, naive)]
+            **{key: spread([f[key] for f in fits]) for key in ("samples_per_s", "wait_fraction")},
+            **{key: spread([f[key] for f in fits]) for key in ("wait_ms_per_step", "compute_ms_per_step")},
+            "speedup_vs_naive": spread(
+                [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, runs["naive"])]
             ),
             "fits": fits,
         }
     return results
 
 
-def print_table(results: dict[str, Any]) -> None:
+def gpu_section(sizes: dict[str, Any]) -> dict[str, Any]:
+    """The GPU check's ``data`` section: the configurations on its device (the CPU in the dry run)."""
+    from gpu import device
+
+    on_cuda = device.current().kind == "cuda"
+    runs = measure("cuda" if on_cuda else "cpu", sizes["repeats"], sizes["steps"], sizes["batch"])
+    figures = [
+        figure(f"data pipeline, {name}: samples/s", r["samples_per_s"]["median"], "samples/s")
+        for name, r in runs.items()
+    ]
+    speedup = runs["defaults"]["speedup_vs_naive"]["median"]
+    figures.append(
+        figure(
+            "data pipeline: defaults over naive settings",
+            speedup,
+            "x",
+            "> 1",
+            speedup > 1 if on_cuda else None,
+        )
+    )
+    skipped = {}
+    if "defaults, no device prefetch" in runs:
+        gain = (
+            runs["defaults"]["samples_per_s"]["median"]
+            / runs["defaults, no device prefetch"]["samples_per_s"]["median"]
+        )
+        figures.append(
+            figure(
+                "data pipeline: device prefetch gain (defaults over defaults without it)",
+                gain,
+                "x",
+                "reported",
+            )
+        )
+    else:
+        skipped["device prefetch"] = (
+            "device prefetch copies on a CUDA side stream; a CPU run has no device copy"
+        )
+    for r in runs.values():
+        r.pop("fits", None)
+    return {"figures": figures, "details": runs, "skipped": skipped}
+
+
+def report(results: dict[str, Any]) -> None:
     rows = [
-        (
-            "model",
-            "configuration",
-            "workers",
-            "pinned",
-            "dev. prefetch",
-            "samples/s (median, min-max)",
-            "data-wait fraction (median, min-max)",
-            "wait / compute ms per step",
-            "speed-up vs naive (median, min-max)",
+        "model|configuration|workers|pinned|dev. prefetch|samples/s (median, min-max)|"
+        "data-wait fraction (median, min-max)|wait / compute ms per step|speed-up vs naive (median, min-max)".split(
+            "|"
         )
     ]
     for model, configurations in results["models"].items():
         for name, r in configurations.items():
-            s, w, x = r["samples_per_s"], r["wait_fraction"], r["speedup_vs_naive"]
+            s, w, x, settings = r["samples_per_s"], r["wait_fraction"], r["speedup_vs_naive"], r["settings"]
             rows.append(
-                (
-                    model,
-                    name,
-                    str(r["settings"]["num_workers"]),
-                    str(r["settings"]["pin_memory"]),
-                    str(r["settings"]["device_prefetch"]),
+                [
+                    *(
+                        model,
+                        name,
+                        settings["num_workers"],
+                        settings["pin_memory"],
+                        settings["device_prefetch"],
+                    ),
                     f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
                     f"{w['median']:.0%} ({w['min']:.0%}-{w['max']:.0%})",
                     f"{r['wait_ms_per_step']['median']:.0f} / {r['compute_ms_per_step']['median']:.0f}",
                     f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})",
-                )
+                ]
             )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for j, row in enumerate(rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results"), help="directory for data_pipeline.json"
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
-    parser.add_argument(
-        "--repeats", type=int, default=None, help="interleaved repeats (default 5; --quick: 1)"
-    )
-    parser.add_argument("--steps", type=int, default=None, help="steps per fit (default 30; --quick: 8)")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")
-    parser.add_argument(
-        "--standin-ms",
-        type=float,
-        default=60.0,
-        help="device time per step of the stand-in model (CPU runs; default 60 ms)",
-    )
-    parser.add_argument("--quick", action="store_true", help="smoke mode: one repeat of a few steps")
-    args = parser.parse_args(argv)
-    for name in ("repeats", "steps", "batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be a positive int, got {value}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
-    return args
+    common.print_table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 5)
-    steps = args.steps or (8 if args.quick else 30)
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_gpuopt"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    parser = common.arguments(__doc__, "data_pipeline.json", quick="smoke mode: one repeat of a few steps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
+    parser.add_argument(
+        "--repeats", type=common.positive_int, help="interleaved repeats (default 5; --quick: 1)"
+    )
+    parser.add_argument("--steps", type=common.positive_int, help="steps per fit (default 30; --quick: 8)")
+    parser.add_argument(
+        "--batch-size", type=common.positive_int, default=32, help="samples per step (default 32)"
+    )
+    parser.add_argument(
+        "--standin-ms", type=float, default=60.0, help="device time per step of the stand-in model (CPU runs)"
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    repeats, steps = args.repeats or (1 if args.quick else 5), args.steps or (8 if args.quick else 30)
+    common.quiet()
     started = time.perf_counter()
     results: dict[str, Any] = {
         "benchmark": "data_pipeline",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "torchvision": torchvision.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "available_cpus": available_cpus(),
-        "torch_threads": torch.get_num_threads(),
-        "workload": f"JPEG {IMAGE_SIZE}x{IMAGE_SIZE} decode + RandomResizedCrop({CROP}) + flip + ColorJitter + normalize "
-        f"per sample; torchvision ResNet-18 ({NUM_CLASSES} classes), SGD",
-        "batch_size": args.batch_size,
-        "steps": steps,
-        "repeats": repeats,
+        **common.environment(torchvision=torchvision.__version__, available_cpus=available_cpus()),
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "workload": f"JPEG {IMAGE_SIZE}x{IMAGE_SIZE} decode + RandomResizedCrop({CROP}) + flip + ColorJitter + "
+        f"normalize per sample; torchvision ResNet-18 ({NUM_CLASSES} classes), SGD",
+        **{"batch_size": args.batch_size, "steps": steps, "repeats": repeats, "models": {}},
     }
     print(
-        f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {args.batch_size}",
-        flush=True,
+        f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {args.batch_size}"
     )
     models = {"resnet18": 0.0}
     if args.device == "cpu":
         models[f"device stand-in ({args.standin_ms:g} ms)"] = args.standin_ms
-    results["models"] = {}
     for model, standin_ms in models.items():
         print(f"{model}:", flush=True)
         results["models"][model] = measure(args.device, repeats, steps, args.batch_size, standin_ms)
@@ -372,18 +302,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "model": model,
             "metric": "samples/s with the defaults over naive settings (median of per-repeat ratios)",
             "threshold": "> 1.0",
-            "value": (v := r["defaults"]["speedup_vs_naive"]["median"]),
-            "met": v > 1.0,
+            "value": r["defaults"]["speedup_vs_naive"]["median"],
+            "met": r["defaults"]["speedup_vs_naive"]["median"] > 1.0,
         }
         for model, r in results["models"].items()
     ]
-    results["wall_s"] = time.perf_counter() - started
     print()
-    print_table(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "data_pipeline.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {path} ({results['wall_s']:.0f} s)")
+    report(results)
+    common.write_json(args.out, "data_pipeline.json", results, started)
     return results
 
 

@@ -15,16 +15,13 @@ wall time useless); on CUDA, wall time synchronised at both ends. Writes ``loss_
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from common import QUIET, StepClock, arguments, write_json
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import OOMRecovery
@@ -83,62 +80,34 @@ def _model(kind: str, width: int, layers: int, vocab: int, length: int) -> torch
     return tf.BertForMaskedLM(config)
 
 
-class _Clock:
-    def __init__(self, device: str) -> None:
-        self.device = device
-
-    def now(self) -> float:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        return time.process_time()
-
-
-class StepTimes(pl.Callback):
-    def __init__(self, clock: _Clock) -> None:
-        self.clock, self.times, self._start = clock, [], 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = self.clock.now()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(self.clock.now() - self._start)
-
-
 def measure(kind: str, device: str, quick: bool) -> dict:
     width, layers, vocab, length, batch = (64, 2, 500, 32, 16) if quick else (128, 4, 2000, 64, 32)
     steps = 3 if quick else 8
-    clock = _Clock(device)
+    sync = torch.cuda.synchronize if device == "cuda" else None
     check_times: list[float] = []
     decide = lw.LossWeighting._decide
 
+    def now() -> float:  # CPU time on a CPU (shared cores), the synchronised wall clock on CUDA
+        return StepClock(sync).now()[0 if sync else 1]
+
     def timed(self, *args, **kwargs):
-        start = clock.now()
+        start = now()
         try:
             return decide(self, *args, **kwargs)
         finally:
-            check_times.append(clock.now() - start)
+            check_times.append(now() - start)
 
     lw.LossWeighting._decide = timed
     try:
         oom = OOMRecovery(verbose=False)
         oom.load_state_dict({"k": 2})
-        timer = StepTimes(clock)
-        trainer = pl.Trainer(
-            accelerator=device,
-            devices=1,
-            max_steps=steps,
-            callbacks=[oom, timer],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        timer = StepClock(sync)
+        trainer = pl.Trainer(accelerator=device, max_steps=steps, callbacks=[oom, timer], **QUIET)
         data = Padded(batch * steps, length, vocab, masked=kind != "gpt2-causal-lm")
         trainer.fit(Module(_model(kind, width, layers, vocab, length)), DataLoader(data, batch_size=batch))
     finally:
         lw.LossWeighting._decide = decide
-    step = statistics.median(timer.times[1:])
+    step = statistics.median(timer.durations(0 if sync else 1)[1:])
     return {
         "workload": kind,
         "batch": batch,
@@ -151,10 +120,8 @@ def measure(kind: str, device: str, quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = arguments(__doc__, "loss_weighting.json", out="build/benchmarks", quick="smoke run (CI)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--out", default="build/benchmarks")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.device == "cpu":
@@ -166,10 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['workload']:<16} {r['weighting']:<42} {r['check_ms']:>9.1f} {r['step_ms']:>9.1f} "
             f"{r['check_percent_of_step']:>9.1f}%"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "device": args.device, "quick": args.quick}
-    (out / "loss_weighting.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_json(args.out, "loss_weighting.json", {"meta": meta, "rows": rows})
     return 0
 
 

@@ -2,62 +2,45 @@
 
     python benchmarks/precision.py                  # full run: 2-3 minutes on 2 shared CPU cores
     python benchmarks/precision.py --quick          # smoke run for CI, under a minute
-    python benchmarks/precision.py --device cuda    # the same on a GPU, plus tf32 (GPU section: gpu/precision.py)
+    python benchmarks/precision.py --device cuda    # the same on a GPU, plus tf32 (the GPU check: gpu/speed.py)
     python benchmarks/precision.py --out DIR --repeats 5
 
-For each workload (a small MLP, and a small causal transformer LM: the models of the OOM
-benchmarks, made small because a CPU without AVX512-BF16/AMX runs float16 and bfloat16 autocast
-about 10x slower than float32), at the same batch in every configuration:
-
-1. **Speed and loss per precision**: samples/s and the final loss for ``32-true``, ``bf16-mixed`` and
-   ``16-mixed`` (on a CPU: real float16 autocast through ``MixedPrecision("16-mixed", "cpu")`` with a
-   GradScaler; Lightning's own ``precision="16-mixed"`` turns into bf16 there), plus ``tf32`` on CUDA
-   (``32-true`` with TF32 matmuls and convolutions). A configuration is *stable* when its last losses
-   are finite and, for ``16-mixed``, the GradScaler's scale stays >= 1.
-2. **Cost when healthy**: ``PrecisionSwitch(initial="keep")`` over plain Lightning in ``32-true`` (every
-   optimizer step checks loss and gradients: one host sync) and in ``16-mixed`` (no check: the
-   GradScaler already knows). Target: median ratio <= 1.02 (silent when healthy; docs/benchmarks.md).
-3. **The automatic choice**: ``PrecisionSwitch()`` (``initial="auto"``) with its watch, against the
-   fastest stable configuration of (1). Target: within 5 % (ratio of samples/s >= 0.95).
-
-Samples/s of a fit: the batch over its step time after the warm-up (on CUDA the mean wall time over
-the timed steps, synchronised at both ends only; on a CPU, with one intra-op thread, the median CPU
-time of this process per step, as other jobs on shared cores make wall time useless: one fit's
-median step ranged over 25x on the development machine). Configurations run
-interleaved (in alternating order) after one untimed fit per workload; each figure is the median over
-repeats, with its spread. On a CPU the float32 configurations time 5x more steps (theirs are about 10x
-shorter), so that every fit lasts long enough to measure. Writes ``precision.json`` to ``--out``; the targets are reported (``met``),
-not enforced, as CPU timings on a shared machine are noisy.
+For a small MLP and a small causal transformer LM (small: a CPU without AVX512-BF16/AMX runs float16 and
+bfloat16 autocast about 10x slower than float32), at the same batch in every configuration: samples/s and
+the final loss for ``32-true``, ``bf16-mixed``, ``16-mixed`` (on a CPU real float16 autocast through
+``MixedPrecision("16-mixed", "cpu")`` with a GradScaler) and on CUDA ``tf32``; a configuration is
+*stable* when its last losses are finite and its GradScaler's scale stays >= 1. The cost when healthy:
+``PrecisionSwitch(initial="keep")`` over plain Lightning in ``32-true`` (a host sync per step) and
+``16-mixed`` (none), target <= 1.02. The automatic choice, ``PrecisionSwitch()``, against the fastest
+stable configuration: target within 5 %. Samples/s: the batch over the step time after the warm-up (on
+CUDA the wall time synchronised at both ends only; on a CPU, one intra-op thread, the median CPU time
+of this process per step; float32 configurations time 5x more steps). Configurations run interleaved
+after one untimed fit; figures are medians over repeats. Writes ``precision.json``; the targets are
+reported, not enforced.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import gc
 import itertools
-import json
-import logging
 import math
-import os
-import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import lightning
+import common
 import lightning.pytorch as pl
 import torch
-from gpu.oom import CausalLM, Cycle, _token_batches
+from common import Batches, Classifier, mlp
+from common import spread as summary
+from gpu.oom import CausalLM, token_batches
+from gpu.speed import tf32
 from lightning.pytorch.plugins import MixedPrecision
-from oom_recovery import Classifier, _features, summary
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import PrecisionSwitch
@@ -66,10 +49,6 @@ OVERHEAD_TARGET = 1.02
 CPU_FAST_STEPS = 5
 AUTO_TARGET = 0.95
 LOSS_TAIL = 3  # the final loss: mean of the last few steps' losses
-
-
-# ----------------------------------------------------------------------------- workloads
-# The models and batches of the OOM benchmarks (benchmarks/oom_recovery.py, benchmarks/gpu/oom.py), reused.
 
 
 @dataclass(frozen=True)
@@ -83,34 +62,18 @@ class Workload:
 
 def _feature_batches(n: int, count: int = 4) -> list[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
-    return [_features(256)(n, g) for _ in range(count)]
-
-
-def _small_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return [(torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(count)]
 
 
 def cpu_workloads() -> list[Workload]:
     """Small, because float16/bfloat16 autocast on a CPU without AVX512-BF16/AMX is about 10x slower than float32."""
+    small = lambda: Classifier(lambda: mlp(256, 512, 512, 10))  # noqa: E731
+    lm = lambda: CausalLM(vocab=512, width=64, heads=2, layers=1, seq_len=32)  # noqa: E731
+    lm_name = "causal LM: nn.TransformerEncoder 1 x 64 wide, 2 heads, 32 tokens, vocab 512, AdamW"
     return [
-        Workload(
-            "mlp",
-            "MLP 256-512-512-10, ReLU, SGD momentum",
-            lambda: Classifier(_small_mlp),
-            lambda: _feature_batches(128),
-            batch_size=128,
-        ),
-        Workload(
-            "transformer",
-            "causal LM: nn.TransformerEncoder 1 x 64 wide, 2 heads, 32 tokens, vocab 512, AdamW",
-            lambda: CausalLM(vocab=512, width=64, heads=2, layers=1, seq_len=32),
-            lambda: _token_batches(16, seq_len=32, vocab=512, count=4),
-            batch_size=16,
-        ),
+        Workload("mlp", "MLP 256-512-512-10, ReLU, SGD momentum", small, lambda: _feature_batches(128), 128),
+        Workload("transformer", lm_name, lm, lambda: token_batches(16, seq_len=32, vocab=512, count=4), 16),
     ]
-
-
-# ----------------------------------------------------------------------------- configurations
 
 
 @dataclass(frozen=True)
@@ -134,30 +97,22 @@ class Config:
 
 
 def configs(device: str) -> list[Config]:
-    cpu = device == "cpu"
+    cpu = device == "cpu"  # on a CPU only the plugin gives real float16
+    keep = lambda **kwargs: lambda: PrecisionSwitch(initial="keep", verbose=False, **kwargs)  # noqa: E731
     listed = [
         Config("32-true", "32-true", fp32_on_cpu=True),
         Config("bf16-mixed", "bf16-mixed"),
-        Config("16-mixed", "16-mixed", fp16_plugin=cpu),  # on a CPU only the plugin gives real float16
-        Config(
-            "switch 32-true",
-            "32-true",
-            fp32_on_cpu=True,
-            switch=lambda: PrecisionSwitch(initial="keep", tf32=False, verbose=False),
-        ),
-        Config(
-            "switch 16-mixed",
-            "16-mixed",
-            fp16_plugin=cpu,
-            switch=lambda: PrecisionSwitch(initial="keep", verbose=False),
-        ),
+        Config("16-mixed", "16-mixed", fp16_plugin=cpu),
+        Config("switch 32-true", "32-true", fp32_on_cpu=True, switch=keep(tf32=False)),
+        Config("switch 16-mixed", "16-mixed", fp16_plugin=cpu, switch=keep()),
+        # auto picks 32-true on a CPU
         Config(
             "auto",
             None,
             switch=lambda: PrecisionSwitch(verbose=False),
             explicit_fp32_math=False,
             fp32_on_cpu=True,
-        ),  # auto picks 32-true on a CPU
+        ),
     ]
     if not cpu:
         listed.insert(1, Config("tf32", "32-true", tf32=True))
@@ -166,32 +121,6 @@ def configs(device: str) -> list[Config]:
 
 PRECISIONS = ("32-true", "tf32", "bf16-mixed", "16-mixed")
 OVERHEAD_PAIRS = {"switch 32-true": "32-true", "switch 16-mixed": "16-mixed"}
-
-
-class Fp32Math:
-    """``tf32=True``: TF32 matmuls and cuDNN convolutions; ``False``: exact float32 (restored on exit)."""
-
-    def __init__(self, tf32: bool) -> None:
-        self.mode = "tf32" if tf32 else "ieee"
-
-    def __enter__(self) -> None:
-        matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
-        if hasattr(matmul, "fp32_precision"):
-            self.saved = (matmul.fp32_precision, conv.conv.fp32_precision)
-            matmul.fp32_precision = conv.conv.fp32_precision = self.mode
-        else:  # torch < 2.9
-            self.saved = (matmul.allow_tf32, conv.allow_tf32)
-            matmul.allow_tf32 = conv.allow_tf32 = self.mode == "tf32"
-
-    def __exit__(self, *exc: Any) -> None:
-        matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
-        if hasattr(matmul, "fp32_precision"):
-            matmul.fp32_precision, conv.conv.fp32_precision = self.saved
-        else:
-            matmul.allow_tf32, conv.allow_tf32 = self.saved
-
-
-# ----------------------------------------------------------------------------- one fit
 
 
 class Window(pl.Callback):
@@ -209,7 +138,7 @@ class Window(pl.Callback):
         self.ends: list[tuple[float, float]] = []
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(outputs["loss"].detach())
         if self.sync and batch_idx in (self.warmup - 1, trainer.max_steps - 1):
@@ -225,39 +154,24 @@ class Window(pl.Callback):
 
 
 def fit(
-    workload: Workload,
-    config: Config,
-    batches: list[tuple[Tensor, ...]],
-    device: str,
-    warmup: int,
-    steps: int,
-    loss_at: int | None = None,
-) -> dict[str, Any]:
-    """One seeded fit; the final loss is the mean over the ``LOSS_TAIL`` steps before ``loss_at`` (default: the end)."""
+    workload: Workload, config: Config, batches: list, device: str, warmup: int, steps: int, loss_at: int
+) -> dict:
+    """One seeded fit; the final loss is the mean over the ``LOSS_TAIL`` steps before ``loss_at``."""
     pl.seed_everything(0, verbose=False)
     gc.collect()
     window = Window(warmup, sync=device == "cuda")
     switch = config.switch() if config.switch else None
-    trainer = pl.Trainer(
-        max_steps=warmup + steps,
-        accelerator=device,
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[window] + ([switch] if switch else []),
-        **config.trainer_kwargs(device),
-    )
+    callbacks = [window] + ([switch] if switch else [])
+    kwargs = {**common.QUIET, **config.trainer_kwargs(device)}
+    trainer = pl.Trainer(max_steps=warmup + steps, accelerator=device, callbacks=callbacks, **kwargs)
     explicit = device == "cuda" and config.explicit_fp32_math
-    with Fp32Math(config.tf32) if explicit else contextlib.nullcontext():
-        trainer.fit(workload.module(), DataLoader(Cycle(batches, warmup + steps), batch_size=None))
+    with tf32(config.tf32) if explicit else contextlib.nullcontext():
+        trainer.fit(workload.module(), DataLoader(Batches(batches, warmup + steps), batch_size=None))
     losses = [float(v) for v in window.losses]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale = float(scaler.get_scale()) if scaler is not None else None
     tail = losses[-LOSS_TAIL:]
-    compared = losses[(loss_at or len(losses)) - LOSS_TAIL : loss_at or len(losses)]
+    compared = losses[loss_at - LOSS_TAIL : loss_at]
     return {
         "samples_per_s": workload.batch_size / window.step_seconds(1 if device == "cpu" else 0),
         "wall_samples_per_s": workload.batch_size / window.step_seconds(0),
@@ -269,21 +183,18 @@ def fit(
     }
 
 
-# ----------------------------------------------------------------------------- one workload
-
-
 def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: int) -> dict[str, Any]:
     listed = configs(device)
     batches = [tuple(t.to(device) for t in b) for b in workload.batches()]
-    fit(workload, listed[0], batches, device, warmup, 2)  # untimed: first-use costs of the process
+    fit(
+        workload, listed[0], batches, device, warmup, 2, warmup + 2
+    )  # untimed: first-use costs of the process
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in listed}
     for repeat in range(repeats):
         for config in listed if repeat % 2 == 0 else listed[::-1]:
             timed = steps * CPU_FAST_STEPS if device == "cpu" and config.fp32_on_cpu else steps
             # every configuration's loss is compared at the same step
-            runs[config.name].append(
-                fit(workload, config, batches, device, warmup, timed, loss_at=warmup + steps)
-            )
+            runs[config.name].append(fit(workload, config, batches, device, warmup, timed, warmup + steps))
     rates = {name: [r["samples_per_s"] for r in rs] for name, rs in runs.items()}
     per_config = {
         name: {
@@ -302,38 +213,25 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
     for name, base in OVERHEAD_PAIRS.items():
         ratios = [b / a for a, b in zip(rates[name], rates[base])]  # time ratio = inverse rate ratio
         added_ms = [1e3 * workload.batch_size * (1 / a - 1 / b) for a, b in zip(rates[name], rates[base])]
-        overhead[name] = {
-            "ratio": statistics.median(ratios),
-            "ratio_summary": summary(ratios),
-            "added_ms_per_step": statistics.median(added_ms),
-            "added_ms_summary": summary(added_ms),
-            "met": statistics.median(ratios) <= OVERHEAD_TARGET,
-        }
+        overhead[name] = {"ratio": statistics.median(ratios), "ratio_summary": summary(ratios)}
+        overhead[name].update(
+            added_ms_per_step=statistics.median(added_ms), added_ms_summary=summary(added_ms)
+        )
+        overhead[name]["met"] = statistics.median(ratios) <= OVERHEAD_TARGET
     stable = {n: v for n, v in per_config.items() if n in PRECISIONS and v["stable"]}
     fastest = max(stable, key=lambda n: stable[n]["samples_per_s"]) if stable else None
     auto = per_config["auto"]
     auto_ratio = auto["samples_per_s"] / stable[fastest]["samples_per_s"] if fastest else None
-    return {
-        "description": workload.description,
-        "batch_size": workload.batch_size,
-        "warmup_steps": warmup,
-        "timed_steps": steps,
-        "timed_steps_fp32_on_cpu": steps * CPU_FAST_STEPS if device == "cpu" else steps,
-        "configs": per_config,
-        "overhead": overhead,
-        "fastest_stable": fastest,
-        "auto": {
-            "chose": auto["precision"],
-            "ratio_to_fastest_stable": auto_ratio,
-            "met": auto_ratio is not None and auto_ratio >= AUTO_TARGET,
-        },
-    }
+    met = auto_ratio is not None and auto_ratio >= AUTO_TARGET
+    result = {"description": workload.description, "batch_size": workload.batch_size, "warmup_steps": warmup}
+    result.update(
+        timed_steps=steps, timed_steps_fp32_on_cpu=steps * CPU_FAST_STEPS if device == "cpu" else steps
+    )
+    result.update(configs=per_config, overhead=overhead, fastest_stable=fastest)
+    return {**result, "auto": {"chose": auto["precision"], "ratio_to_fastest_stable": auto_ratio, "met": met}}
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def print_table(results: dict[str, Any]) -> None:
+def print_report(results: dict[str, Any]) -> None:
     for name, r in results["models"].items():
         clock = "CPU time per step" if results["device_kind"] == "cpu" else "wall time"
         print(
@@ -362,66 +260,13 @@ def print_table(results: dict[str, Any]) -> None:
         )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results"), help="directory for precision.json"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=None, help="interleaved repeats (default 7; 2 with --quick)"
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke mode, few repeats and steps (CI, about a minute)"
-    )
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="where to run (auto: CUDA when available)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads on a CPU (default 1: CPU time per step stays meaningful on "
-        "shared cores)",
-    )
-    args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats must be a positive int, got {args.repeats}")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device visible (torch.cuda.is_available() is False)")
-    return args
-
-
-def quiet() -> None:
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-
-
 def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps: int) -> dict[str, Any]:
     """Measure every workload; the results with their targets (what ``main`` writes)."""
     started = time.perf_counter()
-    results: dict[str, Any] = {
-        "benchmark": "precision",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
-        "device_kind": device,
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "models": {},
-    }
+    results: dict[str, Any] = {"benchmark": "precision", **common.environment(repeats=repeats)}
+    results.update(
+        device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu", device_kind=device, models={}
+    )
     for workload in workloads:
         print(
             f"{workload.name}: {len(configs(device))} configurations x {repeats} interleaved repeats ...",
@@ -430,44 +275,50 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
         phase = time.perf_counter()
         results["models"][workload.name] = measure(workload, device, repeats, warmup, steps)
         results["models"][workload.name]["wall_s"] = time.perf_counter() - phase
-    results["targets"] = [
-        {
-            "model": name,
-            "metric": f"{config} / plain step time",
-            "threshold": OVERHEAD_TARGET,
-            "value": o["ratio"],
-            "met": o["met"],
-        }
-        for name, r in results["models"].items()
-        for config, o in r["overhead"].items()
-    ] + [
-        {
-            "model": name,
-            "metric": "auto samples/s / fastest stable",
+    targets = []
+    for name, r in results["models"].items():
+        for config, o in r["overhead"].items():
+            ratio = {"threshold": OVERHEAD_TARGET, "value": o["ratio"], "met": o["met"]}
+            targets.append({"model": name, "metric": f"{config} / plain step time", **ratio})
+    for name, r in results["models"].items():
+        auto = {
             "threshold": AUTO_TARGET,
             "value": r["auto"]["ratio_to_fastest_stable"],
             "met": r["auto"]["met"],
         }
-        for name, r in results["models"].items()
-    ]
+        targets.append({"model": name, "metric": "auto samples/s / fastest stable", **auto})
+    results["targets"] = targets
     results["wall_s"] = time.perf_counter() - started
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = common.arguments(
+        __doc__, "precision.json", quick="smoke mode, few repeats and steps (CI, about a minute)"
+    )
+    parser.add_argument(
+        "--repeats", type=common.positive_int, help="interleaved repeats (default 7; 2 with --quick)"
+    )
+    where = "where to run (auto: CUDA when available)"
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=where)
+    threads = (
+        "torch intra-op threads on a CPU (default 1: CPU time per step stays meaningful on shared cores)"
+    )
+    parser.add_argument("--threads", type=common.positive_int, default=1, help=threads)
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible (torch.cuda.is_available() is False)")
     repeats = args.repeats or (2 if args.quick else 7)
     warmup, steps = (2, 4) if args.quick else (3, 20)
-    quiet()
+    common.quiet()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     results = run(cpu_workloads(), args.device, repeats, warmup, steps)
     results["quick"] = args.quick
-    print_table(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "precision.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {path} ({results['wall_s']:.0f} s)")
+    print_report(results)
+    common.write_json(args.out, "precision.json", results)
     return 0
 
 

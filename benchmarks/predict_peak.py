@@ -4,34 +4,20 @@
     python benchmarks/predict_peak.py --skip-scale    # without the 7B plan
     python benchmarks/predict_peak.py --out DIR
 
-Accuracy: per model (the six of tests/memory/predict_models.py: an MLP, torchvision ResNet-18 and
-SqueezeNet 1.1, Lightning's demo Transformer, tiny Hugging Face GPT-2 and BERT), batch size (4, 16,
-64) and precision (32-true, bf16-mixed: autocast around the forward), AdamW: the peak SimulatedMemory
-counts over two real training steps in Lightning's order (forward, zero_grad, backward, step) against
-:func:`~lightning_gpuopt.memory.predict_peak` (kernel scratch measured, the default on CPU). Two truths:
-the counting allocator (every CPU allocation, kernel scratch included: the contract's truth) and the
-dispatch backend (operator outputs only; the prediction is above it by the scratch). Target: within
-+5 % and at most 3 % under the counting allocator.
-
-Scale: ``gpuopt plan --config examples/configs/llama7b_plan.yaml --trainer.devices 8
---gpuopt.device_memory 80GB`` in a subprocess: wall time (target < 60 s) and its peak RSS against a
-process that only imports the same modules (target < 1 GB above).
-
-Size error (``--size-error-only`` runs just this): how an error of the predicted peak becomes an error
-of the batch size MemoryAwareBatchSize picks, where the fixed part (parameters, gradients, optimizer
-state, kernel scratch) dominates. Per model, AdamW, fp32, sizes 16 and 64: the measured peaks (the
-counting allocator) give the true line ``F + a·n``; the traced ones the predicted line. A budget at
-the measured peak of 64 samples: the size the prediction alone answers, against the size after one
-real step at 16 samples moved the predicted line onto it (what MemoryAwareBatchSize does before it
-verifies), against 64.
-
+Accuracy: per model (the six of tests/memory/predict_models.py), batch size (4, 16, 64) and precision
+(32-true, bf16-mixed), AdamW: the peak SimulatedMemory counts over two real training steps in Lightning's
+order against :func:`~lightning_gpuopt.memory.predict_peak`, for two truths: the counting allocator
+(every CPU allocation, kernel scratch included: the contract's truth; target +5 %, at most 3 % under) and
+the dispatch backend (operator outputs only). Scale: ``gpuopt plan --config
+examples/configs/llama7b_plan.yaml --trainer.devices 8 --gpuopt.device_memory 80GB`` in a subprocess:
+wall time (target < 60 s) and peak RSS above a process that only imports the same modules (< 1 GB).
+Size error (``--size-error-only`` runs just this): the batch size the predicted line answers at a budget
+where the true answer is 64 samples, alone and after one real step at 16 calibrated it.
 Writes ``predict_peak.json`` to ``--out``; prints markdown tables.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import subprocess
@@ -44,6 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "memory"))  # the models of the accuracy tests
 
+from common import arguments, write_json  # noqa: E402
 from predict_models import MODELS, OPTIMIZERS  # noqa: E402
 
 from lightning_gpuopt.memory import predict_peak, predict_peak_line  # noqa: E402
@@ -179,10 +166,7 @@ def scale() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="build/benchmarks")
+    parser = arguments(__doc__, "predict_peak.json", out="build/benchmarks")
     parser.add_argument("--skip-scale", action="store_true")
     parser.add_argument("--size-error-only", action="store_true")
     args = parser.parse_args()
@@ -190,27 +174,19 @@ def main() -> None:
     header = "| model | fixed share of the peak | peak error | slope error | size, prediction alone | size, calibrated by one step | true size |"
     if args.size_error_only:
         print(header + "\n|---|---|---|---|---|---|---|")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "predict_peak_size_error.json").write_text(json.dumps(size_error(), indent=2))
+        write_json(args.out, "predict_peak_size_error.json", size_error())
         return
     print(
         "| model | precision | batch | allocator MiB | operator outputs MiB | predicted MiB | vs allocator | vs outputs | peak at | predict s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    result = {
-        "torch": torch.__version__,
-        "machine": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "accuracy": accuracy(),
-    }
+    result = {"torch": torch.__version__, "machine": platform.platform(), "threads": torch.get_num_threads()}
+    result["accuracy"] = accuracy()
     print(header + "\n|---|---|---|---|---|---|---|")
     result["size_error"] = size_error()
     if not args.skip_scale:
         result["scale"] = scale()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "predict_peak.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out, "predict_peak.json", result)
 
 
 if __name__ == "__main__":

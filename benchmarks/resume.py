@@ -14,8 +14,6 @@ AdamW, a GPUOptDataModule over random data, ExactResume. Measured:
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from common import QUIET, StepClock, arguments, positive_int, write_json
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -62,36 +61,12 @@ class MLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-class Clock(pl.Callback):
-    def __init__(self) -> None:
-        self.fit_start = self.first_batch = 0.0
-        self.ends: list[float] = []
-
-    def on_fit_start(self, trainer, pl_module):
-        self.fit_start = time.perf_counter()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if not self.first_batch:
-            self.first_batch = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.ends.append(time.perf_counter())
-
-
 def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=None):
     pl.seed_everything(0, verbose=False)
-    clock = Clock()
+    clock = StepClock()
     callbacks = [clock] + ([ExactResume()] if exact else [])
     trainer = pl.Trainer(
-        accelerator=args.device,
-        devices=1,
-        max_steps=steps,
-        callbacks=callbacks,
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator=args.device, max_steps=steps, callbacks=callbacks, default_root_dir=root, **QUIET
     )
     data = Data(
         args.dim,
@@ -102,18 +77,15 @@ def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=N
     )
     t0 = time.perf_counter()
     trainer.fit(MLP(args.dim, args.hidden), data, ckpt_path=ckpt_path)
-    step_times = [b - a for a, b in zip(clock.ends[1:], clock.ends[2:])]
-    return trainer, statistics.median(step_times) if step_times else None, clock.first_batch - t0
+    step_times = clock.periods()[1:]
+    return trainer, statistics.median(step_times) if step_times else None, clock.starts[0][0] - t0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "resume.json")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--out", default="benchmarks/results", help="folder for resume.json")
+    for name, default in (("--hidden", 1024), ("--dim", 256), ("--batch-size", 64), ("--steps", 30)):
+        parser.add_argument(name, type=positive_int, default=default)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     _, plain_step, _ = _fit(args, root / "plain", args.steps, resumable=False, exact=False)
@@ -155,9 +127,7 @@ def main() -> None:
     )
     print(f"| step time, resumable loader vs plain | {result['resumable_loader_overhead']:+.1%} |")
     print(f"| step time, + ExactResume | {result['exact_resume_overhead']:+.1%} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resume.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out, "resume.json", result)
 
 
 if __name__ == "__main__":

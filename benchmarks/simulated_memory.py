@@ -13,56 +13,36 @@ The target is a median ratio ≤ 1.1 for the default (allocator) backend; ``--ch
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torchvision
+from common import arguments, positive_int, spread, write_json
 from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_gpuopt.memory._native import native_status
 from lightning_gpuopt.testing import SimulatedMemory
 
 TARGET = 1.1
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def _quantiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", default=DEFAULT_OUT, help=f"directory for the JSON result (default: {DEFAULT_OUT})"
-    )
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
-    parser.add_argument(
-        "--backends", default="allocator,dispatch", help="comma-separated SimulatedMemory backends to time"
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser = arguments(__doc__, "simulated_memory.json", out=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per block")
+    parser.add_argument("--backends", default="allocator,dispatch", help="comma-separated backends to time")
+    parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--check", action="store_true", help=f"exit 1 if the allocator's median ratio > {TARGET}"
     )
     args = parser.parse_args(argv)
-    for name in ("batch_size", "repeats", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in ("allocator", "dispatch")]
     if unknown:
@@ -117,21 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for name in configs:
-        ratios = [t / p for t, p in zip(samples[name], samples["plain"])]
-        q1, q3 = _quantiles(ratios)
-        rows.append(
-            {
-                "config": name,
-                "step_ms_median": 1e3 * statistics.median(samples[name]),
-                "ratio_median": statistics.median(ratios),
-                "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
-                "ratio_q1": q1,
-                "ratio_q3": q3,
-                "peak_bytes": peaks.get(name),
-                "step_ms": [1e3 * t for t in samples[name]],
-            }
-        )
+        ratios = spread([t / p for t, p in zip(samples[name], samples["plain"])])
+        row = {"config": name, "step_ms_median": 1e3 * statistics.median(samples[name])}
+        row.update({f"ratio_{key}": ratios[key] for key in ("median", "min", "max", "q1", "q3")})
+        rows.append({**row, "peak_bytes": peaks.get(name), "step_ms": [1e3 * t for t in samples[name]]})
 
     print(
         f"ResNet-18, 32x32, batch {args.batch_size}, Adam; {args.repeats} interleaved repeats x {args.steps} steps; "
@@ -148,35 +117,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['ratio_max']:>8.3f}{iqr:>16}{peak:>10}"
         )
     allocator = next((r for r in rows if r["config"] == "simulated:allocator"), None)
-    verdict = None
+    verdict = None if allocator is None else allocator["ratio_median"] <= TARGET
     if allocator is not None:
-        verdict = allocator["ratio_median"] <= TARGET
+        ratio = allocator["ratio_median"]
         print(
-            f"allocator backend: median ratio {allocator['ratio_median']:.3f} (target <= {TARGET}): {'ok' if verdict else 'OVER'}"
+            f"allocator backend: median ratio {ratio:.3f} (target <= {TARGET}): {'ok' if verdict else 'OVER'}"
         )
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "simulated_memory.json")
     result = {
         "benchmark": "simulated_memory_overhead",
-        "model": "resnet18",
-        "image_size": 32,
-        "batch_size": args.batch_size,
-        "repeats": args.repeats,
-        "steps_per_block": args.steps,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "timed_seconds": elapsed,
-        "target_ratio": TARGET,
-        "allocator_within_target": verdict,
-        "rows": rows,
+        **{"model": "resnet18", "image_size": 32, "batch_size": args.batch_size, "repeats": args.repeats},
+        **{"steps_per_block": args.steps, "threads": torch.get_num_threads(), "torch": torch.__version__},
+        **{"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count()},
+        **{
+            "timed_seconds": elapsed,
+            "target_ratio": TARGET,
+            "allocator_within_target": verdict,
+            "rows": rows,
+        },
     }
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_json(args.out, "simulated_memory.json", result)
     return 1 if args.check and verdict is False else 0
 
 

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
+import lightning.pytorch as pl
 import pytest
 
+from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.oom_policy import Proposal, Status
 from tests.helpers import REPO as ROOT
 
-sys.path.append(str(ROOT / "benchmarks" / "gpu"))
+sys.path.append(str(ROOT / "benchmarks"))  # the benchmarks' import root, as gpu_check.sh sets it
 
-import check
-import device
+from gpu import check, device, oom
+
+#: The interpreter gpu_check.sh runs (``$PYTHON``): this one, with jsonargparse and torchdata hidden (the GPU
+#: machine's image has neither), running ``-m gpu.check ARGS`` as python would.
+HIDING_PYTHON = f"""#!/bin/sh
+[ "$1" = -m ] || exit 64
+module=$2
+shift 2
+exec "{sys.executable}" "{ROOT}/tests/tools/without_packages.py" jsonargparse,torchdata -c \
+  "import runpy, sys; sys.argv[:2] = ['$module']; runpy.run_module('$module', run_name='__main__', alter_sys=True)" "$@"
+"""
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +38,16 @@ def dry_run(tmp_path_factory):
     point here is that every code path runs, not how fast (the H200 slices are in check.SECTIONS).
     """
     out = tmp_path_factory.mktemp("gpu_check")
+    python = out / "python"
+    python.write_text(HIDING_PYTHON)
+    python.chmod(0o755)
     done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "tools" / "without_packages.py"),
-            "jsonargparse,torchdata",
-            str(ROOT / "benchmarks" / "gpu" / "check.py"),
-            str(out),
-            "--dry-run",
-            "--budget",
-            "1500",
-        ],
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "all", str(out), "--dry-run", "--budget", "1500"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, "PYTHON": str(python)},
     )
     return done, out
 
@@ -62,7 +70,15 @@ def test_dry_run_runs_every_section_on_cpu_without_jsonargparse_or_torchdata(dry
     oom = status["oom"]["details"]["transformer"]["checks"]
     assert oom["real_oom_of_the_device"] and oom["limit_forced_the_oom_at_its_batch"] and oom["completed"]
     assert oom["parameters_match_reference"] and oom["memory_returns_to_pre_oom"]
-    assert status["batchsize"]["details"]["lm"]["true_max"] > 0
+    params = status["oom"]["details"]["transformer"]["parameters"]
+    assert (
+        params["floor"] >= 1e-4 and params["vs_unsplit"] is not None
+    )  # its own floor; the unsplit run reported
+    lm = status["batchsize"]["details"]["lm"]
+    assert (
+        0 < lm["answerable_max"] <= lm["true_max"] and lm["micro_mode"]["micro_batch_run"] <= lm["true_max"]
+    )
+    assert status["overhead"]["details"]["overhead_percent"]["n"] >= 2  # pairs of fits, their spread reported
     assert "tf32" in status["precision"]["skipped"] and "device prefetch" in status["data"]["skipped"]
     mfu = status["mfu"]["details"]
     assert (
@@ -75,6 +91,9 @@ def test_dry_run_runs_every_section_on_cpu_without_jsonargparse_or_torchdata(dry
     for f in forms.values():
         if f["status"] == "ran":
             assert f["split_happened"] and min(f["first_compile_s"]["frames"]) >= 1
+            assert (
+                f["recompilations"]["per_split_median"] <= 1
+            )  # frame compilations per split of the OOM batch
         else:
             assert f["status"] in ("refused", "left out") and f["reason"]
     assert len(compiled["skipped"]) == sum(f["status"] != "ran" for f in forms.values())
@@ -116,3 +135,37 @@ def test_budget_scales_the_slices_and_only_picks_sections():
     assert sum(s.slice_s for s in check.SECTIONS.values()) <= check.DEFAULT_BUDGET_S
     with pytest.raises(SystemExit):
         check.parse_args(["out", "--only", "nope"])
+
+
+@pytest.mark.parametrize("args", [[], ["oom", "out"], ["all"]], ids=["nothing", "a section", "no folder"])
+def test_gpu_check_sh_runs_every_section_or_says_how(args):
+    """The per-section calls are gone: the script takes `all OUT_DIR` and says so otherwise, before Python runs."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "usage: gpu_check.sh all OUT_DIR" in done.stderr
+
+
+def test_the_reference_runs_each_batch_at_the_k_it_ran_at_when_k_changes_after_a_step():
+    """A k proposed at the end of a step (the allocator thrashing) applies from the next batch: the `oom` section's
+    reference must follow the k each batch ran at, or BatchNorm over other micro-batches reads as a trace."""
+
+    class Thrash(pl.Callback):  # what OOMRecovery proposes when the allocator's retries keep rising
+        def on_train_batch_end(self, trainer, *args):
+            engine = MicroBatchEngine.get(trainer)
+            if trainer.global_step == 5 and engine.k == 2:
+                engine.next_proposal = Proposal(3, Status.THRASH, "allocator thrashing (test)")
+
+    workload = oom.workload("resnet50", 0, dry_run=True)  # BatchNorm: each micro-batch its own statistics
+    with device.use(device.SimulatedDevice()):
+        batches = workload.batches()
+        limit = oom.calibrate(workload, batches)["limit_bytes"]
+        recovery, record = oom.OOMRecovery(verbose=False), oom.StepRecord()
+        model = oom.fit(workload, batches, 6, [oom.LimitAt(3, limit), record, recovery, Thrash()])
+        assert [f.batch_idx for f in recovery.failures] == [3] and recovery.k == 3
+        assert record.ks == [1, 1, 1, 2, 2, 2]  # batch 5 voted for k = 3 and ran at 2
+        start = {k: v.detach().clone() for k, v in workload.build().state_dict().items()}
+        same = oom.fit(workload, batches, 6, [oom.FollowSchedule(record.ks), oom.forced(1)])
+        shifted = oom.fit(workload, batches, 6, [oom.FollowSchedule([1, 1, 1, 2, 2, 3]), oom.forced(1)])
+    assert oom.same_training(model, same, start)["same_training"] == 0.0
+    assert oom.same_training(model, shifted, start)["same_training"] > 1e-4

@@ -1,7 +1,8 @@
-"""The device a GPU check runs on: a real CUDA device under a memory cap, or SimulatedMemory on the CPU (``--dry-run``).
+"""The device a GPU check section runs on, and its time slice.
 
-Every memory call of the sections (limit, allocated, peak, reset, synchronise) goes through the
-current :class:`Device`, so the same section code runs on an H200 and, with tiny sizes, on a CPU.
+Every memory call of the sections (limit, allocated, peak, reset, synchronise) goes through the current
+:class:`Device`: a real CUDA device under a memory cap, or SimulatedMemory on the CPU (``--dry-run``), so
+the same section code runs on an H200 and, with tiny sizes, on a CPU.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from collections.abc import Iterator
 import lightning.pytorch as pl
 import torch
 
-GiB = 2**30
 #: The most memory one section may use on a real device (``set_per_process_memory_fraction``).
-SECTION_CAP_BYTES = 16 * GiB
+SECTION_CAP_BYTES = 16 * 2**30
 
 
 class Device:
@@ -24,36 +24,20 @@ class Device:
 
     kind = "?"
     accelerator = "cpu"
+    name = "?"
 
     def __init__(self, cap_bytes: int) -> None:
         self.cap_bytes = cap_bytes
-
-    @property
-    def name(self) -> str:
-        raise NotImplementedError
 
     def total(self) -> int:
         """The memory the section may use (its cap)."""
         return self.cap_bytes
 
-    def set_limit(self, limit_bytes: int | None) -> None:
-        raise NotImplementedError
-
-    def allocated(self) -> int:
-        raise NotImplementedError
-
-    def peak(self) -> int:
-        raise NotImplementedError
-
-    def reset_peak(self) -> None:
-        raise NotImplementedError
+    def _limit(self, limit_bytes: int | None) -> int:
+        return self.cap_bytes if limit_bytes is None else min(limit_bytes, self.cap_bytes)
 
     def synchronize(self) -> None:
         pass
-
-    def is_its_oom(self, message: str) -> bool:
-        """Whether an OOM message came from this device (a real CUDA OOM, or SimulatedMemory's)."""
-        raise NotImplementedError
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Device]:
@@ -62,23 +46,17 @@ class Device:
 
 
 class CudaDevice(Device):
-    kind = "cuda"
-    accelerator = "cuda"
+    kind = accelerator = "cuda"
 
     def __init__(self, cap_bytes: int = SECTION_CAP_BYTES) -> None:
-        super().__init__(min(cap_bytes, torch.cuda.get_device_properties(0).total_memory))
-
-    @property
-    def name(self) -> str:
-        return torch.cuda.get_device_name(0)
+        self.device_bytes = torch.cuda.get_device_properties(0).total_memory
+        super().__init__(min(cap_bytes, self.device_bytes))
+        self.name = torch.cuda.get_device_name(0)
 
     def set_limit(self, limit_bytes: int | None) -> None:
-        limit = self.cap_bytes if limit_bytes is None else min(limit_bytes, self.cap_bytes)
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(
-            limit / torch.cuda.get_device_properties(0).total_memory, 0
-        )
+        torch.cuda.set_per_process_memory_fraction(self._limit(limit_bytes) / self.device_bytes, 0)
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(0)
@@ -93,6 +71,7 @@ class CudaDevice(Device):
         torch.cuda.synchronize(0)
 
     def is_its_oom(self, message: str) -> bool:
+        """Whether an OOM message is a real CUDA one."""
         from lightning_gpuopt.memory import OOM_MESSAGES
 
         cuda = tuple(m for m in OOM_MESSAGES if m.startswith(("CUDA", "CUBLAS", "CUDNN")))
@@ -112,20 +91,15 @@ class CudaDevice(Device):
 class SimulatedDevice(Device):
     """The CPU with :class:`~lightning_gpuopt.testing.SimulatedMemory` standing in for the device's memory."""
 
-    kind = "simulated"
-    accelerator = "cpu"
+    kind, name = "simulated", "cpu (SimulatedMemory)"
 
     def __init__(self, cap_bytes: int = SECTION_CAP_BYTES) -> None:
         super().__init__(cap_bytes)
         self.memory = None
 
-    @property
-    def name(self) -> str:
-        return "cpu (SimulatedMemory)"
-
     def set_limit(self, limit_bytes: int | None) -> None:
         gc.collect()
-        self.memory.limit_bytes = self.cap_bytes if limit_bytes is None else min(limit_bytes, self.cap_bytes)
+        self.memory.limit_bytes = self._limit(limit_bytes)
 
     def allocated(self) -> int:
         return self.memory.allocated
@@ -170,9 +144,6 @@ def use(device: Device) -> Iterator[Device]:
             yield device
         finally:
             _current.remove(device)
-
-
-# ----------------------------------------------------------------------------- the section's time slice
 
 
 class SliceOver(BaseException):

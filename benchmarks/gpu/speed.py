@@ -1,5 +1,6 @@
-"""GPU check sections about speed: ``mfu`` (GPT-2-124M-shaped model, the default job), ``overhead`` (OOMRecovery
-at k = 1 against plain Lightning) and ``precision`` (PrecisionSwitch's ``auto`` against 32-true, TF32, bf16-mixed).
+"""GPU check sections about speed: ``mfu`` (a GPT-2-124M-shaped model, the default job), ``overhead``
+(OOMRecovery at k = 1 against plain Lightning) and ``precision`` (PrecisionSwitch's ``auto`` against
+32-true, TF32 and bf16-mixed).
 
 Each section is a function of its sizes (a dict from the table in ``check.py``), run on the current
 device (``device.py``): a real CUDA device, or the CPU under SimulatedMemory for ``--dry-run``.
@@ -8,32 +9,21 @@ device (``device.py``): a real CUDA device, or the CPU under SimulatedMemory for
 from __future__ import annotations
 
 import contextlib
-import math
+import itertools
 import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import device
 import lightning.pytorch as pl
 import torch
+from common import QUIET, figure, spread
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from gpu import device
 from lightning_gpuopt import GPUOptReport, MemoryAwareBatchSize, OOMRecovery, PrecisionSwitch
-
-QUIET = {
-    "devices": 1,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "num_sanity_val_steps": 0,
-}
-
-
-# ----------------------------------------------------------------------------- a GPT-2-shaped model
 
 
 class Block(nn.Module):
@@ -48,8 +38,10 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (
+            z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for z in self.qkv(self.ln1(x)).split(c, 2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(y)
         return x + self.mlp(self.ln2(x))
@@ -76,8 +68,7 @@ class GPT(pl.LightningModule):
         x = self.wte(inputs) + self.wpe(torch.arange(inputs.shape[1], device=inputs.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1).float(), targets.flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=self.device.type == "cuda")
@@ -93,8 +84,9 @@ class Tokens(Dataset):
         return self.length
 
     def __getitem__(self, i: int) -> tuple[Tensor]:
-        g = torch.Generator().manual_seed(i % 16)
-        return (torch.randint(0, self.vocab, (self.seq + 1,), generator=g),)
+        return (
+            torch.randint(0, self.vocab, (self.seq + 1,), generator=torch.Generator().manual_seed(i % 16)),
+        )
 
 
 def _gpt(sizes: dict[str, Any]) -> GPT:
@@ -113,18 +105,38 @@ class StepTimer(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         done = trainer.global_step
-        if done == self.warmup:
-            device.current().synchronize()
-            self.started = time.perf_counter()
-        elif done > self.warmup:
-            device.current().synchronize()  # cheap next to a step; keeps the end exact
-            self.ended, self.timed = time.perf_counter(), done - self.warmup
+        if done >= self.warmup:
+            device.current().synchronize()  # cheap next to a step; keeps the ends exact
+            if done == self.warmup:
+                self.started = time.perf_counter()
+            else:
+                self.ended, self.timed = time.perf_counter(), done - self.warmup
 
     @property
     def seconds_per_step(self) -> float | None:
-        if self.started is None or self.ended is None or not self.timed:
-            return None
-        return (self.ended - self.started) / self.timed
+        return (self.ended - self.started) / self.timed if self.timed else None
+
+
+class StepEvents(pl.Callback):
+    """A mark at the end of every batch: a CUDA event (no synchronisation per step), or the wall clock on a CPU."""
+
+    def __init__(self) -> None:
+        self.marks: list[Any] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if device.current().kind == "cuda":
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def periods(self, warmup: int) -> list[float]:
+        """Seconds from one batch's end to the next's, from batch ``warmup`` on (everything the loop runs)."""
+        marks = self.marks[max(0, warmup - 1) :]
+        if device.current().kind != "cuda":
+            return [b - a for a, b in itertools.pairwise(marks)]
+        device.current().synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
 
 
 def _fit(
@@ -132,99 +144,61 @@ def _fit(
 ) -> pl.Trainer:
     device.check()
     pl.seed_everything(0, verbose=False)
+    callbacks = [device.Deadline(), *callbacks]
     t = pl.Trainer(
-        max_steps=steps,
-        accelerator=device.current().accelerator,
-        callbacks=[device.Deadline(), *callbacks],
-        **{**QUIET, **trainer},
+        max_steps=steps, accelerator=device.current().accelerator, callbacks=callbacks, **{**QUIET, **trainer}
     )
     t.fit(model, loader)
     return t
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def figure(name: str, value: Any, unit: str = "", target: str | None = None, met: bool | None = None) -> dict:
-    """One row of gpu_check.md: a figure, its unit, its target (if any) and whether it was met."""
-    return {"name": name, "value": value, "unit": unit, "target": target, "met": met}
-
-
-# ----------------------------------------------------------------------------- section: mfu
-
-
 def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     """MFU and tokens/s of the GPT-2-shaped model (bf16-mixed), measured by GPUOptReport; the default job's samples/s."""
     on_cuda = device.current().kind == "cuda"
-    peak_override = None if on_cuda else sizes["nominal_peak_flops"]
     steps, warmup = sizes["steps"], sizes["warmup"]
-    report = GPUOptReport(plot=False, table=False, peak_flops=peak_override, dirpath=sizes["out"])
+    peak_flops = None if on_cuda else sizes["nominal_peak_flops"]
+    report = GPUOptReport(plot=False, table=False, peak_flops=peak_flops, dirpath=sizes["out"])
     timer = StepTimer(warmup)
     _fit(_gpt(sizes), _tokens(sizes, steps), steps, [report, timer], precision="bf16-mixed")
-    run = report.report["run"]
-    per_step = timer.seconds_per_step
-    flops = run["flops_per_batch"]
-    peak = run["peak_flops"]
+    run, per_step = report.report["run"], timer.seconds_per_step
+    flops, peak = run["flops_per_batch"], run["peak_flops"]
     mfu = flops / per_step / peak if flops and per_step and peak else None
-    tokens_per_s = sizes["batch"] * sizes["seq"] / per_step if per_step else None
-    shape = f"GPT ({sizes['layers']} layers, width {sizes['width']}, seq {sizes['seq']}, batch {sizes['batch']}), bf16-mixed"
-    figures = [
-        figure(f"{shape}: tokens/s", tokens_per_s, "tokens/s"),
-        figure(
-            f"{shape}: MFU",
-            mfu,
-            "",
-            f">= {sizes['mfu_target']:.0%}" if on_cuda else "reported (CPU: nominal peak)",
-            (mfu is not None and mfu >= sizes["mfu_target"]) if on_cuda else None,
-        ),
-    ]
+    shape = (
+        f"GPT ({sizes['layers']} layers, width {sizes['width']}, seq {sizes['seq']}, batch {sizes['batch']})"
+    )
+    target = f">= {sizes['mfu_target']:.0%}" if on_cuda else "reported (CPU: nominal peak)"
+    met = (mfu is not None and mfu >= sizes["mfu_target"]) if on_cuda else None
+    tokens = sizes["batch"] * sizes["seq"] / per_step if per_step else None
+    figures = [figure(f"{shape}, bf16-mixed: tokens/s", tokens, "tokens/s")]
+    figures.append(figure(f"{shape}, bf16-mixed: MFU", mfu, "", target, met))
+    mfus = [s["mfu"] for s in report.report["steps"] if s["mfu"] is not None and s["mfu"] == s["mfu"]]
     details: dict[str, Any] = {
-        "model": {k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch")},
-        "parameters": sum(p.numel() for p in _gpt(sizes).parameters()),
-        "flops_per_batch": flops,
-        "peak_flops": peak,
-        "peak_flops_source": run["peak_flops_source"],
-        "mfu_note": run["mfu_note"],
-        "seconds_per_step": per_step,
-        "report_mfu_median": _median([s["mfu"] for s in report.report["steps"]]),
+        "model": {k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch")}
     }
+    details.update(parameters=sum(p.numel() for p in _gpt(sizes).parameters()), flops_per_batch=flops)
+    details.update(peak_flops=peak, peak_flops_source=run["peak_flops_source"], mfu_note=run["mfu_note"])
+    details.update(seconds_per_step=per_step, report_mfu_median=statistics.median(mfus) if mfus else None)
     device.check()
     from lightning_gpuopt.demos import ImageClassifier, SyntheticImageDataModule
 
-    default = sizes["default_job"]
-    job_report, job_timer = (
-        GPUOptReport(plot=False, table=False, dirpath=sizes["out"]),
-        StepTimer(default["warmup"]),
-    )
-    data = SyntheticImageDataModule(
-        train_size=default["batch"] * default["steps"],
-        val_size=default["batch"],
-        image_size=default["image_size"],
-        batch_size=default["batch"],
-    )
+    job = sizes["default_job"]
+    job_timer = StepTimer(job["warmup"])
+    sizes_ = {"val_size": job["batch"], "image_size": job["image_size"], "batch_size": job["batch"]}
+    data = SyntheticImageDataModule(train_size=job["batch"] * job["steps"], **sizes_)
     pl.seed_everything(42, verbose=False)
+    callbacks = [device.Deadline(), PrecisionSwitch(), MemoryAwareBatchSize(), OOMRecovery(verbose=False)]
+    callbacks += [GPUOptReport(plot=False, table=False, dirpath=sizes["out"]), job_timer]
+    accelerator = device.current().accelerator
     trainer = pl.Trainer(
-        max_steps=default["steps"],
-        accelerator=device.current().accelerator,
-        callbacks=[
-            device.Deadline(),
-            PrecisionSwitch(),
-            MemoryAwareBatchSize(),
-            OOMRecovery(verbose=False),
-            job_report,
-            job_timer,
-        ],
-        limit_val_batches=0,
-        **QUIET,
+        max_steps=job["steps"], accelerator=accelerator, callbacks=callbacks, limit_val_batches=0, **QUIET
     )
     trainer.fit(ImageClassifier(), datamodule=data)
-    job_rate = default["batch"] / job_timer.seconds_per_step if job_timer.seconds_per_step else None
+    rate = job["batch"] / job_timer.seconds_per_step if job_timer.seconds_per_step else None
+    size = f"{job['image_size']}x{job['image_size']}"
     figures.append(
         figure(
-            f"default job (ResNet-18, {default['image_size']}x{default['image_size']}, batch {default['batch']}, "
-            "the CLI's callbacks): samples/s",
-            job_rate,
+            f"default job (ResNet-18, {size}, batch {job['batch']}, the CLI's callbacks): samples/s",
+            rate,
             "samples/s",
         )
     )
@@ -235,47 +209,47 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     return {"figures": figures, "details": details}
 
 
-def _median(values: list[Any]) -> float | None:
-    present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.median(present) if present else None
-
-
-# ----------------------------------------------------------------------------- section: overhead
-
-
 def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
-    """Steady-state step time with OOMRecovery at k = 1 against plain Lightning, interleaved repeats."""
-    steps, warmup, repeats = sizes["steps"], sizes["warmup"], sizes["repeats"]
-    times: dict[str, list[float]] = {"plain": [], "OOMRecovery": []}
-    for r in range(repeats):
+    """Steady-state step time with OOMRecovery at k = 1 against plain Lightning: interleaved pairs of fits.
+
+    Each step is timed from CUDA events (one at every batch end, no synchronisation per step); a fit's
+    figure is the median of its steady steps, a pair's the ratio of its two fits, and the result the
+    median over pairs (robust to a pair disturbed by something else on the machine), with its spread.
+    Pairs run while the slice has room for another (at least ``min_repeats``, at most ``repeats``).
+    """
+    steps, warmup = sizes["steps"], sizes["warmup"]
+    loader = lambda: _tokens(sizes, steps)  # noqa: E731
+    _fit(_gpt(sizes), loader(), warmup + 1, [], precision=sizes["precision"])  # untimed: first-use costs
+    per_fit: dict[str, list[float]] = {"plain": [], "OOMRecovery": []}
+    longest = 0.0
+    for r in range(sizes["repeats"]):
+        left = device.remaining()
+        if r >= sizes["min_repeats"] and left is not None and left < 1.5 * longest:
+            break
+        started = time.perf_counter()
         for name in ("plain", "OOMRecovery") if r % 2 == 0 else ("OOMRecovery", "plain"):
-            timer = StepTimer(warmup)
+            events = StepEvents()
             extra = [OOMRecovery(verbose=False)] if name == "OOMRecovery" else []
-            _fit(_gpt(sizes), _tokens(sizes, steps), steps, [*extra, timer], precision=sizes["precision"])
-            times[name].append(timer.seconds_per_step)
-    ratios = [a / b for a, b in zip(times["OOMRecovery"], times["plain"])]
-    spread = _spread([100 * (r - 1) for r in ratios])
-    met = spread["median"] <= sizes["target_percent"]
-    return {
-        "figures": [
-            figure(
-                f"OOMRecovery k=1 overhead vs plain Lightning (median of {repeats} interleaved repeats, "
-                f"min..max {spread['min']:+.1f}..{spread['max']:+.1f} %)",
-                spread["median"],
-                "%",
-                f"<= {sizes['target_percent']} %",
-                met if device.current().kind == "cuda" else None,
-            )
-        ],
-        "details": {
-            "seconds_per_step": {k: _spread(v) for k, v in times.items()},
-            "overhead_percent": spread,
-            "model": {k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch")},
-        },
+            _fit(_gpt(sizes), loader(), steps, [*extra, events], precision=sizes["precision"])
+            per_fit[name].append(statistics.median(events.periods(warmup)))
+        longest = max(longest, time.perf_counter() - started)
+    percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["OOMRecovery"], per_fit["plain"])])
+    clock = "CUDA events" if device.current().kind == "cuda" else "the wall clock"
+    name = (
+        f"OOMRecovery k=1 overhead vs plain Lightning (median of {percent['n']} interleaved pairs of fits, each the "
+        f"median of {steps - warmup} steps timed by {clock}; IQR {percent['q1']:+.1f}..{percent['q3']:+.1f} %, "
+        f"min..max {percent['min']:+.1f}..{percent['max']:+.1f} %)"
+    )
+    met = percent["median"] <= sizes["target_percent"] if device.current().kind == "cuda" else None
+    details = {
+        "seconds_per_step": {k: spread(v) for k, v in per_fit.items()},
+        "overhead_percent": percent,
+        "model": {k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch")},
     }
-
-
-# ----------------------------------------------------------------------------- section: precision
+    return {
+        "figures": [figure(name, percent["median"], "%", f"<= {sizes['target_percent']} %", met)],
+        "details": details,
+    }
 
 
 @contextlib.contextmanager
@@ -283,19 +257,17 @@ def tf32(enabled: bool) -> Iterator[None]:
     """TF32 matmuls and convolutions on or off (torch's ``fp32_precision`` API where it exists), restored after."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     if hasattr(matmul, "fp32_precision") and hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
-        saved = (matmul.fp32_precision, cudnn.conv.fp32_precision)
-        matmul.fp32_precision = cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision, cudnn.conv.fp32_precision = saved
+        objects, name, value = (matmul, cudnn.conv), "fp32_precision", "tf32" if enabled else "ieee"
     else:
-        saved = (matmul.allow_tf32, cudnn.allow_tf32)
-        matmul.allow_tf32 = cudnn.allow_tf32 = enabled
-        try:
-            yield
-        finally:
-            matmul.allow_tf32, cudnn.allow_tf32 = saved
+        objects, name, value = (matmul, cudnn), "allow_tf32", enabled
+    saved = [getattr(o, name) for o in objects]
+    for o in objects:
+        setattr(o, name, value)
+    try:
+        yield
+    finally:
+        for o, v in zip(objects, saved):
+            setattr(o, name, v)
 
 
 def precision_section(sizes: dict[str, Any]) -> dict[str, Any]:
@@ -308,20 +280,15 @@ def precision_section(sizes: dict[str, Any]) -> dict[str, Any]:
         skipped["tf32"] = "TF32 is a mode of CUDA tensor cores; a CPU has none"
         del configs["tf32"]
     rates: dict[str, list[float]] = {name: [] for name in [*configs, "auto"]}
-    chosen = None
-    order = [*configs, "auto"]
+    chosen, order = None, [*configs, "auto"]
     for r in range(sizes["repeats"]):
         for name in order if r % 2 == 0 else order[::-1]:
-            timer = StepTimer(warmup)
-            loader = _tokens(sizes, steps)
+            timer, loader = StepTimer(warmup), _tokens(sizes, steps)
             if name == "auto":
-                switch = PrecisionSwitch()
-                trainer = _fit(_gpt(sizes), loader, steps, [switch, timer])
-                chosen = str(trainer.precision)
+                chosen = str(_fit(_gpt(sizes), loader, steps, [PrecisionSwitch(), timer]).precision)
             else:
-                precision, tf32_on = configs[name]
-                with tf32(tf32_on):
-                    _fit(_gpt(sizes), loader, steps, [timer], precision=precision)
+                with tf32(configs[name][1]):
+                    _fit(_gpt(sizes), loader, steps, [timer], precision=configs[name][0])
             if timer.seconds_per_step:
                 rates[name].append(sizes["batch"] / timer.seconds_per_step)
     medians = {name: statistics.median(v) for name, v in rates.items() if v}
@@ -333,17 +300,9 @@ def precision_section(sizes: dict[str, Any]) -> dict[str, Any]:
         if name != "auto"
     ]
     figures.append(figure("PrecisionSwitch auto: chosen precision", chosen))
+    met = ratio >= 0.95 if on_cuda else None
     figures.append(
-        figure(
-            f"PrecisionSwitch auto: samples/s over the fastest ({fastest})",
-            ratio,
-            "x",
-            ">= 0.95",
-            ratio >= 0.95 if on_cuda else None,
-        )
+        figure(f"PrecisionSwitch auto: samples/s over the fastest ({fastest})", ratio, "x", ">= 0.95", met)
     )
-    return {
-        "figures": figures,
-        "details": {"samples_per_s": {k: _spread(v) for k, v in rates.items() if v}, "chosen": chosen},
-        "skipped": skipped,
-    }
+    details = {"samples_per_s": {k: spread(v) for k, v in rates.items() if v}, "chosen": chosen}
+    return {"figures": figures, "details": details, "skipped": skipped}
