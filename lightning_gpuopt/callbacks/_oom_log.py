@@ -130,6 +130,8 @@ class OOMLog:
         if record.stage == "other":  # a stage marked on the stack (a trial step) stays
             record.stage = context.get("stage", record.stage)
         record.phase = context.get("phase", record.phase)
+        if record.stage in ("validation", "test", "predict") and record.modules.get("how") == NOT_MEASURED:
+            record.modules = {"how": "none: evaluation saves nothing for a backward", "top": []}
         record.step = int(context.get("step", record.step))
         record.k = context.get("k")
         record.batch_size = context.get("batch_size")

@@ -479,8 +479,8 @@ class ActivationOwners:
     """While entered, counts what autograd saves for backward by the module whose forward saved it, and keeps
     the split at the moment the saved bytes alive were highest.
 
-    Uses a ``saved_tensors_hooks`` pair (the pack hook notes the storage, the module running and a
-    finalizer; the tensor is kept as autograd would keep it) and global module forward hooks. A pair of
+    Uses a ``saved_tensors_hooks`` pair (the pack hook notes the storage and the module running, and hands
+    autograd a detached alias whose death says the storage is no longer saved) and global module forward hooks. A pair of
     hooks entered inside (activation checkpointing, a user's offloading) takes precedence: what it saves is
     not seen. Costs a Python call per saved tensor: enter it for one step, not for a run.
 
@@ -494,7 +494,8 @@ class ActivationOwners:
         self.device = device
         #: The parameters' storages: a saved weight (or a view of one) is no activation.
         self.parameters = {item[0] for p in root.parameters() if (item := _storage(p, device)) is not None}
-        self.alive: dict[tuple, tuple[int, str]] = {}
+        #: Storage key -> [bytes, the module that saved it first, how many saved copies autograd holds].
+        self.alive: dict[tuple, list] = {}
         self.by_module: dict[str, int] = {}
         self.total = 0
         self.peak = 0
@@ -526,23 +527,33 @@ class ActivationOwners:
             self._stack.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        held = t.detach()  # no grad_fn: saving an output then makes no reference cycle
         item = _storage(t, self.device)
-        if item is not None and item[0] not in self.alive and item[0] not in self.parameters:
-            key, nbytes = item
+        if item is None or item[0] in self.parameters:
+            return held
+        key, nbytes = item
+        entry = self.alive.get(key)
+        if entry is not None:
+            entry[2] += 1  # the same storage saved again (a Tanh's output, then the next layer's input)
+        else:
             module = self._stack[-1] if self._stack else ""
-            self.alive[key] = (nbytes, module)
+            self.alive[key] = [nbytes, module, 1]
             self.by_module[module] = self.by_module.get(module, 0) + nbytes
             self.total += nbytes
             if self.total > self.peak:
                 self.peak = self.total
                 self.at_peak = dict(self.by_module)
-            weakref.finalize(t.untyped_storage(), self._freed, key)
-        return t.detach()  # no grad_fn: saving an output then makes no reference cycle
+        # Autograd holds `held` until its backward ran or its graph died: then the storage is no longer saved.
+        weakref.finalize(held, self._released, key)
+        return held
 
-    def _freed(self, key: tuple) -> None:
-        item = self.alive.pop(key, None)
-        if item is not None:
-            nbytes, module = item
+    def _released(self, key: tuple) -> None:
+        entry = self.alive.get(key)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] == 0:
+            nbytes, module, _ = self.alive.pop(key)
             self.by_module[module] -= nbytes
             self.total -= nbytes
 

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpuopt import GPUOptReport, MemoryAwareBatchSize, OOMRecovery
+from lightning_gpuopt.cli import main
 from lightning_gpuopt.memory import forensics, get_probe
 from lightning_gpuopt.microbatch import OptimizerStepOOMError
 from lightning_gpuopt.report import PNG_NAME, summary_rows
@@ -223,20 +224,24 @@ def test_every_oom_has_a_record_whose_breakdown_is_what_existed_then(kind, phase
         assert ooms[0]["modules"]["top"] == []
 
 
-def test_a_record_names_the_modules_that_own_the_activations_and_the_picture_is_drawn(tmp_path):
-    """The MLP without the test's own hooks: the owners are measured at the next batch; the OOM picture exists."""
+class Plain(Measured):
+    """Measured without the test's own saved-tensor hooks (the report's measurement of the owners then sees all)."""
 
-    class Plain(Measured):
-        def training_step(self, batch, batch_idx):
-            probe = get_probe()
-            start = probe.allocated
-            probe.reset_peak()
-            x, y = batch
-            loss = F.mse_loss(self.net(x), y)
-            self.marks.append((start, probe.peak))
-            return loss
+    def training_step(self, batch, batch_idx):
+        probe = get_probe()
+        start = probe.allocated
+        probe.reset_peak()
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.marks.append((start, probe.peak))
+        return loss
 
-    report = GPUOptReport(dirpath=str(tmp_path), table=False)
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The MLP with an OOM in the forward at step 2."""
+    folder = tmp_path_factory.mktemp("plain")
+    report = GPUOptReport(dirpath=str(folder), table=False)
     trainer = pl.Trainer(
         max_steps=4,
         precision="64-true",
@@ -245,17 +250,39 @@ def test_a_record_names_the_modules_that_own_the_activations_and_the_picture_is_
     )
     with SimulatedMemory():
         trainer.fit(Plain("mlp"), _data("mlp"))
+    return report, folder
+
+
+def test_a_record_names_the_modules_that_own_the_activations_and_the_picture_is_drawn(plain_run):
+    report, folder = plain_run
     record = report.report["ooms"][0]
     assert record["modules"]["how"].startswith("measured at step 3, the next training batch after the OOM")
     top = record["modules"]["top"]
     assert top[0]["module"] == "net.1" and top[0]["bytes"] > 0  # the Tanh keeps its 1024-wide output
-    assert record["picture"] == "oom_2_rank0.png" and (tmp_path / "oom_2_rank0.png").is_file()
-    assert (tmp_path / PNG_NAME).is_file()
-    saved = json.loads((tmp_path / "gpuopt_report.json").read_text())
+    assert record["picture"] == "oom_2_rank0.png" and (folder / "oom_2_rank0.png").is_file()
+    assert (folder / PNG_NAME).is_file()
+    saved = json.loads((folder / "gpuopt_report.json").read_text())
     assert saved["ooms"] == report.report["ooms"]
     rows = dict(summary_rows(saved))
     assert rows["OOMs"].startswith(f"{len(saved['ooms'])}: train forward")
     assert rows["decisions"].startswith(f"{len(saved['ooms'])} oom")  # the count comes from the records
+
+
+def test_gpuopt_report_lists_the_ooms_and_prints_one_in_full(plain_run, capsys):
+    _, folder = plain_run
+    main(["report", str(folder), "--no-plot"])
+    out = capsys.readouterr().out
+    assert "OOMs (`--oom N` prints one in full):" in out
+    assert "#0  step 2 rank 0 train forward:" in out and "micro-batch 64 → " in out
+    main(["report", str(folder), "--oom", "0"])
+    one = capsys.readouterr().out
+    assert one.startswith("OOM #0: step 2, rank 0, train, forward")
+    for line in ("in use by category:", "parameters", "activations by module (measured at step 3", "action"):
+        assert line in one, line
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(folder), "--oom", "9"])
+    assert exit_info.value.code == 2
+    assert "--oom takes a record number from 0 to" in capsys.readouterr().err
 
 
 def test_an_oom_the_pack_gives_up_on_is_recorded_with_why(tmp_path):
