@@ -347,3 +347,34 @@ def test_the_loggers_get_k_the_micro_batch_the_precision_and_the_data_wait(tmp_p
     assert [int(float(r["gpuopt/k"])) for r in logged][:1] == [1] and int(float(logged[-1]["gpuopt/k"])) > 1
     assert {float(r["gpuopt/precision"]) for r in logged} == {53.0}  # float64's significand bits
     assert all(0.0 <= float(r["gpuopt/data_wait"]) <= 1.0 for r in logged if r["gpuopt/data_wait"])
+
+
+def test_an_oom_in_validation_has_a_record_of_that_stage(tmp_path):
+    class Validated(Plain):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.mse_loss(self.net(x), y))
+
+    class ValidationLimit(pl.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            get_probe().limit_bytes = get_probe().allocated_bytes + 2**20  # a 256-sample batch does not fit
+
+        def on_validation_end(self, trainer, pl_module):
+            get_probe().limit_bytes = None
+
+    report = GPUOptReport(dirpath=str(tmp_path), table=False, plot=False)
+    trainer = pl.Trainer(
+        max_steps=2,
+        precision="64-true",
+        val_check_interval=1,
+        limit_val_batches=1,
+        callbacks=[ValidationLimit(), OOMRecovery(verbose=False), report],
+        **TRAINER_QUIET,
+    )
+    with SimulatedMemory() as mem:
+        trainer.fit(Validated("mlp"), _data("mlp"), DataLoader(_data("mlp").dataset, batch_size=256))
+    ooms = report.report["ooms"]
+    assert len(ooms) == mem.num_ooms >= 1 and {r["stage"] for r in ooms} == {"validation"}
+    assert all(r["phase"] == "forward" and r["categories"]["activations"] == 0 for r in ooms)  # no graph kept
+    assert ooms[-1]["action"].startswith("validation batches in ")
+    assert ooms[0]["modules"]["how"].startswith("none: evaluation saves nothing")
