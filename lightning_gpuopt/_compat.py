@@ -271,14 +271,15 @@ def attach_cuda_oom_observer(observer: Any) -> None:
 
 
 def record_cuda_memory_history(max_entries: int | None) -> None:
-    """Record the CUDA allocator's allocations and frees, with stacks, in a ring buffer of ``max_entries``
-    events (``torch.cuda.memory._record_memory_history``); ``None`` stops recording."""
+    """Record the CUDA allocator's allocations and frees, with their Python stacks (C++ stacks cost far more per
+    allocation), in a ring buffer of ``max_entries`` events (``torch.cuda.memory._record_memory_history``);
+    ``None`` stops recording."""
     import torch
 
     if max_entries is None:
         torch.cuda.memory._record_memory_history(enabled=None)
     else:
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
 
 
 def dump_cuda_memory_snapshot(path: str) -> None:
