@@ -231,7 +231,9 @@ def test_thread_frames_has_this_thread():
     assert threading.get_ident() in _compat.thread_frames()
 
 
-@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a torch built without CUDA has no CUDA allocator")
+@pytest.mark.skipif(
+    not torch.backends.cuda.is_built(), reason="a torch built without CUDA has no CUDA allocator"
+)
 def test_the_cuda_allocator_privates_exist():
     # Read only on CUDA, but a CUDA build of torch has them on any machine.
     assert callable(torch._C._cuda_attach_out_of_memory_observer), (

@@ -378,3 +378,15 @@ def test_an_oom_in_validation_has_a_record_of_that_stage(tmp_path):
     assert all(r["phase"] == "forward" and r["categories"]["activations"] == 0 for r in ooms)  # no graph kept
     assert ooms[-1]["action"].startswith("validation batches in ")
     assert ooms[0]["modules"]["how"].startswith("none: evaluation saves nothing")
+
+
+@pytest.mark.slow
+def test_the_oom_forensics_example_explains_its_oom(tmp_path, capsys):
+    from examples.oom_forensics import main as example
+
+    report = example(str(tmp_path))
+    (record,) = report["ooms"]
+    assert (record["step"], record["stage"], record["phase"]) == (3, "train", "forward")
+    assert max(record["categories"], key=record["categories"].get) == "activations"
+    assert record["modules"]["top"] and (tmp_path / "oom_3_rank0.png").is_file()
+    assert "OOM #0: step 3, rank 0, train, forward" in capsys.readouterr().out

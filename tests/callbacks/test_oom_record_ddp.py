@@ -26,7 +26,10 @@ def test_each_rank_records_its_own_ooms_and_the_table_compares_the_ranks(tmp_pat
     saved = json.loads((folder / "gpuopt_report.json").read_text())
     ooms = saved["ooms"]
     assert len(ooms) == one["failures"] and {r["rank"] for r in ooms} == {LIMITED_RANK}
-    assert all(r["step"] == LIMIT_AFTER and r["stage"] == "train" for r in ooms) and ooms[0]["phase"] == "forward"
+    assert (
+        all(r["step"] == LIMIT_AFTER and r["stage"] == "train" for r in ooms)
+        and ooms[0]["phase"] == "forward"
+    )
     assert all(
         abs(sum(r["categories"].values()) - r["allocated_bytes"]) <= 0.01 * r["allocated_bytes"] for r in ooms
     )
