@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pickle
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from common import QUIET, figure, spread
 from torch.utils.data import DataLoader
 
 from gpu import device
-from gpu.speed import GPT, StepEvents, Tokens
+from gpu.speed import GPT, StepEvents, Tokens, interleaved_pairs
 from lightning_gpuopt import GPUOptReport, OOMRecovery
 from lightning_gpuopt.memory import forensics
 
@@ -187,19 +186,14 @@ def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, A
 
 def _ring_buffer_cost(sizes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     steps, warmup = sizes["steps"], sizes["warmup"]  # first-use costs were paid by the OOM run
-    per_fit: dict[str, list[float]] = {"off": [], "on": []}
-    longest = 0.0
-    for r in range(sizes["repeats"]):
-        left = device.remaining()
-        if r >= sizes["min_repeats"] and left is not None and left < 1.5 * longest:
-            break
-        started = time.perf_counter()
-        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            events = StepEvents()
-            report = GPUOptReport(plot=False, table=False, memory_history=name == "on", dirpath=sizes["out"])
-            _fit(sizes, steps, [report, events])
-            per_fit[name].append(statistics.median(events.periods(warmup)))
-        longest = max(longest, time.perf_counter() - started)
+
+    def timed_fit(name: str) -> float:
+        events = StepEvents()
+        report = GPUOptReport(plot=False, table=False, memory_history=name == "on", dirpath=sizes["out"])
+        _fit(sizes, steps, [report, events])
+        return statistics.median(events.periods(warmup))
+
+    per_fit = interleaved_pairs(("off", "on"), timed_fit, sizes["repeats"], sizes["min_repeats"])
     percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["on"], per_fit["off"])])
     on_cuda = device.current().kind == "cuda"
     name = (
