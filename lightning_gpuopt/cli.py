@@ -43,6 +43,7 @@ from lightning_gpuopt.cli_errors import (
     split_debug,
     top_level_help,
 )
+from lightning_gpuopt.cli_resume import ResumePlan, RunFingerprint, plan_resume, run_fingerprint
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.microbatch import unsupported_strategy
@@ -61,6 +62,8 @@ _DESCRIPTION = (
 
 #: The subcommands LightningCLI runs; ``plan`` and ``report`` are the pack's own (:func:`main`).
 _TRAINER_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: ``--ckpt_path``'s default in ``gpuopt fit``: this run's own last checkpoint with ``--gpuopt.resume``, else none.
+AUTO_CKPT_PATH = "auto"
 
 
 def _require_jsonargparse() -> None:
@@ -115,9 +118,12 @@ class GPUOptCLI(LightningCLI):
       ``--trainer.callbacks`` has one, and a
       :class:`~lightning_gpuopt.callbacks.exact_resume.StepBoundaryCheckpoint` that keeps ``last.ckpt``
       at least every ``--gpuopt.checkpoint_minutes`` (default 15) of training, beside any
-      ``ModelCheckpoint`` of the user's (``--trainer.enable_checkpointing false`` leaves it out). ``fit``
-      then resumes from the newest ``last*.ckpt`` of its checkpoint folders unless ``--ckpt_path`` is
-      given (``ckpt_path="last"``).
+      ``ModelCheckpoint`` of the user's (``--trainer.enable_checkpointing false`` leaves it out). With
+      ``--ckpt_path auto`` (the default) ``fit`` then resumes from the newest ``last*.ckpt`` of its
+      checkpoint folders when it is this run's (:meth:`before_fit`; docs/resume.md).
+
+    ``fit`` writes a fingerprint of the run into its checkpoints
+    (:class:`~lightning_gpuopt.cli_resume.RunFingerprint`), whatever ``--gpuopt.resume`` says.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -149,6 +155,9 @@ class GPUOptCLI(LightningCLI):
         self.summary: RunSummary | None = None
         #: The memory plan behind the strategy (``gpuopt fit`` on several devices, ``gpuopt plan``); ``None`` otherwise.
         self.plan: StrategyPlan | None = None
+        #: What ``fit`` resumes from (``gpuopt fit``, decided in :meth:`before_fit`); ``None`` before.
+        self.resume: ResumePlan | None = None
+        self._fingerprint: dict[str, Any] | None = None
         self._parsers: list[LightningArgumentParser] = []
         super().__init__(*args, **kwargs)
 
@@ -158,6 +167,14 @@ class GPUOptCLI(LightningCLI):
         parser = super().init_parser(**kwargs)
         self._parsers.append(parser)  # the main parser, then one per subcommand (for "did you mean")
         return parser
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        if add_subcommands:
+            # `--ckpt_path null` then means "start afresh", apart from the default (before_fit)
+            self.parser.set_defaults({"fit.ckpt_path": AUTO_CKPT_PATH})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, and with ``parser_kwargs={"exit_on_error": False}`` (what ``gpuopt`` passes) turn jsonargparse's
@@ -247,8 +264,8 @@ class GPUOptCLI(LightningCLI):
             type=bool,
             default=True,
             help="Survive preemption in fit: add ExactResume (SIGTERM/SIGUSR1 stop at the next optimizer step with a "
-            "checkpoint, exit 0; RNG restored), keep last.ckpt every --gpuopt.checkpoint_minutes, and resume from "
-            "the last checkpoint when --ckpt_path is not given.",
+            "checkpoint, exit 0; RNG restored), keep last.ckpt every --gpuopt.checkpoint_minutes, and with "
+            "--ckpt_path auto (the default) resume this run's last checkpoint.",
         )
         parser.add_argument(
             "--gpuopt.checkpoint_minutes",
@@ -258,11 +275,43 @@ class GPUOptCLI(LightningCLI):
             "optimizer-step boundary.",
         )
 
+    # ------------------------------------------------------------------ fit: resume, then train
+
     def before_fit(self) -> None:
-        """Resume from the last checkpoint unless ``--ckpt_path`` is given (``--gpuopt.resume``)."""
+        """Decide what ``fit`` resumes from, before anything is loaded or written (docs/resume.md).
+
+        ``--ckpt_path auto`` (the default) is this run's own last checkpoint with ``--gpuopt.resume``, else
+        none; another run's is refused (:class:`~lightning_gpuopt.cli_resume.ResumeRefused`). A checkpoint
+        the user names (a path, or ``last``) is their choice: another run's gets a warning. A finished run
+        says so, and ``fit`` does nothing.
+        """
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        if self._gpuopt_option("resume") and config.get("ckpt_path") is None:
-            config["ckpt_path"] = "last"
+        given = config.get("ckpt_path")
+        auto = given == AUTO_CKPT_PATH
+        if auto:
+            given = "last" if self._gpuopt_option("resume") else None
+        fingerprint = self._fingerprint or self._run_fingerprint()
+        self.resume = plan_resume(
+            self.trainer,
+            given,
+            fingerprint,
+            datamodule=self.datamodule,
+            explicit=not auto,
+            weights_only=config.get("weights_only"),
+        )
+        config["ckpt_path"] = self.resume.path
+        if self.resume.message:
+            rank_zero_info(self.resume.message)
+
+    def fit(self, model: Any, datamodule: Any = None, **kwargs: Any) -> None:
+        """``Trainer.fit``, unless the run has finished already (then nothing is loaded or written)."""
+        if self.resume is not None and self.resume.finished:
+            return
+        self.trainer.fit(model, datamodule=datamodule, **kwargs)
+
+    def _run_fingerprint(self) -> dict[str, Any]:
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        return run_fingerprint(self.model, self.datamodule, config.get("model"), config.get("data"))
 
     def _section(self, key: str) -> Any:
         """The instantiated config's ``key`` (``trainer``, ...) of this subcommand."""
@@ -328,6 +377,9 @@ class GPUOptCLI(LightningCLI):
                 trainer.callbacks.append(GPUOptReport())
         if fitting and self._gpuopt_option("resume"):
             self._add_resume(trainer)
+        if self.subcommand == "fit":
+            self._fingerprint = self._run_fingerprint()
+            trainer.callbacks.append(RunFingerprint(self._fingerprint))
         return trainer
 
     def _add_precision_switch(self, trainer: Trainer) -> None:
