@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -309,6 +309,11 @@ class GPUOptCLI(LightningCLI):
             return
         self.trainer.fit(model, datamodule=datamodule, **kwargs)
 
+    def after_fit(self) -> None:
+        """Print the summary line (the report's figures when a GPUOptReport ran: one measure, docs/report.md)."""
+        if self.summary is not None and not (self.resume is not None and self.resume.finished):
+            self.summary.finish(self.trainer)
+
     def _run_fingerprint(self) -> dict[str, Any]:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         return run_fingerprint(self.model, self.datamodule, config.get("model"), config.get("data"))
@@ -339,12 +344,6 @@ class GPUOptCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         fitting = self.subcommand in (None, "fit")
-        if fitting and self._gpuopt_option("summary"):
-            self.summary = RunSummary()
-            user_callbacks = self._section("trainer").get("callbacks") or []
-            if not isinstance(user_callbacks, list):
-                user_callbacks = [user_callbacks]
-            kwargs["callbacks"] = [*user_callbacks, self.summary, *kwargs.get("callbacks", [])]
         if fitting and self._gpuopt_option("select_strategy"):
             trainer_config = self._section("trainer")
             world = _world_size(trainer_config)
@@ -380,6 +379,10 @@ class GPUOptCLI(LightningCLI):
         if self.subcommand == "fit":
             self._fingerprint = self._run_fingerprint()
             trainer.callbacks.append(RunFingerprint(self._fingerprint))
+        if fitting and self._gpuopt_option("summary"):
+            report = next((cb for cb in trainer.callbacks if isinstance(cb, GPUOptReport)), None)
+            self.summary = RunSummary(steps=_report_steps(report) if report is not None else None)
+            trainer.callbacks.append(self.summary)
         return trainer
 
     def _add_precision_switch(self, trainer: Trainer) -> None:
@@ -447,6 +450,11 @@ class GPUOptCLI(LightningCLI):
     def _gpuopt_option(self, name: str) -> Any:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         return config.get(f"gpuopt.{name}")
+
+
+def _report_steps(report: GPUOptReport) -> Callable[[], list[dict[str, Any]]]:
+    """The steps of ``report``'s record, read after ``fit`` (the summary's figures are the table's)."""
+    return lambda: list(report.report.get("steps", []))
 
 
 def _on_cuda(config: dict[str, Any]) -> bool:

@@ -183,7 +183,10 @@ def test_a_sigterm_stop_resumes_with_one_line_and_no_warning_of_the_pack(tmp_pat
     stopped = _gpuopt([*args, *fault], cwd=tmp_path)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     said = stopped.stdout + stopped.stderr
-    assert "ExactResume: stopped by SIGTERM at step 4" in said
+    assert (
+        "ExactResume: stopped by SIGTERM at step 4" in said
+        and "stopped by SIGTERM" in said.split("gpuopt summary:")[1]
+    )
     assert "max_epochs=1` reached" not in said  # not why it stopped
     assert "GPUOptWarning" not in said and "Traceback" not in said
     with caplog.at_level(logging.INFO):
