@@ -24,16 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_gpuopt._summary import RunSummary
-from lightning_gpuopt.callbacks import (
-    ExactResume,
-    GPUOptReport,
-    MemoryAwareBatchSize,
-    OOMRecovery,
-    PrecisionSwitch,
-)
-from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
-from lightning_gpuopt.cli_errors import (
+from lightning_gpuopt._cli_errors import (
     CommandLineError,
     did_you_mean,
     directory_on_path,
@@ -43,7 +34,16 @@ from lightning_gpuopt.cli_errors import (
     split_debug,
     top_level_help,
 )
-from lightning_gpuopt.cli_resume import ResumePlan, RunFingerprint, plan_resume, run_fingerprint
+from lightning_gpuopt._cli_resume import ResumePlan, RunFingerprint, plan_resume, run_fingerprint
+from lightning_gpuopt._summary import RunSummary
+from lightning_gpuopt.callbacks import (
+    ExactResume,
+    GPUOptReport,
+    MemoryAwareBatchSize,
+    OOMRecovery,
+    PrecisionSwitch,
+)
+from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.microbatch import unsupported_strategy
@@ -123,7 +123,7 @@ class GPUOptCLI(LightningCLI):
       checkpoint folders when it is this run's (:meth:`before_fit`; docs/resume.md).
 
     ``fit`` writes a fingerprint of the run into its checkpoints
-    (:class:`~lightning_gpuopt.cli_resume.RunFingerprint`), whatever ``--gpuopt.resume`` says.
+    (:class:`~lightning_gpuopt._cli_resume.RunFingerprint`), whatever ``--gpuopt.resume`` says.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -281,7 +281,7 @@ class GPUOptCLI(LightningCLI):
         """Decide what ``fit`` resumes from, before anything is loaded or written (docs/resume.md).
 
         ``--ckpt_path auto`` (the default) is this run's own last checkpoint with ``--gpuopt.resume``, else
-        none; another run's is refused (:class:`~lightning_gpuopt.cli_resume.ResumeRefused`). A checkpoint
+        none; another run's is refused (:class:`~lightning_gpuopt._cli_resume.ResumeRefused`). A checkpoint
         the user names (a path, or ``last``) is their choice: another run's gets a warning. A finished run
         says so, and ``fit`` does nothing.
         """

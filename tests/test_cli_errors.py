@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 
+from lightning_gpuopt._cli_errors import join_negative_values, split_debug
 from lightning_gpuopt.cli import CommandLineError, main
-from lightning_gpuopt.cli_errors import join_negative_values, split_debug
 from lightning_gpuopt.memory.units import ByteSize, parse_bytes
 from tests.helpers import REPO
 

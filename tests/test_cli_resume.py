@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gpuopt import GPUOptWarning
+from lightning_gpuopt._cli_resume import FINGERPRINT_KEY, fingerprint_differences, run_fingerprint
 from lightning_gpuopt.cli import main
-from lightning_gpuopt.cli_resume import FINGERPRINT_KEY, fingerprint_differences, run_fingerprint
 from tests.helpers import Forty, RecordingRegressor, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("cli_argv")

@@ -22,8 +22,8 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint, Timer
 
+from lightning_gpuopt._cli_errors import CommandLineError
 from lightning_gpuopt._warnings import warn
-from lightning_gpuopt.cli_errors import CommandLineError
 
 __all__ = [
     "FINGERPRINT_KEY",
