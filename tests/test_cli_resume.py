@@ -53,7 +53,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return {name: (root / name).read_bytes() for name in names}
 
 
-def _gpuopt(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _gpuopt(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`python -m lightning_gpuopt ARGS` in its own session; on a timeout its whole process group is killed."""
     command = [sys.executable, "-m", "lightning_gpuopt", *args]
     proc = subprocess.Popen(
