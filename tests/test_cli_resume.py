@@ -217,3 +217,40 @@ def test_the_fingerprint_leaves_out_what_may_change_within_a_run():
     bigger = {**data, "init_args": {**data["init_args"], "batch_size": 8}}
     third = run_fingerprint(model, Forty(), {"class_path": "x", "init_args": {"lr": 0.05}}, bigger)
     assert fingerprint_differences(first, third) == ["data.batch_size 4 -> 8"]
+
+
+@pytest.mark.parametrize(
+    ("limits", "progress", "early_stopping", "finished"),
+    [
+        ({"max_steps": 8}, (8, 0), 0, "max_steps=8 reached"),
+        ({"max_steps": 9}, (8, 0), 0, None),
+        ({"max_epochs": 2}, (20, 2), 0, "max_epochs=2 reached"),
+        ({"max_epochs": 3}, (20, 2), 0, None),
+        ({"max_epochs": 3}, (20, 2), 3, "EarlyStopping stopped it"),
+        ({"max_epochs": 1}, (4, 0), 0, None),  # a signal stop in the middle of the last epoch: not finished
+    ],
+    ids=["max-steps", "more-steps", "max-epochs", "more-epochs", "early-stopping", "signal-stop"],
+)
+def test_finished_means_a_limit_reached_or_early_stopping_never_a_signal_stop(
+    tmp_path, limits, progress, early_stopping, finished
+):
+    from lightning_gpuopt._cli_resume import plan_resume
+
+    step, epochs = progress
+    fingerprint = run_fingerprint(RecordingRegressor(), None)
+    checkpoint = {
+        "global_step": step,
+        "epoch": epochs,
+        "loops": {"fit_loop": {"epoch_progress": {"current": {"processed": epochs}}}},
+        "callbacks": {"EarlyStopping{'monitor': 'val_loss'}": {"stopping_reason": early_stopping}},
+        FINGERPRINT_KEY: fingerprint,
+    }
+    path = tmp_path / "last.ckpt"
+    torch.save(checkpoint, path)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, **limits)
+    plan = plan_resume(trainer, str(path), fingerprint)
+    assert plan.finished is (finished is not None) and plan.path == str(path)
+    if finished:
+        assert f"finished at step {step} ({finished}" in plan.message
+    else:
+        assert plan.message.startswith(f"gpuopt fit: resuming from {path} at step {step}")
