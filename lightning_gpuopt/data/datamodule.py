@@ -19,7 +19,7 @@ from lightning_gpuopt.data.prefetch import (
     DevicePrefetchLoader,
     PrefetchStats,
 )
-from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
+from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples, declare_resumable
 
 __all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
 
@@ -390,10 +390,15 @@ class GPUOptDataModule(pl.LightningDataModule):
         transfer = self._batch_transfer(stage)
         if transfer is None:
             # Lightning moves each batch when it is used, non-blocking on CUDA (its `move_data_to_device`).
-            return DataLoader(dataset, **kwargs)
-        stats = self._prefetch_stats.setdefault(stage, PrefetchStats())
-        stats.disabled = False  # a new loader gets a new chance after an out-of-memory fallback
-        return DevicePrefetchLoader(dataset, transfer=transfer, prefetch_stats=stats, **kwargs)
+            loader = DataLoader(dataset, **kwargs)
+        else:
+            stats = self._prefetch_stats.setdefault(stage, PrefetchStats())
+            stats.disabled = False  # a new loader gets a new chance after an out-of-memory fallback
+            loader = DevicePrefetchLoader(dataset, transfer=transfer, prefetch_stats=stats, **kwargs)
+        declare_resumable(
+            loader
+        )  # a ResumableSampler's loader: Lightning need not warn on a mid-epoch resume
+        return loader
 
     # Exact resume: the training loader's place in the epoch.
 
