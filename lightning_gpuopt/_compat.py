@@ -11,13 +11,16 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "batch_norm_types",
     "clear_cublas_workspaces",
     "cluster_environment",
+    "dataloader_iterator_base",
     "ddp_comm_hook_set",
     "ddp_kwargs",
     "disable_current_modes",
     "drop_train_loader",
     "first_items",
+    "foreach_norm",
     "fsdp_collectives",
     "fsdp_param_groups",
     "fsdp_unsharded_param",
@@ -30,6 +33,8 @@ __all__ = [
     "metric_state_names",
     "module_tables",
     "op_schema",
+    "optimizer_unscales_itself",
+    "parser_option_strings",
     "reset_grad_scaler",
     "scalar_read_op",
     "set_fsdp_collectives",
@@ -222,3 +227,38 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+def batch_norm_types() -> tuple[type, ...]:
+    """The base of every BatchNorm module (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, the lazy ones): torch's private
+    ``_BatchNorm``, which ``isinstance`` checks need; the public classes as a fallback should it move."""
+    from torch import nn
+
+    base = getattr(nn.modules.batchnorm, "_BatchNorm", None)
+    return (base,) if base is not None else (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def foreach_norm(tensors: list[Any], dtype: Any) -> list[Any]:
+    """The L2 norm of each tensor in one fused kernel per device and dtype (``torch._foreach_norm``)."""
+    import torch
+
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def optimizer_unscales_itself(optimizer: Any) -> bool:
+    """Whether an optimizer unscales AMP gradients inside its own ``step`` (fused Adam/AdamW mark themselves
+    ``_step_supports_amp_scaling``); GradScaler then passes ``found_inf`` for it to skip on."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def dataloader_iterator_base() -> type:
+    """The base class of every DataLoader iterator (single- and multi-process), whose ``__next__`` yields each
+    batch: torch's private ``_BaseDataLoaderIter``."""
+    from torch.utils.data import dataloader
+
+    return dataloader._BaseDataLoaderIter
+
+
+def parser_option_strings(parser: Any) -> list[str]:
+    """Every option string an ``argparse`` parser (jsonargparse's too) accepts, from its private ``_actions``."""
+    return [option for action in parser._actions for option in action.option_strings]

@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt._cli_errors import (
     CommandLineError,
     did_you_mean,
@@ -194,7 +195,7 @@ class GPUOptCLI(LightningCLI):
         parsers = [
             p for p in self._parsers if subcommand and p.prog.split()[-1] == subcommand
         ] or self._parsers[:1]
-        return [option for action in parsers[0]._actions for option in action.option_strings]
+        return _compat.parser_option_strings(parsers[0])
 
     def instantiate_classes(self) -> None:
         """Build the model, the datamodule and the Trainer; a validation error of the pack's becomes one line."""

@@ -335,7 +335,7 @@ class DataStallMonitor(Callback):
 
     def _autotune_step(self, trainer: pl.Trainer, measured: StallMeasurement) -> None:
         datamodule: GPUOptDataModule = trainer.datamodule
-        limit = self.max_workers or max_useful_workers(available_cpus(), datamodule._local_devices())
+        limit = self.max_workers or max_useful_workers(available_cpus(), max(1, trainer.num_devices))
         self._trials.append([int(measured.num_workers), float(measured.step_s), float(measured.fraction)])
         step = autotune_num_workers(self._trials, self.threshold, limit)
         # Rank zero decides for every rank, so all ranks load alike.

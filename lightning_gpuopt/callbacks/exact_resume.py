@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,7 +36,7 @@ def at_optimizer_step_boundary(batch_idx: int, accumulate_grad_batches: int, is_
     return (batch_idx + 1) % accumulate_grad_batches == 0 or is_last_batch
 
 
-def slurm_requeue_command(environ: dict[str, str] | os._Environ = os.environ) -> list[str] | None:
+def slurm_requeue_command(environ: Mapping[str, str] = os.environ) -> list[str] | None:
     """``scontrol requeue JOB`` for this SLURM job (array jobs: ``ARRAYJOB_TASK``); ``None`` outside SLURM.
 
     Example:

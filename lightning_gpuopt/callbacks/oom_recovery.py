@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import format_bytes, get_probe
@@ -533,7 +533,9 @@ class OOMRecovery(Callback):
         if self.min_micro_batch_size is not None:
             return self.min_micro_batch_size, f"min_micro_batch_size={self.min_micro_batch_size}"
         module = self._engine.trainer.lightning_module if self._engine is not None else None
-        if module is not None and any(isinstance(m, _BatchNorm) and m.training for m in module.modules()):
+        if module is not None and any(
+            isinstance(m, _compat.batch_norm_types()) and m.training for m in module.modules()
+        ):
             return 2, "BatchNorm in training mode needs more than one value per channel"
         return 1, ""
 

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
@@ -501,7 +502,7 @@ class PrecisionSwitch(Callback):
         if self._scaler() is not None:
             # The GradScaler found the gradients finite (it calls step only then), or, for an optimizer that
             # unscales inside its own step, passes found_inf for it to skip on: read after the step.
-            if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if _compat.optimizer_unscales_itself(optimizer):
                 self._found_inf = getattr(optimizer, "found_inf", None)
             self._applied = True
             return False
