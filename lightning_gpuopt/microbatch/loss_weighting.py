@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_gpuopt._warnings import warn
-from lightning_gpuopt.batching import UnsplittableBatchError, _slice, batch_size_of
+from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of, slice_samples
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.oom import is_oom_error
 from lightning_gpuopt.microbatch.errors import LossWeightingError
@@ -202,7 +202,7 @@ class LossWeighting:
             m = 0
         if m >= 2:
             cut = split_point(piece, m, options)
-            parts = [_slice(piece, m, 0, cut), _slice(piece, m, cut, m)]
+            parts = [slice_samples(piece, m, 0, cut), slice_samples(piece, m, cut, m)]
             tol = tolerance(getattr(trainer, "precision", None))
             out_of_memory = False
             try:

@@ -18,10 +18,10 @@ from torch import Tensor
 
 from lightning_gpuopt.batching import (
     UnsplittableBatchError,
-    _slice,
     batch_size_of,
     first_samples,
     merge_outputs,
+    slice_samples,
 )
 
 __all__ = [
@@ -303,8 +303,8 @@ def choose(
 def _same_per_sample(a: Candidate, b: Candidate, piece: Any) -> bool:
     try:
         n = batch_size_of(piece)
-        counts_a = [a.count(_slice(piece, n, i, i + 1)) for i in range(n)]
-        counts_b = [b.count(_slice(piece, n, i, i + 1)) for i in range(n)]
+        counts_a = [a.count(slice_samples(piece, n, i, i + 1)) for i in range(n)]
+        counts_b = [b.count(slice_samples(piece, n, i, i + 1)) for i in range(n)]
     except Exception:
         return False
     total_a, total_b = sum(counts_a), sum(counts_b)
@@ -343,14 +343,14 @@ def piece_of(batch: Any, size: int, options: Sequence[Candidate]) -> Any:
         )
     if order == list(range(len(order))):
         return first_samples(batch, len(order))
-    return merge_outputs([_slice(batch, n, i, i + 1) for i in order])
+    return merge_outputs([slice_samples(batch, n, i, i + 1) for i in order])
 
 
 def split_point(piece: Any, m: int, options: Sequence[Candidate]) -> int:
     """Where to cut the piece so that the candidates' shares of the two parts differ the most."""
     best, best_score = max(1, m // 4), -math.inf
     for cut in range(1, m):
-        parts = [_slice(piece, m, 0, cut), _slice(piece, m, cut, m)]
+        parts = [slice_samples(piece, m, 0, cut), slice_samples(piece, m, cut, m)]
         shares = []
         for option in options:
             if option.kind is Weighting.SUM:
