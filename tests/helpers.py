@@ -52,7 +52,7 @@ class IndexedRegression(Dataset):
         return i, self.x[i], self.y[i]
 
 
-class Forty(GPUOptDataModule):
+class IndexedData40(GPUOptDataModule):
     """A GPUOptDataModule over 40 samples of :class:`IndexedRegression` (ids 0-39)."""
 
     def train_dataset(self):

@@ -27,7 +27,7 @@ trainer:
 model:
   class_path: tests.helpers.RecordingRegressor
 data:
-  class_path: tests.helpers.Forty
+  class_path: tests.helpers.IndexedData40
   init_args:
     batch_size: 4
     num_workers: 0

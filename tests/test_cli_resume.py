@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_gpuopt import GPUOptWarning
 from lightning_gpuopt._cli_resume import FINGERPRINT_KEY, fingerprint_differences, run_fingerprint
 from lightning_gpuopt.cli import main
-from tests.helpers import Forty, RecordingRegressor, subprocess_env
+from tests.helpers import IndexedData40, RecordingRegressor, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("cli_argv")
 
@@ -32,7 +32,7 @@ QUIET = (
     "--trainer.enable_model_summary false"
 ).split()
 # Model A: a small regressor on 40 samples, batch 4 (10 steps an epoch); no loader workers.
-MODEL_A = ["--model", "tests.helpers.RecordingRegressor", "--data", "tests.helpers.Forty"]
+MODEL_A = ["--model", "tests.helpers.RecordingRegressor", "--data", "tests.helpers.IndexedData40"]
 DATA_A = ["--data.batch_size", "4", "--data.num_workers", "0"]
 # Model B: Lightning's demo model and data, nothing in common with A.
 MODEL_B = [
@@ -169,7 +169,7 @@ def test_a_checkpoint_without_a_fingerprint_loads_with_a_one_line_warning(tmp_pa
         default_root_dir=tmp_path,
         callbacks=[ModelCheckpoint(save_last=True, save_top_k=0)],
     )
-    trainer.fit(RecordingRegressor(), Forty(batch_size=4, num_workers=0))
+    trainer.fit(RecordingRegressor(), IndexedData40(batch_size=4, num_workers=0))
     with pytest.warns(GPUOptWarning, match=r"has no run fingerprint") as caught:
         main(_args(tmp_path, *MODEL_A, *DATA_A, "--trainer.max_steps", "3"))
     (warning,) = [w for w in caught if w.category is GPUOptWarning]
@@ -203,19 +203,19 @@ def test_a_sigterm_stop_resumes_with_one_line_and_no_warning_of_the_pack(tmp_pat
 def test_the_fingerprint_leaves_out_what_may_change_within_a_run():
     model = RecordingRegressor()
     data = {
-        "class_path": "tests.helpers.Forty",
+        "class_path": "tests.helpers.IndexedData40",
         "init_args": {"batch_size": 4, "num_workers": 0, "pin_memory": "auto", "data_dir": "/a"},
     }
-    first = run_fingerprint(model, Forty(), {"class_path": "x", "init_args": {"lr": 0.05}}, data)
+    first = run_fingerprint(model, IndexedData40(), {"class_path": "x", "init_args": {"lr": 0.05}}, data)
     moved = {
         **data,
         "init_args": {**data["init_args"], "num_workers": 8, "pin_memory": True, "data_dir": "/b"},
     }
-    second = run_fingerprint(model, Forty(), {"class_path": "x", "init_args": {"lr": 0.05}}, moved)
+    second = run_fingerprint(model, IndexedData40(), {"class_path": "x", "init_args": {"lr": 0.05}}, moved)
     assert fingerprint_differences(first, second) == []
     assert first["data_args"] == {"batch_size": 4}
     bigger = {**data, "init_args": {**data["init_args"], "batch_size": 8}}
-    third = run_fingerprint(model, Forty(), {"class_path": "x", "init_args": {"lr": 0.05}}, bigger)
+    third = run_fingerprint(model, IndexedData40(), {"class_path": "x", "init_args": {"lr": 0.05}}, bigger)
     assert fingerprint_differences(first, third) == ["data.batch_size 4 -> 8"]
 
 
