@@ -18,7 +18,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_gpuopt import ExactResume
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint, at_optimizer_step_boundary
 from tests import resume_child
-from tests.helpers import TRAINER_QUIET, IndexedData40, RecordingRegressor, assert_same_training, parameters_of
+from tests.helpers import (
+    TRAINER_QUIET,
+    IndexedData40,
+    RecordingRegressor,
+    assert_same_training,
+    parameters_of,
+)
 
 CHILD = Path(resume_child.__file__)
 
