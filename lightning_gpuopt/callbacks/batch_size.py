@@ -16,15 +16,15 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning_gpuopt import _compat
 from lightning_gpuopt._compiled import cuda_graphs_refusal
 from lightning_gpuopt._warnings import warn
+from lightning_gpuopt.batch_size.modes import MaxBatchSizeMode
+from lightning_gpuopt.batch_size.peak_model import SearchResult, SizeSearch, StepMeasurement, memory_budget
+from lightning_gpuopt.batch_size.predicted import PredictedSearch
+from lightning_gpuopt.batch_size.trace import start_search
+from lightning_gpuopt.batch_size.trial import TrialSteps, local_bytes
 from lightning_gpuopt.batching import SPLIT_HOOK, UnsplittableBatchError, batch_size_of, first_samples
-from lightning_gpuopt.callbacks._predicted_start import start_search
-from lightning_gpuopt.callbacks._trial_step import TrialSteps, local_bytes
-from lightning_gpuopt.callbacks.batch_size_max import MaxBatchSizeMode
 from lightning_gpuopt.callbacks.oom_recovery import MicroBatchOOMError
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
-from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, StepMeasurement, memory_budget
-from lightning_gpuopt.memory.predicted_search import PredictedSearch
 from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine
 from lightning_gpuopt.oom_policy import Source
 from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
@@ -99,7 +99,7 @@ class MemoryAwareBatchSize(MaxBatchSizeMode, Callback):
         predict: start from the prediction: before any real step, the training step is traced on fake
             tensors (:func:`~lightning_gpuopt.memory.predict_peak`, none of the step allocated) at up to three
             sizes; the first real step (small) calibrates the traced curve, the second runs at the size
-            it predicts, the third verifies (:mod:`lightning_gpuopt.memory.predicted_search`). A step that
+            it predicts, the third verifies (:mod:`lightning_gpuopt.batch_size.predicted`). A step that
             cannot be traced, or steps that cannot show an answer, leave the measured search (at most four
             steps) to decide, and :attr:`prediction_note` says why. ``False``: the measured search alone.
 

@@ -20,9 +20,9 @@ from lightning.pytorch.plugins import Precision
 from torch.nn import functional as F
 
 from lightning_gpuopt._exchange import PeerFailure
-from lightning_gpuopt.callbacks._trial_step import TrialSteps
+from lightning_gpuopt.batch_size.peak_model import SizeSearch, StepMeasurement
+from lightning_gpuopt.batch_size.trial import TrialSteps
 from lightning_gpuopt.callbacks.batch_size import run_trials
-from lightning_gpuopt.memory.peak_model import SizeSearch, StepMeasurement
 from lightning_gpuopt.oom_policy import Status, Vote
 from lightning_gpuopt.support import Feature, StrategyKind, supports
 from lightning_gpuopt.testing import SimulatedMemory

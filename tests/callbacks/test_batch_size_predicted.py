@@ -19,9 +19,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import MemoryAwareBatchSize
+from lightning_gpuopt.batch_size.peak_model import SizeSearch, StepMeasurement
+from lightning_gpuopt.batch_size.predicted import PredictedSearch, TracedStep, TransientCurve
 from lightning_gpuopt.decisions import decisions
-from lightning_gpuopt.memory.peak_model import SizeSearch, StepMeasurement
-from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.batch_models import FAMILIES, SizedModule, Tensors, fit, peaks_at, true_maxima
 from tests.callbacks.oom_models import Waves

@@ -20,7 +20,7 @@ steps:
    it fits, it is within 10 % of the largest that fits).
 
 A first step that does not fit, or steps that end without a verified answer, hand over to the plain
-:class:`~lightning_gpuopt.memory.peak_model.SizeSearch`, which continues from the shared first step
+:class:`~lightning_gpuopt.batch_size.peak_model.SizeSearch`, which continues from the shared first step
 exactly as it would have alone: the answer is the largest size any step verified, never below the
 plain search's. :attr:`PredictedSearch.note` says how the prediction served, or why it handed over.
 
@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, StepMeasurement
+from lightning_gpuopt.batch_size.peak_model import SearchResult, SizeSearch, StepMeasurement
 
 __all__ = [
     "FIRST_STEP_MARGIN",

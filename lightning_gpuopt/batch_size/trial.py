@@ -40,8 +40,8 @@ from torch import Tensor
 
 from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, mark_batch_dynamic
 from lightning_gpuopt._exchange import FSDP2Exchange, PeerFailure, local_shard
+from lightning_gpuopt.batch_size.peak_model import StepMeasurement
 from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
-from lightning_gpuopt.memory.peak_model import StepMeasurement
 from lightning_gpuopt.oom_policy import Status
 
 __all__ = ["TrainingState", "TrialSteps", "local_bytes"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gpuopt.memory.peak_model import (
+from lightning_gpuopt.batch_size.peak_model import (
     MAX_TRIALS,
     PeakModel,
     SizeSearch,

@@ -1,6 +1,6 @@
 """MemoryAwareBatchSize's start from the prediction: trace the user's training step, build the search that verifies it.
 
-The trace runs inside :class:`~lightning_gpuopt.callbacks._trial_step.TrialSteps` (``self.log`` is
+The trace runs inside :class:`~lightning_gpuopt.batch_size.trial.TrialSteps` (``self.log`` is
 silent, attributes the step touches are put back) on fake tensors: none of the step is allocated
 (on the CPU single operator calls measure their kernels' scratch), the parameters are swapped for
 fake ones and back. The batch is the trial's own, resized in its sample
@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils._pytree import tree_map
 
-from lightning_gpuopt.memory.peak_model import SizeSearch
+from lightning_gpuopt.batch_size.peak_model import SizeSearch
+from lightning_gpuopt.batch_size.predicted import PredictedSearch, TracedStep, TransientCurve, plan_traces
 from lightning_gpuopt.memory.predict import (
     MemoryCategory,
     Phase,
@@ -25,7 +26,6 @@ from lightning_gpuopt.memory.predict import (
     predict_peak,
     predict_peak_deep,
 )
-from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve, plan_traces
 
 __all__ = ["CannotPredict", "start_search"]
 

@@ -1,0 +1,1 @@
+"""MemoryAwareBatchSize's search, under the callback :mod:`lightning_gpuopt.callbacks.batch_size`."""
