@@ -1,61 +1,10 @@
-"""The pure math behind MemoryAwareBatchSize: the peak model, its fit, and the few-step search."""
+"""The pure math behind MemoryAwareBatchSize: the peak model and its fit."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_gpuopt.batch_size.peak_model import (
-    MAX_TRIALS,
-    PeakModel,
-    SizeSearch,
-    StepMeasurement,
-    fit_peak_model,
-    memory_budget,
-)
-
-
-def _run(search: SizeSearch, forward_backward, optimizer: int = 0, limit: int | None = None) -> list[int]:
-    """Drive ``search`` with a fake step; sizes whose peak passes ``limit`` run out of memory."""
-    limit = search.budget_bytes if limit is None else limit
-    sizes = []
-    while (n := search.next_size()) is not None:
-        sizes.append(n)
-        fb = forward_backward(n)
-        peak = search.base_bytes + search.held_bytes_per_sample * n + max(fb, optimizer)
-        search.record(
-            StepMeasurement(n, None, None) if peak > limit else StepMeasurement(n, int(fb), optimizer)
-        )
-    return sizes
-
-
-def _true_max(forward_backward, optimizer, base, budget, largest, held=0.0) -> int:
-    return max(
-        n for n in range(1, largest + 1) if base + held * n + max(forward_backward(n), optimizer) <= budget
-    )
-
-
-SHAPES = {
-    "linear": (lambda n: 1_000 + 200_000 * n, 500_000),
-    "large-constant": (lambda n: 10_000_000 + 200_000 * n, 500_000),
-    "quadratic": (lambda n: 1_000_000 + 200_000 * n + 2_000 * n * n, 500_000),
-    "pure-quadratic": (lambda n: 100 * n * n, 500_000),
-    "optimizer-dominated": (lambda n: 10_000 + 1_000 * n, 50_000_000),
-}
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("budget", [60_000_000, 200_000_000, 1_000_000_000])
-@pytest.mark.parametrize("largest", [512, 100_000])
-def test_search_finds_at_least_90_percent_of_the_maximum_in_four_steps(shape, budget, largest):
-    forward_backward, optimizer = SHAPES[shape]
-    search = SizeSearch(budget_bytes=budget, base_bytes=10_000_000, smallest=1, largest=largest)
-    sizes = _run(search, forward_backward, optimizer)
-    truth = _true_max(forward_backward, optimizer, 10_000_000, budget, largest)
-    result = search.result
-    assert len(sizes) <= MAX_TRIALS
-    assert 0.9 * truth <= result.size <= truth, (sizes, truth)
-    assert result.verified_size == result.size  # the answer was measured
-    assert result.measured_peak_bytes <= budget
+from lightning_gpuopt.batch_size.peak_model import PeakModel, StepMeasurement, fit_peak_model, memory_budget
 
 
 def test_curvature_is_detected_from_three_points():
@@ -88,99 +37,6 @@ def test_peak_is_the_larger_phase_plus_what_every_step_holds():
     assert model.largest_size(1000, 1, 10) is None
 
 
-def test_first_size_out_of_memory_falls_back_to_the_smallest_then_fails():
-    search = SizeSearch(budget_bytes=100, base_bytes=90, smallest=1, largest=64)
-    sizes = _run(search, lambda n: 50 * n)
-    assert sizes == [2, 1] and search.result.size is None and search.result.predicted_peak_bytes is None
-
-
-def test_whole_batch_is_judged_apart_and_preferred():
-    """Micro-batch steps hold all gradients; the whole batch starts without them and may fit when they do not."""
-    grads = 1_000_000
-    search = SizeSearch(
-        budget_bytes=3_000_000,
-        base_bytes=1_500_000,
-        smallest=1,
-        largest=64,
-        whole_largest=True,
-        grad_bytes=grads,
-    )
-
-    def used(n: int) -> int:  # a micro-batch step: 500 kB of temporaries + 20 kB per sample
-        return 500_000 + 20_000 * n
-
-    sizes = []
-    while (n := search.next_size()) is not None:
-        sizes.append(n)
-        fb = used(n) - grads if n == 64 else used(n)  # the whole batch starts without the gradients
-        search.record(StepMeasurement(n, fb, 0))
-    assert search.result.size == 64 and sizes[-1] == 64
-    assert search.result.predicted_peak_bytes == search.result.measured_peak_bytes  # measured, not modelled
-    assert search.model.per_sample_bytes == 20_000  # the model is of the micro-batch steps only
-
-
-def test_whole_batch_that_does_not_fit_leaves_the_micro_batch_answer():
-    search = SizeSearch(
-        budget_bytes=3_000_000,
-        base_bytes=1_000_000,
-        smallest=1,
-        largest=64,
-        whole_largest=True,
-        grad_bytes=10_000,
-    )
-    sizes = _run(search, lambda n: 40_000 * n)
-    assert 0.9 * 50 <= search.result.size <= 50 and len(sizes) <= MAX_TRIALS
-
-
-def test_multiple_of_rounds_the_answer_down_but_not_the_largest():
-    search = SizeSearch(budget_bytes=1_500, base_bytes=1_000, smallest=1, largest=4096, multiple_of=8)
-    _run(search, lambda n: 40 + 10 * n, 100)
-    assert search.result.size % 8 == 0 and search.result.size <= 46
-    whole = SizeSearch(budget_bytes=10**9, base_bytes=0, smallest=1, largest=30, multiple_of=8)
-    _run(whole, lambda n: n)
-    assert whole.result.size == 30
-
-
-def test_held_bytes_per_sample_count_in_every_phase():
-    search = SizeSearch(
-        budget_bytes=2_000, base_bytes=1_000, smallest=1, largest=10_000, held_bytes_per_sample=10
-    )
-    sizes = _run(search, lambda n: 10 * n, 500)
-    truth = _true_max(lambda n: 10 * n, 500, 1_000, 2_000, 10_000, held=10)
-    assert truth == 50 and 0.9 * truth <= search.result.size <= truth
-    assert len(sizes) <= MAX_TRIALS
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"smallest": 0, "largest": 4}, "1 <= smallest <= largest"),
-        ({"smallest": 5, "largest": 4}, "smallest=5, largest=4"),
-        ({"smallest": 1, "largest": 4, "multiple_of": 0}, "`multiple_of` must be a positive int, got 0"),
-    ],
-    ids=["zero", "inverted", "multiple_of"],
-)
-def test_bad_bounds_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SizeSearch(budget_bytes=1, base_bytes=0, **kwargs)
-
-
 def test_budget():
     assert memory_budget(1000, 1.0) == 1000
     assert memory_budget(1000, 0.5, reserve_bytes=100) == 400
-
-
-@pytest.mark.parametrize("room_samples", [45, 56, 70, 90, 110, 125])
-def test_second_step_out_of_memory_still_ends_within_90_percent(room_samples):
-    """Parameters dominate (ResNet-18 at a small image): the 8x second step runs out of memory, yet the
-    answer is still close below the maximum (the third step gets the slope, the fourth verifies). Below
-    about 3x the first size two steps fail and the last halves the gap (docs/batch-size.md, caveats)."""
-
-    def forward_backward(n):
-        return 45_000_000 + 34_000 * n  # weight gradients appear in backward: a large intercept
-
-    budget = 10_000_000 + forward_backward(room_samples) + 1
-    search = SizeSearch(budget_bytes=budget, base_bytes=10_000_000, smallest=1, largest=1_000, first_size=16)
-    sizes = _run(search, forward_backward)
-    assert sizes[:2] == [16, 128] and len(sizes) <= MAX_TRIALS
-    assert 0.9 * room_samples <= search.result.size <= room_samples, sizes
