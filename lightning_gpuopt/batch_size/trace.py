@@ -23,13 +23,8 @@ from lightning_utilities import apply_to_collection
 
 from lightning_gpuopt.batch_size.predicted import PredictedSearch, TracedStep, TransientCurve, plan_traces
 from lightning_gpuopt.batch_size.search import SizeSearch, TrialBatch
-from lightning_gpuopt.memory.predict import (
-    MemoryCategory,
-    Phase,
-    PredictionMethod,
-    predict_peak,
-    predict_peak_deep,
-)
+from lightning_gpuopt.memory import MemoryCategory, PredictionMethod, predict_peak, predict_peak_deep
+from lightning_gpuopt.memory.predict import Phase
 
 __all__ = ["CannotPredict", "start_search"]
 
