@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.plugins import Precision
 from torch.nn import functional as F
 
-from lightning_gpuopt.microbatch.exchange import PeerFailure
 from lightning_gpuopt.batch_size.trial import TrialSteps
+from lightning_gpuopt.microbatch.exchange import PeerFailure
 from lightning_gpuopt.oom_policy import Status, Vote
 from lightning_gpuopt.testing import SimulatedMemory
 

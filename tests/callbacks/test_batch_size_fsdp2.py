@@ -8,15 +8,13 @@ the ranks' votes given, in tests/batch_size/test_trial.py and test_search.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_gpuopt.support import Feature, StrategyKind, supports
-from tests.helpers import subprocess_env
+from tests.helpers import run_ranks
 
 SCRIPT = Path(__file__).with_name("fsdp2_batch_size_run.py")
 _FSDP2 = supports(Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2)
@@ -25,16 +23,7 @@ _FSDP2 = supports(Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2)
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp2_batch_size")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
-        cwd=out,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return run_ranks(SCRIPT, out, timeout=600)
 
 
 @pytest.mark.slow
