@@ -116,10 +116,10 @@ def _loss_value(output: Any) -> float | None:
 
 @dataclass
 class _Measured:
-    """The check's three forwards: the piece's loss and its parts' (``None`` when a call skipped the batch)."""
+    """The check's three forwards: the piece's loss and its parts' (``None`` where the step skipped the batch)."""
 
     piece: float | None = None
-    parts: list[float] = field(default_factory=list)
+    parts: list[float | None] = field(default_factory=list)
     runs: list[PartRun] = field(default_factory=list)
     replayed: bool = False
     #: What could not be replayed (Python's or NumPy's generator, a part's draws), for the refusal.
@@ -127,24 +127,28 @@ class _Measured:
 
     @property
     def skipped(self) -> bool:
-        return self.unreplayable is None and (self.piece is None or len(self.parts) < len(self.runs))
+        """The step returned ``None`` for the piece, or for a part it ran normally: decide at the next split."""
+        if self.piece is None:
+            return True
+        return self.unreplayable is None and any(loss is None for loss in self.parts)
 
 
 def _measure(
     run_piece: Callable[[Any], Any], piece: Any, m: int, bounds: Sequence[tuple[int, int]], parts: list[Any]
 ) -> _Measured:
-    """Run the piece (its random draws recorded) and each part (the draws replayed): see ``replay.py``."""
+    """Run the piece (its random draws recorded) and each part (the draws replayed): see ``replay.py``.
+
+    All three calls run whatever the first ones found (under FSDP2 every rank runs them together: a rank that
+    stopped early would leave the others waiting in a collective).
+    """
     draws = RandomDraws(m)
     measured = _Measured()
     try:
         with draws.record():
             measured.piece = _loss_value(run_piece(piece))
         measured.replayed = draws.drew
-        if measured.piece is None:
-            return measured  # the step skipped this piece: decide at the next split
         if draws.host is not None:
             measured.unreplayable = f"it draws from {draws.host}"
-            return measured
         for (lo, hi), part in zip(bounds, parts):
             with draws.replay(lo, hi) as run:
                 measured.runs.append(run)
@@ -159,13 +163,9 @@ def _measure(
                         "(random indices into the batch, such as a permutation for mixup, couple its samples)"
                     )
                     output = None
-            if run.failure is not None:
+            if run.failure is not None and measured.unreplayable is None:
                 measured.unreplayable = run.failure
-                return measured
-            loss = _loss_value(output)
-            if loss is None:
-                return measured  # a part skipped: decide at the next split
-            measured.parts.append(loss)
+            measured.parts.append(_loss_value(output) if run.failure is None else None)
     finally:
         draws.clear()
     return measured
