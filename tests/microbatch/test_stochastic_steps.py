@@ -173,6 +173,20 @@ def test_with_loss_reduction_given_an_unreplayable_step_trains_and_says_it_was_n
     random.setstate(state)
 
 
+class SkipsFirstBatch(FlowMatching):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 0 else super().training_step(batch, batch_idx)
+
+
+def test_a_piece_that_returns_none_leaves_the_decision_to_the_next_split():
+    oom = OOMRecovery(verbose=False)
+    oom.load_state_dict({"k": 2})  # split from the first batch
+    run = train(SkipsFirstBatch(), Points(), [oom], simulate=False, steps=3)
+    (decision,) = [d for d in decisions(run.trainer) if d.kind == "loss weighting"]
+    assert decision.step == 1 and oom.loss_weighting.decided.kind is Weighting.SAMPLES
+    assert run.trainer.global_step == 3
+
+
 def test_under_torch_compile_the_replay_leaves_the_compiled_frames_alone():
     """The check runs eagerly (``set_stance("force_eager")``): its record and replay modes compile nothing, so
     a run with the check compiles exactly the frames of a run without it."""
