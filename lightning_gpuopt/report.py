@@ -254,6 +254,31 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def _full_batches(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps without an epoch's short last batch (fewer samples than the batch before it in its epoch).
+
+    A short last batch runs as fewer or smaller micro-batches; shown, it would read like a split.
+
+    Example:
+        >>> steps = [{"epoch": 0, "batch_size": 64}, {"epoch": 0, "batch_size": 32}, {"epoch": 1, "batch_size": 64}]
+        >>> [s["batch_size"] for s in _full_batches(steps)]
+        [64, 64]
+    """
+    kept = []
+    for i, step in enumerate(steps):
+        ends_epoch = i + 1 == len(steps) or steps[i + 1].get("epoch") != step.get("epoch")
+        before = steps[i - 1] if i else None
+        short = (
+            ends_epoch
+            and before is not None
+            and before.get("epoch") == step.get("epoch")
+            and step["batch_size"] < before["batch_size"]
+        )
+        if not short:
+            kept.append(step)
+    return kept or list(steps)
+
+
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     """The summary table as (what, value) rows.
 
@@ -300,12 +325,13 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                     ),
                 )
             )
-        ks = [s["k"] for s in steps]
+        full = _full_batches(steps)
+        ks = [s["k"] for s in full]
         rows.append(
             (
                 "micro-batches k",
-                f"{ks[0]} -> {ks[-1]} (max {max(ks)}); micro-batch {first['micro_batch_size']} -> "
-                f"{last['micro_batch_size']} of batch {last['batch_size']}",
+                f"{ks[0]} -> {ks[-1]} (max {max(ks)}); micro-batch {full[0]['micro_batch_size']} -> "
+                f"{full[-1]['micro_batch_size']} of batch {full[-1]['batch_size']}",
             )
         )
         precisions = [s["precision"] for s in steps]

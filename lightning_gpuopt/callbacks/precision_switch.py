@@ -458,11 +458,20 @@ class PrecisionSwitch(Callback):
         if trainer.strategy.reduce_boolean_decision(reason is not None, all=False):
             self._switch_down(trainer, reason or "another rank asked", rerun=False)
         elif scaler is None:
-            self._say(
-                f"PrecisionSwitch: step {trainer.global_step - 1} not applied: non-finite "
-                f"{'loss' if not loss_finite else 'gradients'} in {self._precision} "
+            what = "loss" if not loss_finite else "gradients"
+            held = (
+                f"step {trainer.global_step - 1} not applied: non-finite {what} in {self._precision} "
                 f"({self._watch.consecutive} in a row; patience {self.patience})"
             )
+            record_decision(
+                trainer,
+                "held back",
+                "PrecisionSwitch",
+                held,
+                held_step=trainer.global_step - 1,
+                nonfinite=what,
+            )
+            self._say(f"PrecisionSwitch: {held}")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trainer is not trainer or not (self.switches or self.skipped_steps):
