@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
 from lightning_gpuopt.batch_size.modes import SearchSpace
 from lightning_gpuopt.batch_size.peak_model import memory_budget
 from lightning_gpuopt.batch_size.predicted import PredictedSearch
@@ -23,6 +22,7 @@ from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch, run_tri
 from lightning_gpuopt.batch_size.trace import start_search
 from lightning_gpuopt.batch_size.trial import TrialSteps, local_bytes
 from lightning_gpuopt.memory import MemoryProbe, format_bytes
+from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
 
 __all__ = ["STEP_SLACK_BYTES", "SearchRun", "choose_search", "find_largest_size", "no_fit_message"]
 
