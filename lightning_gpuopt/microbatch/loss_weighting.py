@@ -33,12 +33,13 @@ import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from lightning_gpuopt._validate import choice
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of, slice_samples
 from lightning_gpuopt.decisions import record_decision
@@ -64,12 +65,12 @@ from lightning_gpuopt.microbatch.replay import HostRandom, PartRun, RandomDraws
 if TYPE_CHECKING:
     from lightning_gpuopt.microbatch.engine import MicroBatchEngine
 
-__all__ = ["MODES", "ON_MISMATCH", "LossWeighting", "quiet_forward"]
+__all__ = ["LossReduction", "LossWeighting", "OnMismatch", "quiet_forward"]
 
 #: What ``OOMRecovery(loss_reduction=...)`` accepts.
-MODES = ("auto", "mean", "tokens", "sum")
+LossReduction = Literal["auto", "mean", "tokens", "sum"]
 #: What ``OOMRecovery(on_mismatch=...)`` accepts.
-ON_MISMATCH = ("raise", "warn")
+OnMismatch = Literal["raise", "warn"]
 
 
 @contextlib.contextmanager
@@ -186,18 +187,16 @@ class LossWeighting:
 
     def __init__(
         self,
-        mode: str = "auto",
+        mode: LossReduction = "auto",
         weight_fn: Callable[[Any], Any] | None = None,
         token_key: str | int = "labels",
         ignore_index: int = -100,
-        on_mismatch: str = "raise",
+        on_mismatch: OnMismatch = "raise",
         check: bool = True,
         source: str = "OOMRecovery",
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"`loss_reduction` must be one of {MODES}, got {mode!r}")
-        if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"`on_mismatch` must be one of {ON_MISMATCH}, got {on_mismatch!r}")
+        choice("loss_reduction", mode, LossReduction)
+        choice("on_mismatch", on_mismatch, OnMismatch)
         self.mode = mode
         self.weight_fn = weight_fn
         self.token_key = token_key
