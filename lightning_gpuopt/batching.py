@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.memory.walk import (
     BatchSizeError,
     is_dataclass_instance,
@@ -86,8 +87,7 @@ def split_sizes(n: int, k: int) -> list[int]:
         >>> split_sizes(10, 3)
         [4, 3, 3]
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"`n` must be a positive int (samples in the batch), got {n!r}")
+    positive_int("n", n, unit="samples in the batch")
     _check_k(k, n)
     q, r = divmod(n, k)
     return [q + 1] * r + [q] * (k - r)
