@@ -12,14 +12,17 @@ from typing import Any
 
 __all__ = [
     "attach_cuda_oom_observer",
+    "batch_norm_types",
     "clear_cublas_workspaces",
     "cluster_environment",
+    "dataloader_iterator_base",
     "ddp_comm_hook_set",
     "ddp_kwargs",
     "disable_current_modes",
     "drop_train_loader",
     "dump_cuda_memory_snapshot",
     "first_items",
+    "foreach_norm",
     "fsdp_collectives",
     "fsdp_param_groups",
     "fsdp_unsharded_param",
@@ -32,6 +35,8 @@ __all__ = [
     "metric_state_names",
     "module_tables",
     "op_schema",
+    "optimizer_unscales_itself",
+    "parser_option_strings",
     "record_cuda_memory_history",
     "reset_grad_scaler",
     "saved_tensors",
@@ -295,3 +300,38 @@ def thread_frames() -> dict[int, Any]:
     import sys
 
     return sys._current_frames()
+
+
+def batch_norm_types() -> tuple[type, ...]:
+    """The base of every BatchNorm module (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, the lazy ones): torch's private
+    ``_BatchNorm``, which ``isinstance`` checks need; the public classes as a fallback should it move."""
+    from torch import nn
+
+    base = getattr(nn.modules.batchnorm, "_BatchNorm", None)
+    return (base,) if base is not None else (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def foreach_norm(tensors: list[Any], dtype: Any) -> list[Any]:
+    """The L2 norm of each tensor in one fused kernel per device and dtype (``torch._foreach_norm``)."""
+    import torch
+
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def optimizer_unscales_itself(optimizer: Any) -> bool:
+    """Whether an optimizer unscales AMP gradients inside its own ``step`` (fused Adam/AdamW mark themselves
+    ``_step_supports_amp_scaling``); GradScaler then passes ``found_inf`` for it to skip on."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def dataloader_iterator_base() -> type:
+    """The base class of every DataLoader iterator (single- and multi-process), whose ``__next__`` yields each
+    batch: torch's private ``_BaseDataLoaderIter``."""
+    from torch.utils.data import dataloader
+
+    return dataloader._BaseDataLoaderIter
+
+
+def parser_option_strings(parser: Any) -> list[str]:
+    """Every option string an ``argparse`` parser (jsonargparse's too) accepts, from its private ``_actions``."""
+    return [option for action in parser._actions for option in action.option_strings]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -10,70 +10,90 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
+from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.memory import format_bytes, get_probe
+from lightning_gpuopt.report import StepClock, run_peak_bytes, run_samples_per_s
 
 __all__ = ["RunSummary"]
 
 
 class RunSummary(Callback):
-    """Measures training throughput and peak memory during ``fit`` and prints one line at its end.
+    """One line at the end of ``fit``: the final validation metrics, training samples/s, peak memory, steps.
 
-    Throughput counts the samples of every training batch after the first (which pays for start-up)
-    over the wall time between batch ends, data waiting included, validation excluded. Peak memory is
-    the device's (or the simulated device's) peak allocated memory, read from the memory probe; on a
-    CPU run it is the process's peak resident set size. The figures are in :attr:`values` after ``fit``.
+    Samples/s and peak memory are the report's figures (docs/report.md: :func:`~lightning_gpuopt.report.
+    run_samples_per_s`, :func:`~lightning_gpuopt.report.run_peak_bytes`), read from ``steps`` (the record
+    of the run's GPUOptReport) when one is given, so the line and the report's table never disagree;
+    without one, this callback times the steps itself, by the same :class:`~lightning_gpuopt.report.
+    StepClock`. The figures are in :attr:`values` after :meth:`finish`.
+
+    Args:
+        steps: returns the report's per-step record after ``fit``; ``None``: measure here.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, steps: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.values: dict[str, Any] = {}
-        self._samples = 0
-        self._seconds = 0.0
-        self._last: float | None = None
-        self._batches = 0
+        self._source = steps
+        self._steps: list[dict[str, Any]] = []
+        self._clock = StepClock()
+
+    @property
+    def _measuring(self) -> bool:
+        return self._source is None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.values = {}
-        self._samples, self._seconds, self._batches = 0, 0.0, 0
-        get_probe(trainer.strategy.root_device).reset_peak()
+        self.values, self._steps, self._clock = {}, [], StepClock()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last = time.perf_counter()
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last = None  # validation time is not training time
+        if self._measuring:
+            self._clock.restart()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last = time.perf_counter()
+        if self._measuring:
+            self._clock.restart()  # validation time is not training time
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._measuring:
+            self._clock.start_batch()
+            get_probe(trainer.strategy.root_device).reset_peak()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
-        self._batches += 1
-        if self._last is not None and self._batches > 1:
-            try:
-                self._samples += batch_size_of(batch)
-                self._seconds += now - self._last
-            except UnsplittableBatchError:
-                pass  # a batch without a sample dimension: throughput is not defined for it
-        self._last = now
+        if not self._measuring:
+            return
+        _, seconds = self._clock.end_batch(batch_idx)
+        try:
+            samples = batch_size_of(batch)
+        except UnsplittableBatchError:
+            samples = 1  # as the report counts a batch without a sample dimension
+        peak = get_probe(trainer.strategy.root_device).peak
+        self._steps.append({"samples": samples, "step_time_s": seconds, "peak_bytes": peak})
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def finish(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Fill :attr:`values` and print the line (rank zero); called once ``fit`` has returned."""
         metrics = {
             k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val") and v.numel() == 1
         }
+        steps = self._source() if self._source is not None else self._steps
         probe = get_probe(trainer.strategy.root_device)
-        peak = probe.peak
-        where = "peak host memory (RSS)" if probe.kind == "cpu" else f"peak {probe.kind} memory allocated"
+        peak = run_peak_bytes(steps)
         self.values = {
             **metrics,
-            "samples_per_s": self._samples / self._seconds if self._seconds > 0 else None,
+            "samples_per_s": run_samples_per_s(steps),
             "peak_memory_bytes": peak,
             "global_step": trainer.global_step,
         }
+        where = "peak host memory (RSS)" if probe.kind == "cpu" else f"peak {probe.kind} memory allocated"
         parts = [f"{k} {v:.4f}" for k, v in sorted(metrics.items())]
         if self.values["samples_per_s"] is not None:
             parts.append(f"{self.values['samples_per_s']:.1f} samples/s")
-        parts.append(f"{where} {format_bytes(peak)}")
+        if peak is not None:
+            parts.append(f"{where} {format_bytes(peak)}")
         parts.append(f"{trainer.global_step} steps")
+        stop = next((d for d in reversed(decisions(trainer)) if d.kind == "stop"), None)
+        if stop is not None:
+            parts.append(f"stopped by {stop.data.get('signal', 'a signal')}: the same command resumes")
         rank_zero_info("gpuopt summary: " + " | ".join(parts))
+        return self.values

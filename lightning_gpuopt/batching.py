@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.memory.walk import (
     BatchSizeError,
     is_dataclass_instance,
@@ -38,6 +39,7 @@ __all__ = [
     "batch_size_of",
     "first_samples",
     "merge_outputs",
+    "slice_samples",
     "split_batch",
     "split_sizes",
 ]
@@ -85,8 +87,7 @@ def split_sizes(n: int, k: int) -> list[int]:
         >>> split_sizes(10, 3)
         [4, 3, 3]
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"`n` must be a positive int (samples in the batch), got {n!r}")
+    positive_int("n", n, unit="samples in the batch")
     _check_k(k, n)
     q, r = divmod(n, k)
     return [q + 1] * r + [q] * (k - r)
@@ -138,7 +139,7 @@ def split_batch(batch: Any, k: int) -> BatchSplit:
     for size in sizes:
         bounds.append((start, start + size))
         start += size
-    return BatchSplit([_slice(batch, n, lo, hi) for lo, hi in bounds], sizes)
+    return BatchSplit([slice_samples(batch, n, lo, hi) for lo, hi in bounds], sizes)
 
 
 def first_samples(batch: Any, n: int) -> Any:
@@ -158,7 +159,7 @@ def first_samples(batch: Any, n: int) -> Any:
         raise ValueError(
             f"`n` (samples) must be an int in [1, {total}] for a batch of {total} samples, got {n!r}"
         )
-    return _slice(batch, total, 0, n)
+    return slice_samples(batch, total, 0, n)
 
 
 def _check_k(k: int, n: int) -> None:
@@ -168,7 +169,7 @@ def _check_k(k: int, n: int) -> None:
         raise ValueError(f"`k` (micro-batches) must be in [1, {n}] for a batch of {n} samples, got {k}")
 
 
-def _slice(batch: Any, n: int, lo: int, hi: int) -> Any:
+def slice_samples(batch: Any, n: int, lo: int, hi: int) -> Any:
     """Samples ``lo:hi`` of every tensor with a sample dimension and of every per-sample list of ``n`` items."""
 
     def cut(leaf: Any) -> Any:

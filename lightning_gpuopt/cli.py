@@ -12,7 +12,10 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +24,18 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt import _compat
+from lightning_gpuopt._cli_errors import (
+    CommandLineError,
+    did_you_mean,
+    directory_on_path,
+    explain_instantiation_error,
+    explain_parse_error,
+    join_negative_values,
+    split_debug,
+    top_level_help,
+)
+from lightning_gpuopt._cli_resume import ResumePlan, RunFingerprint, plan_resume, run_fingerprint
 from lightning_gpuopt._summary import RunSummary
 from lightning_gpuopt.callbacks import (
     ExactResume,
@@ -36,7 +51,7 @@ from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import StrategyPlan, optimizer_of, sample_batch_of, select_strategy
 from lightning_gpuopt.support import Feature
 
-__all__ = ["GPUOptCLI", "main", "plan_command", "report_command", "run"]
+__all__ = ["CommandLineError", "GPUOptCLI", "main", "plan_command", "report_command", "run"]
 
 _DESCRIPTION = (
     "gpuopt: train any LightningModule with lightning_gpuopt's memory, precision and data tuning. "
@@ -46,11 +61,17 @@ _DESCRIPTION = (
 )
 
 
+#: The subcommands LightningCLI runs; ``plan`` and ``report`` are the pack's own (:func:`main`).
+_TRAINER_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: ``--ckpt_path``'s default in ``gpuopt fit``: this run's own last checkpoint with ``--gpuopt.resume``, else none.
+AUTO_CKPT_PATH = "auto"
+
+
 def _require_jsonargparse() -> None:
     """The command line needs jsonargparse (LightningCLI's parser); the Python API does not."""
-    from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE as available
+    from lightning_utilities.core.imports import RequirementCache
 
-    if not available:
+    if not RequirementCache("jsonargparse[signatures]>=4.27.7"):
         raise ModuleNotFoundError(
             "The gpuopt command line (GPUOptCLI) needs 'jsonargparse[signatures]>=4.27.7', which is not installed: "
             "pip install 'jsonargparse[signatures]>=4.27.7', or use the Python API (callbacks on a Trainer), "
@@ -98,9 +119,12 @@ class GPUOptCLI(LightningCLI):
       ``--trainer.callbacks`` has one, and a
       :class:`~lightning_gpuopt.callbacks.exact_resume.StepBoundaryCheckpoint` that keeps ``last.ckpt``
       at least every ``--gpuopt.checkpoint_minutes`` (default 15) of training, beside any
-      ``ModelCheckpoint`` of the user's (``--trainer.enable_checkpointing false`` leaves it out). ``fit``
-      then resumes from the newest ``last*.ckpt`` of its checkpoint folders unless ``--ckpt_path`` is
-      given (``ckpt_path="last"``).
+      ``ModelCheckpoint`` of the user's (``--trainer.enable_checkpointing false`` leaves it out). With
+      ``--ckpt_path auto`` (the default) ``fit`` then resumes from the newest ``last*.ckpt`` of its
+      checkpoint folders when it is this run's (:meth:`before_fit`; docs/resume.md).
+
+    ``fit`` writes a fingerprint of the run into its checkpoints
+    (:class:`~lightning_gpuopt._cli_resume.RunFingerprint`), whatever ``--gpuopt.resume`` says.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
@@ -122,11 +146,68 @@ class GPUOptCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         parser_kwargs = dict(kwargs.pop("parser_kwargs", None) or {})
         parser_kwargs.setdefault("description", _DESCRIPTION)
+        if "exit_on_error" in parser_kwargs:  # the subcommands' parsers report errors the same way
+            for name in _TRAINER_SUBCOMMANDS:
+                parser_kwargs[name] = {
+                    "exit_on_error": parser_kwargs["exit_on_error"],
+                    **parser_kwargs.get(name, {}),
+                }
         kwargs["parser_kwargs"] = parser_kwargs
         self.summary: RunSummary | None = None
         #: The memory plan behind the strategy (``gpuopt fit`` on several devices, ``gpuopt plan``); ``None`` otherwise.
         self.plan: StrategyPlan | None = None
+        #: What ``fit`` resumes from (``gpuopt fit``, decided in :meth:`before_fit`); ``None`` before.
+        self.resume: ResumePlan | None = None
+        self._fingerprint: dict[str, Any] | None = None
+        self._parsers: list[LightningArgumentParser] = []
         super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ parsing: one line per mistake
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        parser = super().init_parser(**kwargs)
+        self._parsers.append(parser)  # the main parser, then one per subcommand (for "did you mean")
+        return parser
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        if add_subcommands:
+            # `--ckpt_path null` then means "start afresh", apart from the default (before_fit)
+            self.parser.set_defaults({"fit.ckpt_path": AUTO_CKPT_PATH})
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, and with ``parser_kwargs={"exit_on_error": False}`` (what ``gpuopt`` passes) turn jsonargparse's
+        error into a :class:`CommandLineError` of one line."""
+        from argparse import ArgumentError
+
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            words = [a for a in (args if isinstance(args, list) else sys.argv[1:]) if isinstance(a, str)]
+            subcommand = next((w for w in words if w in _TRAINER_SUBCOMMANDS), None)
+            command = f"gpuopt {subcommand}" if subcommand else "gpuopt plan"
+            raise CommandLineError(explain_parse_error(err, self._options(subcommand), command)) from err
+
+    def _options(self, subcommand: str | None) -> list[str]:
+        """The option strings of ``subcommand``'s parser (the main parser's without one)."""
+        parsers = [
+            p for p in self._parsers if subcommand and p.prog.split()[-1] == subcommand
+        ] or self._parsers[:1]
+        return _compat.parser_option_strings(parsers[0])
+
+    def instantiate_classes(self) -> None:
+        """Build the model, the datamodule and the Trainer; a validation error of the pack's becomes one line."""
+        try:
+            super().instantiate_classes()
+        except CommandLineError:
+            raise
+        except Exception as err:
+            line = explain_instantiation_error(err)
+            if line is None:
+                raise
+            raise CommandLineError(line) from err
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -184,8 +265,8 @@ class GPUOptCLI(LightningCLI):
             type=bool,
             default=True,
             help="Survive preemption in fit: add ExactResume (SIGTERM/SIGUSR1 stop at the next optimizer step with a "
-            "checkpoint, exit 0; RNG restored), keep last.ckpt every --gpuopt.checkpoint_minutes, and resume from "
-            "the last checkpoint when --ckpt_path is not given.",
+            "checkpoint, exit 0; RNG restored), keep last.ckpt every --gpuopt.checkpoint_minutes, and with "
+            "--ckpt_path auto (the default) resume this run's last checkpoint.",
         )
         parser.add_argument(
             "--gpuopt.checkpoint_minutes",
@@ -195,11 +276,53 @@ class GPUOptCLI(LightningCLI):
             "optimizer-step boundary.",
         )
 
+    # ------------------------------------------------------------------ fit: resume, then train
+
     def before_fit(self) -> None:
-        """Resume from the last checkpoint unless ``--ckpt_path`` is given (``--gpuopt.resume``)."""
+        """Decide what ``fit`` resumes from, before anything is loaded or written (docs/resume.md).
+
+        ``--ckpt_path auto`` (the default) is this run's own last checkpoint with ``--gpuopt.resume``, else
+        none; another run's is refused (:class:`~lightning_gpuopt._cli_resume.ResumeRefused`). A checkpoint
+        the user names (a path, or ``last``) is their choice: another run's gets a warning. A finished run
+        says so, and ``fit`` does nothing.
+        """
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        if self._gpuopt_option("resume") and config.get("ckpt_path") is None:
-            config["ckpt_path"] = "last"
+        given = config.get("ckpt_path")
+        auto = given == AUTO_CKPT_PATH
+        if auto:
+            given = "last" if self._gpuopt_option("resume") else None
+        fingerprint = self._fingerprint or self._run_fingerprint()
+        self.resume = plan_resume(
+            self.trainer,
+            given,
+            fingerprint,
+            datamodule=self.datamodule,
+            explicit=not auto,
+            weights_only=config.get("weights_only"),
+        )
+        config["ckpt_path"] = self.resume.path
+        if self.resume.message:
+            rank_zero_info(self.resume.message)
+
+    def fit(self, model: Any, datamodule: Any = None, **kwargs: Any) -> None:
+        """``Trainer.fit``, unless the run has finished already (then nothing is loaded or written)."""
+        if self.resume is not None and self.resume.finished:
+            return
+        self.trainer.fit(model, datamodule=datamodule, **kwargs)
+
+    def after_fit(self) -> None:
+        """Print the summary line (the report's figures when a GPUOptReport ran: one measure, docs/report.md)."""
+        if self.summary is not None and not (self.resume is not None and self.resume.finished):
+            self.summary.finish(self.trainer)
+
+    def _run_fingerprint(self) -> dict[str, Any]:
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        return run_fingerprint(self.model, self.datamodule, config.get("model"), config.get("data"))
+
+    def _section(self, key: str) -> Any:
+        """The instantiated config's ``key`` (``trainer``, ...) of this subcommand."""
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        return config.get(key) or {}
 
     def _add_resume(self, trainer: Trainer) -> None:
         if not any(isinstance(cb, ExactResume) for cb in trainer.callbacks):
@@ -210,8 +333,8 @@ class GPUOptCLI(LightningCLI):
             return  # checkpointing is off, or a boundary checkpoint is there already
         minutes = float(self._gpuopt_option("checkpoint_minutes"))
         if not minutes > 0:
-            raise ValueError(
-                f"`--gpuopt.checkpoint_minutes` must be > 0, got {minutes}; use `--gpuopt.resume false` for no "
+            raise CommandLineError(
+                f"--gpuopt.checkpoint_minutes must be > 0, got {minutes}; use --gpuopt.resume false for no "
                 "time-based last.ckpt"
             )
         trainer.callbacks.append(
@@ -221,14 +344,9 @@ class GPUOptCLI(LightningCLI):
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        if self.subcommand in (None, "fit") and self._gpuopt_option("summary"):
-            self.summary = RunSummary()
-            user_callbacks = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
-            if not isinstance(user_callbacks, list):
-                user_callbacks = [user_callbacks]
-            kwargs["callbacks"] = [*user_callbacks, self.summary, *kwargs.get("callbacks", [])]
-        if self.subcommand in (None, "fit") and self._gpuopt_option("select_strategy"):
-            trainer_config = self._get(self.config_init, "trainer", default={})
+        fitting = self.subcommand in (None, "fit")
+        if fitting and self._gpuopt_option("select_strategy"):
+            trainer_config = self._section("trainer")
             world = _world_size(trainer_config)
             if trainer_config.get("strategy", "auto") == "auto" and "strategy" not in kwargs and world > 1:
                 self.plan = self.strategy_plan(trainer_config)
@@ -236,7 +354,7 @@ class GPUOptCLI(LightningCLI):
                 if self.subcommand == "fit":
                     rank_zero_info(self.plan.table())
         trainer = super().instantiate_trainer(**kwargs)
-        if self.plan is not None and self.subcommand in (None, "fit"):
+        if self.plan is not None and fitting:
             record_decision(
                 trainer,
                 "strategy",
@@ -248,23 +366,30 @@ class GPUOptCLI(LightningCLI):
                 device_memory=self.plan.device_memory,
                 table=self.plan.table(),
             )
-        if self.subcommand in (None, "fit") and self._gpuopt_option("batch_size_search"):
+        if fitting and self._gpuopt_option("batch_size_search"):
             self._add_if_supported(trainer, MemoryAwareBatchSize)
-        if self.subcommand in (None, "fit") and self._gpuopt_option("oom_recovery"):
+        if fitting and self._gpuopt_option("oom_recovery"):
             self._add_oom_recovery(trainer)
-        if self.subcommand in (None, "fit") and self._gpuopt_option("precision_switch"):
+        if fitting and self._gpuopt_option("precision_switch"):
             self._add_precision_switch(trainer)
-        if self.subcommand in (None, "fit") and self._gpuopt_option("report"):
+        if fitting and self._gpuopt_option("report"):
             if not any(isinstance(cb, GPUOptReport) for cb in trainer.callbacks):
                 trainer.callbacks.append(GPUOptReport())
-        if self.subcommand in (None, "fit") and self._gpuopt_option("resume"):
+        if fitting and self._gpuopt_option("resume"):
             self._add_resume(trainer)
+        if self.subcommand == "fit":
+            self._fingerprint = self._run_fingerprint()
+            trainer.callbacks.append(RunFingerprint(self._fingerprint))
+        if fitting and self._gpuopt_option("summary"):
+            report = next((cb for cb in trainer.callbacks if isinstance(cb, GPUOptReport)), None)
+            self.summary = RunSummary(steps=_report_steps(report) if report is not None else None)
+            trainer.callbacks.append(self.summary)
         return trainer
 
     def _add_precision_switch(self, trainer: Trainer) -> None:
         if any(isinstance(cb, PrecisionSwitch) for cb in trainer.callbacks):
             return
-        config = self._get(self.config_init, "trainer", default={})
+        config = self._section("trainer")
         plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         given = config.get("precision") is not None or any(isinstance(p, Precision) for p in plugins)
@@ -276,11 +401,7 @@ class GPUOptCLI(LightningCLI):
         Raises:
             StrategyPlanError: nothing fits; the error carries the plan.
         """
-        config = (
-            trainer_config
-            if trainer_config is not None
-            else self._get(self.config_init, "trainer", default={})
-        )
+        config = trainer_config if trainer_config is not None else self._section("trainer")
         devices, nodes = _world_size(config, per_node=True), int(config.get("num_nodes") or 1)
         memory = self._gpuopt_option("device_memory")
         device = None
@@ -332,6 +453,11 @@ class GPUOptCLI(LightningCLI):
         return config.get(f"gpuopt.{name}")
 
 
+def _report_steps(report: GPUOptReport) -> Callable[[], list[dict[str, Any]]]:
+    """The steps of ``report``'s record, read after ``fit`` (the summary's figures are the table's)."""
+    return lambda: list(report.report.get("steps", []))
+
+
 def _on_cuda(config: dict[str, Any]) -> bool:
     import torch
 
@@ -362,11 +488,15 @@ def plan_command(args: list[str]) -> int:
     """``gpuopt plan [fit options]``: print the memory plan (strategy and why) for a config, without training.
 
     Returns the exit status: 0, or 1 when nothing fits (the table is printed all the same).
+
+    Raises:
+        CommandLineError: a mistake in the options (one line; :func:`main` prints it and exits with 2).
     """
     from lightning_gpuopt.strategy import StrategyPlanError
 
     try:
-        cli = GPUOptCLI(args=args, run=False)  # on several devices, instantiating the Trainer plans already
+        with _as_command_line(args):  # on several devices, instantiating the Trainer plans already
+            cli = GPUOptCLI(args=None, run=False, parser_kwargs={"exit_on_error": False})
         plan = cli.plan or cli.strategy_plan()
     except StrategyPlanError as err:
         print(f"gpuopt plan: {err}")
@@ -449,17 +579,68 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the ``gpuopt`` console script and of ``python -m lightning_gpuopt``.
 
     ``report`` and ``plan`` are handled here; every other subcommand goes to :class:`GPUOptCLI`. Returns nothing
-    after a successful run, so the console script's exit status is 0.
+    after a successful run, so the console script's exit status is 0. A mistake on the command line, or a run
+    that will not start (another run's checkpoint), is one line on stderr and exit status 2; ``--debug``
+    (anywhere on the line) shows the traceback instead.
     """
-    args = sys.argv[1:] if args is None else list(args)
-    commands = {"report": report_command, "plan": plan_command}
-    if args[:1] and args[0] in commands:
-        status = commands[args[0]](args[1:])
-        if status:
-            sys.exit(status)
-        return
-    run(args)
-    _close_process_group()
+    args, debug = split_debug(sys.argv[1:] if args is None else list(args))
+    args = join_negative_values(args)
+    if not args or args[0] in ("-h", "--help"):
+        if args:
+            print(top_level_help(_DESCRIPTION), end="")
+            sys.exit(0)
+        print(f"gpuopt: give a subcommand: {', '.join(_SUBCOMMANDS)} (gpuopt --help)", file=sys.stderr)
+        sys.exit(2)
+    command = args[0]
+    try:
+        if command == "report":
+            status = report_command(args[1:])
+        elif command == "plan":
+            status = plan_command(args[1:])
+        else:
+            if not command.startswith("-") and command not in _TRAINER_SUBCOMMANDS:
+                raise CommandLineError(
+                    f"unknown subcommand {command!r}{did_you_mean(command, _SUBCOMMANDS)} (the subcommands: "
+                    f"{', '.join(_SUBCOMMANDS)})"
+                )
+            with _as_command_line(args):
+                GPUOptCLI(args=None, parser_kwargs={"exit_on_error": False})
+            _close_process_group()
+            return
+    except CommandLineError as err:
+        if debug:
+            raise
+        where = f"gpuopt {command}" if command in _SUBCOMMANDS else "gpuopt"
+        print(f"{where}: {err}", file=sys.stderr)
+        sys.exit(2)
+    if status:
+        sys.exit(status)
+
+
+_SUBCOMMANDS = (*_TRAINER_SUBCOMMANDS, "plan", "report")
+
+
+@contextmanager
+def _as_command_line(args: list[str]) -> Iterator[None]:
+    """Run with ``sys.argv`` as the command's own, and the current directory at the end of ``sys.path``.
+
+    LightningCLI then reads ``sys.argv`` itself (given ``args`` as well, it warns), and Lightning's launcher
+    starts the other ranks of a multi-process run with this same command line. The current directory is
+    where ``python -m`` would look first; appended last, it finds a ``--model mymodel.Net`` beside the
+    user and never hides an installed package.
+    """
+    saved = sys.argv
+    sys.argv = [sys.argv[0] if sys.argv else "gpuopt", *args]
+    here = os.getcwd()
+    added = not directory_on_path(here)
+    if added:
+        sys.path.append(here)
+    try:
+        yield
+    finally:
+        sys.argv = saved
+        if added and here in sys.path:
+            sys.path.remove(here)
 
 
 def _close_process_group() -> None:

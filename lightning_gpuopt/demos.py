@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.data import GPUOptDataModule
 
 __all__ = ["ImageClassifier", "SyntheticImageDataModule", "SyntheticImages"]
@@ -47,8 +48,7 @@ class SyntheticImages(Dataset):
         self, length: int, num_classes: int = 10, image_size: int = 32, noise: float = 2.0, seed: int = 0
     ) -> None:
         for name, value in (("length", length), ("num_classes", num_classes), ("image_size", image_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+            positive_int(name, value)
         if noise < 0:
             raise ValueError(f"`noise` must be >= 0, got {noise!r}")
         self.length = length

@@ -326,6 +326,7 @@ class Status(enum.IntFlag):
     CHECKPOINT = 4  #: unused since the rungs have their own bits (:data:`RUNG`); kept for its value
     GROW = 8  #: the k proposed for the next batch is smaller: memory to spare
     THRASH = 16  #: the k proposed for the next batch is larger: the allocator is thrashing
+    SKIP = 32  #: ``training_step`` returned ``None`` (or no loss): every rank skips the batch
     RUNG = 256  #: turn on the first recovery rung past more micro-batches; rung ``i`` is ``RUNG << i``
 
 
@@ -383,6 +384,7 @@ class Agreement:
             them on before the retry.
         source: why k changes (:class:`Source`; ``Source.NONE`` when it does not).
         ranks: the ranks that asked for the change.
+        skip: some rank's ``training_step`` returned ``None`` (no retry pending): every rank skips the batch.
     """
 
     fatal_ranks: tuple[int, ...]
@@ -391,6 +393,7 @@ class Agreement:
     rungs: tuple[int, ...]
     source: Source
     ranks: tuple[int, ...]
+    skip: bool = False
 
 
 def agree(votes: list[Vote], k: int) -> Agreement:
@@ -399,11 +402,14 @@ def agree(votes: list[Vote], k: int) -> Agreement:
     Any fatal vote stops every rank. Else any OOM makes every rank retry the batch with the largest k
     an OOM-ing rank proposed (the most cautious split wins). Else each rank's proposal for the next
     batch counts, the current ``k`` for a rank without one: the largest wins, so k shrinks (grows
-    back) only when every rank can afford it, and grows when any rank thrashes.
+    back) only when every rank can afford it, and grows when any rank thrashes. A rank whose step
+    returned ``None`` makes every rank skip the batch (after any retry an OOM asks for).
 
     Example:
         >>> agree([Vote(0, 2), Vote(1, 4)], k=2)  # rank 1 ran out of memory and asks for 4
-        Agreement(fatal_ranks=(), retry=True, k=4, rungs=(), source=<Source.OOM: 'oom'>, ranks=(1,))
+        Agreement(fatal_ranks=(), retry=True, k=4, rungs=(), source=<Source.OOM: 'oom'>, ranks=(1,), skip=False)
+        >>> agree([Vote(32, 2), Vote(0, 2)], k=2).skip  # rank 0's step returned None
+        True
         >>> agree([Vote(8, 1), Vote(0, 2)], k=2).k  # rank 0 could grow back, rank 1 cannot
         2
     """
@@ -417,13 +423,14 @@ def agree(votes: list[Vote], k: int) -> Agreement:
         for _, v in oom:
             asked |= int(v.status)
         return Agreement((), True, new_k, rung_indices(asked), Source.OOM, tuple(r for r, _ in oom))
+    skip = any(v.status & Status.SKIP for v in votes)
     proposals = [v.k if v.status & (STATUS_GROW | STATUS_THRASH) else k for v in votes]
     new_k = max(proposals)
     if new_k == k:
-        return Agreement((), False, k, (), Source.NONE, ())
+        return Agreement((), False, k, (), Source.NONE, (), skip)
     bit = STATUS_THRASH if new_k > k else STATUS_GROW
     asked = tuple(r for r, v in enumerate(votes) if v.status & bit)
-    return Agreement((), False, new_k, (), Source.THRASH if new_k > k else Source.GROW_BACK, asked)
+    return Agreement((), False, new_k, (), Source.THRASH if new_k > k else Source.GROW_BACK, asked, skip)
 
 
 def rung_bits(indices: Iterable[int]) -> Status:

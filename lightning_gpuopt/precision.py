@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt._compat import local_shard
 
 __all__ = [
@@ -412,7 +413,7 @@ def fsdp2_mixed_precision(precision: str) -> object | None:
 
 
 def grad_norms(grads: Iterable[Tensor | None]) -> list[Tensor]:
-    """The float32 L2 norm of each gradient, one fused kernel per device and dtype (``torch._foreach_norm``).
+    """The float32 L2 norm of each gradient, one fused kernel per device and dtype (``_compat.foreach_norm``).
 
     A sharded gradient (FSDP2's ``DTensor``) counts by this rank's shard only: the non-finite check reads
     each rank's own shard and all-reduces the flag, no collective per tensor.
@@ -426,7 +427,7 @@ def grad_norms(grads: Iterable[Tensor | None]) -> list[Tensor]:
     norms: list[Tensor] = []
     for tensors in groups.values():
         try:
-            norms.extend(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+            norms.extend(_compat.foreach_norm(tensors, torch.float32))
         except (AttributeError, TypeError, RuntimeError):  # a torch without the fused norm for this group
             norms.extend(torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors)
     return norms

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import statistics
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ __all__ = [
     "JSON_NAME",
     "PNG_NAME",
     "ReportField",
+    "StepClock",
     "format_oom",
     "format_table",
     "load_report",
@@ -37,6 +39,8 @@ __all__ = [
     "oom_rows",
     "precision_code",
     "render_png",
+    "run_peak_bytes",
+    "run_samples_per_s",
     "summarize_values",
     "summary_rows",
     "windowed_samples_per_s",
@@ -192,6 +196,64 @@ def windowed_samples_per_s(
     return out
 
 
+class StepClock:
+    """The wall time of each training step, as the report and the ``gpuopt fit`` summary both count it.
+
+    A step's time runs from the end of the previous training batch (or the start of its epoch, or the end
+    of a validation run) to the end of its own: waiting for data is included, validation is not. The first
+    batch of each epoch has no time (it pays for starting the loader). docs/report.md defines the figures.
+
+    Example:
+        >>> clock = StepClock()
+        >>> clock.restart()
+        >>> clock.start_batch()
+        >>> clock.end_batch(batch_idx=0)[1] is None, clock.end_batch(batch_idx=1)[1] >= 0
+        (True, True)
+    """
+
+    def __init__(self) -> None:
+        #: When the last training batch ended (or the epoch started, or validation ended).
+        self.last_end: float | None = None
+        #: When the current training batch started.
+        self.batch_started: float | None = None
+
+    def restart(self) -> None:
+        """The epoch starts, or validation ended: the next step's time starts now."""
+        self.last_end = time.perf_counter()
+
+    def start_batch(self) -> None:
+        self.batch_started = time.perf_counter()
+
+    def end_batch(self, batch_idx: int) -> tuple[float, float | None]:
+        """``(now, the step's seconds)``; the seconds are ``None`` for the first batch of an epoch."""
+        now = time.perf_counter()
+        seconds = now - self.last_end if self.last_end is not None and batch_idx > 0 else None
+        self.last_end = now
+        return now, seconds
+
+
+def run_samples_per_s(steps: Sequence[dict[str, Any]]) -> float | None:
+    """The run's throughput: the median over its steps (the first left out) of the samples/s of the last
+    :data:`THROUGHPUT_WINDOW` steps (:func:`windowed_samples_per_s`); ``None`` before two timed steps.
+
+    Example:
+        >>> run_samples_per_s([{"samples": 8, "step_time_s": None}] + [{"samples": 8, "step_time_s": 0.5}] * 3)
+        16.0
+    """
+    return _median(windowed_samples_per_s(steps)[1:])
+
+
+def run_peak_bytes(steps: Sequence[dict[str, Any]]) -> int | None:
+    """The run's peak memory: the highest peak of any recorded training step (each step's peak window starts
+    at its batch start, so set-up and validation do not count); ``None`` without steps.
+
+    Example:
+        >>> run_peak_bytes([{"peak_bytes": 5}, {"peak_bytes": 7}])
+        7
+    """
+    return max((int(s["peak_bytes"]) for s in steps), default=None)
+
+
 def _median(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return statistics.median(present) if present else None
@@ -330,6 +392,31 @@ def oom_listing(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _full_batches(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps without an epoch's short last batch (fewer samples than the batch before it in its epoch).
+
+    A short last batch runs as fewer or smaller micro-batches; shown, it would read like a split.
+
+    Example:
+        >>> steps = [{"epoch": 0, "batch_size": 64}, {"epoch": 0, "batch_size": 32}, {"epoch": 1, "batch_size": 64}]
+        >>> [s["batch_size"] for s in _full_batches(steps)]
+        [64, 64]
+    """
+    kept = []
+    for i, step in enumerate(steps):
+        ends_epoch = i + 1 == len(steps) or steps[i + 1].get("epoch") != step.get("epoch")
+        before = steps[i - 1] if i else None
+        short = (
+            ends_epoch
+            and before is not None
+            and before.get("epoch") == step.get("epoch")
+            and step["batch_size"] < before["batch_size"]
+        )
+        if not short:
+            kept.append(step)
+    return kept or list(steps)
+
+
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     """The summary table as (what, value) rows.
 
@@ -351,7 +438,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     if steps:
         first, last = steps[0], steps[-1]
         rows.append(("steps", f"{len(steps)} recorded (global step {first['step']} to {last['step']})"))
-        rate = _median(windowed_samples_per_s(steps)[1:])
+        rate = run_samples_per_s(steps)
         if rate is not None:
             rows.append(("throughput", f"{rate:.1f} samples/s (median)"))
         utilisation = _median([s.get("mfu") for s in steps])
@@ -359,7 +446,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("model FLOPs utilisation", f"{utilisation:.1%} (median)"))
         elif run.get("mfu_note"):
             rows.append(("model FLOPs utilisation", str(run["mfu_note"])))
-        peak = max(s["peak_bytes"] for s in steps)
+        peak = run_peak_bytes(steps) or 0
         limit = last.get("limit_bytes")
         share = f" ({peak / limit:.0%} of {format_bytes(limit)})" if limit else ""
         rows.append((f"peak memory ({run.get('memory_kind', 'device')})", f"{format_bytes(peak)}{share}"))
@@ -376,12 +463,13 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                     ),
                 )
             )
-        ks = [s["k"] for s in steps]
+        full = _full_batches(steps)
+        ks = [s["k"] for s in full]
         rows.append(
             (
                 "micro-batches k",
-                f"{ks[0]} -> {ks[-1]} (max {max(ks)}); micro-batch {first['micro_batch_size']} -> "
-                f"{last['micro_batch_size']} of batch {last['batch_size']}",
+                f"{ks[0]} -> {ks[-1]} (max {max(ks)}); micro-batch {full[0]['micro_batch_size']} -> "
+                f"{full[-1]['micro_batch_size']} of batch {full[-1]['batch_size']}",
             )
         )
         precisions = [s["precision"] for s in steps]

@@ -52,7 +52,7 @@ class IndexedRegression(Dataset):
         return i, self.x[i], self.y[i]
 
 
-class Forty(GPUOptDataModule):
+class IndexedData40(GPUOptDataModule):
     """A GPUOptDataModule over 40 samples of :class:`IndexedRegression` (ids 0-39)."""
 
     def train_dataset(self):
@@ -272,3 +272,113 @@ def run_script(main: Callable[[], object]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# --- The one multi-process harness: a script launches its ranks (Lightning's DDP/FSDP2 launcher does), each rank
+# writes down what it ended with (RankRecorder), the test runs the script (run_ranks) and reads every rank's file.
+
+
+def run_ranks(
+    script: Path,
+    out: Path,
+    *args: object,
+    ranks: int = 2,
+    timeout: float = 300,
+    expect_failure: bool = False,
+    result: str = "rank{rank}.pt",
+) -> list:
+    """Run ``python script out *args`` in its own process group and return each rank's saved result.
+
+    The script's exit status must say failure exactly when ``expect_failure``. On a timeout every process of
+    the group (the ranks the script launched too) is killed and the test fails: ranks that disagree end the
+    test, never hang it. ``result`` names a rank's file (``.pt``: ``torch.load``; ``.json``: ``json``).
+    """
+    import json
+    import signal
+    import subprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(out), *map(str, args)],
+        cwd=out,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired as err:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = proc.communicate()[0]
+        raise AssertionError(
+            f"{script.name} still ran after {timeout:.0f} s: killed with its ranks\n{log[-4000:]}"
+        ) from err
+    finally:
+        try:  # a rank left behind by a failed launch goes with its group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert (proc.returncode != 0) == expect_failure, (
+        f"{script.name} exited with {proc.returncode}:\n{log[-4000:]}"
+    )
+    paths = [out / result.format(rank=r) for r in range(ranks)]
+    if result.endswith(".json"):
+        return [json.loads(p.read_text()) for p in paths]
+    return [torch.load(p, weights_only=False) for p in paths]
+
+
+class RankRecorder(pl.Callback):
+    """Writes what a rank of a multi-process test ended with to ``out_dir/file``, also when its fit raises.
+
+    Each rank trains under its own :class:`~lightning_gpuopt.testing.SimulatedMemory` (``self.mem``) when
+    ``simulate_memory``. Subclasses say what to record in :meth:`result`. A spawned rank's exception skips
+    ``on_exception`` (only the launching process calls it), so the fit loop is wrapped to record it; a rank in
+    ``lingering_ranks`` then waits a moment, so that the others reach their own error and write it down before
+    the launcher stops them.
+    """
+
+    file = "rank{rank}.pt"
+    lingering_ranks: tuple[int, ...] = ()
+
+    def __init__(self, out_dir: str, simulate_memory: bool = True) -> None:
+        self.out_dir, self.simulate_memory = out_dir, simulate_memory
+        self.mem = None
+
+    def setup(self, trainer, pl_module, stage):
+        if self.simulate_memory:
+            from lightning_gpuopt.testing import SimulatedMemory
+
+            self.mem = SimulatedMemory()
+            self.mem.__enter__()
+        run = trainer.fit_loop.run
+
+        def run_and_record():
+            try:
+                return run()
+            except BaseException as error:
+                self.save(trainer, pl_module, error)
+                if trainer.global_rank in self.lingering_ranks:
+                    import time
+
+                    time.sleep(3)
+                raise
+
+        trainer.fit_loop.run = run_and_record
+
+    def result(self, trainer, pl_module, error: BaseException | None) -> dict:
+        raise NotImplementedError
+
+    def save(self, trainer, pl_module, error: BaseException | None = None) -> None:
+        if self.mem is not None:
+            self.mem.limit_bytes = None  # writing the results down is not part of the test
+        result = self.result(trainer, pl_module, error)
+        result["error"] = None if error is None else (type(error).__name__, str(error))
+        torch.save(result, os.path.join(self.out_dir, self.file.format(rank=trainer.global_rank)))
+        if self.mem is not None:
+            self.mem.__exit__(None, None, None)
+            self.mem = None
+
+    def on_fit_end(self, trainer, pl_module):
+        self.save(trainer, pl_module)

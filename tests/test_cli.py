@@ -361,3 +361,23 @@ def test_gpuopt_fit_stops_on_sigterm_at_the_next_step_with_a_checkpoint_and_exit
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 4  # the step batch 3 completed: within one optimizer step
     assert "SIGTERM" in done.stdout + done.stderr
+
+
+def test_the_summary_line_and_the_report_table_give_the_same_throughput_and_peak(tmp_path, caplog):
+    from lightning_gpuopt import GPUOptReport
+    from lightning_gpuopt.report import run_peak_bytes, run_samples_per_s, summary_rows
+
+    with caplog.at_level(logging.INFO):
+        cli = run(["fit", *BORING, "--trainer.max_steps", "6", *_quiet(tmp_path)])
+    (report,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, GPUOptReport)]
+    rows = dict(summary_rows(report.report))
+    values = cli.summary.values
+    assert values["samples_per_s"] == run_samples_per_s(report.report["steps"])
+    assert values["peak_memory_bytes"] == run_peak_bytes(report.report["steps"])
+    (line,) = _summary_lines(caplog)
+    assert rows["throughput"].split()[0] in line.split(" | ")[0]  # the same figure, printed alike
+    # without a report the summary times the steps itself, by the same clock
+    alone = run(
+        ["fit", *BORING, "--trainer.max_steps", "6", "--gpuopt.report", "false", *_quiet(tmp_path / "b")]
+    )
+    assert alone.summary.values["samples_per_s"] > 0 and alone.summary.values["peak_memory_bytes"] > 0

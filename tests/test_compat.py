@@ -243,3 +243,44 @@ def test_the_cuda_allocator_privates_exist():
         "torch.cuda.memory._record_memory_history moved"
     )
     assert callable(torch.cuda.memory._dump_snapshot), "torch.cuda.memory._dump_snapshot moved"
+
+
+def test_batch_norm_types_cover_every_batch_norm():
+    kinds = _compat.batch_norm_types()
+    for module in (
+        nn.BatchNorm1d(2),
+        nn.BatchNorm2d(2),
+        nn.BatchNorm3d(2),
+        nn.SyncBatchNorm(2),
+        nn.LazyBatchNorm1d(),
+    ):
+        assert isinstance(module, kinds)
+    assert not isinstance(nn.LayerNorm(2), kinds)
+
+
+def test_foreach_norm_is_each_tensors_norm():
+    tensors = [torch.tensor([3.0, 4.0]), torch.ones(4, dtype=torch.bfloat16)]
+    norms = _compat.foreach_norm(tensors, torch.float32)
+    assert [float(n) for n in norms] == [5.0, 2.0] and all(n.dtype == torch.float32 for n in norms)
+
+
+def test_optimizer_unscales_itself_is_the_fused_optimizers_mark():
+    params = [nn.Parameter(torch.ones(2))]
+    assert not _compat.optimizer_unscales_itself(torch.optim.SGD(params, lr=0.1))
+    fused = torch.optim.AdamW(params, lr=0.1)
+    fused._step_supports_amp_scaling = True  # what AdamW(fused=True) sets on CUDA
+    assert _compat.optimizer_unscales_itself(fused)
+
+
+def test_dataloader_iterator_base_is_every_loaders_iterator():
+    from torch.utils.data import DataLoader
+
+    assert isinstance(iter(DataLoader(list(range(4)), batch_size=2)), _compat.dataloader_iterator_base())
+
+
+def test_parser_option_strings_lists_every_option():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--alpha", "-a")
+    assert {"--alpha", "-a", "--help", "-h"} <= set(_compat.parser_option_strings(parser))

@@ -344,3 +344,12 @@ def test_tf32_through_the_legacy_flag_on_old_torch(monkeypatch):
 def test_docstring_examples_run():
     result = doctest.testmod(precision_module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_precision_switchs_initial_choices_are_the_ladder_and_its_two_keywords():
+    from typing import get_args
+
+    from lightning_gpuopt.callbacks.precision_switch import Initial
+    from lightning_gpuopt.precision import LADDER
+
+    assert get_args(Initial) == ("auto", "keep", *LADDER)

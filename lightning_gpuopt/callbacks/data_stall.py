@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._validate import fraction, positive_int
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.data import GPUOptDataModule, available_cpus
 from lightning_gpuopt.data.stall import (
@@ -127,16 +128,11 @@ class DataStallMonitor(Callback):
     def __init__(
         self, threshold: float = 0.1, window: int = 50, autotune: bool = False, max_workers: int | None = None
     ) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
-            raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"`window` must be a positive int, got {window!r}")
+        fraction("threshold", threshold, closed_high=False)
+        positive_int("window", window)
         if not isinstance(autotune, bool):
             raise ValueError(f"`autotune` must be True or False, got {autotune!r}")
-        if max_workers is not None and (
-            isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
-        ):
-            raise ValueError(f"`max_workers` must be a positive int or None, got {max_workers!r}")
+        positive_int("max_workers", max_workers, allow_none=True)
         self.threshold = float(threshold)
         self.window = window
         self.autotune = autotune
@@ -335,7 +331,7 @@ class DataStallMonitor(Callback):
 
     def _autotune_step(self, trainer: pl.Trainer, measured: StallMeasurement) -> None:
         datamodule: GPUOptDataModule = trainer.datamodule
-        limit = self.max_workers or max_useful_workers(available_cpus(), datamodule._local_devices())
+        limit = self.max_workers or max_useful_workers(available_cpus(), max(1, trainer.num_devices))
         self._trials.append([int(measured.num_workers), float(measured.step_s), float(measured.fraction)])
         step = autotune_num_workers(self._trials, self.threshold, limit)
         # Rank zero decides for every rank, so all ranks load alike.

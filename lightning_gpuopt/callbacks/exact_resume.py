@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,7 +36,7 @@ def at_optimizer_step_boundary(batch_idx: int, accumulate_grad_batches: int, is_
     return (batch_idx + 1) % accumulate_grad_batches == 0 or is_last_batch
 
 
-def slurm_requeue_command(environ: dict[str, str] | os._Environ = os.environ) -> list[str] | None:
+def slurm_requeue_command(environ: Mapping[str, str] = os.environ) -> list[str] | None:
     """``scontrol requeue JOB`` for this SLURM job (array jobs: ``ARRAYJOB_TASK``); ``None`` outside SLURM.
 
     Example:
@@ -45,6 +48,23 @@ def slurm_requeue_command(environ: dict[str, str] | os._Environ = os.environ) ->
     array_job = environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array_job}_{environ['SLURM_ARRAY_TASK_ID']}" if array_job else environ.get("SLURM_JOB_ID")
     return ["scontrol", "requeue", job] if job else None
+
+
+#: Lightning's logger of ``rank_zero_info`` (its fit loop says why ``fit`` stopped there).
+_LIGHTNING_LOG = "lightning.pytorch.utilities.rank_zero"
+_LIMIT_REACHED = re.compile(r"^`Trainer\.fit` stopped: `max_(epochs|steps)=.*` reached\.$")
+
+
+class _SignalStopFilter(logging.Filter):
+    """Drops Lightning's "`Trainer.fit` stopped: `max_epochs=1` reached." after a stop by a signal.
+
+    A signal stop ends the epoch early, and Lightning then counts it as processed and names the epoch
+    limit as the reason (when it was the last epoch), which is not why the run stopped; ExactResume has
+    said why already.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _LIMIT_REACHED.match(record.getMessage())
 
 
 def _gather(trainer: pl.Trainer, value: Any) -> list[Any]:
@@ -135,10 +155,11 @@ class ExactResume(Callback):
         self._previous_handlers: dict[int, Any] = {}
         self._failed = False
         self._boundary = True
+        self._log_filter: _SignalStopFilter | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_trainer"], state["_previous_handlers"] = None, {}
+        state["_trainer"], state["_previous_handlers"], state["_log_filter"] = None, {}, None
         return state
 
     # ------------------------------------------------------------------ state
@@ -224,31 +245,23 @@ class ExactResume(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_handlers()
+        self._remove_log_filter()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_handlers()
+        self._remove_log_filter()
+
+    def _remove_log_filter(self) -> None:
+        if self._log_filter is not None:
+            logging.getLogger(_LIGHTNING_LOG).removeFilter(self._log_filter)
+            self._log_filter = None
 
     # ------------------------------------------------------------------ stop
 
     def _stop(self, trainer: pl.Trainer) -> None:
         path = self._last_path(trainer)
         why = self.stop_signal or "another rank's signal"
-        trainer.save_checkpoint(path)
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint):
-                # Lightning's own skip rule: nothing more is saved at this step (the epoch-end save of a
-                # stopped epoch would mark the epoch finished and lose its remaining samples on resume).
-                _compat.mark_checkpoint_saved(
-                    callback, trainer.global_step, path
-                )  # nor at train end (`save_last`)
-        self.stop_checkpoint = path
-        trainer.should_stop = True
-        environment = _compat.cluster_environment(trainer)
-        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero:
-            command = slurm_requeue_command()
-            if command is not None:
-                status = subprocess.call(command)
-                rank_zero_info(f"ExactResume: `{' '.join(command)}` exited with {status}.")
+        # Recorded before the save, so that the checkpoint's report holds it: the resumed run's report shows it.
         record_decision(
             trainer,
             "stop",
@@ -258,7 +271,29 @@ class ExactResume(Callback):
             signal=why,
             path=path,
         )
-        rank_zero_info(f"ExactResume: {why}: wrote {path} at step {trainer.global_step}; stopping.")
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                # Lightning's own skip rule: nothing more is saved at this step (the epoch-end save of a
+                # stopped epoch would mark the epoch finished and lose its remaining samples on resume), nor at
+                # train end (`save_last`). Marked before the save, so that the checkpoint's own state names `path`
+                # as its last: the resumed run then writes last.ckpt again, not a new last-v1.ckpt.
+                _compat.mark_checkpoint_saved(callback, trainer.global_step, path)
+        trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint (and Lightning says nothing)
+        self.stop_checkpoint = path
+        trainer.should_stop = True
+        environment = _compat.cluster_environment(trainer)
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero:
+            command = slurm_requeue_command()
+            if command is not None:
+                status = subprocess.call(command)
+                rank_zero_info(f"ExactResume: `{' '.join(command)}` exited with {status}.")
+        if self._log_filter is None:
+            self._log_filter = _SignalStopFilter()
+            logging.getLogger(_LIGHTNING_LOG).addFilter(self._log_filter)
+        rank_zero_info(
+            f"ExactResume: stopped by {why} at step {trainer.global_step}: wrote {path}; resume with "
+            "ckpt_path='last' (gpuopt fit: the same command)."
+        )
 
     @staticmethod
     def _last_path(trainer: pl.Trainer) -> str:

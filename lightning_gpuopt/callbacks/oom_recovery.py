@@ -10,8 +10,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_gpuopt import _compat
+from lightning_gpuopt._validate import choice, fraction, positive_int
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import format_bytes, get_probe
@@ -24,7 +25,7 @@ from lightning_gpuopt.microbatch import (
     WeightFn,
     unsupported_strategy,
 )
-from lightning_gpuopt.microbatch.loss_weighting import MODES, ON_MISMATCH, LossWeighting
+from lightning_gpuopt.microbatch.loss_weighting import LossReduction, LossWeighting, OnMismatch
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.oom_policy import (
     OOMFailure,
@@ -42,8 +43,6 @@ from lightning_gpuopt.oom_policy import (
 from lightning_gpuopt.support import Feature, setup_refusal
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
-
-_REDUCTIONS = MODES
 
 
 class TokenCount:
@@ -87,76 +86,35 @@ class TokenCount:
 class OOMRecovery(Callback):
     """Recovers from out-of-memory errors by splitting the batch into more micro-batches, on every rank alike.
 
-    On an OOM anywhere in a training step (forward, backward, the last micro-batch's backward), the
-    partial gradients and outputs of the attempt are dropped, memory is freed, a larger number of
-    micro-batches k is chosen from what the failure tells (the failing size, the memory it held and
-    tried to allocate, the limit; never a size that already failed) and **the same batch** runs
-    again. The optimizer batch (batch_size × accumulate_grad_batches × world size), the samples seen,
-    ``batch_idx`` and ``global_step`` are those of a run that never ran out of memory; parameters match
-    it to floating-point rounding.
-
-    Under DDP an OOM on any rank makes every rank retry the batch with the same k (one small vote per
-    batch; gradients are averaged by the pack at the optimizer step, so no rank is left inside a
-    collective). Under FSDP2 (``FSDP2Strategy``, torch 2.14 or newer) the ranks also vote before each of
-    FSDP's all-gathers and reduce-scatters, so a rank out of memory mid-step stops the others at the
-    next one and every rank retries. With ``grow_back`` the micro-batch grows again once memory allows. An OOM in a
-    validation, test or predict step splits that batch into chunks whose outputs are put back
-    together in order. Before giving up at one sample per micro-batch, activation checkpointing of
-    ``checkpoint_modules`` is tried (opt-in).
-
-    Each micro-batch's loss is weighted by its share of the batch. With ``loss_reduction="auto"`` (the
-    default) the share is found once per run, at the first split: your ``training_step`` runs without
-    gradients on a piece of the real batch and on that piece's two parts, and the weighting whose
-    combination of the parts' losses reproduces the piece's loss is used (sample shares; tokens of
-    ``token_key != ignore_index``, also shifted by one for causal LMs; attention-mask tokens; a sum).
-    A Hugging Face head inside the module breaks ties. When none reproduces it (in-batch negatives,
-    batch statistics) the split is refused with :class:`MicroBatchOOMError` before it runs. An explicit
-    ``"mean"`` (samples), ``"tokens"``, ``"sum"`` or ``weight_fn`` is used as given, and checked the same
-    way. The choice is a decision (``"loss weighting"``) and one line on rank zero. Values logged with ``self.log`` in
-    ``training_step`` are combined into one value per batch with the same shares (keys in
-    ``sum_log_keys`` are summed), torchmetrics states and BatchNorm statistics touched by a failed
-    attempt are restored, so a retry leaves no trace.
+    On an OOM in a training step the attempt is dropped, memory is freed, a larger number of micro-batches
+    k is chosen from what the failure tells, and **the same batch** runs again: the optimizer batch, the
+    samples seen, ``batch_idx`` and ``global_step`` are those of a run that never ran out of memory, and the
+    parameters match it to rounding. Under DDP and FSDP2 every rank retries alike. Each micro-batch's loss
+    is weighted so that the combination is your loss (found at the first split with ``"auto"``; a loss
+    that couples samples is refused, never split silently). Evaluation steps split too; ``grow_back``
+    grows the micro-batch again once memory allows. The long form: ``docs/oom-recovery.md``.
 
     Args:
-        loss_reduction: ``"auto"`` (found by the check), ``"mean"`` (the loss is a mean over samples),
-            ``"tokens"`` (a mean over the tokens counted by ``token_key``/``ignore_index``) or ``"sum"``.
-        weight_fn: counts what a micro-batch contributes to the batch's loss (overrides ``loss_reduction``'s
-            count); the shares are the counts normalised to sum to one. Checked like the presets.
-        on_mismatch: when the weighting (found or given) does not reproduce the loss: ``"raise"`` refuses
-            to split with :class:`MicroBatchOOMError`; ``"warn"`` warns once and splits with it (sample
-            shares when nothing matched).
+        loss_reduction: ``"auto"`` (found and checked), ``"mean"`` (samples), ``"tokens"`` or ``"sum"``.
+        weight_fn: counts what a micro-batch contributes to the loss (overrides ``loss_reduction``'s count).
         token_key: the batch entry holding labels (or an attention mask) for ``"tokens"``.
-        ignore_index: the padding value in ``token_key`` (``-100`` for labels, ``0`` for a mask).
-        unsplittable: ``True`` when no batch may be split (losses that couple samples, such as in-batch
-            negatives), or a predicate on the batch; an OOM on such a batch raises a clear error.
-        sum_log_keys: logged keys to sum over micro-batches instead of averaging.
-        max_micro_batches: the largest k to try; ``None``: up to one sample per micro-batch.
+        ignore_index: the padding value in ``token_key``.
+        on_mismatch: when no weighting reproduces the loss: ``"raise"`` refuses to split, ``"warn"`` splits.
+        unsplittable: ``True``, or a predicate on the batch, for batches that may never be split.
+        sum_log_keys: logged keys summed over micro-batches instead of averaged.
+        max_micro_batches: the largest k to try (``None``: down to one sample per micro-batch).
         headroom: the fraction of the memory limit a new micro-batch size aims for, in (0, 1].
-        grow_back: after ``grow_back_after`` clean steps whose peak leaves room under ``headroom`` × the
-            limit, use fewer, larger micro-batches again (never a size that failed recently, never above
-            MemoryAwareBatchSize's measured budget); on CUDA, also split more before an OOM when the
-            allocator thrashes (its retries rise two steps in a row).
-        grow_back_after: clean steps before growing back; doubles each time a grown micro-batch runs
-            out of memory again, so growing back never turns into an OOM loop.
-        checkpoint_modules: module types (classes, class names or qualified names) whose activations
-            are recomputed in the backward (``torch.utils.checkpoint``) when even one sample per
-            micro-batch does not fit; tried once, before the error. Empty: no checkpointing.
-        verbose: print one line per change of k (and the loss weighting found) on rank zero.
-        min_micro_batch_size: the fewest samples a micro-batch may have; ``None``: 2 when the model has
-            BatchNorm in training mode (it needs more than one value per channel), else 1. As soon as the
-            failures show that no micro-batch of this size can fit (every micro-batch after the first runs
-            beside all gradients, and each sample costs at least what the failed one held per sample),
-            recovery stops with :class:`MicroBatchOOMError` instead of trying smaller sizes.
+        grow_back: use fewer, larger micro-batches again after ``grow_back_after`` clean steps.
+        grow_back_after: clean steps before growing back (doubles after each relapse).
+        checkpoint_modules: module types to recompute in the backward when one sample does not fit.
+        verbose: one line per change of k on rank zero.
+        min_micro_batch_size: the fewest samples a micro-batch may have (``None``: 2 with BatchNorm, else 1).
+        rungs: more recovery rungs (``lightning_gpuopt.Rung``) tried before giving up.
 
     Raises:
-        ValueError: an argument is out of range, or ``checkpoint_modules`` names no submodule of the model.
-        TypeError: ``weight_fn``, ``unsplittable`` or ``checkpoint_modules`` has the wrong type.
-        RuntimeError: in ``setup``/``on_fit_start``, for setups it cannot run (manual optimization,
-            several optimizers, LBFGS, a compiled module, BatchSizeFinder in the same Trainer, FSDP1,
-            DeepSpeed, tensor parallelism, SyncBatchNorm, or a DDP communication hook), naming the alternative.
-        MicroBatchOOMError: out of memory at one sample per micro-batch (after checkpointing, when
-            asked for), or on an unsplittable batch; under DDP and FSDP2 every other rank stops with an
-            error naming that rank.
+        ValueError, TypeError: an argument out of range or of the wrong type.
+        RuntimeError: at setup, a run it cannot serve (manual optimization, FSDP1, ...), naming the alternative.
+        MicroBatchOOMError: out of memory with nothing left to split; every other rank stops too.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -171,11 +129,11 @@ class OOMRecovery(Callback):
 
     def __init__(
         self,
-        loss_reduction: str = "auto",
+        loss_reduction: LossReduction = "auto",
         weight_fn: WeightFn | None = None,
         token_key: str | int = "labels",
         ignore_index: int = -100,
-        on_mismatch: str = "raise",
+        on_mismatch: OnMismatch = "raise",
         unsplittable: bool | Callable[[Any], bool] = False,
         sum_log_keys: Iterable[str] = (),
         max_micro_batches: int | None = None,
@@ -187,8 +145,7 @@ class OOMRecovery(Callback):
         min_micro_batch_size: int | None = None,
         rungs: Sequence[Rung] = (),
     ) -> None:
-        if loss_reduction not in _REDUCTIONS:
-            raise ValueError(f"`loss_reduction` must be one of {_REDUCTIONS}, got {loss_reduction!r}")
+        choice("loss_reduction", loss_reduction, LossReduction)
         if weight_fn is not None and not callable(weight_fn):
             raise TypeError(
                 f"`weight_fn` must be a callable(micro_batch) -> count, got {type(weight_fn).__name__}"
@@ -197,34 +154,19 @@ class OOMRecovery(Callback):
             raise ValueError(
                 "`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'"
             )
-        if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"`on_mismatch` must be one of {ON_MISMATCH}, got {on_mismatch!r}")
+        choice("on_mismatch", on_mismatch, OnMismatch)
         if not isinstance(unsplittable, bool) and not callable(unsplittable):
             raise TypeError(
                 f"`unsplittable` must be a bool or a callable(batch) -> bool, got {type(unsplittable).__name__}"
             )
         if isinstance(sum_log_keys, str):
             raise TypeError(f"`sum_log_keys` must be a collection of names, got the string {sum_log_keys!r}")
-        if max_micro_batches is not None and (
-            isinstance(max_micro_batches, bool)
-            or not isinstance(max_micro_batches, int)
-            or max_micro_batches < 1
-        ):
-            raise ValueError(f"`max_micro_batches` must be a positive int or None, got {max_micro_batches!r}")
-        if min_micro_batch_size is not None and (
-            isinstance(min_micro_batch_size, bool)
-            or not isinstance(min_micro_batch_size, int)
-            or min_micro_batch_size < 1
-        ):
-            raise ValueError(
-                f"`min_micro_batch_size` must be a positive int (samples) or None, got {min_micro_batch_size!r}"
-            )
-        if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
-            raise ValueError(f"`headroom` must be in (0, 1], got {headroom!r}")
+        positive_int("max_micro_batches", max_micro_batches, allow_none=True)
+        positive_int("min_micro_batch_size", min_micro_batch_size, unit="samples", allow_none=True)
+        fraction("headroom", headroom)
         if not isinstance(grow_back, bool):
             raise ValueError(f"`grow_back` must be True or False, got {grow_back!r}")
-        if isinstance(grow_back_after, bool) or not isinstance(grow_back_after, int) or grow_back_after < 1:
-            raise ValueError(f"`grow_back_after` must be a positive int (steps), got {grow_back_after!r}")
+        positive_int("grow_back_after", grow_back_after, unit="steps")
         if isinstance(checkpoint_modules, (str, type)) or not all(
             isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module))
             for t in checkpoint_modules
@@ -533,7 +475,9 @@ class OOMRecovery(Callback):
         if self.min_micro_batch_size is not None:
             return self.min_micro_batch_size, f"min_micro_batch_size={self.min_micro_batch_size}"
         module = self._engine.trainer.lightning_module if self._engine is not None else None
-        if module is not None and any(isinstance(m, _BatchNorm) and m.training for m in module.modules()):
+        if module is not None and any(
+            isinstance(m, _compat.batch_norm_types()) and m.training for m in module.modules()
+        ):
             return 2, "BatchNorm in training mode needs more than one value per channel"
         return 1, ""
 

@@ -4,30 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import (
-    DeepSpeedPrecision,
-    FSDPPrecision,
-    MixedPrecision,
-    Precision,
-    TransformerEnginePrecision,
-)
 from lightning.pytorch.strategies import (
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceXLAStrategy,
     Strategy,
-    XLAStrategy,
 )
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
+from lightning_gpuopt import _compat
+from lightning_gpuopt._validate import choice, positive_int
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
@@ -51,12 +41,14 @@ from lightning_gpuopt.precision import (
     tf32_wanted,
     unsupported_reason,
 )
+from lightning_gpuopt.precision_plugins import SpentScaler, is_faster, plugin_for, why_precision_fixed
 from lightning_gpuopt.strategy import FSDP2Strategy
-from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
+from lightning_gpuopt.support import StrategyKind, strategy_kind
 
 __all__ = ["PrecisionChange", "PrecisionSwitch"]
 
-_INITIAL = ("auto", "keep", *LADDER)
+#: What ``initial`` may be: the Trainer's own precision kept, the device's best, or a rung of the ladder.
+Initial = Literal["auto", "keep", "16-mixed", "bf16-mixed", "32-true"]
 _METRIC = "gpuopt/precision"
 
 
@@ -70,72 +62,15 @@ class PrecisionChange:
     reason: str
 
 
-class _SpentScaler:
-    """Takes the place of the GradScaler of a plugin replaced in the middle of its own optimizer step.
-
-    The batch already ran again in the new precision inside the closure; the old plugin's remaining
-    calls (``unscale_``, ``step``, ``update``) must neither unscale the new gradients nor skip the
-    step on the old scaler's state.
-    """
-
-    def scale(self, outputs: Any) -> Any:
-        return outputs
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        return None
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        return optimizer.step(*args, **kwargs)
-
-    def update(self, new_scale: Any = None) -> None:
-        return None
-
-    def is_enabled(self) -> bool:
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return None
-
-
 class PrecisionSwitch(Callback):
     """Trains in the fastest precision the hardware does well; falls back to a more stable one on trouble.
 
-    **At setup** (before the strategy wraps the model and optimizers), ``initial="auto"`` picks by
-    compute capability, never by emulation: sm >= 8.0 → ``bf16-mixed``; sm 7.x → ``16-mixed`` with a
-    GradScaler; older GPUs → ``32-true``; CPU → ``32-true`` (``bf16-mixed`` with ``cpu_bf16=True``);
-    MPS → ``16-mixed``; ``transformer-engine`` (fp8) only with ``fp8=True``, Transformer Engine
-    installed and sm >= 8.9. A run in ``32-true`` on sm >= 8.0 gets TF32 matmuls (``tf32``), the
-    global setting restored at teardown. ``initial="keep"`` keeps the Trainer's precision; a
-    precision name forces that one.
-
-    **While training** (single device, DDP and FSDP2, automatic optimization), every optimizer step is
-    watched without a host sync where the GradScaler already knows: a step it skipped is seen from
-    the host, and only then is anything read back. A step with a non-finite loss, or (without a
-    GradScaler: ``bf16-mixed``, ``32-true``) non-finite gradients, is never applied. ``patience``
-    such steps in a row, or a GradScaler scale below ``min_scale``, switch down the ladder
-    (``16-mixed`` → ``bf16-mixed`` where the device runs it natively → ``32-true``) at the window
-    boundary; the GradScaler's normal skips (overflowing gradients, finite loss) are not trouble.
-    With ``accumulate_grad_batches`` = 1 the batch that triggered the switch runs again in the new
-    precision (through the pack's micro-batch engine, which undoes the failed attempt's logs,
-    torchmetrics updates and BatchNorm statistics); with more, the window is not applied and is
-    counted. All ranks decide from all-reduced flags and agree before switching. With
-    ``retry_after`` the faster precision is tried again after that many optimizer steps (twice as
-    long after each relapse). Non-finite steps with no rung left to fall to raise
-    ``FloatingPointError``.
-
-    **Under the pack's FSDP2Strategy**, ``bf16-mixed`` chosen at setup becomes FSDP2's
-    ``MixedPrecisionPolicy`` (``fsdp2_policy=True``): bfloat16 parameters all-gathered, float32
-    reductions. FSDP2 cannot change that policy once the model is sharded, so such a run has no
-    runtime fallback: non-finite steps are held back on every rank, and ``patience`` of them in a row
-    raise ``FloatingPointError``. With ``fsdp2_policy=False`` the float32 sharded parameters stay
-    float32 under bfloat16 autocast, which falls back to ``32-true`` at a window boundary as under DDP.
-    Under FSDP1, DeepSpeed and tensor parallelism (precision fixed when the model is wrapped) only the
-    setup-time choice applies, and so it says. The checkpoint records the precision (with Lightning's
-    own GradScaler state); a resumed run continues in it. One rank-zero line per decision;
-    ``gpuopt/precision`` (:data:`~lightning_gpuopt.precision.PRECISION_INDEX`) goes to the loggers.
+    At setup, ``initial="auto"`` picks by compute capability (sm >= 8.0: ``bf16-mixed``; sm 7.x:
+    ``16-mixed``; a CPU: ``32-true``, with TF32 matmuls where they exist). While training, a step with
+    non-finite values is never applied; ``patience`` of them in a row switch down the ladder at a window
+    boundary, on every rank alike, and the batch runs again in the new precision. The choice, the
+    switches and the held-back steps are decisions in the report; a checkpoint resumes the precision.
+    The long form (FSDP2's mixed-precision policy, what each strategy allows): ``docs/precision.md``.
 
     Args:
         initial: ``"auto"``, ``"keep"``, or one of ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``.
@@ -176,7 +111,7 @@ class PrecisionSwitch(Callback):
 
     def __init__(
         self,
-        initial: str = "auto",
+        initial: Initial = "auto",
         ladder: Sequence[str] | None = None,
         patience: int = 2,
         min_scale: float = 1.0,
@@ -188,19 +123,12 @@ class PrecisionSwitch(Callback):
         fsdp2_policy: bool = True,
         verbose: bool = True,
     ) -> None:
-        if initial not in _INITIAL:
-            raise ValueError(f"`initial` must be one of {_INITIAL}, got {initial!r}")
+        choice("initial", initial, Initial)
         rungs = LADDER if ladder is None else check_ladder(ladder)
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"`patience` must be a positive int (troubled steps in a row), got {patience!r}")
+        positive_int("patience", patience, unit="troubled steps in a row")
         if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or not min_scale > 0:
             raise ValueError(f"`min_scale` must be a number > 0, got {min_scale!r}")
-        if retry_after is not None and (
-            isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1
-        ):
-            raise ValueError(
-                f"`retry_after` must be a positive int (optimizer steps) or None, got {retry_after!r}"
-            )
+        positive_int("retry_after", retry_after, unit="optimizer steps", allow_none=True)
         for name, value in (
             ("rerun", rerun),
             ("cpu_bf16", cpu_bf16),
@@ -333,7 +261,7 @@ class PrecisionSwitch(Callback):
                 )
             target, reason = self.initial, f"initial={self.initial!r} on {info.label}"
         if target != before:
-            plugin = _plugin_for(target, strategy)
+            plugin = plugin_for(target, strategy)
             if plugin is None:
                 reason += f"; kept {before}: {type(strategy).__name__} cannot take {target}"
                 target = before
@@ -345,7 +273,7 @@ class PrecisionSwitch(Callback):
         policy_note = self._set_fsdp2_policy(strategy, pl_module)
         if tf32_wanted(info, self._precision, self.tf32):
             self._tf32_previous = enable_tf32()
-        self._why_fixed = _why_fixed(strategy, pl_module)
+        self._why_fixed = why_precision_fixed(strategy, pl_module)
         change = f"{before} → {self._precision}" if self._precision != before else self._precision
         self._say(
             f"PrecisionSwitch: precision {change} ({reason})",
@@ -457,11 +385,20 @@ class PrecisionSwitch(Callback):
         if trainer.strategy.reduce_boolean_decision(reason is not None, all=False):
             self._switch_down(trainer, reason or "another rank asked", rerun=False)
         elif scaler is None:
-            self._say(
-                f"PrecisionSwitch: step {trainer.global_step - 1} not applied: non-finite "
-                f"{'loss' if not loss_finite else 'gradients'} in {self._precision} "
+            what = "loss" if not loss_finite else "gradients"
+            held = (
+                f"step {trainer.global_step - 1} not applied: non-finite {what} in {self._precision} "
                 f"({self._watch.consecutive} in a row; patience {self.patience})"
             )
+            record_decision(
+                trainer,
+                "held back",
+                "PrecisionSwitch",
+                held,
+                held_step=trainer.global_step - 1,
+                nonfinite=what,
+            )
+            self._say(f"PrecisionSwitch: {held}")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trainer is not trainer or not (self.switches or self.skipped_steps):
@@ -501,7 +438,7 @@ class PrecisionSwitch(Callback):
         if self._scaler() is not None:
             # The GradScaler found the gradients finite (it calls step only then), or, for an optimizer that
             # unscales inside its own step, passes found_inf for it to skip on: read after the step.
-            if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if _compat.optimizer_unscales_itself(optimizer):
                 self._found_inf = getattr(optimizer, "found_inf", None)
             self._applied = True
             return False
@@ -569,13 +506,13 @@ class PrecisionSwitch(Callback):
             )
         step = trainer.global_step
         last = self.switches[-1] if self.switches else None
-        if last is not None and self._retry_interval and _faster(last.after, last.before):
+        if last is not None and self._retry_interval and is_faster(last.after, last.before):
             self._retry_interval *= 2  # the faster precision failed again: wait longer before the next try
         old = trainer.precision_plugin
         self._install(trainer, rungs[0], reason)
         if rerun:
             if getattr(old, "scaler", None) is not None:
-                old.scaler = _SpentScaler()  # its optimizer step is still running, on the new gradients
+                old.scaler = SpentScaler()  # its optimizer step is still running, on the new gradients
             self.rerun_batches += 1
             what = f"batch {batch_idx} runs again in {rungs[0]}"
         else:
@@ -602,7 +539,7 @@ class PrecisionSwitch(Callback):
         self._say(f"PrecisionSwitch: precision {before} → {target} at step {trainer.global_step}: {reason}")
 
     def _install(self, trainer: pl.Trainer, precision: str, reason: str) -> None:
-        trainer.strategy.precision_plugin = _plugin_for(precision, trainer.strategy)
+        trainer.strategy.precision_plugin = plugin_for(precision, trainer.strategy)
         self.switches.append(PrecisionChange(trainer.global_step, self._precision, precision, reason))
         record_decision(
             trainer,
@@ -626,7 +563,7 @@ class PrecisionSwitch(Callback):
             return
         if restored != trainer.precision:
             fixed = self._why_fixed or self._policy
-            plugin = _plugin_for(restored, trainer.strategy) if fixed is None else None
+            plugin = plugin_for(restored, trainer.strategy) if fixed is None else None
             if plugin is None:
                 self._say(
                     f"PrecisionSwitch: the checkpoint was saved in {restored}, but this run stays in {trainer.precision}: "
@@ -684,42 +621,3 @@ class PrecisionSwitch(Callback):
     def _say(self, *parts: str) -> None:
         if self.verbose:
             rank_zero_info("; ".join(p for p in parts if p))
-
-
-def _faster(a: str, b: str) -> bool:
-    """Whether ladder precision ``a`` is faster (earlier in the ladder) than ``b``."""
-    return a in LADDER and b in LADDER and LADDER.index(a) < LADDER.index(b)
-
-
-def _why_fixed(strategy: Strategy, module: pl.LightningModule) -> str | None:
-    """Why the precision cannot change during this fit; ``None`` when it can."""
-    name = type(strategy).__name__
-    if isinstance(strategy, (XLAStrategy, SingleDeviceXLAStrategy)):
-        return f"{name} manages precision itself"
-    answer = supports(Feature.PRECISION_SWITCH, strategy)
-    if not answer.supported:
-        if strategy_kind(strategy) is StrategyKind.OTHER:
-            return f"{answer.reason}, not {name}"
-        return f"{name} {answer.reason}"
-    if not module.automatic_optimization:
-        return "manual optimization steps the optimizer itself (use automatic optimization for the fallback)"
-    return None
-
-
-def _plugin_for(precision: str, strategy: Strategy) -> Precision | None:
-    """A fresh Lightning precision plugin for ``precision`` under ``strategy``; ``None`` when it cannot take one."""
-    if isinstance(strategy, (XLAStrategy, SingleDeviceXLAStrategy)):
-        return None
-    if isinstance(strategy, FSDPStrategy):
-        return FSDPPrecision(precision) if precision != "transformer-engine" else None
-    if isinstance(strategy, DeepSpeedStrategy):
-        return DeepSpeedPrecision(precision) if precision != "transformer-engine" else None
-    if isinstance(strategy, ModelParallelStrategy) and precision == "16-mixed":
-        return None  # Lightning's ModelParallelStrategy supports 32-true and bf16 only
-    if precision == "32-true":
-        return Precision()
-    if precision in ("16-mixed", "bf16-mixed"):
-        return MixedPrecision(precision, strategy.root_device.type)
-    if precision == "transformer-engine":
-        return TransformerEnginePrecision(weights_dtype=torch.bfloat16)
-    return None

@@ -15,9 +15,9 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt import _validate
 from lightning_gpuopt._warnings import warn
+from lightning_gpuopt.batch_size.trial import TrialSteps
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.callbacks._oom_log import OOMLog, memory_limit, state_tensors
-from lightning_gpuopt.callbacks._trial_step import TrialSteps
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
 from lightning_gpuopt.decisions import decisions, record_decision
 from lightning_gpuopt.memory import forensics, get_probe, is_oom_error
@@ -27,6 +27,7 @@ from lightning_gpuopt.peak_flops import resolve_peak_flops
 from lightning_gpuopt.report import (
     FORMAT,
     ReportField,
+    StepClock,
     mfu,
     precision_code,
     print_table,
@@ -160,8 +161,7 @@ class GPUOptReport(Callback):
     def _reset(self) -> None:
         self._steps: list[dict[str, Any]] = []
         self._started = 0.0
-        self._last_end: float | None = None
-        self._batch_start: float | None = None
+        self._clock = StepClock()  # the step times the summary of `gpuopt fit` reads too
         self._flops: float | None = None
         self._counter: Any = None
         self._peak_flops: float | None = None
@@ -258,15 +258,15 @@ class GPUOptReport(Callback):
         self._apply_loaded(trainer)  # every restore is done by now, whatever the strategy
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_end = time.perf_counter()
+        self._clock.restart()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_end = time.perf_counter()  # validation time is neither a step nor waiting for data
+        self._clock.restart()  # validation time is neither a step nor waiting for data
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_start = time.perf_counter()
+        self._clock.start_batch()
         self._step = trainer.global_step  # the step this batch belongs to, as decisions taken in it record
         get_probe(trainer.strategy.root_device).reset_peak()
         if self._oom is not None:
@@ -282,7 +282,8 @@ class GPUOptReport(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
+        start, last_end = self._clock.batch_started, self._clock.last_end
+        now, step_time = self._clock.end_batch(batch_idx)
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._flops, self._counter = float(self._counter.get_total_flops()), None
@@ -295,8 +296,6 @@ class GPUOptReport(Callback):
         if self._oom is not None:
             self._oom.owners_measured(self._step, k, -(-n // k))
             self._oom.flush()
-        start, last_end = self._batch_start, self._last_end
-        self._last_end = now
         step = self._step
         if step % self.every_n_steps:
             return
@@ -306,7 +305,6 @@ class GPUOptReport(Callback):
             self._peak_flops, _ = resolve_peak_flops(
                 trainer.strategy.root_device, self._peak_precision, self.peak_flops
             )
-        step_time = now - last_end if last_end is not None and batch_idx > 0 else None
         monitor = next((c for c in trainer.callbacks if isinstance(c, DataStallMonitor)), None)
         if monitor is not None:
             wait = monitor.wait_fraction if monitor.measured else None

@@ -13,13 +13,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.data.prefetch import (
     BatchTransfer,
     CudaStreamTransfer,
     DevicePrefetchLoader,
     PrefetchStats,
 )
-from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
+from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples, declare_resumable
 
 __all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
 
@@ -123,14 +124,6 @@ def auto_num_workers(cpus: int, local_devices: int, cap: int = _MAX_AUTO_WORKERS
     return max(0, min(cap, per_device - 1))
 
 
-def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        extra = " or None" if allow_none else ""
-        raise ValueError(f"`{name}` must be a positive int{extra}, got {value!r}")
-
-
 class GPUOptDataModule(pl.LightningDataModule):
     """A LightningDataModule base that builds tuned DataLoaders from the datasets a subclass returns.
 
@@ -202,9 +195,9 @@ class GPUOptDataModule(pl.LightningDataModule):
         resumable: bool = True,
     ) -> None:
         super().__init__()
-        _check_positive_int("batch_size", batch_size)
-        _check_positive_int("eval_batch_size", eval_batch_size, allow_none=True)
-        _check_positive_int("prefetch_factor", prefetch_factor)
+        positive_int("batch_size", batch_size)
+        positive_int("eval_batch_size", eval_batch_size, allow_none=True)
+        positive_int("prefetch_factor", prefetch_factor)
         if num_workers != "auto" and (
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
         ):
@@ -372,7 +365,7 @@ class GPUOptDataModule(pl.LightningDataModule):
         dataset = self._dataset(stage)
         train = stage == "train"
         batch_size = self.batch_size if train or self.eval_batch_size is None else self.eval_batch_size
-        _check_positive_int("batch_size", batch_size)
+        positive_int("batch_size", batch_size)
         workers = self.resolved_num_workers()
         kwargs: dict[str, Any] = {}
         if workers > 0:
@@ -390,10 +383,15 @@ class GPUOptDataModule(pl.LightningDataModule):
         transfer = self._batch_transfer(stage)
         if transfer is None:
             # Lightning moves each batch when it is used, non-blocking on CUDA (its `move_data_to_device`).
-            return DataLoader(dataset, **kwargs)
-        stats = self._prefetch_stats.setdefault(stage, PrefetchStats())
-        stats.disabled = False  # a new loader gets a new chance after an out-of-memory fallback
-        return DevicePrefetchLoader(dataset, transfer=transfer, prefetch_stats=stats, **kwargs)
+            loader = DataLoader(dataset, **kwargs)
+        else:
+            stats = self._prefetch_stats.setdefault(stage, PrefetchStats())
+            stats.disabled = False  # a new loader gets a new chance after an out-of-memory fallback
+            loader = DevicePrefetchLoader(dataset, transfer=transfer, prefetch_stats=stats, **kwargs)
+        declare_resumable(
+            loader
+        )  # a ResumableSampler's loader: Lightning need not warn on a mid-epoch resume
+        return loader
 
     # Exact resume: the training loader's place in the epoch.
 

@@ -13,12 +13,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_gpuopt._validate import choice
+
 __all__ = ["MemmapDataset"]
 
 _FORMAT = "lightning_gpuopt.memmap/1"
 _MANIFEST = "memmap.json"
 _CHUNK_BYTES = 64 * 2**20  # rows copied per write step: bounded memory whatever the array size
-_ACCESS = ("read", "mmap")
+#: How samples are read: copied out of the file, or as views of the memory map.
+Access = Literal["read", "mmap"]
 
 
 def _as_numpy(value: Any, label: str) -> np.ndarray:
@@ -141,12 +144,11 @@ class MemmapDataset(Dataset):
         self,
         path: str | os.PathLike[str],
         transform: Callable[[Any], Any] | None = None,
-        access: Literal["read", "mmap"] = "read",
+        access: Access = "read",
     ) -> None:
         if transform is not None and not callable(transform):
             raise TypeError(f"`transform` must be a callable(sample) or None, got {type(transform).__name__}")
-        if access not in _ACCESS:
-            raise ValueError(f"`access` must be one of {_ACCESS}, got {access!r}")
+        choice("access", access, Access)
         self.access = access
         self.path = Path(path)
         manifest_path = self.path / _MANIFEST

@@ -33,6 +33,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.memory import format_bytes, free_memory, is_oom_error
 from lightning_gpuopt.memory.walk import leaves
@@ -224,8 +225,7 @@ class DevicePrefetcher(Iterator[Any]):
         depth: int = 1,
         stats: PrefetchStats | None = None,
     ) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"`depth` must be a positive int, got {depth!r}")
+        positive_int("depth", depth)
         self._source = iter(batches)
         self._transfer = transfer
         self.depth = depth
@@ -306,8 +306,7 @@ class DevicePrefetchLoader(DataLoader):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-            raise ValueError(f"`prefetch_depth` must be a positive int, got {prefetch_depth!r}")
+        positive_int("prefetch_depth", prefetch_depth)
         self.transfer = transfer
         self.prefetch_depth = prefetch_depth
         self.prefetch_stats = prefetch_stats if prefetch_stats is not None else PrefetchStats()

@@ -26,7 +26,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-__all__ = ["ResumableSampler", "SeededSamples", "capture_rng", "restore_rng", "sample_seed"]
+__all__ = [
+    "ResumableSampler",
+    "SeededSamples",
+    "capture_rng",
+    "declare_resumable",
+    "restore_rng",
+    "sample_seed",
+]
 
 _MASK = (1 << 64) - 1
 
@@ -125,6 +132,36 @@ class ResumableSampler(DistributedSampler):
         if self._skip_epoch is not None and epoch != self._skip_epoch:
             self._skip_epoch, self._skip_samples = None, 0  # the resumed epoch is over
         super().set_epoch(epoch)
+
+
+def _no_loader_state() -> dict[str, Any]:
+    return {}  # the place in the epoch is the datamodule's state (GPUOptDataModule.state_dict)
+
+
+def _ignore_loader_state(state_dict: dict[str, Any]) -> None:
+    return None
+
+
+def declare_resumable(loader: Any) -> bool:
+    """Tell Lightning that ``loader`` resumes mid-epoch, when its sampler is a :class:`ResumableSampler`.
+
+    Lightning warns "your dataloader is not resumable" on a mid-epoch resume unless the loader has
+    ``state_dict``/``load_state_dict``. This one's place lives in the datamodule's state, so both are
+    empty: Lightning keeps ``[{}]`` in the checkpoint and hands it back. Returns whether it was declared.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(4), sampler=ResumableSampler(range(4), num_replicas=1, rank=0))
+        >>> declare_resumable(loader), loader.state_dict()
+        (True, {})
+        >>> declare_resumable(DataLoader(range(4)))
+        False
+    """
+    if not isinstance(getattr(loader, "sampler", None), ResumableSampler):
+        return False
+    loader.state_dict = _no_loader_state
+    loader.load_state_dict = _ignore_loader_state
+    return True
 
 
 class SeededSamples(Dataset):

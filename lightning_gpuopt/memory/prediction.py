@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.memory.units import format_bytes
 
 __all__ = [
@@ -91,8 +92,7 @@ class ParallelLayout:
             raise ValueError(
                 f"`kind` must be 'single', 'ddp' or 'fsdp', got {self.kind!r}: use 'fsdp' for FSDP2 (fully_shard)"
             )
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"`world_size` must be a positive int, got {self.world_size!r}")
+        positive_int("world_size", self.world_size)
         if self.cpu_offload and self.kind != "fsdp":
             raise ValueError(f"`cpu_offload` needs kind='fsdp', got kind={self.kind!r}")
         r = self.replicate_size

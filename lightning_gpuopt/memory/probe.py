@@ -294,14 +294,14 @@ _active: list[MemoryProbe] = []
 _active_lock = threading.Lock()
 
 
-def _push_active_probe(probe: MemoryProbe) -> None:
-    """Make ``probe`` what :func:`get_probe` returns until :func:`_pop_active_probe` (for SimulatedMemory)."""
+def push_active_probe(probe: MemoryProbe) -> None:
+    """Make ``probe`` what :func:`get_probe` returns until :func:`pop_active_probe` (for SimulatedMemory)."""
     with _active_lock:
         _active.append(probe)
 
 
-def _pop_active_probe(probe: MemoryProbe) -> None:
-    """Undo :func:`_push_active_probe`; ``probe`` must be the most recent one."""
+def pop_active_probe(probe: MemoryProbe) -> None:
+    """Undo :func:`push_active_probe`; ``probe`` must be the most recent one."""
     with _active_lock:
         if not _active or _active[-1] is not probe:
             raise RuntimeError(

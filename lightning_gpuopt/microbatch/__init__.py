@@ -5,6 +5,7 @@ A package, one job a module: ``engine.py`` the engine (k, its state, what callba
 ``batches.py`` what a training and an evaluation batch do differently in it, ``attempt.py`` an attempt's
 side effects, ``exchange.py`` how the ranks vote and reduce, ``setup_checks.py`` where the engine runs,
 ``loss_weighting.py`` (and its rules, ``loss_weighting_rules.py``) the micro-batches' loss weights,
+``replay.py`` the random draws the loss-weighting check records on a piece of a batch and replays on its parts,
 ``compile_watch.py`` what torch.compile changes, ``step.py`` the optimizer step, ``rungs.py`` the recovery
 rungs, ``errors.py`` the errors it ends a run with.
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
@@ -64,7 +63,9 @@ class SideEffects:
 
     def __init__(self, module: nn.Module) -> None:
         self.metrics = [m for m in module.modules() if _Metric is not None and isinstance(m, _Metric)]
-        self.norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        self.norms = [
+            m for m in module.modules() if isinstance(m, _compat.batch_norm_types()) and m.track_running_stats
+        ]
 
     def snapshot(self) -> Snapshot:
         """A copy of every state an attempt may change."""
@@ -84,7 +85,7 @@ class SideEffects:
     def restore(snapshot: Snapshot) -> None:
         """Put back what :meth:`snapshot` copied."""
         for obj, state in snapshot:
-            if isinstance(obj, _BatchNorm):
+            if isinstance(obj, _compat.batch_norm_types()):
                 for name, value in state.items():
                     getattr(obj, name).copy_(value)
             else:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gpuopt.batching import SPLIT_HOOK, split_batch
+from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import (
     MemoryProbe,
     forensics,
@@ -88,6 +89,7 @@ class AttemptLoop:
         self._skip_zero_grad = False
         #: The smallest micro-batch (samples) that ran in this fit, per stage.
         self._smallest_ran: dict[str, int] = {}
+        self._skip_recorded = False
 
     # ------------------------------------------------------------------ patches
 
@@ -254,6 +256,8 @@ class AttemptLoop:
             if failure is None:
                 proposal = batch.proposal
                 status, voted_k = (proposal.status, proposal.k) if proposal is not None else (Status.NONE, k)
+                if batch.skipped and peer_votes is None:
+                    status |= Status.SKIP
             else:
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
                 status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch.batch)
@@ -269,6 +273,8 @@ class AttemptLoop:
                 rungs = [engine.rungs[i].name for i in agreement.rungs]
                 forensics.action_taken(describe_action(stage, n, k, agreement.k, rungs))
             if not agreement.retry:
+                if agreement.skip:  # a step returned None (on any rank): the batch is skipped on every rank
+                    return batch.skip(agreement, k)
                 # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
                 # may all-reduce its own flags, and answers alike on every rank).
                 if not _sent_back(batch, output):
@@ -325,11 +331,29 @@ class AttemptLoop:
         try:
             for chunk, weight in zip(chunks, weights):
                 attempt.start()
-                each(step(chunk), weight)
+                go_on = each(step(chunk), weight)
                 attempt.keep(weight)
+                if go_on is False:  # the step skipped the batch: no further micro-batch
+                    break
         finally:
             self.capture = None
         return attempt
+
+    def skipped_split(self, micro_batch: int, k: int) -> None:
+        """Record, once per fit, that a micro-batch's ``None`` skipped the whole batch (the rule, as a decision)."""
+        if self._skip_recorded:
+            return
+        self._skip_recorded = True
+        record_decision(
+            self.trainer,
+            "skipped batch",
+            "MicroBatchEngine",
+            f"training_step returned None for micro-batch {micro_batch} of {k} at step {self.trainer.global_step}: "
+            "the whole batch is skipped (the gradients of its micro-batches dropped), as `return None` on the whole "
+            "batch would; every micro-batch that returns None skips its batch alike",
+            micro_batch=micro_batch,
+            k=k,
+        )
 
     def emit_logs(self, logs: list, weights: list[float], n: int) -> None:
         emit_logs(self.module_log, logs, weights, n, self.engine.sum_log_keys)

@@ -25,7 +25,6 @@ from lightning_gpuopt.microbatch.attempt import (
     restore_grads,
     split_output,
 )
-from lightning_gpuopt.microbatch.errors import Refused
 from lightning_gpuopt.microbatch.exchange import DDPExchange
 from lightning_gpuopt.oom_policy import Agreement, OOMFailure, Proposal, Recovery, Source, Vote
 
@@ -69,6 +68,11 @@ class TrainingBatch:
         self.engine.next_proposal = None
         self.checks = self.engine.attempt_checks
         self.logs: tuple[list, list[float]] = ([], [])
+        #: A micro-batch's step returned no loss in the last attempt (``None``: Lightning's skip; a dict without
+        #: ``"loss"``, or another value: Lightning's error): that output, at ``skipped_at`` of ``skipped_of``.
+        self.skipped = False
+        self.skipped_output: Any = None
+        self.skipped_at = (0, 0)
 
     def k(self) -> int:
         return self.engine.effective_k(self.batch)
@@ -103,16 +107,17 @@ class TrainingBatch:
         scaler = getattr(loop.trainer.precision_plugin, "scaler", None)
         extras: list[dict[str, Any] | None] = []
         total: Tensor | None = None
+        self.skipped, self.skipped_output = False, None
 
-        def backward(out: Any, weight: float) -> None:
+        def backward(out: Any, weight: float) -> bool:
             nonlocal total
             loss, extra = split_output(out)
-            if loss is None:
-                raise Refused(
-                    "training_step returned None (skipping the batch) or no 'loss', which micro-batching "
-                    "cannot split. Return the loss for every batch, or remove OOMRecovery (and pass "
-                    "PrecisionSwitch(rerun=False))."
-                )
+            if not isinstance(
+                loss, Tensor
+            ):  # the step skips the batch (None), or Lightning refuses the output
+                self.skipped, self.skipped_output = True, out
+                self.skipped_at = (len(extras) + 1, len(chunks))
+                return False  # no further micro-batch: the whole batch is skipped
             extras.append(extra)
             loop.phase = "backward"
             scaled = loss if weight == 1.0 else loss * weight
@@ -123,6 +128,7 @@ class TrainingBatch:
             loop.module_backward(scaled)
             part = loss.detach() if weight == 1.0 else loss.detach() * weight
             total = part if total is None else total + part
+            return True
 
         def forward(chunk: Any) -> Any:
             loop.phase = "forward"
@@ -130,6 +136,8 @@ class TrainingBatch:
 
         attempt = loop.run_micro_batches(forward, chunks, weights, backward)
         self.logs = (attempt.logs, weights)  # emitted once every rank keeps the attempt
+        if self.skipped:
+            return None
         loss_out = total.clone().requires_grad_(True)  # a leaf: Lightning's own backward on it is skipped
         if extras and extras[0] is not None:
             return {"loss": loss_out, **merge_outputs(extras, weights)}
@@ -162,10 +170,31 @@ class TrainingBatch:
         merge_grads(self.params, self.stash)
         if self.boundary:
             self.engine.exchange.reduce()
+        self._propose(agreement)
+        return output
+
+    def skip(self, agreement: Agreement, k: int) -> Any:
+        """Every rank kept its attempt and one step returned no loss: the batch is skipped on every rank.
+
+        Its gradients are dropped (those of earlier batches of the window stay), its logged values are emitted
+        as Lightning emits a skipped step's. Returned to Lightning: ``None`` (it then steps the optimizer without
+        gradients on one device, and raises its own error under several ranks), or the output it refuses.
+        """
+        self.loop.ran(self.n, k, self.stage)
+        self.loop.emit_logs(*self.logs, self.n)
+        for p in self.params:
+            p.grad = None
+        restore_grads(self.params, self.stash)
+        self.engine.exchange.recover()
+        self._propose(agreement)
+        if self.skipped and self.skipped_output is None and k > 1:
+            self.loop.skipped_split(*self.skipped_at)
+        return self.skipped_output if self.skipped else None
+
+    def _propose(self, agreement: Agreement) -> None:
         if agreement.source:
             reason = k_change_reason(self.loop.trainer, agreement, None, self.proposal)
             self.engine.propose(agreement.k, agreement.source, reason, batch_size=self.n)
-        return output
 
 
 class EvalBatch:
@@ -175,6 +204,7 @@ class EvalBatch:
     proposal = None
     checks: tuple = ()
     params = None
+    skipped = False  #: an evaluation step's ``None`` is an output like any other
 
     def __init__(self, loop: AttemptLoop, stage: str, args: tuple, kwargs: dict) -> None:
         self.loop, self.engine, self.stage = loop, loop.engine, stage

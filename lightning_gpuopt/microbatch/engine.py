@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
 from lightning_gpuopt._compiled import RecompileBudget, is_compiled_anywhere
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.microbatch.attempt import batch_samples
 from lightning_gpuopt.microbatch.attempt_loop import EVAL_STAGES, AttemptLoop
 from lightning_gpuopt.microbatch.compile_watch import CompileWatch
@@ -270,8 +271,7 @@ class MicroBatchEngine:
         Precedence: a proposal from ``"oom"`` raises k and always wins; any proposal that lowers k is
         capped so the micro-batch stays within :attr:`max_micro_batch_size` (when ``batch_size`` is known).
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"`k` (micro-batches) must be a positive int, got {k!r}")
+        positive_int("k", k, unit="micro-batches")
         source = _as_source(source)  # a caller's own source stays
         if k < self.k and source is not Source.OOM and self.max_micro_batch_size and batch_size:
             k = max(k, math.ceil(batch_size / self.max_micro_batch_size))

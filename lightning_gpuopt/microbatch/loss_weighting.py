@@ -18,6 +18,13 @@ too close to tell them apart), a Hugging Face ``transformers`` head inside the m
 negatives, batch statistics), the split is refused before it runs (or, with ``on_mismatch="warn"``,
 warned about once). An explicit ``mode`` or ``weight_fn`` is used as given and checked the same way.
 The rules of the check are plain functions in ``loss_weighting_rules.py``.
+
+A step that draws random numbers (diffusion noise, flow-matching times) is checked with the piece's draws
+replayed on its parts (``replay.py``), so the same comparison applies. Where replay is impossible (Python's
+or NumPy's generator, a random shape that is not batch-major, a loop over samples), and where the loss
+averages over tokens the step selects at random, the check refuses in one line and asks for
+``loss_reduction=``; a given ``loss_reduction`` is then used unchecked. A piece or part for which the step
+returns ``None`` (a skipped batch) leaves the decision to the next split.
 """
 
 from __future__ import annotations
@@ -25,14 +32,16 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from lightning_gpuopt._validate import choice
 from lightning_gpuopt._warnings import warn
-from lightning_gpuopt.batching import UnsplittableBatchError, _slice, batch_size_of
+from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of, slice_samples
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.oom import is_oom_error
 from lightning_gpuopt.microbatch.errors import LossWeightingError
@@ -47,19 +56,21 @@ from lightning_gpuopt.microbatch.loss_weighting_rules import (
     choose,
     hf_head,
     piece_of,
+    selected_tokens_match,
     split_point,
     tolerance,
 )
+from lightning_gpuopt.microbatch.replay import HostRandom, PartRun, RandomDraws
 
 if TYPE_CHECKING:
     from lightning_gpuopt.microbatch.engine import MicroBatchEngine
 
-__all__ = ["MODES", "ON_MISMATCH", "LossWeighting", "quiet_forward"]
+__all__ = ["LossReduction", "LossWeighting", "OnMismatch", "quiet_forward"]
 
 #: What ``OOMRecovery(loss_reduction=...)`` accepts.
-MODES = ("auto", "mean", "tokens", "sum")
+LossReduction = Literal["auto", "mean", "tokens", "sum"]
 #: What ``OOMRecovery(on_mismatch=...)`` accepts.
-ON_MISMATCH = ("raise", "warn")
+OnMismatch = Literal["raise", "warn"]
 
 
 @contextlib.contextmanager
@@ -77,26 +88,88 @@ def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextM
     """Run forwards that leave no trace: no gradients, dropout off, BatchNorm on running statistics.
 
     ``no_trace`` is the engine's :meth:`~lightning_gpuopt.microbatch.MicroBatchEngine.leave_no_trace`
-    (``self.log`` captured and dropped, torchmetrics and BatchNorm states restored). The RNG is forked
-    (CPU and the module's CUDA devices), and ``torch.compile`` runs eagerly.
+    (``self.log`` captured and dropped, torchmetrics and BatchNorm states restored). torch's RNG is forked
+    (CPU and the module's CUDA devices), Python's and NumPy's global states are put back on exit, and
+    ``torch.compile`` runs eagerly.
     """
     modes = [(m, m.training) for m in module.modules()]
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    host = HostRandom()
     try:
         module.eval()
         with no_trace, torch.random.fork_rng(devices=devices), torch.no_grad(), _eager():
             yield
     finally:
+        host.restore()
         for m, mode in modes:
             m.training = mode
 
 
-def _as_float(loss: Any) -> float:
-    if isinstance(loss, Mapping):
-        loss = loss.get("loss")
+def _loss_value(output: Any) -> float | None:
+    """The step's loss as a float; ``None`` for a step that skipped (``None``, or a dict without ``"loss"``)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if loss is None:
+        return None
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise TypeError(f"training_step must return a scalar loss for the check, got {type(loss).__name__}")
     return float(loss.detach().double())
+
+
+@dataclass
+class _Measured:
+    """The check's three forwards: the piece's loss and its parts' (``None`` where the step skipped the batch)."""
+
+    piece: float | None = None
+    parts: list[float | None] = field(default_factory=list)
+    runs: list[PartRun] = field(default_factory=list)
+    replayed: bool = False
+    #: What could not be replayed (Python's or NumPy's generator, a part's draws), for the refusal.
+    unreplayable: str | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """The step returned ``None`` for the piece, or for a part it ran normally: decide at the next split."""
+        if self.piece is None:
+            return True
+        return self.unreplayable is None and any(loss is None for loss in self.parts)
+
+
+def _measure(
+    run_piece: Callable[[Any], Any], piece: Any, m: int, bounds: Sequence[tuple[int, int]], parts: list[Any]
+) -> _Measured:
+    """Run the piece (its random draws recorded) and each part (the draws replayed): see ``replay.py``.
+
+    All three calls run whatever the first ones found (under FSDP2 every rank runs them together: a rank that
+    stopped early would leave the others waiting in a collective).
+    """
+    draws = RandomDraws(m)
+    measured = _Measured()
+    try:
+        with draws.record():
+            measured.piece = _loss_value(run_piece(piece))
+        measured.replayed = draws.drew
+        if draws.host is not None:
+            measured.unreplayable = f"it draws from {draws.host}"
+        for (lo, hi), part in zip(bounds, parts):
+            with draws.replay(lo, hi) as run:
+                measured.runs.append(run)
+                try:
+                    output = run_piece(part)
+                except Exception as err:
+                    if not draws.drew or is_oom_error(err):
+                        raise
+                    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                    run.failure = (
+                        f"with the piece's random values replayed on a part, it raised {type(err).__name__}: {text} "
+                        "(random indices into the batch, such as a permutation for mixup, couple its samples)"
+                    )
+                    output = None
+            if run.failure is not None and measured.unreplayable is None:
+                measured.unreplayable = run.failure
+            measured.parts.append(_loss_value(output) if run.failure is None else None)
+    finally:
+        draws.clear()
+    return measured
 
 
 class LossWeighting:
@@ -114,18 +187,16 @@ class LossWeighting:
 
     def __init__(
         self,
-        mode: str = "auto",
+        mode: LossReduction = "auto",
         weight_fn: Callable[[Any], Any] | None = None,
         token_key: str | int = "labels",
         ignore_index: int = -100,
-        on_mismatch: str = "raise",
+        on_mismatch: OnMismatch = "raise",
         check: bool = True,
         source: str = "OOMRecovery",
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"`loss_reduction` must be one of {MODES}, got {mode!r}")
-        if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"`on_mismatch` must be one of {ON_MISMATCH}, got {on_mismatch!r}")
+        choice("loss_reduction", mode, LossReduction)
+        choice("on_mismatch", on_mismatch, OnMismatch)
         self.mode = mode
         self.weight_fn = weight_fn
         self.token_key = token_key
@@ -202,31 +273,32 @@ class LossWeighting:
             m = 0
         if m >= 2:
             cut = split_point(piece, m, options)
-            parts = [_slice(piece, m, 0, cut), _slice(piece, m, cut, m)]
+            bounds = [(0, cut), (cut, m)]
+            parts = [slice_samples(piece, m, lo, hi) for lo, hi in bounds]
             tol = tolerance(getattr(trainer, "precision", None))
-            out_of_memory = False
+            measured: _Measured | None = None
             try:
                 with quiet_forward(module, engine.leave_no_trace()):
-                    piece_loss = _as_float(run_piece(piece))
-                    part_losses = [_as_float(run_piece(p)) for p in parts]
+                    measured = _measure(run_piece, piece, m, bounds, parts)
             except Exception as err:
                 if not is_oom_error(err) or engine.exchange.votes_inside_step:
                     raise  # FSDP2: an OOM here is the attempt's, voted on like any other (the check runs again)
                 # Out of memory in the check: every rank still reaches the broadcast below; the batch runs with
                 # the fallback and the check runs again at the next split.
-                out_of_memory = True
-            if out_of_memory:
+            if measured is None or measured.skipped:  # out of memory, or the step returned None: wait
                 result = CheckResult(None, {}, tol, checked=False)
-            elif math.isfinite(piece_loss) and all(math.isfinite(v) for v in part_losses):
-                result = choose(piece_loss, part_losses, parts, options, tol, head)
+            elif measured.unreplayable is not None:
+                result = _unreplayable(measured.unreplayable, tol)
+            elif math.isfinite(measured.piece) and all(math.isfinite(v) for v in measured.parts):
+                result = _compare(measured, parts, options, tol, head)
             else:
                 result = CheckResult(self.decided or self._fallback(engine), {}, tol, checked=False)
         else:
             result = CheckResult(self.decided or self._fallback(engine), {}, 0.0, checked=False)
         pool = [*options, *(c for c in (self.decided, self._fallback(engine)) if c is not None)]
         result = _from_rank_zero(result, pool)
-        if not result.checked and result.chosen is None:
-            return  # out of memory in the check (on rank 0): decide at the next split
+        if not result.checked and result.chosen is None and result.refusal is None:
+            return  # out of memory in the check, or the step skipped the piece (on rank 0): decide at the next split
         self.result = result
         self._checked = True
         self._take(engine, result)
@@ -239,6 +311,12 @@ class LossWeighting:
             if result.checked and (error is None or error > result.tolerance):
                 self._mismatch(engine, result, given)
             self._announce(engine, given, result, explicit=True)
+            return
+        if (
+            result.refusal is not None
+        ):  # the check could not compare: the user says what the loss averages over
+            self._refuse(result.refusal)
+            self.decided = Candidate(Weighting.SAMPLES, "sample shares")  # only reached with "warn"
             return
         if result.chosen is None:
             self._mismatch(engine, result, None)
@@ -257,10 +335,14 @@ class LossWeighting:
     def _announce(
         self, engine: MicroBatchEngine, chosen: Candidate, result: CheckResult, explicit: bool = False
     ) -> None:
-        if not result.checked:
+        if result.reason is not None:
+            how = f"not checked: {result.reason}"
+        elif not result.checked:
             how = "not checked (the piece of the batch could not be split in two)"
         else:
             how = f"matches your loss to {result.errors.get(chosen.description, math.nan):.1g}"
+            if result.replayed:
+                how += " (with the step's random draws replayed on the parts)"
         head = hf_head(engine.trainer.lightning_module)
         if result.tied and head is not None and not explicit:
             how += f" (a tie, decided by the Hugging Face {head.value} head)"
@@ -298,6 +380,10 @@ class LossWeighting:
             + (" (check the one given)" if given is not None and given.kind is Weighting.CUSTOM else "")
             + ", or `on_mismatch='warn'` to split anyway."
         )
+        self._refuse(message)
+
+    def _refuse(self, message: str) -> None:
+        """Refuse to split (``LossWeightingError``), or, with ``on_mismatch="warn"``, warn once."""
         if self.on_mismatch == "warn":
             if not self._warned:
                 self._warned = True
@@ -334,6 +420,48 @@ class LossWeighting:
             )
 
 
+#: Where replay is impossible, the user says what the loss averages over.
+_ASK_FOR_REDUCTION = (
+    'Pass `OOMRecovery(loss_reduction=...)`: "mean" for a mean over samples, "tokens" for a mean over '
+    '`labels != -100`, "sum" for a sum.'
+)
+
+
+def _unreplayable(source: str, tol: float) -> CheckResult:
+    """The check's answer for a step whose random numbers cannot be replayed on the parts (``source`` says why)."""
+    message = (
+        f"loss weighting: your training_step draws random numbers the check cannot replay on the parts of a "
+        f"batch ({source}), so it cannot find the weighting of micro-batch losses that reproduces your loss. "
+        + _ASK_FOR_REDUCTION
+    )
+    reason = f"the step's random numbers cannot be replayed ({source})"
+    return CheckResult(None, {}, tol, checked=False, replayed=True, refusal=message, reason=reason)
+
+
+def _compare(
+    measured: _Measured, parts: list[Any], options: Sequence[Candidate], tol: float, head: HFHead | None
+) -> CheckResult:
+    """``choose`` on the measured losses; a mismatch explained by tokens the step selected at random is named."""
+    result = choose(measured.piece, measured.parts, parts, options, tol, head)
+    if not measured.replayed:
+        return result
+    if result.chosen is None and selected_tokens_match(
+        measured.piece, measured.parts, [run.selected for run in measured.runs], tol
+    ):
+        message = (
+            "loss weighting: your loss averages over tokens your training_step selects at random (random masking "
+            "inside the step), so no count taken from the batch can match it and no weighting of micro-batch "
+            "losses is exact. Mask in the collate function (the labels then mark the chosen tokens, and the check "
+            'finds the token weighting), or pass `OOMRecovery(loss_reduction="mean")` to weight micro-batches by '
+            "samples (approximate)."
+        )
+        reason = "the loss averages over tokens the step selects at random"
+        return CheckResult(
+            None, result.errors, tol, checked=False, replayed=True, refusal=message, reason=reason
+        )
+    return CheckResult(result.chosen, result.errors, tol, result.tied, result.checked, replayed=True)
+
+
 def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate]) -> CheckResult:
     """Every rank takes rank 0's result (DDP: rank 0 decides; FSDP2: every rank ran the check together).
 
@@ -341,7 +469,16 @@ def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate]) -> CheckResu
     among its own by description.
     """
     chosen = result.chosen.description if result.chosen is not None else None
-    sent = (chosen, dict(result.errors), result.tolerance, result.tied, result.checked)
-    chosen, errors, tol, tied, checked = broadcast_from_rank_zero(sent)
+    sent = (
+        chosen,
+        dict(result.errors),
+        result.tolerance,
+        result.tied,
+        result.checked,
+        result.replayed,
+        result.refusal,
+        result.reason,
+    )
+    chosen, errors, tol, tied, checked, replayed, refusal, reason = broadcast_from_rank_zero(sent)
     match = next((c for c in pool if c.description == chosen), None) if chosen is not None else None
-    return CheckResult(match, errors, tol, tied, checked)
+    return CheckResult(match, errors, tol, tied, checked, replayed, refusal, reason)

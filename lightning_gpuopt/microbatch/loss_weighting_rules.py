@@ -18,10 +18,10 @@ from torch import Tensor
 
 from lightning_gpuopt.batching import (
     UnsplittableBatchError,
-    _slice,
     batch_size_of,
     first_samples,
     merge_outputs,
+    slice_samples,
 )
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "choose",
     "hf_head",
     "piece_of",
+    "selected_tokens_match",
     "split_point",
     "tolerance",
 ]
@@ -241,6 +242,10 @@ class CheckResult:
         tolerance: the relative difference allowed.
         tied: several candidates matched; ``chosen`` was decided by the HF head or kept at sample shares.
         checked: the check ran (``False``: the piece could not be split; ``chosen`` is the fallback).
+        replayed: the step drew random numbers, and the parts ran with the piece's (``replay.py``).
+        refusal: why no weighting can be found from the user's loss, one line for the user (random numbers
+            the check cannot replay, tokens selected at random inside the step); ``None`` when it compared.
+        reason: the same, short, for the decision of a weighting given explicitly (used unchecked).
     """
 
     chosen: Candidate | None
@@ -248,6 +253,9 @@ class CheckResult:
     tolerance: float
     tied: bool = False
     checked: bool = True
+    replayed: bool = False
+    refusal: str | None = None
+    reason: str | None = None
 
     @property
     def mismatch(self) -> float:
@@ -300,11 +308,31 @@ def choose(
     return CheckResult(matched[0], errors, tol, tied=True)
 
 
+def selected_tokens_match(
+    piece_loss: float, part_losses: Sequence[float], selected: Sequence[float | None], tol: float
+) -> bool:
+    """Whether the parts' losses, weighted by the targets each part's mean ``nll_loss`` counted inside the step,
+    reproduce the piece's loss: a mean over tokens the step selected itself (random masking), which no count
+    taken from the batch can give.
+
+    Example:
+        >>> selected_tokens_match(17 / 5, [1.0, 4.0], [1, 4], 1e-6)
+        True
+        >>> selected_tokens_match(17 / 5, [1.0, 4.0], [None, 4], 1e-6)
+        False
+    """
+    if any(s is None or s <= 0 for s in selected):
+        return False
+    total = sum(selected)
+    combined = sum(s / total * loss for s, loss in zip(selected, part_losses))
+    return abs(combined - piece_loss) <= tol * max(abs(piece_loss), 1e-30)
+
+
 def _same_per_sample(a: Candidate, b: Candidate, piece: Any) -> bool:
     try:
         n = batch_size_of(piece)
-        counts_a = [a.count(_slice(piece, n, i, i + 1)) for i in range(n)]
-        counts_b = [b.count(_slice(piece, n, i, i + 1)) for i in range(n)]
+        counts_a = [a.count(slice_samples(piece, n, i, i + 1)) for i in range(n)]
+        counts_b = [b.count(slice_samples(piece, n, i, i + 1)) for i in range(n)]
     except Exception:
         return False
     total_a, total_b = sum(counts_a), sum(counts_b)
@@ -343,14 +371,14 @@ def piece_of(batch: Any, size: int, options: Sequence[Candidate]) -> Any:
         )
     if order == list(range(len(order))):
         return first_samples(batch, len(order))
-    return merge_outputs([_slice(batch, n, i, i + 1) for i in order])
+    return merge_outputs([slice_samples(batch, n, i, i + 1) for i in order])
 
 
 def split_point(piece: Any, m: int, options: Sequence[Candidate]) -> int:
     """Where to cut the piece so that the candidates' shares of the two parts differ the most."""
     best, best_score = max(1, m // 4), -math.inf
     for cut in range(1, m):
-        parts = [_slice(piece, m, 0, cut), _slice(piece, m, cut, m)]
+        parts = [slice_samples(piece, m, 0, cut), slice_samples(piece, m, cut, m)]
         shares = []
         for option in options:
             if option.kind is Weighting.SUM:

@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.memory.blocks import repeated_blocks
 
@@ -122,10 +123,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not isinstance(hsdp, bool):
             raise ValueError(f"`hsdp` must be True or False, got {hsdp!r}")
         if replicate_size is not None:
-            if isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1:
-                raise ValueError(
-                    f"`replicate_size` must be a positive int (the number of replicas) or None, got {replicate_size!r}"
-                )
+            positive_int("replicate_size", replicate_size, unit="the number of replicas", allow_none=True)
             if not hsdp:
                 raise ValueError(
                     f"`replicate_size` ({replicate_size}) sets the replicas of HSDP: pass `hsdp=True` with it, or leave "

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch import nn
 
+from lightning_gpuopt._validate import fraction, positive_int
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.memory.estimate import (
     CANDIDATES,
@@ -316,14 +317,9 @@ def select_strategy(
         ("num_nodes", num_nodes),
         ("micro_batch_size", micro_batch_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-    if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
-        raise ValueError(f"`headroom` must be in (0, 1], got {headroom!r}")
-    if device_memory is not None and (
-        isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1
-    ):
-        raise ValueError(f"`device_memory` must be a positive int (bytes) or None, got {device_memory!r}")
+        positive_int(name, value)
+    fraction("headroom", headroom)
+    positive_int("device_memory", device_memory, unit="bytes", allow_none=True)
     world = devices * num_nodes
     probe_device = torch.device(device) if device is not None else None
     if device_memory is None:

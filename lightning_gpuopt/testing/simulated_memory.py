@@ -45,11 +45,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as _dist
 from torch.optim import optimizer as _optim
-from torch.utils.data import dataloader as _dataloader
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt.memory import forensics
 from lightning_gpuopt.memory._native import NativeCounter, NativeUnavailableError
-from lightning_gpuopt.memory.probe import CpuMemoryProbe, MemoryProbe, _pop_active_probe, _push_active_probe
+from lightning_gpuopt.memory.probe import CpuMemoryProbe, MemoryProbe, pop_active_probe, push_active_probe
 from lightning_gpuopt.testing._dispatch import DispatchCounter
 
 __all__ = ["SimulatedMemory"]
@@ -261,7 +261,7 @@ class SimulatedMemory(MemoryProbe):
             self._compile_logged = False
             self._adopter = _Adopter(counter)
             self._install_hooks(self._adopter)
-            _push_active_probe(self)
+            push_active_probe(self)
         except BaseException:
             self._teardown()
             raise
@@ -274,7 +274,7 @@ class SimulatedMemory(MemoryProbe):
             self._counter = self._adopter = None
             self._undo = []
             return
-        _pop_active_probe(self)
+        pop_active_probe(self)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -340,7 +340,7 @@ class SimulatedMemory(MemoryProbe):
         self._undo.append(handle.remove)
 
         # Every batch any DataLoader yields "moves to the device" on arrival (see _Adopter.arrival).
-        iter_cls = _dataloader._BaseDataLoaderIter
+        iter_cls = _compat.dataloader_iterator_base()
         original_next = iter_cls.__dict__["__next__"]
 
         def __next__(it: Any) -> Any:

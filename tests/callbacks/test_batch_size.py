@@ -669,7 +669,13 @@ def test_ddp_ranks_use_the_smallest_answer(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "module", ["lightning_gpuopt.callbacks.batch_size", "lightning_gpuopt.memory.peak_model"]
+    "module",
+    [
+        "lightning_gpuopt.callbacks.batch_size",
+        "lightning_gpuopt.batch_size.peak_model",
+        "lightning_gpuopt.batch_size.search",
+        "lightning_gpuopt.batch_size.predicted",
+    ],
 )
 def test_docstring_examples_run(module):
     import doctest

@@ -2,8 +2,8 @@
 
 The true maximum is found by bisecting real training steps (``batch_models.true_maxima``). ResNet-18,
 the transformer and the superlinear model are checked in test_batch_size.py's acceptance tests; here an
-MLP and a tiny Hugging Face GPT-2 (config built offline), the hand-over to the measured search, and
-the switch.
+MLP and a tiny Hugging Face GPT-2 (config built offline) and others, and the switch. The search itself
+(pure) is checked in tests/batch_size/test_predicted.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt import MemoryAwareBatchSize
 from lightning_gpuopt.decisions import decisions
-from lightning_gpuopt.memory.peak_model import SizeSearch, StepMeasurement
-from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.batch_models import FAMILIES, SizedModule, Tensors, fit, peaks_at, true_maxima
 from tests.callbacks.oom_models import Waves
@@ -207,81 +205,3 @@ def test_a_step_that_cannot_be_traced_runs_the_measured_search_and_says_why():
         trainer.fit(Filtered(), DataLoader([(x, y) for _, x, y in dataset], batch_size=64))
     assert "could not be traced" in finder.prediction_note and "measured search" in finder.prediction_note
     assert finder.micro_batch_size is not None
-
-
-# --- the search itself (pure) ----------------------------------------------------------------------
-
-
-def _run(search: SizeSearch, step) -> SizeSearch:
-    while (n := search.next_size()) is not None:
-        search.record(step(n))
-    return search
-
-
-def _quadratic(n: int) -> StepMeasurement:
-    """A real step growing faster than linearly (what forward and backward add above the held memory)."""
-    return StepMeasurement(n, 5_000 + 400 * n + 6 * n * n, 1_000)
-
-
-ARGS = dict(budget_bytes=120_000, base_bytes=20_000, smallest=1, largest=512, first_size=8)
-
-
-def _within(step, budget: int, base: int):
-    """``step`` as a real device runs it: out of memory over the budget (target_fraction 1)."""
-
-    def run(n: int) -> StepMeasurement:
-        m = step(n)
-        return m if base + m.forward_backward_bytes <= budget else StepMeasurement(n, None, None)
-
-    return run
-
-
-def test_a_wrong_prediction_hands_over_to_the_measured_search_and_never_ends_below_it():
-    # The traces saw a tenth of the memory and no curvature: the calibrated steps run out of memory.
-    curve = TransientCurve(tuple(TracedStep(n, 500 * n) for n in (2, 64, 128)))
-    step = _within(_quadratic, ARGS["budget_bytes"], ARGS["base_bytes"])
-    plain = _run(SizeSearch(**ARGS), step)
-    guided = _run(PredictedSearch(**ARGS, curve=curve), step)
-    assert not guided.used_prediction and "handed over to the measured search" in guided.note, guided.note
-    # The measured search continued from the shared first step exactly as it runs alone.
-    assert guided.fallback.measurements == plain.measurements
-    assert guided.result.size >= plain.result.size
-    truth = max(n for n in range(1, 513) if 20_000 + _quadratic(n).forward_backward_bytes <= 120_000)
-    assert guided.result.size <= truth
-
-
-def test_a_right_prediction_needs_three_steps_where_memory_grows_faster_than_linearly():
-    curve = TransientCurve(tuple(TracedStep(n, _quadratic(n).forward_backward_bytes) for n in (2, 64, 128)))
-    guided = _run(PredictedSearch(**ARGS, curve=curve), _quadratic)
-    truth = max(n for n in range(1, 513) if 20_000 + _quadratic(n).forward_backward_bytes <= 120_000)
-    assert guided.used_prediction and len(guided.measurements) <= 3
-    assert 0.9 * truth <= guided.result.size <= truth
-
-
-def _bent(n: int) -> StepMeasurement:
-    """A real step whose growth bends between two traced sizes (a convolution's algorithm changing with the
-    batch: 14 KB per sample below 55 samples, 22.5 KB above), as measured on ResNet-18."""
-    below = min(n, 55)
-    return StepMeasurement(n, 140_000 + 14_336 * (below - 2) + 22_528 * max(0, n - 55), 0)
-
-
-def test_completed_steps_are_traced_so_a_bend_between_traces_does_not_mislead_the_calibration():
-    """Traces exact at 2, 19 and 78 samples; the bend lies between 19 and 78. Calibrated against the chord,
-    the first two steps (below the bend) scale the curve down and the third overshoots; with each completed
-    step traced too, the third lands on the largest size that fits."""
-    args = dict(ARGS, budget_bytes=1_300_000, base_bytes=0, first_size=16)
-    truth = max(n for n in range(1, 513) if _bent(n).forward_backward_bytes <= args["budget_bytes"])
-    traces = tuple(TracedStep(n, _bent(n).forward_backward_bytes) for n in (2, 19, 78))
-    step = _within(_bent, args["budget_bytes"], 0)
-    chord_only = _run(PredictedSearch(**args, curve=TransientCurve(traces)), step)
-    assert not chord_only.used_prediction  # it ran past three steps
-    traced = []
-
-    def tracer(n: int) -> TracedStep:
-        traced.append(n)
-        return TracedStep(n, _bent(n).forward_backward_bytes)
-
-    guided = _run(PredictedSearch(**args, curve=TransientCurve(traces), tracer=tracer), step)
-    assert guided.used_prediction and len(guided.measurements) == 3, guided.note
-    assert guided.result.size == truth
-    assert traced == [m.size for m in guided.measurements[:2]]  # each step a calibrated one follows

@@ -18,7 +18,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_gpuopt import ExactResume
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint, at_optimizer_step_boundary
 from tests import resume_child
-from tests.helpers import TRAINER_QUIET, Forty, RecordingRegressor, assert_same_training, parameters_of
+from tests.helpers import (
+    TRAINER_QUIET,
+    IndexedData40,
+    RecordingRegressor,
+    assert_same_training,
+    parameters_of,
+)
 
 CHILD = Path(resume_child.__file__)
 
@@ -199,7 +205,7 @@ def _small_fit(root: Path, callbacks, ckpt_path=None, accumulate: int = 1):
     trainer = pl.Trainer(
         max_epochs=1, accumulate_grad_batches=accumulate, callbacks=callbacks, default_root_dir=root, **quiet
     )
-    trainer.fit(model, Forty(batch_size=4, num_workers=0), ckpt_path=ckpt_path)
+    trainer.fit(model, IndexedData40(batch_size=4, num_workers=0), ckpt_path=ckpt_path)
     return model, trainer
 
 

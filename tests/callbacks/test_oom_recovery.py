@@ -416,21 +416,14 @@ class _LBFGS(WideRegressor):
         return torch.optim.LBFGS(self.parameters())
 
 
-class _ReturnsNone(WideRegressor):
-    def training_step(self, batch, batch_idx):
-        super().training_step(batch, batch_idx)
-        return None
-
-
 @pytest.mark.parametrize(
     ("make_model", "extra_callbacks", "message"),
     [
         (_Manual, [], r"needs automatic optimization"),
         (_TwoOptimizers, [], r"exactly one optimizer, got 2|multiple optimizers"),
         (_LBFGS, [], r"closure optimizers such as LBFGS"),
-        (_ReturnsNone, [], r"training_step returned None"),
     ],
-    ids=["manual-optimization", "two-optimizers", "lbfgs", "returns-none"],
+    ids=["manual-optimization", "two-optimizers", "lbfgs"],
 )
 def test_unsupported_setups_are_refused_with_the_alternative(make_model, extra_callbacks, message):
     with pytest.raises(Exception, match=message):

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,15 +25,14 @@ from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine, OptimizerStepOOMError, RankOutOfMemoryError
 from lightning_gpuopt.microbatch.errors import Refused
 from lightning_gpuopt.microbatch.setup_checks import check_strategy
-from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves, WideRegressor
-from tests.helpers import subprocess_env
+from tests.helpers import RankRecorder, run_ranks
 
 LIMITED_RANK = 1
 LIMIT_AFTER = 2  # batches 0 and 1 run without a limit on every rank
 
 
-class RankMemory(pl.Callback):
+class RankMemory(RankRecorder):
     """Rank r trains under its own SimulatedMemory; rank 1 gets a limit after LIMIT_AFTER batches.
 
     ``rule``: ``"forward"`` (the full batch cannot finish its forward), ``"backward"`` (its forward fits,
@@ -44,28 +40,11 @@ class RankMemory(pl.Callback):
     ``out_dir/rank{r}.pt``, also when the fit raises.
     """
 
+    lingering_ranks = (0, 1)
+
     def __init__(self, out_dir: str, rule: str | None) -> None:
-        self.out_dir, self.rule = out_dir, rule
-        self.mem: SimulatedMemory | None = None
-
-    def setup(self, trainer, pl_module, stage):
-        self.mem = SimulatedMemory()
-        self.mem.__enter__()
-        # A spawned rank's exception skips `on_exception` (only the launching process calls it), so
-        # catch it around the fit loop to write down what this rank raised.
-        run = trainer.fit_loop.run
-
-        def run_and_record():
-            try:
-                return run()
-            except BaseException as error:
-                self._save(trainer, pl_module, error)
-                # The launcher terminates the other processes once one has failed: give the other rank
-                # time to reach its own error and write it down.
-                time.sleep(3)
-                raise
-
-        trainer.fit_loop.run = run_and_record
+        super().__init__(out_dir)
+        self.rule = rule
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.rule is None or trainer.global_rank != LIMITED_RANK or trainer.global_step != LIMIT_AFTER:
@@ -79,25 +58,17 @@ class RankMemory(pl.Callback):
             "tiny": self.mem.allocated_bytes + 24 * 1024,
         }[self.rule]
 
-    def _save(self, trainer, pl_module, error: BaseException | None = None) -> None:
-        self.mem.limit_bytes = None  # writing the results down is not part of the test
+    def result(self, trainer, pl_module, error):
         engine = MicroBatchEngine.get(trainer)
         oom = next((c for c in trainer.callbacks if isinstance(c, OOMRecovery)), None)
-        result = {
+        return {
             "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
             "buffers": {n: b.detach().clone() for n, b in pl_module.named_buffers()},
             "history": [(c.step, c.k_before, c.k_after, c.source) for c in engine.history] if engine else [],
             "failures": len(oom.failures) if oom else 0,
             "steps": trainer.global_step,
             "pid": os.getpid(),
-            "error": None if error is None else (type(error).__name__, str(error)),
         }
-        torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
-        self.mem.__exit__(None, None, None)
-        self.mem = None
-
-    def on_fit_end(self, trainer, pl_module):
-        self._save(trainer, pl_module)
 
 
 class NormRegressor(WideRegressor):
@@ -175,16 +146,7 @@ def test_oom_on_one_rank_makes_every_rank_retry_and_keeps_the_plain_ddp_result(
 @pytest.mark.slow
 def test_a_compiled_lightning_module_recovers_under_ddp(tmp_path, reference):
     """``trainer.fit(torch.compile(model))`` with ``strategy="ddp"``: rank 1 runs out of memory, both split alike."""
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("ddp_compiled_run.py")), str(tmp_path)],
-        env=subprocess_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    zero, one = run_ranks(Path(__file__).with_name("ddp_compiled_run.py"), tmp_path)
     assert one["failures"] >= 1 and zero["failures"] == 0
     assert one["history"] and [h[:3] for h in zero["history"]] == [h[:3] for h in one["history"]]
     assert zero["steps"] == one["steps"] == 8 and zero["error"] is None and one["error"] is None

@@ -1,10 +1,7 @@
 from __future__ import annotations
 
 import doctest
-import json
 import logging
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.precision import PRECISION_INDEX, DeviceInfo, fp8_available
 from tests.callbacks.oom_models import StepLog, Waves
 from tests.callbacks.precision_models import AppliedSteps, Troubled, finite
-from tests.helpers import TRAINER_QUIET, MetricsLogger, subprocess_env
+from tests.helpers import TRAINER_QUIET, MetricsLogger, run_ranks
 
 BATCH = 32
 NEVER = (10**9, None)  # an overflow window that never opens
@@ -545,16 +542,7 @@ SCRIPT = Path(__file__).with_name("ddp_precision_run.py")
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["A1", "A2"])
 def test_ddp_overflow_on_one_rank_switches_both_at_the_same_step(tmp_path, accumulate):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), str(accumulate)],
-        env=subprocess_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = run_ranks(SCRIPT, tmp_path, accumulate, result="rank{rank}.json")
     expected = [[6, "16-mixed", "bf16-mixed"]] if accumulate == 1 else [[5, "16-mixed", "bf16-mixed"]]
     for rank in ranks:
         assert [s[:3] for s in rank["state"]["switches"]] == expected

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from lightning_gpuopt.precision import fsdp2_mixed_precision
 from lightning_gpuopt.support import Feature
 from tests.callbacks.oom_models import Waves
 from tests.callbacks.precision_models import AppliedSteps, Troubled, finite
-from tests.helpers import TRAINER_QUIET, subprocess_env
+from tests.helpers import TRAINER_QUIET, run_ranks
 
 SCRIPT = Path(__file__).with_name("fsdp2_precision_run.py")
 STEPS, TROUBLE_STEP, UNITS = 8, 3, 3
@@ -33,17 +31,7 @@ ENGINE_MISSING = unsupported_strategy(FSDP2Strategy(), Feature.OOM_RECOVERY)
 
 
 def fsdp2_fit(out: Path, mode: str) -> list[dict]:
-    out.mkdir(parents=True)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), mode],
-        cwd=out,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return run_ranks(SCRIPT, out, mode, timeout=300)
 
 
 # ----------------------------------------------------------------------------- the setup-time choice, no processes

@@ -126,6 +126,32 @@ def test_plot_and_table_can_be_turned_off_and_every_n_steps_thins_the_record(tmp
     assert "gpuopt report" not in capsys.readouterr().out
 
 
+def test_a_short_last_batch_is_not_shown_as_a_split(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from tests.callbacks.oom_models import Waves
+
+    report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[report, OOMRecovery(verbose=False)], **TRAINER_QUIET)
+    trainer.fit(WideRegressor("adam", hidden=16), DataLoader(Waves(length=96), batch_size=64))
+    assert [s["batch_size"] for s in report.report["steps"]] == [64, 32, 64, 32]  # recorded as they ran
+    rows = dict(summary_rows(report.report))
+    assert rows["micro-batches k"] == "1 -> 1 (max 1); micro-batch 64 -> 64 of batch 64"
+
+
+def test_a_step_held_back_for_non_finite_values_is_a_decision(tmp_path):
+    from lightning_gpuopt import PrecisionSwitch
+    from tests.callbacks.precision_models import Troubled
+
+    report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False)
+    trainer = pl.Trainer(max_steps=6, callbacks=[PrecisionSwitch(), report], **TRAINER_QUIET)
+    trainer.fit(Troubled(overflow=(3, 4), bad_in="always"), _tiny_loader())
+    (held,) = [d for d in report.report["decisions"] if d["kind"] == "held back"]
+    assert held["source"] == "PrecisionSwitch" and held["data"]["held_step"] == 3
+    assert held["message"] == "step 3 not applied: non-finite loss in 32-true (1 in a row; patience 2)"
+    assert dict(summary_rows(report.report))["decisions"] == "1 held back"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

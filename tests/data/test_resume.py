@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_gpuopt.data import BatchTransfer, InFlight
 from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
-from tests.helpers import TRAINER_QUIET, Forty, RecordingRegressor
+from tests.helpers import TRAINER_QUIET, IndexedData40, RecordingRegressor
 
 
 class HostClone(BatchTransfer):
@@ -24,7 +24,7 @@ class HostClone(BatchTransfer):
         return item.batch
 
 
-class PrefetchingForty(Forty):
+class PrefetchingIndexedData(IndexedData40):
     def _batch_transfer(self, stage):
         return HostClone()
 
@@ -70,7 +70,7 @@ def _fit(dm_cls, tmp_path, num_workers, kill=None, ckpt_path=None):
 
 @pytest.mark.parametrize(
     ("dm_cls", "num_workers"),
-    [(Forty, 0), (Forty, 2), (PrefetchingForty, 0)],
+    [(IndexedData40, 0), (IndexedData40, 2), (PrefetchingIndexedData, 0)],
     ids=["in-process", "two-workers", "device-prefetch"],
 )
 def test_killed_after_step_6_and_resumed_from_step_4_sees_every_sample_once(dm_cls, num_workers, tmp_path):

@@ -13,9 +13,7 @@ often it was stopped by the other rank's OOM, its per-sample validation losses, 
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 
 import lightning.pytorch as pl
 import torch
@@ -26,9 +24,8 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt import FSDP2Strategy, OOMRecovery
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine
-from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves
-from tests.helpers import run_script
+from tests.helpers import RankRecorder, run_script
 
 LIMITED_RANK, LIMIT_AFTER = 1, 2
 
@@ -66,26 +63,14 @@ class Deep(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-class RankMemory(pl.Callback):
+class RankMemory(RankRecorder):
     """Rank r trains under its own SimulatedMemory; rank 1 gets the RULE's limit."""
 
+    lingering_ranks = (LIMITED_RANK,)
+
     def __init__(self, out_dir: str, rule: str) -> None:
-        self.out_dir, self.rule = out_dir, rule
-        self.mem: SimulatedMemory | None = None
-
-    def setup(self, trainer, pl_module, stage):
-        self.mem = SimulatedMemory()
-        self.mem.__enter__()
-        run = trainer.fit_loop.run
-
-        def run_and_record():
-            try:
-                return run()
-            except BaseException as error:
-                self._save(trainer, pl_module, error)
-                raise
-
-        trainer.fit_loop.run = run_and_record
+        super().__init__(out_dir)
+        self.rule = rule
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.rule in ("none", "validation") or trainer.global_rank != LIMITED_RANK:
@@ -109,13 +94,13 @@ class RankMemory(pl.Callback):
         if self.rule == "validation":
             self.mem.limit_bytes = None
 
-    def _save(self, trainer, pl_module, error=None):
+    def result(self, trainer, pl_module, error):
         engine = MicroBatchEngine.get(trainer)
         oom = next((c for c in trainer.callbacks if isinstance(c, OOMRecovery)), None)
         params = {}
         if error is None:  # gathering is a collective: only when every rank got here
             params = {n: p.full_tensor().detach().clone() for n, p in pl_module.named_parameters()}
-        result = {
+        return {
             "params": params,
             "history": [(c.step, c.k_before, c.k_after, c.source, c.stage) for c in engine.history]
             if engine
@@ -124,17 +109,7 @@ class RankMemory(pl.Callback):
             "peer_stops": getattr(engine.exchange, "peer_stops", 0) if engine else 0,
             "steps": trainer.global_step,
             "val_losses": sorted(pl_module.val_losses),
-            "error": None if error is None else (type(error).__name__, str(error)),
         }
-        torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
-        if self.mem is not None:
-            self.mem.__exit__(None, None, None)
-            self.mem = None
-        if error is not None and trainer.global_rank == LIMITED_RANK:
-            time.sleep(3)  # let the other rank reach its own error and write it down
-
-    def on_fit_end(self, trainer, pl_module):
-        self._save(trainer, pl_module)
 
 
 def main() -> None:

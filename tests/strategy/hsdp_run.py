@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import lightning.pytorch as pl
 import torch
@@ -31,9 +30,8 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt import FSDP2Strategy, OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.microbatch.exchange import fsdp2_roots
-from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Waves
-from tests.helpers import run_script
+from tests.helpers import RankRecorder, run_script
 from tests.strategy.fsdp2_oom_run import Deep
 
 LIMITED_RANK = 3
@@ -62,29 +60,18 @@ class _OOMAfterReduceScatter:
         return out
 
 
-class RankMemory(pl.Callback):
+class RankMemory(RankRecorder):
     """Each rank trains under its own SimulatedMemory; rank 3 runs out of memory as the module docs say."""
 
+    lingering_ranks = (LIMITED_RANK,)
+
     def __init__(self, out_dir: str, mode: str) -> None:
-        self.out_dir, self.mode = out_dir, mode
-        self.mem: SimulatedMemory | None = None
+        super().__init__(out_dir)
+        self.mode = mode
+        self.file = f"{mode}-rank{{rank}}.pt"
         self.armed = False
         self.peer_stops: dict[int, int] = {}
         self.k: dict[int, int] = {}
-
-    def setup(self, trainer, pl_module, stage):
-        self.mem = SimulatedMemory()
-        self.mem.__enter__()
-        run = trainer.fit_loop.run
-
-        def run_and_record():
-            try:
-                return run()
-            except BaseException as error:
-                self._save(trainer, pl_module, error)
-                raise
-
-        trainer.fit_loop.run = run_and_record
 
     def on_train_start(self, trainer, pl_module):
         if (
@@ -114,13 +101,13 @@ class RankMemory(pl.Callback):
             self.mem.limit_bytes = None
             self.armed = True
 
-    def _save(self, trainer, pl_module, error=None):
+    def result(self, trainer, pl_module, error):
         engine = MicroBatchEngine.get(trainer)
         oom = next((c for c in trainer.callbacks if isinstance(c, OOMRecovery)), None)
         params = {}
         if error is None:  # gathering is a collective: only when every rank got here
             params = {n: p.full_tensor().detach().clone() for n, p in pl_module.named_parameters()}
-        result = {
+        return {
             "params": params,
             "history": [(c.step, c.k_before, c.k_after, c.source, c.stage) for c in engine.history]
             if engine
@@ -130,17 +117,7 @@ class RankMemory(pl.Callback):
             "peer_stops": dict(self.peer_stops),
             "steps": trainer.global_step,
             "mesh": str(trainer.strategy.shard_mesh),
-            "error": None if error is None else (type(error).__name__, str(error)),
         }
-        torch.save(result, os.path.join(self.out_dir, f"{self.mode}-rank{trainer.global_rank}.pt"))
-        if self.mem is not None:
-            self.mem.__exit__(None, None, None)
-            self.mem = None
-        if error is not None and trainer.global_rank == LIMITED_RANK:
-            time.sleep(3)  # let the other ranks reach their own error and write it down
-
-    def on_fit_end(self, trainer, pl_module):
-        self._save(trainer, pl_module)
 
 
 def main() -> None:

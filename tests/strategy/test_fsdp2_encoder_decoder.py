@@ -8,16 +8,13 @@ with "does not support containers that do not implement forward: ModuleList" (is
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_gpuopt.cli import main
-from tests.helpers import subprocess_env
+from tests.helpers import run_ranks
 
 SCRIPT = Path(__file__).with_name("fsdp2_defaults_run.py")
 MODELS = {"demo": "DemoTransformer", "t5": "TinyT5"}
@@ -34,16 +31,7 @@ def run(request, tmp_path_factory) -> tuple[str, list[dict]]:
     if request.param == "t5":
         pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp(request.param)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), request.param],
-        cwd=out,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return request.param, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return request.param, run_ranks(SCRIPT, out, request.param, timeout=300)
 
 
 def test_both_ranks_train_with_the_encoder_and_decoder_layers_as_units(run):

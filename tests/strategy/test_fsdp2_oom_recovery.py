@@ -9,8 +9,6 @@ starts rank 1 by running it again.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import torch
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.strategy import FSDP2Strategy
 from lightning_gpuopt.support import Feature
-from tests.helpers import subprocess_env
+from tests.helpers import run_ranks
 
 SCRIPT = Path(__file__).with_name("fsdp2_oom_run.py")
 
@@ -32,17 +30,9 @@ pytestmark = pytest.mark.skipif(
 def fsdp2_fit(
     out: Path, rule: str, callback: bool = True, expect_failure: bool = False, units: str = "linear"
 ) -> list[dict]:
-    out.mkdir(parents=True)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), rule, "1" if callback else "0", units],
-        cwd=out,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_ranks(
+        SCRIPT, out, rule, "1" if callback else "0", units, timeout=300, expect_failure=expect_failure
     )
-    assert (proc.returncode != 0) == expect_failure, (proc.stdout + proc.stderr)[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 @pytest.fixture(scope="module")

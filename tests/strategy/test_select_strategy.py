@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from lightning_gpuopt import select_strategy
 from lightning_gpuopt.memory import format_bytes
 from lightning_gpuopt.memory.estimate import CANDIDATES, count_parameters, estimate
 from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlanError, shard_units
-from tests.helpers import subprocess_env
+from tests.helpers import run_ranks
 from tests.strategy.strategy_models import Block
 
 GiB = 2**30
@@ -244,16 +242,7 @@ def test_the_planned_host_bytes_are_what_an_offloaded_fsdp2_run_holds_on_the_hos
     (its shards of the parameters and gradients, AdamW's state) against the plan's host column."""
     from tests.strategy.fsdp2_offload_run import OffloadModel, sample_batch
 
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("fsdp2_offload_run.py")), str(tmp_path)],
-        cwd=tmp_path,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    ranks = run_ranks(Path(__file__).with_name("fsdp2_offload_run.py"), tmp_path)
     assert all(r["steps"] == 2 and r["devices"] == ["cpu"] for r in ranks)
     plan = select_strategy(
         OffloadModel(),

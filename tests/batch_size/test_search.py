@@ -1,17 +1,11 @@
-"""The pure math behind MemoryAwareBatchSize: the peak model, its fit, and the few-step search."""
+"""The few-step search for the largest size that fits (pure), and the loop that runs its trial steps."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_gpuopt.memory.peak_model import (
-    MAX_TRIALS,
-    PeakModel,
-    SizeSearch,
-    StepMeasurement,
-    fit_peak_model,
-    memory_budget,
-)
+from lightning_gpuopt.batch_size.peak_model import StepMeasurement
+from lightning_gpuopt.batch_size.search import MAX_TRIALS, SizeSearch, run_trials
 
 
 def _run(search: SizeSearch, forward_backward, optimizer: int = 0, limit: int | None = None) -> list[int]:
@@ -56,36 +50,6 @@ def test_search_finds_at_least_90_percent_of_the_maximum_in_four_steps(shape, bu
     assert 0.9 * truth <= result.size <= truth, (sizes, truth)
     assert result.verified_size == result.size  # the answer was measured
     assert result.measured_peak_bytes <= budget
-
-
-def test_curvature_is_detected_from_three_points():
-    steps = [StepMeasurement(n, 1000 + 100 * n + 10 * n * n, 0) for n in (10, 40, 90)]
-    model = fit_peak_model(steps, base_bytes=0)
-    assert model.quadratic_bytes == pytest.approx(10)
-    assert model.per_sample_bytes == pytest.approx(100)
-    assert model.intercept_bytes == pytest.approx(1000)
-
-
-def test_straight_points_give_the_local_line():
-    steps = [StepMeasurement(n, 5000 + 300 * n, 0) for n in (2, 30, 70)] + [StepMeasurement(200, None)]
-    model = fit_peak_model(steps, base_bytes=100)
-    assert (model.quadratic_bytes, model.per_sample_bytes, model.intercept_bytes) == (0.0, 300.0, 5000.0)
-    assert fit_peak_model([StepMeasurement(4, None)], base_bytes=0) is None
-
-
-def test_one_point_counts_every_byte_per_sample():
-    model = fit_peak_model([StepMeasurement(4, 400, 50)], base_bytes=1000)
-    assert (model.intercept_bytes, model.per_sample_bytes, model.optimizer_bytes) == (0.0, 100.0, 50)
-
-
-def test_peak_is_the_larger_phase_plus_what_every_step_holds():
-    model = PeakModel(
-        base_bytes=1000, intercept_bytes=10, per_sample_bytes=5, optimizer_bytes=200, held_bytes_per_sample=2
-    )
-    assert model.peak(10) == 1000 + 20 + 200  # the optimizer step dominates
-    assert model.peak(100) == 1000 + 200 + 510
-    assert model.largest_size(1710, 1, 10_000) == 100
-    assert model.largest_size(1000, 1, 10) is None
 
 
 def test_first_size_out_of_memory_falls_back_to_the_smallest_then_fails():
@@ -165,11 +129,6 @@ def test_bad_bounds_are_refused(kwargs, message):
         SizeSearch(budget_bytes=1, base_bytes=0, **kwargs)
 
 
-def test_budget():
-    assert memory_budget(1000, 1.0) == 1000
-    assert memory_budget(1000, 0.5, reserve_bytes=100) == 400
-
-
 @pytest.mark.parametrize("room_samples", [45, 56, 70, 90, 110, 125])
 def test_second_step_out_of_memory_still_ends_within_90_percent(room_samples):
     """Parameters dominate (ResNet-18 at a small image): the 8x second step runs out of memory, yet the
@@ -184,3 +143,77 @@ def test_second_step_out_of_memory_still_ends_within_90_percent(room_samples):
     sizes = _run(search, forward_backward)
     assert sizes[:2] == [16, 128] and len(sizes) <= MAX_TRIALS
     assert 0.9 * room_samples <= search.result.size <= room_samples, sizes
+
+
+# --- under FSDP2: the ranks run the same sizes (one process, each rank's trial steps given) ---------
+
+
+class _Ranks:
+    """Two ranks' trial steps as :func:`run_trials` sees them on each rank, run round by round in one process.
+
+    A step at ``n`` samples adds 10 B per sample over a held 1000 B on every rank; a rank runs out of
+    memory above its ``limit`` (in samples), and the other rank's step then stops at its next collective.
+    """
+
+    def __init__(self, limits: tuple[int, int]) -> None:
+        self.limits = limits
+        self.rounds: list[int] = []
+
+    def run(self, searches: tuple[SizeSearch, SizeSearch]) -> None:
+        while True:
+            asked = [s.next_size() for s in searches]
+            sizes = [n for n in asked if n is not None]
+            if not sizes:
+                return
+            size = min(sizes)
+            self.rounds.append(size)
+            failed = [size > limit for limit in self.limits]
+            for rank, search in enumerate(searches):
+                rank_trials = _OneRank(size, failed[rank], any(failed), asked[rank])
+                run_trials_once(search, rank_trials)
+
+
+class _OneRank:
+    """One rank's view of one round: :meth:`agree_size` answers the agreed size once, then ``None``."""
+
+    def __init__(self, size: int, oom: bool, peer_failed: bool, asked: int | None) -> None:
+        self.size, self.oom, self.peer_failed, self.asked = size, oom, peer_failed, asked
+        self.held_bytes = 1000
+        self.done = False
+
+    def agree_size(self, asked: int | None) -> int | None:
+        if self.done:  # the next round's vote: this round is over
+            return None
+        assert asked == self.asked  # the search asked for what the round was agreed from
+        self.done = True
+        return self.size
+
+    def measure(self, batch, size, nbytes, whole):
+        if self.oom:
+            return StepMeasurement(size, None)
+        if self.peer_failed:
+            return None  # stopped by the other rank's OOM before its step ended
+        return StepMeasurement(size, 10 * size, 0)
+
+
+def run_trials_once(search: SizeSearch, trials: _OneRank) -> None:
+    run_trials(search, trials, lambda n: (None, n, 0, False), extra=0)
+
+
+def _search(limit: int) -> SizeSearch:
+    """The search of a rank whose memory holds ``limit`` samples (the budget is all of it)."""
+    return SizeSearch(budget_bytes=1000 + 10 * limit, base_bytes=1000, smallest=1, largest=4096)
+
+
+def test_ranks_run_the_same_sizes_at_most_four_steps_and_the_smaller_one_leads():
+    """Rank 1 holds 300 samples, rank 0 2000: both run the same sizes, at most 4, and the smaller of their
+    answers is what rank 1 finds alone (where rank 1's OOM stopped rank 0's step, rank 0 counts it as a bound)."""
+    ranks = _Ranks(limits=(2000, 300))
+    searches = (_search(2000), _search(300))
+    ranks.run(searches)
+    assert len(ranks.rounds) <= 4 and all(len(s.measurements) == len(ranks.rounds) for s in searches)
+    alone = _search(300)
+    _Ranks(limits=(300,)).run((alone,))
+    answers = [s.result.size for s in searches]
+    assert min(answers) == answers[1] == alone.result.size, (answers, alone.result.size, ranks.rounds)
+    assert 0.9 * 300 <= answers[1] <= 300

@@ -1,10 +1,14 @@
-"""MemoryAwareBatchSize's start from the prediction: trace the user's training step, build the search that verifies it.
+"""Tracing the user's training step on fake tensors: the start of the search from a prediction.
 
-The trace runs inside :class:`~lightning_gpuopt.callbacks._trial_step.TrialSteps` (``self.log`` is
-silent, attributes the step touches are put back) on fake tensors: none of the step is allocated
-(on the CPU single operator calls measure their kernels' scratch), the parameters are swapped for
-fake ones and back. The batch is the trial's own, resized in its sample
-dimension on the ``meta`` device, so any size is traced without making its samples.
+:func:`start_search` traces the step (:func:`~lightning_gpuopt.memory.predict_peak`) at the sizes
+:func:`~lightning_gpuopt.batch_size.predicted.plan_traces` picks and returns the
+:class:`~lightning_gpuopt.batch_size.predicted.PredictedSearch` that verifies the prediction in real
+steps, or the measured search with the reason why the step could not be traced. The trace runs inside
+:class:`~lightning_gpuopt.batch_size.trial.TrialSteps` (``self.log`` is silent, attributes the step
+touches are put back) on fake tensors: none of the step is allocated (on the CPU single operator calls
+measure their kernels' scratch), the parameters are swapped for fake ones and back. The batch is the
+trial's own, resized in its sample dimension on the ``meta`` device, so any size is traced without
+making its samples.
 """
 
 from __future__ import annotations
@@ -15,13 +19,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-from torch.utils._pytree import tree_map
+from lightning_utilities import apply_to_collection
 
-from lightning_gpuopt.memory.extrapolate import predict_peak_deep
-from lightning_gpuopt.memory.peak_model import SizeSearch
-from lightning_gpuopt.memory.predict import predict_peak
-from lightning_gpuopt.memory.predicted_search import PredictedSearch, TracedStep, TransientCurve, plan_traces
-from lightning_gpuopt.memory.prediction import MemoryCategory, Phase, PredictionMethod
+from lightning_gpuopt.batch_size.predicted import PredictedSearch, TracedStep, TransientCurve, plan_traces
+from lightning_gpuopt.batch_size.search import SizeSearch, TrialBatch
+from lightning_gpuopt.memory import MemoryCategory, PredictionMethod, predict_peak, predict_peak_deep
+from lightning_gpuopt.memory.predict import Phase
 
 __all__ = ["CannotPredict", "start_search"]
 
@@ -42,15 +45,13 @@ class CannotPredict(Exception):
 def _resized(batch: Any, samples: int, n: int) -> Any:
     """``batch`` with ``n`` samples: tensors whose first dimension holds ``samples`` resized, on ``meta``."""
 
-    def resize(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
+    def resize(x: torch.Tensor) -> torch.Tensor:
         shape = tuple(x.shape)
         if shape and shape[0] == samples:
             shape = (n, *shape[1:])
         return torch.empty(shape, dtype=x.dtype, device="meta")
 
-    return tree_map(resize, batch)
+    return apply_to_collection(batch, torch.Tensor, resize)
 
 
 def traced_step(prediction: Any, whole: bool = False) -> TracedStep:
@@ -130,7 +131,7 @@ def _tracer(
 def start_search(
     trainer: pl.Trainer,
     module: pl.LightningModule,
-    make_batch: Callable[[int], tuple[Any, int, int, bool]],
+    make_batch: Callable[[int], TrialBatch],
     batch_idx: int,
     pending_bytes: int,
     **search: Any,
@@ -140,8 +141,8 @@ def start_search(
     Args:
         trainer: the Trainer (its optimizer, precision and device are traced).
         module: the LightningModule (its ``training_step`` is traced).
-        make_batch: the callback's ``make_batch(size) -> (batch, samples, bytes, whole)``; one small batch
-            is made as the template of the traced ones.
+        make_batch: ``make_batch(size)``, the mode's trial batches; one small batch is made as the template
+            of the traced ones.
         batch_idx: passed to ``training_step``.
         pending_bytes: what the first real step adds to the held memory besides the optimizer state
             (gradients it allocates, the engine's copies): where the traces aim.

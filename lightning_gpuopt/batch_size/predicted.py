@@ -20,11 +20,11 @@ steps:
    it fits, it is within 10 % of the largest that fits).
 
 A first step that does not fit, or steps that end without a verified answer, hand over to the plain
-:class:`~lightning_gpuopt.memory.peak_model.SizeSearch`, which continues from the shared first step
+:class:`~lightning_gpuopt.batch_size.search.SizeSearch`, which continues from the shared first step
 exactly as it would have alone: the answer is the largest size any step verified, never below the
 plain search's. :attr:`PredictedSearch.note` says how the prediction served, or why it handed over.
 
-Pure Python: no torch, no Lightning; the callback traces, measures and reports.
+Pure Python: no torch, no Lightning; :mod:`~lightning_gpuopt.batch_size.trace` traces, the trial steps measure.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_gpuopt.memory.peak_model import SearchResult, SizeSearch, StepMeasurement
+from lightning_gpuopt.batch_size.peak_model import StepMeasurement
+from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch
 
 __all__ = [
     "FIRST_STEP_MARGIN",

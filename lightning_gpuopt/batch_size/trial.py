@@ -29,19 +29,19 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import random
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
 from lightning_gpuopt._compat import local_shard
 from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, mark_batch_dynamic
+from lightning_gpuopt.batch_size.peak_model import StepMeasurement
 from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
-from lightning_gpuopt.memory.peak_model import StepMeasurement
 from lightning_gpuopt.microbatch.exchange import FSDP2Exchange, PeerFailure
 from lightning_gpuopt.oom_policy import Status
 
@@ -51,6 +51,30 @@ _PLAIN = (type(None), bool, int, float, str, complex)
 _CONTAINERS = (list, dict, set)
 # Module internals handled elsewhere (parameters, buffers) or not state (hooks, submodules).
 _SKIP_KEYS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+try:
+    import numpy
+except ImportError:  # numpy is optional for torch: then there is no NumPy stream to keep
+    numpy = None
+
+
+def _rng_states() -> dict[str, Any]:
+    """The global random states of torch (and CUDA, once initialised), NumPy and Python."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch.cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if "torch.cuda" in states:
+        torch.cuda.set_rng_state_all(states["torch.cuda"])
+    if "numpy" in states:
+        numpy.random.set_state(states["numpy"])
+    random.setstate(states["python"])
 
 
 def local_bytes(t: Tensor) -> int:
@@ -144,7 +168,7 @@ class TrainingState:
             (config.scheduler, copy.deepcopy(config.scheduler.state_dict()))
             for config in trainer.lr_scheduler_configs
         ]
-        self.rng = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
+        self.rng = _rng_states()
         self.attributes = [(m, self._capture_attributes(m)) for m in module.modules()]
 
     @staticmethod

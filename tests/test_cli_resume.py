@@ -1,0 +1,256 @@
+"""`gpuopt fit` resumes only its own run (docs/resume.md, "Which checkpoint `gpuopt fit` resumes"):
+another run's checkpoint in the same folder is refused in one line, before anything is loaded or written;
+a finished run has nothing to do; a longer run continues; a SIGTERM stop resumes with one line.
+
+Runs whose output and exit status are what a user sees (the refusal, the SIGTERM stop) are subprocesses,
+each with a timeout that kills its whole process group; the others call `main` in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_gpuopt import GPUOptWarning
+from lightning_gpuopt._cli_resume import FINGERPRINT_KEY, fingerprint_differences, run_fingerprint
+from lightning_gpuopt.cli import main
+from tests.helpers import IndexedData40, RecordingRegressor, subprocess_env
+
+pytestmark = pytest.mark.usefixtures("cli_argv")
+
+QUIET = (
+    "--seed_everything 1 --trainer.logger false --trainer.enable_progress_bar false "
+    "--trainer.enable_model_summary false"
+).split()
+# Model A: a small regressor on 40 samples, batch 4 (10 steps an epoch); no loader workers.
+MODEL_A = ["--model", "tests.helpers.RecordingRegressor", "--data", "tests.helpers.IndexedData40"]
+DATA_A = ["--data.batch_size", "4", "--data.num_workers", "0"]
+# Model B: Lightning's demo model and data, nothing in common with A.
+MODEL_B = [
+    "--model",
+    "lightning.pytorch.demos.boring_classes.DemoModel",
+    "--data",
+    "lightning.pytorch.demos.boring_classes.BoringDataModule",
+]
+
+
+def _args(root: Path, *extra: str) -> list[str]:
+    return ["fit", *QUIET, "--trainer.default_root_dir", str(root), *extra]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """The run's record: config, report and checkpoint, byte for byte."""
+    names = ("config.yaml", "gpuopt_report.json", "checkpoints/last.ckpt")
+    return {name: (root / name).read_bytes() for name in names}
+
+
+def _gpuopt(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python -m lightning_gpuopt ARGS` in its own session; on a timeout its whole process group is killed."""
+    command = [sys.executable, "-m", "lightning_gpuopt", *args]
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def run_a(tmp_path: Path) -> Path:
+    """Model A trained to its max_steps=3 in tmp_path/a (finished)."""
+    root = tmp_path / "a"
+    main(_args(root, *MODEL_A, *DATA_A, "--trainer.max_steps", "3"))
+    assert (root / "checkpoints" / "last.ckpt").is_file() and (root / "gpuopt_report.json").is_file()
+    return root
+
+
+def test_an_unrelated_run_in_the_same_folder_is_refused_in_one_line_and_touches_nothing(run_a, tmp_path):
+    before = _files(run_a)
+    done = _gpuopt(_args(run_a, *MODEL_B, "--trainer.max_steps", "3"), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    # one line of the pack's (Lightning's banner lines come from building the Trainer: docs/cli.md)
+    (line,) = [line for line in _lines(done.stdout + done.stderr) if line.startswith("gpuopt")]
+    assert line.startswith(f"gpuopt fit: {run_a / 'checkpoints' / 'last.ckpt'} is another run's checkpoint (")
+    assert (
+        "model class tests.helpers.RecordingRegressor -> lightning.pytorch.demos.boring_classes.DemoModel"
+        in line
+    )
+    assert "--ckpt_path null" in line and "--trainer.default_root_dir" in line
+    assert "Traceback" not in done.stdout + done.stderr
+    assert _files(run_a) == before
+
+
+def test_a_run_whose_parameters_fit_but_differ_is_refused_too(run_a, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(_args(run_a, *MODEL_A, *DATA_A, "--model.hidden", "32", "--trainer.max_steps", "6"))
+    assert info.value.code == 2
+    (line,) = _lines(capsys.readouterr().err)
+    assert "parameters (4 tensors -> 4; first: 'net.0.weight' [16, 8] float32 -> [32, 8] float32)" in line
+    assert "model.hidden 16 -> 32" in line
+
+
+def test_a_finished_run_restarted_has_nothing_to_do_and_leaves_its_record(run_a, caplog):
+    before = _files(run_a)
+    with caplog.at_level(logging.INFO):
+        main(_args(run_a, *MODEL_A, *DATA_A, "--trainer.max_steps", "3"))  # returns: exit status 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gpuopt fit:")]
+    assert said == [
+        f"gpuopt fit: {run_a / 'checkpoints' / 'last.ckpt'} finished at step 3 (max_steps=3 reached): nothing to "
+        "do. To train on, raise --trainer.max_steps or --trainer.max_epochs; to start afresh, --ckpt_path null."
+    ]
+    assert _files(run_a) == before
+
+
+def test_a_finished_run_with_a_larger_max_steps_continues(run_a, caplog):
+    with caplog.at_level(logging.INFO):
+        main(_args(run_a, *MODEL_A, *DATA_A, "--data.num_workers", "2", "--trainer.max_steps", "5"))
+    (line,) = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+    # Lightning ends the epoch at a max_steps stop and counts it done: the run goes on with epoch 1
+    path = run_a / "checkpoints" / "last.ckpt"
+    assert (
+        line == f"gpuopt fit: resuming from {path} at step 3, epoch 1, 0 samples of the epoch already seen."
+    )
+    checkpoint = torch.load(run_a / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)
+    assert checkpoint["global_step"] == 5
+    # the worker count is not part of the run (num_workers 0 -> 2): the run is the same
+    assert checkpoint[FINGERPRINT_KEY]["data_args"]["batch_size"] == 4
+
+
+def test_ckpt_path_null_starts_afresh_in_the_same_folder(run_a, caplog):
+    with caplog.at_level(logging.INFO):
+        main(_args(run_a, *MODEL_B, "--trainer.max_steps", "2", "--ckpt_path", "null"))
+    assert not [r for r in caplog.records if r.getMessage().startswith("gpuopt fit:")]  # nothing to say
+    # Lightning keeps A's last.ckpt and versions B's: the newest last*.ckpt is B's from now on
+    checkpoint = torch.load(run_a / "checkpoints" / "last-v1.ckpt", weights_only=True, mmap=True)
+    assert checkpoint[FINGERPRINT_KEY]["model"] == "lightning.pytorch.demos.boring_classes.DemoModel"
+
+
+def test_another_runs_checkpoint_named_by_the_user_is_loaded_with_a_warning(run_a, tmp_path):
+    other = tmp_path / "other"
+    path = run_a / "checkpoints" / "last.ckpt"
+    args = _args(other, *MODEL_A, *DATA_A, "--model.lr", "0.01", "--trainer.max_steps", "4")
+    with pytest.warns(
+        GPUOptWarning, match=r"--ckpt_path .* is another run's checkpoint \(model.lr 0.05 -> 0.01\)"
+    ):
+        main([*args, "--ckpt_path", str(path)])
+    assert torch.load(other / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)["global_step"] == 4
+
+
+def test_a_checkpoint_without_a_fingerprint_loads_with_a_one_line_warning(tmp_path):
+    # written by plain Lightning (as gpuopt fit did before it wrote fingerprints)
+    trainer = pl.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(save_last=True, save_top_k=0)],
+    )
+    trainer.fit(RecordingRegressor(), IndexedData40(batch_size=4, num_workers=0))
+    with pytest.warns(GPUOptWarning, match=r"has no run fingerprint") as caught:
+        main(_args(tmp_path, *MODEL_A, *DATA_A, "--trainer.max_steps", "3"))
+    (warning,) = [w for w in caught if w.category is GPUOptWarning]
+    assert "\n" not in str(warning.message)
+
+
+def test_a_sigterm_stop_resumes_with_one_line_and_no_warning_of_the_pack(tmp_path, caplog):
+    root = tmp_path / "run"
+    args = _args(root, *MODEL_A, *DATA_A, "--trainer.max_epochs", "1")
+    fault = ["--trainer.callbacks+=tests.resume_child.Fault", "--trainer.callbacks.term_batch=3"]
+    stopped = _gpuopt([*args, *fault], cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    said = stopped.stdout + stopped.stderr
+    assert (
+        "ExactResume: stopped by SIGTERM at step 4" in said
+        and "stopped by SIGTERM" in said.split("gpuopt summary:")[1]
+    )
+    assert "max_epochs=1` reached" not in said  # not why it stopped
+    assert "GPUOptWarning" not in said and "Traceback" not in said
+    with caplog.at_level(logging.INFO):
+        main(args)  # a GPUOptWarning would fail this test (pyproject: error::GPUOptWarning)
+    resumed = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+    assert resumed == [
+        f"gpuopt fit: resuming from {root / 'checkpoints' / 'last.ckpt'} at step 4, epoch 0, 16 samples of the "
+        "epoch already seen."
+    ]
+    report = (root / "gpuopt_report.json").read_text()
+    assert '"kind": "stop"' in report and '"kind": "resume"' in report  # the stop is in the final report
+
+
+def test_the_fingerprint_leaves_out_what_may_change_within_a_run():
+    model = RecordingRegressor()
+    data = {
+        "class_path": "tests.helpers.IndexedData40",
+        "init_args": {"batch_size": 4, "num_workers": 0, "pin_memory": "auto", "data_dir": "/a"},
+    }
+    first = run_fingerprint(model, IndexedData40(), {"class_path": "x", "init_args": {"lr": 0.05}}, data)
+    moved = {
+        **data,
+        "init_args": {**data["init_args"], "num_workers": 8, "pin_memory": True, "data_dir": "/b"},
+    }
+    second = run_fingerprint(model, IndexedData40(), {"class_path": "x", "init_args": {"lr": 0.05}}, moved)
+    assert fingerprint_differences(first, second) == []
+    assert first["data_args"] == {"batch_size": 4}
+    bigger = {**data, "init_args": {**data["init_args"], "batch_size": 8}}
+    third = run_fingerprint(model, IndexedData40(), {"class_path": "x", "init_args": {"lr": 0.05}}, bigger)
+    assert fingerprint_differences(first, third) == ["data.batch_size 4 -> 8"]
+
+
+@pytest.mark.parametrize(
+    ("limits", "progress", "early_stopping", "finished"),
+    [
+        ({"max_steps": 8}, (8, 0), 0, "max_steps=8 reached"),
+        ({"max_steps": 9}, (8, 0), 0, None),
+        ({"max_epochs": 2}, (20, 2), 0, "max_epochs=2 reached"),
+        ({"max_epochs": 3}, (20, 2), 0, None),
+        ({"max_epochs": 3}, (20, 2), 3, "EarlyStopping stopped it"),
+        ({"max_epochs": 1}, (4, 0), 0, None),  # a signal stop in the middle of the last epoch: not finished
+    ],
+    ids=["max-steps", "more-steps", "max-epochs", "more-epochs", "early-stopping", "signal-stop"],
+)
+def test_finished_means_a_limit_reached_or_early_stopping_never_a_signal_stop(
+    tmp_path, limits, progress, early_stopping, finished
+):
+    from lightning_gpuopt._cli_resume import plan_resume
+
+    step, epochs = progress
+    fingerprint = run_fingerprint(RecordingRegressor(), None)
+    checkpoint = {
+        "global_step": step,
+        "epoch": epochs,
+        "loops": {"fit_loop": {"epoch_progress": {"current": {"processed": epochs}}}},
+        "callbacks": {"EarlyStopping{'monitor': 'val_loss'}": {"stopping_reason": early_stopping}},
+        FINGERPRINT_KEY: fingerprint,
+    }
+    path = tmp_path / "last.ckpt"
+    torch.save(checkpoint, path)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, **limits)
+    plan = plan_resume(trainer, str(path), fingerprint)
+    assert plan.finished is (finished is not None) and plan.path == str(path)
+    if finished:
+        assert f"finished at step {step} ({finished}" in plan.message
+    else:
+        assert plan.message.startswith(f"gpuopt fit: resuming from {path} at step {step}")
