@@ -53,7 +53,7 @@ class TinyLM(pl.LightningModule):
 
 class Tokens(Dataset):
     def __len__(self) -> int:
-        return 32 * 8
+        return 32 * 5
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(i))
@@ -78,7 +78,7 @@ class LimitFrom(pl.Callback):
 def main(out: str) -> dict:
     report = GPUOptReport(dirpath=out)
     trainer = pl.Trainer(
-        max_steps=8,
+        max_steps=5,
         callbacks=[LimitFrom(), OOMRecovery(), report],
         logger=False,
         enable_checkpointing=False,
