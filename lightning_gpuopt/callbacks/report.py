@@ -370,12 +370,15 @@ class GPUOptReport(Callback):
             "peak_breakdown": _peak_breakdown(trainer, self._steps),
         }
         # Collectives: every rank, before rank zero goes on.
-        rank_peaks = _rank_peaks(trainer, self._steps, together)
-        ranks = _gather(trainer, mine) if together else [mine]
         folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
         draw = self.plot is True or (self.plot == "auto" and _has_matplotlib())
-        if draw and mine["ooms"]:  # every rank draws its own OOMs
-            write_oom_pictures(mine["ooms"], mine["peak_breakdown"], folder, self.max_oom_files)
+        if draw and mine["ooms"]:  # every rank draws its own OOMs; the records name the pictures
+            try:
+                write_oom_pictures(mine["ooms"], mine["peak_breakdown"], folder, self.max_oom_files)
+            except Exception as err:  # a picture must not keep this rank from the collectives below
+                warn(f"GPUOptReport: the OOM pictures of rank {trainer.global_rank} were not drawn: {err}")
+        rank_peaks = _rank_peaks(trainer, self._steps, together)
+        ranks = _gather(trainer, mine) if together else [mine]
         self.report = {
             "format": FORMAT,
             "run": {

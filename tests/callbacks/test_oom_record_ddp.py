@@ -36,6 +36,7 @@ def test_each_rank_records_its_own_ooms_and_the_table_compares_the_ranks(tmp_pat
     assert ooms[0]["action"].startswith("micro-batch 128 → ")
     # Rank 1 drew its pictures, rank 0 drew none.
     assert (folder / f"oom_{LIMIT_AFTER}_rank1.png").is_file() and not list(folder.glob("oom_*_rank0*.png"))
+    assert ooms[0]["picture"] == f"oom_{LIMIT_AFTER}_rank1.png"  # the gathered record names it
     assert [b["rank"] for b in saved["peak_breakdowns"]] == [0, 1]
     rows = dict(summary_rows(saved))
     assert rows["OOMs per rank"].startswith(f"0: none; 1: {len(ooms)}, up to ")
