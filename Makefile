@@ -20,13 +20,16 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# The README's picture: the default job's GPUOptReport, drawn again into docs/images/.
+# The README's pictures, drawn again into docs/images/: the default job's GPUOptReport, and an OOM's picture
+# (examples/oom_forensics.py).
 report-image: install
 	rm -rf build/report-image
 	$(VENV)/bin/gpuopt fit --config examples/configs/default.yaml --trainer.logger.init_args.save_dir build/report-image \
 		--trainer.enable_progress_bar false
 	mkdir -p docs/images
 	cp build/report-image/default/version_0/gpuopt_report.png docs/images/gpuopt_report.png
+	$(PY) examples/oom_forensics.py build/report-image/oom
+	cp build/report-image/oom/oom_3_rank0.png docs/images/oom_example.png
 
 lint: install
 	$(VENV)/bin/ruff check .

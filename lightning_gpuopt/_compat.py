@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "attach_cuda_oom_observer",
     "batch_norm_types",
     "clear_cublas_workspaces",
     "cluster_environment",
@@ -19,6 +20,7 @@ __all__ = [
     "ddp_kwargs",
     "disable_current_modes",
     "drop_train_loader",
+    "dump_cuda_memory_snapshot",
     "first_items",
     "foreach_norm",
     "fsdp_collectives",
@@ -35,7 +37,9 @@ __all__ = [
     "op_schema",
     "optimizer_unscales_itself",
     "parser_option_strings",
+    "record_cuda_memory_history",
     "reset_grad_scaler",
+    "saved_tensors",
     "scalar_read_op",
     "set_fsdp_collectives",
     "set_lr_scheduler_mark",
@@ -43,6 +47,7 @@ __all__ = [
     "storage_id",
     "tensor_parallel_size",
     "tensor_version",
+    "thread_frames",
 ]
 
 
@@ -227,6 +232,74 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def saved_tensors(node: Any) -> list[Any]:
+    """What an autograd node saved for its backward, as it is held, without unpacking it.
+
+    Reads the node's ``_raw_saved_*`` attributes (``torch._C._autograd.SavedTensor``; a list or tuple of them
+    for ``cat``, ``stack`` or a custom Function) and their ``data``: the saved tensor itself, or what a
+    ``saved_tensors_hooks`` pack hook returned (activation checkpointing's holder, an offloaded copy), without
+    calling the unpack hook (which would recompute a checkpointed block). ``None`` entries (released by a
+    backward that ran) are left out; the caller keeps the tensors among the rest.
+    """
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = tuple(name for name in dir(node) if name.startswith("_raw_saved_"))
+        _SAVED_NAMES[type(node)] = names
+    out: list[Any] = []
+    for name in names:
+        try:
+            raw = getattr(node, name)
+        except RuntimeError:  # released after its backward ran
+            continue
+        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+            try:
+                data = saved.data
+            except (RuntimeError, AttributeError):
+                continue
+            if data is not None:
+                out.append(data)
+    return out
+
+
+def attach_cuda_oom_observer(observer: Any) -> None:
+    """Have ``observer(device, requested_bytes, limit_bytes, free_bytes)`` called by the CUDA caching allocator
+    each time an allocation fails, before it raises (``torch._C._cuda_attach_out_of_memory_observer``). It has no
+    detach: attach once per process."""
+    import torch
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
+def record_cuda_memory_history(max_entries: int | None) -> None:
+    """Record the CUDA allocator's allocations and frees, with their Python stacks (C++ stacks cost far more per
+    allocation), in a ring buffer of ``max_entries`` events (``torch.cuda.memory._record_memory_history``);
+    ``None`` stops recording."""
+    import torch
+
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the CUDA allocator's snapshot (segments, blocks, and the recorded history) as the pickle that
+    pytorch.org/memory_viz opens (``torch.cuda.memory._dump_snapshot``)."""
+    import torch
+
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def thread_frames() -> dict[int, Any]:
+    """The innermost Python frame of every thread, by thread id (``sys._current_frames``)."""
+    import sys
+
+    return sys._current_frames()
 
 
 def batch_norm_types() -> tuple[type, ...]:

@@ -515,7 +515,14 @@ def report_command(args: list[str]) -> int:
 
     Returns the exit status: 0, or 2 for a directory without a report (the message says what to pass).
     """
-    from lightning_gpuopt.report import PNG_NAME, load_report, print_table, render_png
+    from lightning_gpuopt.report import (
+        PNG_NAME,
+        format_oom,
+        load_report,
+        oom_listing,
+        print_table,
+        render_png,
+    )
 
     parser = argparse.ArgumentParser(
         prog="gpuopt report",
@@ -526,13 +533,32 @@ def report_command(args: list[str]) -> int:
     )
     parser.add_argument("--out", default=None, help="folder for the picture (default: next to the JSON)")
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
+    parser.add_argument(
+        "--oom", type=int, metavar="N", help="print OOM record N (as listed) in full, and nothing else"
+    )
     options = parser.parse_args(args)
     try:
         report = load_report(options.run_dir)
     except (FileNotFoundError, ValueError) as err:
         print(f"gpuopt report: {err}", file=sys.stderr)
         return 2
+    ooms = report.get("ooms") or []
+    if options.oom is not None:
+        if not 0 <= options.oom < len(ooms):
+            print(
+                f"gpuopt report: --oom takes a record number from 0 to {len(ooms) - 1}, got {options.oom}; "
+                "`gpuopt report RUN_DIR` lists them."
+                if ooms
+                else f"gpuopt report: --oom {options.oom}: this run has no OOM record.",
+                file=sys.stderr,
+            )
+            return 2
+        print(format_oom(ooms[options.oom], options.oom))
+        return 0
     print_table(report, title=f"gpuopt report: {options.run_dir}")
+    if ooms:
+        print("\nOOMs (`--oom N` prints one in full):")
+        print("\n".join(oom_listing(report)))
     if not options.no_plot:
         from pathlib import Path
 

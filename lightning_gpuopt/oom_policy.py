@@ -10,7 +10,8 @@ import enum
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = [
     "STATUS_FATAL",
@@ -19,6 +20,7 @@ __all__ = [
     "STATUS_THRASH",
     "Agreement",
     "OOMFailure",
+    "OOMRecord",
     "Proposal",
     "Recovery",
     "Source",
@@ -26,6 +28,7 @@ __all__ = [
     "Vote",
     "agree",
     "allocator_thrashing",
+    "describe_action",
     "grow_back_micro_batch_count",
     "next_micro_batch_count",
     "parse_tried_bytes",
@@ -34,6 +37,7 @@ __all__ = [
     "rung_indices",
     "smaller_micro_batch_count",
     "smallest_split_cannot_fit",
+    "stop_reason",
 ]
 
 _UNITS = {
@@ -453,3 +457,95 @@ def rung_indices(status: int) -> tuple[int, ...]:
         bits >>= 1
         i += 1
     return tuple(out)
+
+
+@dataclass
+class OOMRecord:
+    """One out-of-memory error the pack handled, as ``gpuopt_report.json["ooms"]`` keeps it (docs/report.md,
+    "Reading an OOM record").
+
+    Attributes:
+        step: ``trainer.global_step`` when it happened.
+        rank: the process's global rank.
+        stage: ``"train"``, ``"validation"``, ``"test"``, ``"predict"``, ``"trial"`` (a step of
+            MemoryAwareBatchSize's search) or ``"other"`` (caught outside the pack).
+        phase: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
+        requested_bytes: the allocation that failed (``None`` when the error does not say).
+        allocated_bytes: bytes held by live tensors then.
+        reserved_bytes: bytes the allocator held then (its cache included).
+        limit_bytes: the memory the process may use (``None``: unknown).
+        categories: ``allocated_bytes`` by what it was for (``parameters``, ``gradients``, ``optimizer_state``,
+            ``activations``, ``other``), summing to it.
+        activations_measured: whether ``activations`` was measured (else it is 0 and they are in ``other``).
+        modules: the modules owning the most activations: ``{"how": ..., "top": [{"module", "bytes"}]}``.
+        action: what the pack did next (``"micro-batch 64 → 32 (k 1 → 2)"``, ``"gave up: ..."``).
+        message: the first line of the error.
+        k, batch_size, micro_batch_size: what the failed attempt ran (``None`` outside the engine).
+        fragmentation: on CUDA, ``{"free_in_reserved_bytes", "largest_free_block_bytes"}``.
+        outside_allocator_bytes: on CUDA, device bytes this process holds outside the allocator.
+        outside_allocator_source: how they were read (NVML for this process, or the whole device).
+        snapshot: the memory snapshot pickle written for it (a file name beside the report), if any.
+        picture: its picture (``oom_<step>_rank<r>.png``), if drawn.
+        time_s: seconds since the fit started.
+    """
+
+    step: int
+    rank: int
+    stage: str
+    phase: str
+    requested_bytes: int | None
+    allocated_bytes: int
+    reserved_bytes: int
+    limit_bytes: int | None
+    categories: dict[str, int]
+    activations_measured: bool = True
+    modules: dict[str, Any] = field(default_factory=lambda: {"how": "not measured", "top": []})
+    action: str = ""
+    message: str = ""
+    k: int | None = None
+    batch_size: int | None = None
+    micro_batch_size: int | None = None
+    fragmentation: dict[str, int] | None = None
+    outside_allocator_bytes: int | None = None
+    outside_allocator_source: str | None = None
+    snapshot: str | None = None
+    picture: str | None = None
+    time_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as plain values (what the JSON holds)."""
+        return asdict(self)
+
+
+def describe_action(stage: str, n: int, k: int, new_k: int, rungs: Iterable[str] = ()) -> str:
+    """What the ranks agreed to do after an OOM, in a few words, for :attr:`OOMRecord.action`.
+
+    Example:
+        >>> describe_action("train", n=64, k=1, new_k=2)
+        'micro-batch 64 → 32 (k 1 → 2)'
+        >>> describe_action("train", n=64, k=64, new_k=64, rungs=["activation checkpointing"])
+        'activation checkpointing on; micro-batch 1 kept'
+        >>> describe_action("validation", n=64, k=1, new_k=4)
+        'validation batches in 4 chunks of 16'
+    """
+    turned_on = "; ".join(f"{name} on" for name in rungs)
+    if stage != "train":
+        return f"{stage} batches in {new_k} chunks of {math.ceil(n / new_k)}"
+    before, after = math.ceil(n / k), math.ceil(n / new_k)
+    if new_k == k:
+        return f"{turned_on or 'retried'}; micro-batch {after} kept"
+    split = f"micro-batch {before} → {after} (k {k} → {new_k})"
+    return f"{turned_on}; {split}" if turned_on else split
+
+
+def stop_reason(error: BaseException, width: int = 160) -> str:
+    """``"gave up: "`` and the first sentence of ``error`` (at most ``width`` characters), for an OOM the pack
+    could not recover from.
+
+    Example:
+        >>> stop_reason(RuntimeError("Out of memory at step 3 (forward) with micro-batches of 1. Next steps: ..."))
+        'gave up: Out of memory at step 3 (forward) with micro-batches of 1'
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    sentence = text.split(". ")[0].rstrip(".")
+    return "gave up: " + (sentence if len(sentence) <= width else sentence[: width - 1] + "…")

@@ -31,15 +31,20 @@ __all__ = [
     "PNG_NAME",
     "ReportField",
     "StepClock",
+    "format_oom",
     "format_table",
     "load_report",
     "mfu",
+    "oom_listing",
+    "oom_rows",
+    "precision_code",
     "render_png",
     "run_peak_bytes",
     "run_samples_per_s",
     "summarize_values",
     "summary_rows",
     "windowed_samples_per_s",
+    "write_oom_pictures",
     "write_report",
 ]
 
@@ -254,6 +259,139 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+#: Significand bits of each precision's compute dtype: ``gpuopt/precision`` in the loggers.
+_SIGNIFICAND_BITS = (("64", 53), ("32", 24), ("bf16", 8), ("16", 11), ("transformer-engine", 4))
+
+
+def precision_code(precision: str) -> float | None:
+    """A Lightning precision as a number for the loggers: the significand bits of its compute dtype (53
+    float64, 24 float32, 11 float16, 8 bfloat16, 4 FP8); ``None`` for one it does not know.
+
+    Example:
+        >>> [precision_code(p) for p in ("32-true", "bf16-mixed", "16-mixed", "64-true", "mystery")]
+        [24.0, 8.0, 11.0, 53.0, None]
+    """
+    for prefix, bits in _SIGNIFICAND_BITS:
+        if str(precision).startswith(prefix):
+            return float(bits)
+    return None
+
+
+def _share(categories: dict[str, int], total: int) -> str:
+    """The largest categories of an OOM record as shares: ``"activations 62%, parameters 20%"``."""
+    if not total:
+        return ""
+    ranked = sorted(((n, c) for c, n in categories.items() if n), reverse=True)[:2]
+    return ", ".join(f"{c.replace('_', ' ')} {n / total:.0%}" for n, c in ranked)
+
+
+def oom_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's rows about OOMs, from ``report["ooms"]`` (none without OOMs): how many, where, by rank.
+
+    Example:
+        >>> record = {"step": 3, "rank": 0, "stage": "train", "phase": "forward", "allocated_bytes": 100,
+        ...           "categories": {"parameters": 20, "activations": 70, "other": 10}, "action": "k 1 → 2"}
+        >>> oom_rows({"ooms": [record], "run": {"world_size": 1}})[0]
+        ('OOMs', '1: train forward 1')
+    """
+    ooms = report.get("ooms") or []
+    if not ooms:
+        return []
+    where = Counter(f"{r['stage']} {r['phase']}" for r in ooms)
+    rows = [("OOMs", f"{len(ooms)}: " + ", ".join(f"{w} {n}" for w, n in where.items()))]
+    world = int(report.get("run", {}).get("world_size") or 1)
+    if world > 1:
+        parts = []
+        for rank in range(world):
+            mine = [r for r in ooms if r["rank"] == rank]
+            if not mine:
+                parts.append(f"{rank}: none")
+                continue
+            worst = max(mine, key=lambda r: r["allocated_bytes"])
+            parts.append(
+                f"{rank}: {len(mine)}, up to {format_bytes(worst['allocated_bytes'])} in use "
+                f"({_share(worst['categories'], worst['allocated_bytes'])})"
+            )
+        rows.append(("OOMs per rank", "; ".join(parts)))
+    last = ooms[-1]
+    rows.append(
+        (
+            "  last OOM",
+            f"step {last['step']} rank {last['rank']}: {_share(last['categories'], last['allocated_bytes'])}; "
+            f"{last.get('action') or 'no action recorded'}",
+        )
+    )
+    return rows
+
+
+def format_oom(record: dict[str, Any], index: int | None = None) -> str:
+    """One OOM record as text (``gpuopt report RUN_DIR --oom N``).
+
+    Example:
+        >>> record = {"step": 3, "rank": 0, "stage": "train", "phase": "forward", "requested_bytes": 2**20,
+        ...           "allocated_bytes": 3 * 2**20, "reserved_bytes": 3 * 2**20, "limit_bytes": 4 * 2**20,
+        ...           "categories": {"parameters": 2**20, "gradients": 0, "optimizer_state": 0,
+        ...                          "activations": 2**21, "other": 0},
+        ...           "modules": {"how": "measured at the OOM", "top": [{"module": "net.0", "bytes": 2**21}]},
+        ...           "action": "micro-batch 64 → 32 (k 1 → 2)"}
+        >>> print(format_oom(record, 0).splitlines()[0])
+        OOM #0: step 3, rank 0, train, forward
+    """
+    head = f"OOM #{index}: " if index is not None else "OOM: "
+    lines = [head + f"step {record['step']}, rank {record['rank']}, {record['stage']}, {record['phase']}"]
+    if record.get("message"):
+        lines.append(f"  error      {record['message']}")
+    figures = [
+        ("requested", record.get("requested_bytes")),
+        ("allocated", record.get("allocated_bytes")),
+        ("reserved", record.get("reserved_bytes")),
+        ("limit", record.get("limit_bytes")),
+    ]
+    lines.append("  memory     " + ", ".join(f"{w} {format_bytes(v)}" for w, v in figures if v is not None))
+    total = record.get("allocated_bytes") or 0
+    lines.append("  in use by category:")
+    for name, value in record.get("categories", {}).items():
+        share = f"{value / total:6.1%}" if total else ""
+        lines.append(f"    {name.replace('_', ' '):<16} {format_bytes(value):>12} {share}")
+    if not record.get("activations_measured", True):
+        lines.append("    (activations not measured: they are in other)")
+    modules = record.get("modules") or {}
+    lines.append(f"  activations by module ({modules.get('how', 'not measured')}):")
+    lines += [f"    {m['module']:<40} {format_bytes(m['bytes']):>12}" for m in modules.get("top", [])]
+    if record.get("micro_batch_size"):
+        lines.append(
+            f"  attempt    micro-batch {record['micro_batch_size']} (k {record['k']}) of batch {record['batch_size']}"
+        )
+    if record.get("fragmentation"):
+        frag = record["fragmentation"]
+        lines.append(
+            f"  fragmentation  free inside reserved {format_bytes(frag['free_in_reserved_bytes'])}, largest free "
+            f"block {format_bytes(frag['largest_free_block_bytes'])}"
+        )
+    if record.get("outside_allocator_bytes") is not None:
+        lines.append(
+            f"  outside the allocator  {format_bytes(record['outside_allocator_bytes'])} "
+            f"({record.get('outside_allocator_source')})"
+        )
+    lines.append(f"  action     {record.get('action') or 'no action recorded'}")
+    for what in ("snapshot", "picture"):
+        if record.get(what):
+            lines.append(f"  {what:<10} {record[what]}")
+    return "\n".join(lines)
+
+
+def oom_listing(report: dict[str, Any]) -> list[str]:
+    """One line per OOM record, numbered as ``--oom N`` takes them."""
+    lines = []
+    for i, r in enumerate(report.get("ooms") or []):
+        limit = f" of {format_bytes(r['limit_bytes'])}" if r.get("limit_bytes") else ""
+        lines.append(
+            f"#{i}  step {r['step']} rank {r['rank']} {r['stage']} {r['phase']}: {format_bytes(r['allocated_bytes'])}"
+            f"{limit} in use ({_share(r['categories'], r['allocated_bytes'])}) -> {r.get('action') or '?'}"
+        )
+    return lines
+
+
 def _full_batches(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The steps without an epoch's short last batch (fewer samples than the batch before it in its epoch).
 
@@ -347,7 +485,12 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         causes = "; ".join(d["data"].get("cause", "?") for d in recompiled[-3:])
         frames = sum(int(d["data"].get("frames", 1)) for d in recompiled)
         rows.append(("recompilations by the pack", f"{frames} (last: {causes})"))
+    rows += oom_rows(report)
     kinds = Counter(d["kind"] for d in made)
+    if "ooms" in report:  # the OOM records are the one count of OOMs the report prints
+        kinds = Counter({"oom": len(report["ooms"])}) + Counter(
+            {k: n for k, n in kinds.items() if k != "oom"}
+        )
     rows.append(("decisions", ", ".join(f"{n} {kind}" for kind, n in kinds.items()) if kinds else "none"))
     for d in made[-5:]:
         rows.append((f"  step {d['step']}", d["message"]))
@@ -418,102 +561,38 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     return report
 
 
-def _plt() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError(
-            "Drawing gpuopt_report.png needs matplotlib, which is not installed: pip install 'lightning_gpuopt[plot]' "
-            "(the JSON report and the table do not need it)."
-        ) from err
-    return plt
-
-
 def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Draw memory over steps (with a marker at each decision) above throughput over steps, as a PNG.
+    """Draw the run's picture as a PNG (:func:`lightning_gpuopt.report_plot.render_png`).
 
     Raises:
         ImportError: matplotlib is missing (the message names the extra to install).
     """
-    plt = _plt()
-    steps, made = report.get("steps", []), report.get("decisions", [])
-    x = [s["step"] for s in steps]
-    fig, (mem, speed) = plt.subplots(2, 1, figsize=PNG_SIZE, dpi=PNG_DPI, sharex=True, height_ratios=(3, 2))
-    try:
-        gib = 2**30 if steps and max(s["peak_bytes"] for s in steps) >= 2**30 else 2**20
-        unit = "GiB" if gib == 2**30 else "MiB"
-        mem.plot(x, [s["peak_bytes"] / gib for s in steps], label="peak in step", color="tab:red", lw=1.5)
-        mem.plot(
-            x,
-            [s["allocated_bytes"] / gib for s in steps],
-            label="allocated after step",
-            color="tab:blue",
-            lw=1.2,
-        )
-        limits = [s.get("limit_bytes") for s in steps]
-        if any(limits):
-            mem.plot(
-                x, [(v or float("nan")) / gib for v in limits], label="limit", color="black", ls="--", lw=1
-            )
-        top = max((s["peak_bytes"] for s in steps), default=0)
-        shown = [
-            v for v in limits if v and v <= 3 * top
-        ]  # a limit far above the run would flatten the curves
-        if top:
-            mem.set_ylim(0, 1.1 * max([top, *shown]) / gib)
-        colors = {
-            "oom": "tab:red",
-            "micro-batches": "tab:orange",
-            "precision": "tab:purple",
-            "batch size": "tab:green",
-        }
-        seen: set[str] = set()
-        for d in made:
-            color = colors.get(d["kind"], "tab:gray")
-            mem.axvline(
-                d["step"],
-                color=color,
-                alpha=0.6,
-                lw=1,
-                ls=":",
-                label=None if d["kind"] in seen else f"decision: {d['kind']}",
-            )
-            seen.add(d["kind"])
-        mem.set_ylabel(f"memory ({unit})")
-        mem.set_title(f"gpuopt report: {report.get('run', {}).get('device', '')}")
-        mem.legend(loc="upper right", fontsize=8)
-        mem.grid(alpha=0.3)
-        rate = windowed_samples_per_s(steps)
-        speed.plot(
-            x,
-            [r if r is not None else float("nan") for r in rate],
-            color="tab:green",
-            label=f"samples/s ({THROUGHPUT_WINDOW}-step window)",
-        )
-        speed.set_ylabel("samples/s")
-        speed.set_xlabel("global step")
-        speed.grid(alpha=0.3)
-        waits = [s.get("data_wait_fraction") for s in steps]
-        if any(w is not None for w in waits):
-            twin = speed.twinx()
-            twin.plot(
-                x,
-                [100 * w if w is not None else float("nan") for w in waits],
-                color="tab:gray",
-                lw=0.8,
-                alpha=0.7,
-                label="data wait (%)",
-            )
-            twin.set_ylabel("data wait (%)")
-            twin.set_ylim(0, 100)
-            twin.legend(loc="upper right", fontsize=8)
-        speed.legend(loc="upper left", fontsize=8)
-        fig.tight_layout()
-        path = Path(path)
-        fig.savefig(path, dpi=PNG_DPI)
-    finally:
-        plt.close(fig)
-    return path
+    from lightning_gpuopt.report_plot import render_png as draw
+
+    return draw(report, path)
+
+
+def write_oom_pictures(
+    records: Sequence[dict[str, Any]],
+    peak: dict[str, Any] | None,
+    folder: str | os.PathLike[str],
+    max_files: int,
+) -> list[Path]:
+    """Draw ``oom_<step>_rank<r>.png`` for the first ``max_files`` of one rank's OOM records into ``folder``; each
+    drawn record gets its file name in ``"picture"``. ``peak``: that rank's highest-peak step (``peak_breakdowns``).
+
+    Raises:
+        ImportError: matplotlib is missing.
+    """
+    from lightning_gpuopt.report_plot import oom_picture_name, render_oom_png
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, seen = [], Counter()
+    for record in records[:max_files]:
+        key = (record["step"], record["rank"])
+        seen[key] += 1
+        name = oom_picture_name(record, seen[key])
+        paths.append(render_oom_png(record, peak, folder / name))
+        record["picture"] = name
+    return paths

@@ -4,6 +4,7 @@ moves one fails here."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torchmetrics
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -204,6 +205,44 @@ def test_clear_cublas_workspaces_reads_torchs_function():
 
     assert hasattr(torch._C, "_cuda_clearCublasWorkspaces"), "moved: update _compat.clear_cublas_workspaces"
     _compat.clear_cublas_workspaces()
+
+
+def test_saved_tensors_reads_what_a_node_holds_without_unpacking():
+    x = torch.randn(4, 3, requires_grad=True)
+    y = (x * 2).sin()
+    assert [t.shape for t in _compat.saved_tensors(y.grad_fn)] == [torch.Size([4, 3])]
+    unpacked = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: ("held", t), lambda p: unpacked.append(p) or p[1]
+    ):
+        z = (x * 3).sin()
+    held = _compat.saved_tensors(z.grad_fn)
+    assert held[0][0] == "held" and not unpacked, "the pack hook's object, and no unpack (a recompute) called"
+    y.sum().backward()
+    assert _compat.saved_tensors(y.grad_fn) == []  # released by the backward
+    assert any(name.startswith("_raw_saved_") for name in dir(z.grad_fn)), (
+        "autograd nodes' _raw_saved_* moved"
+    )
+
+
+def test_thread_frames_has_this_thread():
+    import threading
+
+    assert threading.get_ident() in _compat.thread_frames()
+
+
+@pytest.mark.skipif(
+    not torch.backends.cuda.is_built(), reason="a torch built without CUDA has no CUDA allocator"
+)
+def test_the_cuda_allocator_privates_exist():
+    # Read only on CUDA, but a CUDA build of torch has them on any machine.
+    assert callable(torch._C._cuda_attach_out_of_memory_observer), (
+        "torch._C._cuda_attach_out_of_memory_observer moved"
+    )
+    assert callable(torch.cuda.memory._record_memory_history), (
+        "torch.cuda.memory._record_memory_history moved"
+    )
+    assert callable(torch.cuda.memory._dump_snapshot), "torch.cuda.memory._dump_snapshot moved"
 
 
 def test_batch_norm_types_cover_every_batch_norm():

@@ -97,6 +97,12 @@ def test_dry_run_runs_every_section_on_cpu_without_jsonargparse_or_torchdata(dry
         else:
             assert f["status"] in ("refused", "left out") and f["reason"]
     assert len(compiled["skipped"]) == sum(f["status"] != "ran" for f in forms.values())
+    # The OOM record: one per OOM of the simulated device, its categories summing to what was allocated.
+    forensics = status["forensics"]
+    records = forensics["details"]["records"]
+    assert records and all(r["stage"] == "train" for r in records)
+    assert all(sum(r["categories"].values()) == r["allocated_bytes"] for r in records)
+    assert set(forensics["skipped"]) == {"against memory_snapshot", "snapshot pickle"}
     table = (out / "gpu_check.md").read_text()
     assert "| section | figure | value | target | met |" in table and "DRY RUN" in table
     assert f"torch {results['torch']}" in table and f"Lightning {results['lightning']}" in table

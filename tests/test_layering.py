@@ -133,10 +133,6 @@ def private_reads(source: Source) -> list[str]:
     return found
 
 
-# The restructuring of issue 25 is under way: these turn green with its last step (xfail_strict then fails them).
-_IN_PROGRESS = pytest.mark.xfail(reason="issue 25: the layers are being restored", strict=True)
-
-
 def test_memory_imports_only_memory():
     offenders = []
     for source in SOURCES:
@@ -163,7 +159,6 @@ def test_only_callbacks_cli_and_the_package_import_callbacks():
     assert not offenders, "a layer below the callbacks imports one:\n" + "\n".join(offenders)
 
 
-@_IN_PROGRESS
 def test_no_module_reads_another_modules_private_names():
     offenders = [read for s in SOURCES if s.path.name not in PRIVATE_GATES for read in private_reads(s)]
     assert not offenders, (

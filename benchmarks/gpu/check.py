@@ -82,6 +82,7 @@ _OVERHEAD = {"layers": 4, "seq": 512, "batch": 8, "steps": 30, "warmup": 5, "rep
 _OVERHEAD_DRY = {"batch": 4, "steps": 3, "warmup": 1, "repeats": 2, "min_repeats": 2, "precision": "32-true"}
 _LM = {"width": 512, "layers": 1, "heads": 8, "seq_len": 256, "vocab": 8192, "batch_size": 32}
 _FORMS = {"forms": ["module", "submodule"], "repeats": 1}
+_FORENSICS = {"min_repeats": 1}
 _NO_CUDA_TESTS = "pytest -m cuda skips every test on a machine without CUDA: nothing to prove on a CPU"
 _NO_CUDA_ALLOCATOR = (
     "max_memory_allocated is CUDA's caching allocator; on a CPU the prediction is checked against "
@@ -90,7 +91,9 @@ _NO_CUDA_ALLOCATOR = (
 
 #: The one table: section -> slice of the default 300 s budget, sizes on the GPU, sizes in the dry run.
 #: A later GPU figure adds a row here with its own slice, inside the same total. The slices follow the first
-#: H200 run (2026-12-04: 158 s of 300), with room for both compiled forms (inductor: ~25 s a form).
+#: H200 run (2026-12-04: 158 s of 300), with room for both compiled forms (inductor: ~25 s a form);
+#: ``forensics`` (15 s) took 5 s each from ``mfu`` (used 9 s), ``batchsize`` (used 20 s) and ``overhead`` (which
+#: runs pairs of fits while its slice has room).
 SECTIONS: dict[str, Section] = {
     s.name: s
     for s in (
@@ -109,7 +112,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "batchsize",
             "MemoryAwareBatchSize against the bisected true maximum",
-            30,
+            25,
             "gpu.batchsize:section",
             {"models": ["lm"], "multiple_of": 8},  # the pack's default on CUDA
             {"models": ["lm"], "multiple_of": 1},
@@ -133,7 +136,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "mfu",
             "MFU and tokens/s of a GPT-2-124M-shaped model (bf16-mixed, seq 1024); the default job's samples/s",
-            20,
+            15,
             "gpu.speed:mfu_section",
             {**_GPT2, **_MFU, "default_job": _JOB},
             {**_GPT_TINY, **_MFU, "batch": 4, "steps": 4, "warmup": 2, "nominal_peak_flops": 1e12}
@@ -142,10 +145,29 @@ SECTIONS: dict[str, Section] = {
         Section(
             "overhead",
             "OOMRecovery at k = 1 against plain Lightning (steady state)",
-            30,
+            25,
             "gpu.speed:overhead_section",
             {**_GPT2, **_OVERHEAD, "precision": "bf16-mixed", "target_percent": 2.0},
             {**_GPT_TINY, **_OVERHEAD_DRY, "target_percent": 2.0},
+        ),
+        Section(
+            "forensics",
+            "the OOM record against a real CUDA OOM and memory_snapshot; the snapshot pickle; the history ring "
+            "buffer's step-time cost",
+            15,
+            "gpu.forensics:section",
+            {**_FORENSICS, "layers": 4, "width": 512, "heads": 8, "vocab": 8192, "seq": 256, "batch": 16}
+            | {"precision": "bf16-mixed", "warmup": 3, "after": 3, "steps": 20, "repeats": 4},
+            {
+                **_FORENSICS,
+                **_GPT_TINY,
+                "layers": 1,
+                "batch": 4,
+                "precision": "32-true",
+                "warmup": 2,
+                "after": 2,
+            }
+            | {"steps": 4, "repeats": 1},
         ),
         Section(
             "predict",

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -152,6 +152,24 @@ def _fit(
     return t
 
 
+def interleaved_pairs(
+    names: tuple[str, str], timed_fit: Callable[[str], float], repeats: int, min_repeats: int
+) -> dict[str, list[float]]:
+    """``timed_fit(name)`` for both names, in alternating order, pair after pair: at most ``repeats`` pairs, and
+    past ``min_repeats`` only while the section's slice has room for another. Returns each name's figures."""
+    per_fit: dict[str, list[float]] = {name: [] for name in names}
+    longest = 0.0
+    for r in range(repeats):
+        left = device.remaining()
+        if r >= min_repeats and left is not None and left < 1.5 * longest:
+            break
+        started = time.perf_counter()
+        for name in names if r % 2 == 0 else names[::-1]:
+            per_fit[name].append(timed_fit(name))
+        longest = max(longest, time.perf_counter() - started)
+    return per_fit
+
+
 def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     """MFU and tokens/s of the GPT-2-shaped model (bf16-mixed), measured by GPUOptReport; the default job's samples/s."""
     on_cuda = device.current().kind == "cuda"
@@ -220,19 +238,14 @@ def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
     steps, warmup = sizes["steps"], sizes["warmup"]
     loader = lambda: _tokens(sizes, steps)  # noqa: E731
     _fit(_gpt(sizes), loader(), warmup + 1, [], precision=sizes["precision"])  # untimed: first-use costs
-    per_fit: dict[str, list[float]] = {"plain": [], "OOMRecovery": []}
-    longest = 0.0
-    for r in range(sizes["repeats"]):
-        left = device.remaining()
-        if r >= sizes["min_repeats"] and left is not None and left < 1.5 * longest:
-            break
-        started = time.perf_counter()
-        for name in ("plain", "OOMRecovery") if r % 2 == 0 else ("OOMRecovery", "plain"):
-            events = StepEvents()
-            extra = [OOMRecovery(verbose=False)] if name == "OOMRecovery" else []
-            _fit(_gpt(sizes), loader(), steps, [*extra, events], precision=sizes["precision"])
-            per_fit[name].append(statistics.median(events.periods(warmup)))
-        longest = max(longest, time.perf_counter() - started)
+
+    def timed_fit(name: str) -> float:
+        events = StepEvents()
+        extra = [OOMRecovery(verbose=False)] if name == "OOMRecovery" else []
+        _fit(_gpt(sizes), loader(), steps, [*extra, events], precision=sizes["precision"])
+        return statistics.median(events.periods(warmup))
+
+    per_fit = interleaved_pairs(("plain", "OOMRecovery"), timed_fit, sizes["repeats"], sizes["min_repeats"])
     percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["OOMRecovery"], per_fit["plain"])])
     clock = "CUDA events" if device.current().kind == "cuda" else "the wall clock"
     name = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,11 +13,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt import _validate
 from lightning_gpuopt._warnings import warn
+from lightning_gpuopt.batch_size.trial import TrialSteps
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
+from lightning_gpuopt.callbacks._oom_log import OOMLog, memory_limit, state_tensors
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
 from lightning_gpuopt.decisions import decisions, record_decision
-from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt.memory import forensics, get_probe, is_oom_error
+from lightning_gpuopt.memory.forensics import MemoryHistory
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.peak_flops import resolve_peak_flops
 from lightning_gpuopt.report import (
@@ -24,12 +29,17 @@ from lightning_gpuopt.report import (
     ReportField,
     StepClock,
     mfu,
+    precision_code,
     print_table,
     windowed_samples_per_s,
+    write_oom_pictures,
     write_report,
 )
 
 __all__ = ["GPUOptReport"]
+
+# An OOM inside a trial step of MemoryAwareBatchSize's search is a record of stage "trial".
+forensics.mark_stage(TrialSteps.measure, "trial")
 
 
 class GPUOptReport(Callback):
@@ -48,12 +58,23 @@ class GPUOptReport(Callback):
     (:mod:`lightning_gpuopt.decisions`: OOM retries, changes of k, growing back, precision switches,
     batch-size searches, worker changes) is kept with its step and reason.
 
+    Every out-of-memory error the pack handles (training, evaluation, the optimizer step, the trial steps
+    of MemoryAwareBatchSize's search) gets a record in the JSON's ``"ooms"``, the one source of every OOM
+    count the report prints: its step, rank, stage and phase, the bytes requested, allocated, reserved and
+    allowed, the bytes in use by category (parameters, gradients, optimizer state, activations, other)
+    summing to what was allocated, the modules owning the most activations, and what the pack did next;
+    on CUDA also the fragmentation, the memory outside PyTorch's allocator and a memory snapshot pickle
+    (pytorch.org/memory_viz opens it). Each rank draws ``oom_<step>_rank<r>.png`` for its own OOMs.
+
     At the end of ``fit``, rank zero prints a summary table (rich when installed), writes
-    ``gpuopt_report.json`` and ``gpuopt_report.png`` (memory over steps with the decisions marked,
-    throughput over steps) into ``dirpath`` (default: the run's log directory, ``trainer.log_dir``), and
-    :attr:`report` holds the record. ``gpuopt report DIR`` draws the table and the picture again from
-    the JSON. Memory and throughput also go to the Trainer's loggers every ``log_every_n_steps``
-    (``gpuopt/memory_allocated``, ``gpuopt/memory_peak``, ``gpuopt/samples_per_s``, ``gpuopt/mfu`` on CUDA).
+    ``gpuopt_report.json`` and ``gpuopt_report.png`` (memory, k, precision and the decisions over steps,
+    throughput and data wait below) into ``dirpath`` (default: the run's log directory,
+    ``trainer.log_dir``), and :attr:`report` holds the record. ``gpuopt report DIR`` draws the table and
+    the picture again from the JSON. The Trainer's loggers get, every ``log_every_n_steps``,
+    ``gpuopt/memory_allocated``, ``gpuopt/memory_peak``, ``gpuopt/samples_per_s``, ``gpuopt/k``,
+    ``gpuopt/micro_batch_size``, ``gpuopt/precision`` (the significand bits of the compute dtype: 53
+    float64, 24 float32, 11 float16, 8 bfloat16, 4 FP8), ``gpuopt/data_wait`` (the fraction of the step
+    spent waiting for data) and ``gpuopt/mfu`` on CUDA.
 
     Args:
         dirpath: folder for the JSON and the PNG; ``None``: ``trainer.log_dir``.
@@ -65,6 +86,13 @@ class GPUOptReport(Callback):
             know, or another dtype's peak); given, the MFU is also computed on a CPU.
         fields: per-step fields of your own (:class:`~lightning_gpuopt.report.ReportField`): read at each
             recorded step, kept in the JSON's steps and summarised in a table row each.
+        memory_history: on CUDA, record the allocator's allocations and frees with their stacks in a ring buffer
+            of ``history_entries`` events, so that an OOM's snapshot pickle shows how memory filled up: ``True``
+            from the start of ``fit``, ``"after-oom"`` (the default) from the first OOM on, ``False`` never.
+            Without it the pickle still shows the allocator's segments at the OOM. No effect on a CPU.
+        history_entries: the ring buffer's length, in allocation events.
+        max_oom_files: the OOM snapshot pickles, and the OOM pictures, that each rank writes at most (trial
+            steps and growing back can run out of memory many times); the records are all kept.
 
     Raises:
         ValueError: an argument is out of range, or two fields share a name.
@@ -90,6 +118,9 @@ class GPUOptReport(Callback):
         every_n_steps: int = 1,
         peak_flops: float | None = None,
         fields: Sequence[ReportField] = (),
+        memory_history: bool | Literal["after-oom"] = "after-oom",
+        history_entries: int = 100_000,
+        max_oom_files: int = 5,
     ) -> None:
         if plot != "auto" and not isinstance(plot, bool):
             raise ValueError(f"`plot` must be True, False or 'auto', got {plot!r}")
@@ -109,6 +140,12 @@ class GPUOptReport(Callback):
         names = [f.name for f in fields]
         if len(set(names)) != len(names):
             raise ValueError(f"`fields` must have distinct names, got {names}")
+        _validate.choice("memory_history", memory_history, (True, False, "after-oom"))
+        _validate.positive_int("history_entries", history_entries, unit="allocation events")
+        _validate.positive_int("max_oom_files", max_oom_files, unit="files per rank")
+        self.memory_history = memory_history
+        self.history_entries = history_entries
+        self.max_oom_files = max_oom_files
         self.fields = fields
         self.peak_flops = peak_flops
         self.dirpath = dirpath
@@ -133,7 +170,10 @@ class GPUOptReport(Callback):
         self._step = 0
         self._resumes: list[dict[str, Any]] = []
         self._earlier_decisions: list[dict[str, Any]] = []
+        self._earlier_ooms: list[dict[str, Any]] = []
         self._loaded: dict[str, Any] | None = None
+        self._oom: OOMLog | None = None
+        self._folder: Path | None = None
 
     def state_dict(self) -> dict[str, Any]:
         # A resumed run's report covers the whole run: the steps and decisions before each resume travel
@@ -142,10 +182,12 @@ class GPUOptReport(Callback):
             return dict(self._loaded)
         trainer = getattr(self, "_trainer", None)
         current = [d.as_dict() for d in decisions(trainer)] if trainer is not None else []
+        ooms = [r.as_dict() for r in self._oom.records] if self._oom is not None else []
         return {
             "steps": list(self._steps),
             "decisions": self._earlier_decisions + current,
             "resumes": list(self._resumes),
+            "ooms": self._earlier_ooms + ooms,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -157,6 +199,7 @@ class GPUOptReport(Callback):
             return
         self._steps = list(loaded.get("steps", [])) + self._steps
         self._earlier_decisions = list(loaded.get("decisions", []))
+        self._earlier_ooms = list(loaded.get("ooms", []))
         self._resumes = list(loaded.get("resumes", []))
         self._resumes.append({"step": trainer.global_step, "steps_before": len(loaded.get("steps", []))})
         record_decision(
@@ -171,15 +214,16 @@ class GPUOptReport(Callback):
         state = self.__dict__.copy()
         state["_counter"] = None
         state["_trainer"] = None
+        state["_oom"] = None
         return state
 
     # ------------------------------------------------------------------ lifecycle
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.plot is True and stage == "fit":
-            from lightning_gpuopt.report import _plt
+            from lightning_gpuopt.report_plot import require_matplotlib
 
-            _plt()  # fail now, not after a long run
+            require_matplotlib()  # fail now, not after a long run
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaded = self._loaded
@@ -194,6 +238,21 @@ class GPUOptReport(Callback):
         )
         if self._mfu_note:
             rank_zero_info(f"GPUOptReport: {self._mfu_note}")
+        # `trainer.log_dir` broadcasts from rank 0: every rank asks here, where every rank runs.
+        self._folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
+        cuda = trainer.strategy.root_device.type == "cuda"
+        history = MemoryHistory(self.history_entries) if cuda and self.memory_history else None
+        self._oom = OOMLog(
+            trainer,
+            self._folder,
+            self.max_oom_files,
+            history,
+            self.memory_history == "after-oom",
+            self._started,
+        )
+        if history is not None and self.memory_history is True:
+            history.start()
+        forensics.watch(self._oom)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._apply_loaded(trainer)  # every restore is done by now, whatever the strategy
@@ -210,6 +269,10 @@ class GPUOptReport(Callback):
         self._clock.start_batch()
         self._step = trainer.global_step  # the step this batch belongs to, as decisions taken in it record
         get_probe(trainer.strategy.root_device).reset_peak()
+        if self._oom is not None:
+            self._oom.flush()
+            if self._oom.wants_owners():  # after an OOM: measure which modules own the activations, once
+                self._oom.measure_owners(pl_module)
         if self._flops is None and self._counter is None and batch_idx == 1 and self._peak_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -224,6 +287,15 @@ class GPUOptReport(Callback):
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._flops, self._counter = float(self._counter.get_total_flops()), None
+        engine = MicroBatchEngine.get(trainer)
+        try:
+            n = batch_size_of(batch)
+        except UnsplittableBatchError:
+            n = 1
+        k = engine.effective_k(batch) if engine is not None and engine.installed("train") else 1
+        if self._oom is not None:
+            self._oom.owners_measured(self._step, k, -(-n // k))
+            self._oom.flush()
         step = self._step
         if step % self.every_n_steps:
             return
@@ -233,12 +305,6 @@ class GPUOptReport(Callback):
             self._peak_flops, _ = resolve_peak_flops(
                 trainer.strategy.root_device, self._peak_precision, self.peak_flops
             )
-        engine = MicroBatchEngine.get(trainer)
-        try:
-            n = batch_size_of(batch)
-        except UnsplittableBatchError:
-            n = 1
-        k = engine.effective_k(batch) if engine is not None and engine.installed("train") else 1
         monitor = next((c for c in trainer.callbacks if isinstance(c, DataStallMonitor)), None)
         if monitor is not None:
             wait = monitor.wait_fraction if monitor.measured else None
@@ -254,7 +320,7 @@ class GPUOptReport(Callback):
             "allocated_bytes": probe.allocated,
             "peak_bytes": probe.peak,
             "reserved_bytes": probe.reserved,
-            "limit_bytes": _limit(probe),
+            "limit_bytes": memory_limit(probe),
             "alloc_retries": probe.alloc_retries,
             "k": k,
             "batch_size": n,
@@ -271,11 +337,48 @@ class GPUOptReport(Callback):
         self._log(trainer, record)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, together=True)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # A run the pack could not save from an OOM: its records, and what the pack did last, are what a user
+        # needs most. Written without a collective (the other ranks may be gone).
+        if self._oom is not None and is_oom_error(exception):
+            self._finish(trainer, together=False)
+        self._stop_listening()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        if self._oom is not None:
+            self._oom.close()
+            forensics.unwatch(self._oom)
+
+    def _finish(self, trainer: pl.Trainer, together: bool) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
         probe = get_probe(trainer.strategy.root_device)
-        rank_peaks = _rank_peaks(trainer, self._steps)  # a collective: every rank, before rank zero goes on
+        oom = self._oom
+        if oom is not None:
+            oom.close()
+            forensics.unwatch(oom)
+        mine = {
+            "ooms": self._earlier_ooms_of(trainer) + ([r.as_dict() for r in oom.records] if oom else []),
+            "peak_breakdown": _peak_breakdown(trainer, self._steps),
+        }
+        # Collectives: every rank, before rank zero goes on.
+        folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
+        draw = self.plot is True or (self.plot == "auto" and _has_matplotlib())
+        if draw and mine["ooms"]:  # every rank draws its own OOMs; the records name the pictures
+            try:
+                write_oom_pictures(mine["ooms"], mine["peak_breakdown"], folder, self.max_oom_files)
+            except Exception as err:  # a picture must not keep this rank from the collectives below
+                warn(f"GPUOptReport: the OOM pictures of rank {trainer.global_rank} were not drawn: {err}")
+        rank_peaks = _rank_peaks(trainer, self._steps, together)
+        ranks = _gather(trainer, mine) if together else [mine]
         self.report = {
             "format": FORMAT,
             "run": {
@@ -296,16 +399,18 @@ class GPUOptReport(Callback):
                 "wall_s": time.perf_counter() - self._started,
                 "torch": torch.__version__,
                 "fields": [{"name": f.name, "label": f.label} for f in self.fields],
+                "stopped_by": None if together else f"{type(self).__name__}: the fit ended with an OOM error",
             },
             "steps": self._steps,
             "decisions": self._earlier_decisions + [d.as_dict() for d in decisions(trainer)],
             "resumes": self._resumes,
+            "ooms": sorted(
+                (r for part in ranks for r in part["ooms"]), key=lambda r: (r["rank"], r["time_s"])
+            ),
+            "peak_breakdowns": [part["peak_breakdown"] for part in ranks if part["peak_breakdown"]],
         }
-        # `trainer.log_dir` broadcasts from rank 0: every rank asks, or rank 0 would wait for the others.
-        folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
         if not trainer.is_global_zero:
             return
-        draw = self.plot is True or (self.plot == "auto" and _has_matplotlib())
         json_path, png_path = write_report(self.report, folder, png=draw)
         self.paths = {"json": str(json_path), "png": str(png_path) if png_path else None}
         if self.plot == "auto" and not draw:
@@ -318,6 +423,10 @@ class GPUOptReport(Callback):
             print_table(self.report)
         rank_zero_info(f"GPUOptReport: wrote {json_path}" + (f" and {png_path}" if png_path else ""))
 
+    def _earlier_ooms_of(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
+        """This rank's records from before a resume (the checkpoint holds every rank's: rank zero saved them)."""
+        return [r for r in self._earlier_ooms if r.get("rank", 0) == trainer.global_rank]
+
     def _log(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
         if (
             trainer.global_rank != 0
@@ -329,7 +438,14 @@ class GPUOptReport(Callback):
         metrics = {
             "gpuopt/memory_allocated": float(record["allocated_bytes"]),
             "gpuopt/memory_peak": float(record["peak_bytes"]),
+            "gpuopt/k": float(record["k"]),
+            "gpuopt/micro_batch_size": float(record["micro_batch_size"]),
         }
+        code = precision_code(record["precision"])
+        if code is not None:
+            metrics["gpuopt/precision"] = code
+        if record["data_wait_fraction"] is not None:
+            metrics["gpuopt/data_wait"] = float(record["data_wait_fraction"])
         if rates and rates[-1] is not None:
             metrics["gpuopt/samples_per_s"] = float(rates[-1])
         if record["mfu"] is not None:
@@ -338,12 +454,15 @@ class GPUOptReport(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
-def _rank_peaks(trainer: pl.Trainer, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each rank's highest step peak and its memory limit, gathered from every rank (rank order)."""
+def _rank_peaks(
+    trainer: pl.Trainer, steps: list[dict[str, Any]], together: bool = True
+) -> list[dict[str, Any]]:
+    """Each rank's highest step peak and its memory limit, gathered from every rank (rank order); this rank's
+    alone without ``together``."""
     peak = max((s["peak_bytes"] for s in steps), default=0)
     limit = next((s["limit_bytes"] for s in reversed(steps) if s.get("limit_bytes")), None) or 0
     mine = torch.tensor([peak, limit], dtype=torch.int64, device=trainer.strategy.root_device)
-    if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if together and _distributed(trainer):
         # torch's plain collective: with Lightning's all_gather (torch's autograd-aware one) the only process
         # of a second node aborted at exit ("terminate called without an active exception").
         parts = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
@@ -351,17 +470,53 @@ def _rank_peaks(trainer: pl.Trainer, steps: list[dict[str, Any]]) -> list[dict[s
         gathered = [part.tolist() for part in parts]
     else:
         gathered = [mine.tolist()]
+    first = 0 if together else trainer.global_rank
     return [
-        {"rank": rank, "peak_bytes": int(peak), "limit_bytes": int(limit) or None}
+        {"rank": first + rank, "peak_bytes": int(peak), "limit_bytes": int(limit) or None}
         for rank, (peak, limit) in enumerate(gathered)
     ]
 
 
-def _limit(probe: Any) -> int | None:
-    """The memory this process may use, where there is one: the CUDA budget, or SimulatedMemory's limit."""
-    if probe.kind == "simulated":
-        return probe.limit_bytes
-    return probe.total if probe.kind == "cuda" else None
+def _distributed(trainer: pl.Trainer) -> bool:
+    return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _gather(trainer: pl.Trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """``mine`` from every rank, in rank order (JSON through torch's plain all_gather of byte tensors)."""
+    if not _distributed(trainer):
+        return [mine]
+    device = trainer.strategy.root_device
+    data = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(sizes, size)
+    longest = int(max(int(s) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    parts = [torch.zeros_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded)
+    return [json.loads(bytes(p[: int(n)].tolist()).decode()) for p, n in zip(parts, sizes)]
+
+
+def _peak_breakdown(trainer: pl.Trainer, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The step with the highest peak on this rank, its parameters, gradients and optimizer state (the training
+    state, measured now: the same through every step after the first) and the rest as activations and other."""
+    if not steps:
+        return None
+    top = max(steps, key=lambda s: s["peak_bytes"])
+    params, grads, state = state_tensors(trainer)
+    categories = forensics.categories_now(
+        top["peak_bytes"], trainer.strategy.root_device, params, grads, state, activations=False
+    )
+    return {
+        "rank": trainer.global_rank,
+        "step": top["step"],
+        "peak_bytes": top["peak_bytes"],
+        "limit_bytes": top.get("limit_bytes"),
+        "micro_batch_size": top.get("micro_batch_size"),
+        "categories": categories,
+        "activations_measured": False,
+    }
 
 
 def _device_name(device: torch.device) -> str:

@@ -5,6 +5,7 @@ from :func:`get_probe`, so every algorithm runs in CI on CPU under
 :class:`lightning_gpuopt.testing.SimulatedMemory` and on a GPU unchanged. Imports torch only.
 """
 
+from lightning_gpuopt.memory import forensics
 from lightning_gpuopt.memory.extrapolate import PeakLine, predict_peak_deep, predict_peak_line, scale_to_batch
 from lightning_gpuopt.memory.oom import (
     MAYBE_SIZE_MESSAGES,
@@ -36,6 +37,7 @@ __all__ = [
     "PeakPrediction",
     "PhasePeak",
     "PredictionMethod",
+    "forensics",
     "format_bytes",
     "free_memory",
     "get_probe",

@@ -29,12 +29,16 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 import torch
 
 __all__ = ["NativeCounter", "NativeUnavailableError", "load_native", "native_status"]
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
+
+#: ``callback(requested, in_use, limit)``: called before an over-limit allocation raises.
+OOM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
 
 #: The C++ source, shipped as package data beside this module (``counting_allocator.cpp``).
 _SOURCE = (importlib.resources.files(__package__) / "counting_allocator.cpp").read_text()
@@ -155,6 +159,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "simmem_adopt": ([ctypes.c_void_p], ctypes.c_int),
         "simmem_charge": ([i64], u64),
         "simmem_release": ([i64, u64], None),
+        "simmem_set_oom_callback": ([OOM_CALLBACK], None),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -235,6 +240,16 @@ class NativeCounter:
     def __init__(self) -> None:
         self._lib = load_native()
         self.session = 0
+        self._callback = None  # the ctypes wrapper must outlive its use by the library
+
+    def on_oom(self, callback: Callable[[int, int, int], None] | None) -> None:
+        """Call ``callback(requested, in_use, limit)`` before each over-limit allocation raises (``None``: stop).
+
+        It runs inside the allocation, on the allocating thread, without the allocator's lock; allocations it
+        makes on that thread are never refused. It must not raise.
+        """
+        self._callback = OOM_CALLBACK(callback) if callback is not None else OOM_CALLBACK()
+        self._lib.simmem_set_oom_callback(self._callback)
 
     def begin(self, limit: int | None) -> None:
         rc = self._lib.simmem_begin(-1 if limit is None else limit)

@@ -17,7 +17,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 struct Block {
   int64_t bytes;
@@ -38,6 +38,13 @@ bool g_active = false;
 uint64_t g_session = 0;
 int64_t g_cur = 0, g_peak = 0, g_limit = -1, g_num_ooms = 0, g_num_allocs = 0;
 c10::Allocator* g_prev = nullptr;
+
+// Called before an over-limit allocation throws (SimulatedMemory's OOM observer), without the lock held.
+// While it runs on a thread, that thread's allocations are counted but never refused: an exception could not
+// cross the callback's frames.
+using OomCallback = void (*)(int64_t requested, int64_t in_use, int64_t limit);
+OomCallback g_oom_callback = nullptr;
+thread_local bool t_in_callback = false;
 
 std::string human(int64_t n) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -84,10 +91,16 @@ struct CountingAllocator final : c10::Allocator {
       // fails like CUDA's (without first asking the host for it).
       std::unique_lock<std::mutex> lock(mu());
       if (g_active) {
-        if (g_limit >= 0 && g_cur + bytes > g_limit) {
+        if (g_limit >= 0 && g_cur + bytes > g_limit && !t_in_callback) {
           ++g_num_ooms;
           const int64_t in_use = g_cur, limit = g_limit;
+          const OomCallback callback = g_oom_callback;
           lock.unlock();
+          if (callback != nullptr) {
+            t_in_callback = true;
+            callback(bytes, in_use, limit);
+            t_in_callback = false;
+          }
           c10::profiledCPUMemoryReporter().OutOfMemory(n);
           C10_THROW_ERROR(OutOfMemoryError,
                           "CUDA out of memory (simulated). Tried to allocate " + human(bytes) + "; " +
@@ -170,6 +183,11 @@ SIMMEM_API void simmem_end() {
   if (!g_active) return;
   g_active = false;
   if (g_prev != nullptr) c10::SetCPUAllocator(g_prev, 255);
+}
+
+SIMMEM_API void simmem_set_oom_callback(OomCallback callback) {
+  std::lock_guard<std::mutex> lock(mu());
+  g_oom_callback = callback;
 }
 
 SIMMEM_API int simmem_active() {

@@ -23,7 +23,14 @@ from torch import Tensor
 
 from lightning_gpuopt.batching import SPLIT_HOOK, split_batch
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.memory import MemoryProbe, free_memory, get_probe, is_maybe_size_error, is_oom_error
+from lightning_gpuopt.memory import (
+    MemoryProbe,
+    forensics,
+    free_memory,
+    get_probe,
+    is_maybe_size_error,
+    is_oom_error,
+)
 from lightning_gpuopt.microbatch.attempt import Attempt, SideEffects, emit_logs
 from lightning_gpuopt.microbatch.batches import EvalBatch, TrainingBatch
 from lightning_gpuopt.microbatch.errors import LossWeightingError, MicroBatchOOMError, RankOutOfMemoryError
@@ -35,8 +42,10 @@ from lightning_gpuopt.oom_policy import (
     Status,
     Vote,
     agree,
+    describe_action,
     parse_tried_bytes,
     rung_bits,
+    stop_reason,
 )
 
 if TYPE_CHECKING:
@@ -233,6 +242,9 @@ class AttemptLoop:
                 failure = _describe(
                     err, probe if measured else None, self.trainer.global_step, batch, self.phase, k, baseline
                 )
+                _tell_caught(
+                    err, failure, batch, stage
+                )  # inside the except: the failed attempt's tensors live
             finally:
                 watch.after_attempt(self.trainer, marker, stage, n, k)
             fatal: BaseException | None = None
@@ -252,9 +264,14 @@ class AttemptLoop:
                 voted_k = batch.voted_k(recovery, k)
             try:
                 agreement = agree_or_stop(batch.vote, status, voted_k, k, peer_votes, fatal, batch.where())
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as stop:
+                if failure is not None:
+                    forensics.action_taken(stop_reason(stop))
                 batch.give_up()
                 raise
+            if failure is not None:
+                rungs = [engine.rungs[i].name for i in agreement.rungs]
+                forensics.action_taken(describe_action(stage, n, k, agreement.k, rungs))
             if not agreement.retry:
                 if agreement.skip:  # a step returned None (on any rank): the batch is skipped on every rank
                     return batch.skip(agreement, k)
@@ -417,6 +434,22 @@ def _sent_back(batch: TrainingBatch | EvalBatch, output: Any) -> bool:
         return False
     loss = output.get("loss") if isinstance(output, Mapping) else output
     return any(check(batch.batch_idx, loss) for check in list(batch.checks))
+
+
+def _tell_caught(
+    err: BaseException, failure: OOMFailure, batch: TrainingBatch | EvalBatch, stage: str
+) -> None:
+    """Tell the OOM listener (GPUOptReport) what failed, while the failed attempt's tensors are still alive."""
+    forensics.failure_caught(
+        err,
+        stage=stage,
+        phase=failure.phase if stage == "train" else "forward",
+        step=failure.step,
+        k=failure.k,
+        batch_size=failure.batch_size,
+        micro_batch_size=failure.micro_batch_size,
+        gradients=[g for g in (getattr(batch, "stash", None) or ()) if g is not None],
+    )
 
 
 def _describe(

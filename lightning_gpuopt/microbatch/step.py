@@ -34,9 +34,9 @@ from torch import Tensor
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.memory import format_bytes, free_memory, is_oom_error
+from lightning_gpuopt.memory import forensics, format_bytes, free_memory, is_oom_error
 from lightning_gpuopt.microbatch.errors import OptimizerStepOOMError
-from lightning_gpuopt.oom_policy import Status, Vote
+from lightning_gpuopt.oom_policy import Status, Vote, stop_reason
 
 __all__ = ["OptimizerStepHook", "StepGuard"]
 
@@ -191,6 +191,7 @@ class OptimizerStepHook:
             if not is_oom_error(err):
                 raise
             message = _first_line(err)
+            self._tell_caught(err)
         if message is None:
             return loss if out is None else out
         # Outside the except block: the traceback and what it pinned are gone.
@@ -198,12 +199,16 @@ class OptimizerStepHook:
         if not written:
             _drop_new_state(optimizer, state_keys)
             free_memory()
+            forensics.action_taken(
+                "optimizer step retried once after freeing memory (it had written nothing)"
+            )
             try:
                 out = original(**kwargs)
             except Exception as err:
                 if not is_oom_error(err):
                     raise
                 retry_message: str | None = _first_line(err)
+                self._tell_caught(err)
             else:
                 retry_message = None
             if retry_message is None:
@@ -220,7 +225,13 @@ class OptimizerStepHook:
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             _compat.reset_grad_scaler(scaler, optimizer)
-        raise OptimizerStepOOMError(_explain(self.trainer, optimizer, message, written))
+        error = OptimizerStepOOMError(_explain(self.trainer, optimizer, message, written))
+        forensics.action_taken(stop_reason(error))
+        raise error
+
+    def _tell_caught(self, err: BaseException) -> None:
+        """Tell the OOM listener (GPUOptReport) of an OOM in the step, while what the step made is alive."""
+        forensics.failure_caught(err, stage="train", phase="optimizer step", step=self.trainer.global_step)
 
 
 def _tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:

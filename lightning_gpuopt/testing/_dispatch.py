@@ -21,6 +21,7 @@ import itertools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,6 +84,13 @@ class DispatchCounter:
         self._active = False
         self._cur = self._peak = self._num_ooms = 0
         self._limit: int | None = None
+        self.oom_callback: Callable[[int, int, int], None] | None = None
+        self._in_callback = False
+
+    def on_oom(self, callback: Callable[[int, int, int], None] | None) -> None:
+        """Call ``callback(requested, in_use, limit)`` before each over-limit allocation raises (``None``: stop);
+        what it allocates itself is never refused."""
+        self.oom_callback = callback
 
     def begin(self, limit: int | None) -> None:
         self.session = next(_sessions)
@@ -181,8 +189,19 @@ class DispatchCounter:
             self._live[ptr] = (nbytes, weakref.ref(storage, lambda ref: self._on_free(ptr, ref, session)))
 
     def _charge_checked(self, nbytes: int) -> None:
-        if nbytes > 0 and self._limit is not None and self._cur + nbytes > self._limit:
+        if (
+            nbytes > 0
+            and self._limit is not None
+            and self._cur + nbytes > self._limit
+            and not self._in_callback
+        ):
             self._num_ooms += 1
+            if self.oom_callback is not None:
+                self._in_callback = True
+                try:
+                    self.oom_callback(nbytes, self._cur, self._limit)
+                finally:
+                    self._in_callback = False
             raise torch.OutOfMemoryError(format_oom_message(nbytes, self._cur, self._limit))
         self._cur += nbytes
         self._peak = max(self._peak, self._cur)

@@ -47,6 +47,7 @@ import torch.distributed as _dist
 from torch.optim import optimizer as _optim
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt.memory import forensics
 from lightning_gpuopt.memory._native import NativeCounter, NativeUnavailableError
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, MemoryProbe, pop_active_probe, push_active_probe
 from lightning_gpuopt.testing._dispatch import DispatchCounter
@@ -252,6 +253,7 @@ class SimulatedMemory(MemoryProbe):
                 )
             counter = self._make_counter()
             counter.begin(self._limit)
+            counter.on_oom(_tell_forensics)
             _active_instance = self
         try:
             self._pid = os.getpid()
@@ -283,6 +285,7 @@ class SimulatedMemory(MemoryProbe):
         self._undo = []
         if counter is not None:
             self._final = (counter.allocated, counter.peak, counter.num_ooms)
+            counter.on_oom(None)
             counter.end()
         if self._adopter is not None:
             self._adopter.close()
@@ -410,6 +413,11 @@ class SimulatedMemory(MemoryProbe):
             f"SimulatedMemory(limit_bytes={self._limit!r}, backend={self.backend or self._backend_choice!r}, "
             f"allocated_bytes={self.allocated_bytes}, peak_bytes={self.peak_bytes})"
         )
+
+
+def _tell_forensics(requested: int, in_use: int, limit: int) -> None:
+    # The simulated device's OOM observer, like CUDA's: what is in use is allocated and reserved alike (no cache).
+    forensics.allocation_failed("cpu", requested, in_use, in_use, limit)
 
 
 def _check_limit(value: Any) -> int | None:

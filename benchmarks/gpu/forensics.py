@@ -1,0 +1,220 @@
+"""GPU check section ``forensics``: the OOM record against a real CUDA OOM, and what the history ring buffer costs.
+
+1. **A real OOM.** A GPT-shaped model (``speed.GPT``) trains with ``OOMRecovery`` and
+   ``GPUOptReport(memory_history=True)``. Its first ``warmup`` steps run under the section's cap and measure
+   the memory held between steps and the step's peak; from then on the limit sits halfway between
+   (``set_per_process_memory_fraction``), so the next step raises a real CUDA OOM and is retried with more
+   micro-batches. At each OOM, when the report takes its breakdown, the check reads
+   ``torch.cuda.memory_snapshot()`` too and adds up the allocator's own blocks at the addresses of the
+   parameters', gradients', optimizer state's and saved activations' storages. Checks: one record per
+   OOM the allocator counted (``num_ooms``); each category within 1 % of the blocks at its storages; the
+   categories sum to ``allocated_bytes``; the snapshot pickle is written and loads, with the ring buffer's
+   events in it; the fragmentation and the memory outside the allocator are in the record.
+2. **The ring buffer's cost.** Interleaved pairs of fits without an OOM, ``memory_history=False`` and
+   ``True``, each fit the median of its steady steps timed by CUDA events; the median ratio over pairs
+   (target ≤ 3 %), with its spread. Pairs run while the slice has room (at least ``min_repeats``).
+
+In the dry run the OOM is SimulatedMemory's; the comparison with the allocator's blocks and the pickle are
+CUDA's only (skipped with their reason), and the cost pairs run to prove the path (no ring buffer on a CPU).
+"""
+
+from __future__ import annotations
+
+import pickle
+import statistics
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from common import QUIET, figure, spread
+from torch.utils.data import DataLoader
+
+from gpu import device
+from gpu.speed import GPT, StepEvents, Tokens, interleaved_pairs
+from lightning_gpuopt import GPUOptReport, OOMRecovery
+from lightning_gpuopt.memory import forensics
+
+CATEGORY_BAND = 0.01
+COST_TARGET_PERCENT = 3.0
+
+
+def _model(sizes: dict[str, Any]) -> GPT:
+    return GPT(sizes["layers"], sizes["width"], sizes["heads"], sizes["vocab"], sizes["seq"])
+
+
+def _loader(sizes: dict[str, Any], steps: int) -> DataLoader:
+    return DataLoader(Tokens(sizes["batch"] * steps, sizes["seq"], sizes["vocab"]), batch_size=sizes["batch"])
+
+
+def _fit(sizes: dict[str, Any], steps: int, callbacks: list) -> pl.Trainer:
+    device.check()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator=device.current().accelerator,
+        precision=sizes["precision"],
+        callbacks=[device.Deadline(), *callbacks],
+        **QUIET,
+    )
+    trainer.fit(_model(sizes), _loader(sizes, steps))
+    return trainer
+
+
+class HalfwayLimit(pl.Callback):
+    """Measures the memory held between steps and the step's peak for ``warmup`` steps, then sets the limit
+    halfway between them."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.held, self.peak, self.limit = warmup, 0, 0, None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        the_device = device.current()
+        if trainer.global_step == self.warmup:
+            self.limit = self.held + (self.peak - self.held) // 2
+            the_device.set_limit(self.limit)
+        elif trainer.global_step < self.warmup:
+            self.held = max(self.held, the_device.allocated())
+            the_device.reset_peak()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step <= self.warmup:
+            self.peak = max(self.peak, device.current().peak())
+
+
+def _blocks() -> dict[int, int]:
+    """The caching allocator's live blocks now: address -> requested bytes."""
+    out = {}
+    for segment in torch.cuda.memory_snapshot():
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                out[block.get("address", address)] = block.get("requested_size", block["size"])
+            address += block["size"]
+    return out
+
+
+class AtTheOOM:
+    """While entered, each breakdown the report takes at an OOM is also measured from the allocator's blocks."""
+
+    def __init__(self) -> None:
+        self.moments: list[dict[str, int]] = []
+        self._original = forensics.categories_now
+
+    def __enter__(self) -> AtTheOOM:
+        original = self._original
+
+        def measured(allocated, device_, parameters=(), gradients=(), optimizer_state=(), activations=True):
+            parameters, gradients, optimizer_state = list(parameters), list(gradients), list(optimizer_state)
+            if activations and device_.type == "cuda":
+                blocks = _blocks()
+                counted: set = set()
+                moment = {}
+                for name, tensors in (
+                    ("parameters", parameters),
+                    ("gradients", gradients),
+                    ("optimizer_state", optimizer_state),
+                ):
+                    keys = set(forensics.storages(tensors, device_)) - counted
+                    counted |= keys
+                    moment[name] = sum(blocks.get(key[2], 0) for key in keys)
+                saved = forensics.saved_activations(device_, counted)
+                moment["activations"] = sum(blocks.get(key[2], 0) for key in saved)
+                moment["allocated"] = torch.cuda.memory_allocated(device_)
+                self.moments.append(moment)
+            return original(allocated, device_, parameters, gradients, optimizer_state, activations)
+
+        forensics.categories_now = measured
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        forensics.categories_now = self._original
+
+
+def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, Any], dict[str, str]]:
+    on_cuda = device.current().kind == "cuda"
+    warmup, steps = sizes["warmup"], sizes["warmup"] + sizes["after"]
+    folder = out / "forensics"
+    report = GPUOptReport(dirpath=str(folder), table=False, plot="auto", memory_history=True)
+    limit = HalfwayLimit(warmup)
+    ooms_before = torch.cuda.memory_stats().get("num_ooms", 0) if on_cuda else 0
+    with AtTheOOM() as at_the_oom:
+        try:
+            _fit(sizes, steps, [limit, OOMRecovery(verbose=False), report])
+        finally:
+            device.current().set_limit(None)
+    records = report.report.get("ooms", [])
+    counted = (torch.cuda.memory_stats().get("num_ooms", 0) - ooms_before) if on_cuda else None
+    figures = [figure("OOM records (one per OOM the allocator counted)", len(records), "", "= num_ooms" if on_cuda else None,
+                      (len(records) == counted and counted > 0) if on_cuda else len(records) > 0)]  # fmt: skip
+    sums = [abs(sum(r["categories"].values()) - r["allocated_bytes"]) / r["allocated_bytes"] for r in records]
+    figures.append(figure("categories summing to allocated_bytes (worst)", max(sums, default=None), "", "<= 1 %",
+                          bool(sums) and max(sums) <= 0.01))  # fmt: skip
+    skipped: dict[str, str] = {}
+    details: dict[str, Any] = {"limit_bytes": limit.limit, "held_bytes": limit.held, "peak_bytes": limit.peak}
+    if on_cuda:
+        worst = {}
+        for record, moment in zip(records, at_the_oom.moments):
+            for name in ("parameters", "gradients", "optimizer_state", "activations"):
+                gap = abs(record["categories"][name] - moment[name]) / max(moment[name], 1)
+                worst[name] = max(worst.get(name, 0.0), gap)
+        for name, gap in worst.items():
+            figures.append(figure(f"{name} against the allocator's blocks at its storages (worst)", gap, "",
+                                  f"<= {CATEGORY_BAND:.0%}", gap <= CATEGORY_BAND))  # fmt: skip
+        pickles = [folder / r["snapshot"] for r in records if r.get("snapshot")]
+        loaded = pickle.loads(pickles[0].read_bytes()) if pickles else {}
+        events = sum(len(t) for t in loaded.get("device_traces", []))
+        figures.append(figure("snapshot pickle written, with the ring buffer's events", events, "events", "> 0",
+                              events > 0))  # fmt: skip
+        details["moments"] = at_the_oom.moments
+        details["fragmentation"] = [r.get("fragmentation") for r in records]
+        details["outside_allocator"] = [
+            (r.get("outside_allocator_bytes"), r.get("outside_allocator_source")) for r in records
+        ]
+    else:
+        skipped["against memory_snapshot"] = "the caching allocator's blocks exist on CUDA only"
+        skipped["snapshot pickle"] = "torch.cuda.memory._dump_snapshot needs CUDA"
+    details["records"] = [
+        {
+            k: r.get(k)
+            for k in ("step", "stage", "phase", "requested_bytes", "allocated_bytes", "categories", "action")
+        }
+        for r in records
+    ]
+    return figures, details, skipped
+
+
+def _ring_buffer_cost(sizes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    steps, warmup = sizes["steps"], sizes["warmup"]  # first-use costs were paid by the OOM run
+
+    def timed_fit(name: str) -> float:
+        events = StepEvents()
+        report = GPUOptReport(plot=False, table=False, memory_history=name == "on", dirpath=sizes["out"])
+        _fit(sizes, steps, [report, events])
+        return statistics.median(events.periods(warmup))
+
+    per_fit = interleaved_pairs(("off", "on"), timed_fit, sizes["repeats"], sizes["min_repeats"])
+    percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["on"], per_fit["off"])])
+    on_cuda = device.current().kind == "cuda"
+    name = (
+        f"memory_history=True step-time cost (median of {percent['n']} interleaved pairs of fits; IQR "
+        f"{percent['q1']:+.1f}..{percent['q3']:+.1f} %)"
+    )
+    met = percent["median"] <= COST_TARGET_PERCENT if on_cuda else None
+    target = f"<= {COST_TARGET_PERCENT:.0f} %" if on_cuda else "reported (CPU: no ring buffer)"
+    details = {"seconds_per_step": {k: spread(v) for k, v in per_fit.items()}, "cost_percent": percent}
+    return figure(name, percent["median"], "%", target, met), details
+
+
+def section(sizes: dict[str, Any]) -> dict[str, Any]:
+    """The OOM record against a real OOM and the allocator's snapshot; the history ring buffer's step-time cost."""
+    out = Path(sizes["out"])
+    figures, details, skipped = _real_oom(sizes, out)
+    device.check()
+    cost, cost_details = _ring_buffer_cost(sizes)
+    figures.append(cost)
+    details["ring_buffer"] = cost_details
+    details["model"] = {
+        k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch", "precision")
+    }
+    return {"figures": figures, "details": details, "skipped": skipped}
