@@ -201,12 +201,14 @@ def categories_now(
 
     Example:
         >>> import torch
+        >>> cpu = torch.device("cpu")
+        >>> before = categories_now(0, cpu)["activations"]            # graphs alive elsewhere in the process
         >>> w = torch.nn.Parameter(torch.ones(256))                    # 1 KiB
         >>> x = torch.ones(64, 256)                                    # 64 KiB, saved by the product
         >>> y = (x * w).sum()
-        >>> c = categories_now(200_000, torch.device("cpu"), parameters=[w])
-        >>> c["parameters"], c["activations"], sum(c.values())
-        (1024, 65536, 200000)
+        >>> c = categories_now(10**9, cpu, parameters=[w])
+        >>> c["parameters"], c["activations"] - before, sum(c.values())
+        (1024, 65536, 1000000000)
     """
     seen: set = set()
     out = dict.fromkeys(CATEGORIES, 0)

@@ -134,6 +134,9 @@ class Candidate:
 
 
 def _entry(batch: Any, key: str | int) -> Tensor | None:
+    # Indexing a tensor with a string makes torch warn before it fails: a tensor has no named entries.
+    if isinstance(key, str) and isinstance(batch, Tensor):
+        return None
     try:
         value = batch[key]
     except (KeyError, IndexError, TypeError):

@@ -121,7 +121,14 @@ class Save(pl.Callback):
             "calls": list(pl_module.calls),
             "precision": trainer.precision,
             "state": self.switch.state_dict() if self.switch else None,
-            "decisions": [(d.kind, d.data.get("before"), d.data.get("after")) for d in decisions(trainer)],
+            "decisions": [
+                (
+                    d.kind,
+                    d.data.get("before", d.data.get("held_step")),
+                    d.data.get("after", d.data.get("nonfinite")),
+                )
+                for d in decisions(trainer)
+            ],
         }
         torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 

@@ -10,6 +10,7 @@ the pack, at the moment the record is taken, and so are the gradients and optimi
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import weakref
 
@@ -371,11 +372,16 @@ def test_an_oom_in_validation_has_a_record_of_that_stage(tmp_path):
         callbacks=[ValidationLimit(), OOMRecovery(verbose=False), report],
         **TRAINER_QUIET,
     )
+    gc.collect()
+    elsewhere = sum(
+        forensics.saved_activations(torch.device("cpu")).values()
+    )  # graphs other tests left alive
     with SimulatedMemory() as mem:
         trainer.fit(Validated("mlp"), _data("mlp"), DataLoader(_data("mlp").dataset, batch_size=256))
     ooms = report.report["ooms"]
     assert len(ooms) == mem.num_ooms >= 1 and {r["stage"] for r in ooms} == {"validation"}
-    assert all(r["phase"] == "forward" and r["categories"]["activations"] == 0 for r in ooms)  # no graph kept
+    # evaluation keeps no graph: nothing beyond what was alive before the run
+    assert all(r["phase"] == "forward" and r["categories"]["activations"] <= elsewhere for r in ooms)
     assert ooms[-1]["action"].startswith("validation batches in ")
     assert ooms[0]["modules"]["how"].startswith("none: evaluation saves nothing")
 

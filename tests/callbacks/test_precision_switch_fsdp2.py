@@ -179,7 +179,10 @@ def test_policy_gathers_bf16_reduces_fp32_and_both_ranks_hold_back_a_step_only_o
         assert rank["applied"] == [s for s in range(STEPS) if s != TROUBLE_STEP]
         assert rank["nonfinite_applied"] == 0
         assert rank["state"]["nonfinite_steps"] == 1 and rank["state"]["switches"] == []
-        assert rank["precision"] == "bf16-mixed" and rank["decisions"] == []
+        # no switch; the held-back step is a decision on both ranks, naming the step and what was non-finite
+        assert rank["precision"] == "bf16-mixed" and rank["decisions"] == [
+            ("held back", TROUBLE_STEP, "loss")
+        ]
         assert all(bool(torch.isfinite(p).all()) for p in rank["params"].values())
 
 
