@@ -413,7 +413,8 @@ def fsdp2_mixed_precision(precision: str) -> object | None:
 
 
 def grad_norms(grads: Iterable[Tensor | None]) -> list[Tensor]:
-    """The float32 L2 norm of each gradient, one fused kernel per device and dtype (``_compat.foreach_norm``).
+    """The L2 norm of each gradient in float32 (float64 for float64 gradients), one fused kernel per device and
+    dtype (``_compat.foreach_norm``).
 
     A sharded gradient (FSDP2's ``DTensor``) counts by this rank's shard only: the non-finite check reads
     each rank's own shard and all-reduces the flag, no collective per tensor.
@@ -425,11 +426,12 @@ def grad_norms(grads: Iterable[Tensor | None]) -> list[Tensor]:
         if g is not None and not g.is_sparse:
             groups.setdefault((g.device, g.dtype), []).append(g)
     norms: list[Tensor] = []
-    for tensors in groups.values():
+    for (_, dtype), tensors in groups.items():
+        wide = torch.promote_types(dtype, torch.float32)  # float64 gradients keep float64 (no narrowing)
         try:
-            norms.extend(_compat.foreach_norm(tensors, torch.float32))
+            norms.extend(_compat.foreach_norm(tensors, wide))
         except (AttributeError, TypeError, RuntimeError):  # a torch without the fused norm for this group
-            norms.extend(torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors)
+            norms.extend(torch.linalg.vector_norm(t, 2, dtype=wide) for t in tensors)
     return norms
 
 

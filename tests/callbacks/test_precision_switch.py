@@ -204,6 +204,17 @@ def test_an_isolated_nonfinite_step_in_fp32_is_held_back():
     assert (switch.skipped_steps, switch.nonfinite_steps) == (1, 1)
 
 
+def test_in_64_true_a_finite_run_trains_and_a_nonfinite_step_is_held_back():
+    """float64 gradients: their norms are taken in float64 (a float32 norm would narrow them and fail)."""
+    pl.seed_everything(0, verbose=False)
+    model, switch, hook = Troubled(overflow=(4, 5), bad_in="always"), PrecisionSwitch(initial="keep"), AppliedSteps()
+    trainer = pl.Trainer(max_steps=12, precision="64-true", callbacks=[switch, hook], **TRAINER_QUIET)
+    trainer.fit(model, DataLoader(Waves(length=1024), batch_size=BATCH))
+    assert trainer.precision == "64-true" and switch.switches == []
+    assert hook.steps() == [0, 1, 2, 3, *range(5, 12)] and hook.nonfinite_applied == 0 and finite(model)
+    assert next(model.parameters()).dtype == torch.float64
+
+
 def test_persistent_nonfinite_steps_with_no_rung_left_raise():
     model = Troubled(overflow=(4, None), bad_in="always")
     with pytest.raises(
