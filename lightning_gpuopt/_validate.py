@@ -6,9 +6,11 @@ A leaf module like ``_warnings``: every layer may import it, it imports nothing 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-__all__ = ["choice", "fraction", "positive_int"]
+__all__ = ["choice", "fraction", "positive_int", "versioned_json"]
 
 
 def positive_int(name: str, value: Any, *, unit: str = "", allow_none: bool = False, hint: str = "") -> Any:
@@ -68,3 +70,14 @@ def choice(name: str, value: Any, choices: Any) -> Any:
     if value not in options or (isinstance(value, bool) and True not in options and False not in options):
         raise ValueError(f"`{name}` must be one of {options}, got {value!r}")
     return value
+
+
+def versioned_json(file: Path, fmt: str, hint: str = "") -> dict[str, Any]:
+    """The JSON object in ``file`` when its ``"format"`` is ``fmt``; else a ``ValueError`` (``hint``: what to do)."""
+    data = json.loads(file.read_text())
+    if data.get("format") != fmt:
+        raise ValueError(
+            f"{str(file)!r} has format {data.get('format')!r}; this version reads {fmt!r}"
+            + (f". {hint}" if hint else "")
+        )
+    return data

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_gpuopt._validate import versioned_json
 from lightning_gpuopt.memory import format_bytes
 
 __all__ = [
@@ -555,10 +556,7 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"No {JSON_NAME} in {str(path)!r}: GPUOptReport writes it into the run's log directory at the end of "
             "fit (e.g. lightning_logs/version_0). Pass that directory."
         )
-    report = json.loads(file.read_text())
-    if report.get("format") != FORMAT:
-        raise ValueError(f"{str(file)!r} has format {report.get('format')!r}; this version reads {FORMAT!r}")
-    return report
+    return versioned_json(file, FORMAT)
 
 
 def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_gpuopt._validate import choice
+from lightning_gpuopt._validate import choice, versioned_json
 
 __all__ = ["MemmapDataset"]
 
@@ -157,12 +157,9 @@ class MemmapDataset(Dataset):
                 f"No MemmapDataset at {str(self.path)!r} (no {_MANIFEST}); create one with "
                 "`MemmapDataset.write(path, *arrays)` first."
             )
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != _FORMAT:
-            raise ValueError(
-                f"{str(manifest_path)!r} has format {manifest.get('format')!r}; this version reads {_FORMAT!r}. "
-                "Write the dataset again with `MemmapDataset.write`."
-            )
+        manifest = versioned_json(
+            manifest_path, _FORMAT, "Write the dataset again with `MemmapDataset.write`."
+        )
         self.transform = transform
         self.length = int(manifest["length"])
         self.names: list[str] | None = manifest["names"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,12 +101,18 @@ class StorageCounter(TorchDispatchMode):
         nbytes: int | None = None,
         host: bool | None = None,
         module: str | None = None,
+        *,
+        reclassify: bool = False,
     ) -> None:
+        """Count ``t``'s storage once; ``reclassify``: re-classify (or re-size, or move) one counted already."""
         found = storage_key(t)
         if found is None:
             return
         storage, key = found
-        if key in self.records:
+        rec = self.records.get(key)
+        if rec is not None:
+            if reclassify:
+                self._reclassify(rec, category, nbytes, host, module)
             return
         size = storage.nbytes() if nbytes is None else nbytes
         if nbytes is None and self.scale > 1:
@@ -121,6 +128,28 @@ class StorageCounter(TorchDispatchMode):
         )
         self.records[key] = rec
         self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._free(key))
+        self._charge(rec, +1)
+
+    #: Re-classify (or re-size, or move) a counted storage; counts it first when new.
+    update = functools.partialmethod(add, reclassify=True)
+
+    def _reclassify(
+        self,
+        rec: _Record,
+        category: MemoryCategory | None,
+        nbytes: int | None,
+        host: bool | None,
+        module: str | None,
+    ) -> None:
+        self._charge(rec, -1)
+        if module is not None:
+            rec.module = module
+        if category is not None:
+            rec.category = category
+        if nbytes is not None:
+            rec.nbytes = self.rounding(nbytes)
+        if host is not None:
+            rec.host = host
         self._charge(rec, +1)
 
     def _charge(self, rec: _Record, sign: int) -> None:
@@ -150,34 +179,6 @@ class StorageCounter(TorchDispatchMode):
         self._refs.pop(key, None)
         if rec is not None:
             self._charge(rec, -1)
-
-    def update(
-        self,
-        t: torch.Tensor,
-        category: MemoryCategory | None = None,
-        nbytes: int | None = None,
-        host: bool | None = None,
-        module: str | None = None,
-    ) -> None:
-        """Re-classify (or re-size, or move) a counted storage; counts it first when new."""
-        found = storage_key(t)
-        if found is None:
-            return
-        _, key = found
-        rec = self.records.get(key)
-        if rec is None:
-            self.add(t, category, nbytes, host, module)
-            return
-        self._charge(rec, -1)
-        if module is not None:
-            rec.module = module
-        if category is not None:
-            rec.category = category
-        if nbytes is not None:
-            rec.nbytes = self.rounding(nbytes)
-        if host is not None:
-            rec.host = host
-        self._charge(rec, +1)
 
     def category_of(self, t: torch.Tensor) -> MemoryCategory | None:
         found = storage_key(t)
