@@ -45,7 +45,12 @@ from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
 from lightning_gpuopt.microbatch.exchange import FSDP2Exchange, PeerFailure
 from lightning_gpuopt.oom_policy import Status
 
-__all__ = ["TrainingState", "TrialSteps", "local_bytes"]
+__all__ = ["NoLossInTrial", "TrainingState", "TrialSteps", "local_bytes"]
+
+
+class NoLossInTrial(RuntimeError):
+    """``training_step`` returned no loss (``None``, a dict without ``"loss"``) for a trial step."""
+
 
 _PLAIN = (type(None), bool, int, float, str, complex)
 _CONTAINERS = (list, dict, set)
@@ -375,10 +380,9 @@ class TrialSteps:
                     out = module.training_step(*self._step_kwargs(batch).values())
                 loss = out.get("loss") if isinstance(out, Mapping) else out
                 if not isinstance(loss, Tensor):
-                    raise RuntimeError(
+                    raise NoLossInTrial(
                         "MemoryAwareBatchSize: training_step returned no loss for a trial step (None or a dict without "
-                        "'loss'), so the step's memory cannot be measured. Return the loss for every batch, or remove "
-                        "MemoryAwareBatchSize."
+                        "'loss'), so the step's memory cannot be measured"
                     )
                 type(module).backward(module, loss)
             forward_backward = probe.peak - start

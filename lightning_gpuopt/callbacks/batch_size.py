@@ -24,6 +24,7 @@ from lightning_gpuopt.batch_size.modes import (
     scale_learning_rate,
 )
 from lightning_gpuopt.batch_size.search import SearchResult
+from lightning_gpuopt.batch_size.trial import NoLossInTrial
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
@@ -32,6 +33,9 @@ from lightning_gpuopt.oom_policy import Source
 from lightning_gpuopt.support import Feature, StrategyKind, setup_refusal, strategy_kind, supports
 
 __all__ = ["MemoryAwareBatchSize"]
+
+#: How many training batches in a row the step may skip (return ``None``) before the micro-batch search gives up.
+MAX_DEFERRED = 16
 
 _MODES = ("micro", "max")
 _LR_RULES = (None, "linear", "sqrt")
@@ -146,6 +150,7 @@ class MemoryAwareBatchSize(Callback):
         self._resolved_multiple = 1
         self._apply_pending = False
         self._run: SearchRun | None = None  # the last search on this process, for its messages
+        self._deferred: tuple[str, int] | None = None  # a search put off: (why, batches skipped so far)
 
     # ------------------------------------------------------------------ what users read
 
@@ -245,8 +250,14 @@ class MemoryAwareBatchSize(Callback):
             return
         precision = _precision_of(trainer)
         switched = self._precision is not None and precision != self._precision
-        if self._requested or switched or (self.mode == "micro" and self.micro_batch_size is None):
+        if (
+            self._requested
+            or switched
+            or self._deferred is not None
+            or (self.mode == "micro" and self.micro_batch_size is None)
+        ):
             why = "precision switch" if switched else "requested" if self._requested else "fit start"
+            why = self._deferred[0] if self._deferred is not None and not switched else why
             self._requested = False
             self._search_micro_batch(trainer, pl_module, batch, batch_idx, why)
         elif self._apply_pending:
@@ -292,7 +303,21 @@ class MemoryAwareBatchSize(Callback):
             self.min_batch_size,
             self.max_batch_size,
         )
-        size = self._agree(trainer, module, space)
+        try:
+            size = self._agree(trainer, module, space)
+        except NoLossInTrial as err:
+            # A batch the step skips (returns None) cannot be measured: on one device, measure the next one,
+            # as many as MAX_DEFERRED batches later (this batch then runs, and is skipped, as it is).
+            skipped = (self._deferred or (why, 0))[1] + 1
+            if trainer.world_size > 1:
+                raise _no_loss(err, "on this rank, and the ranks measure the same batch") from None
+            if skipped >= MAX_DEFERRED:
+                raise _no_loss(err, f"on {skipped} training batches in a row") from None
+            self._deferred = (why, skipped)
+            return
+        if self._deferred is not None:
+            why = f"{why}, {self._deferred[1]} batch(es) later: training_step skipped the earlier ones"
+            self._deferred = None
         self._record(trainer, size, n)
         engine.max_micro_batch_size = size
         before = engine.k
@@ -310,7 +335,12 @@ class MemoryAwareBatchSize(Callback):
         """``mode="max"``: choose ``batch_size`` itself at fit start, on whole batches from the training dataset."""
         space = max_mode_space(trainer, module, self.min_batch_size, self.max_batch_size)
         old = int(lightning_getattr(module, "batch_size"))
-        size = self._agree(trainer, module, space)
+        try:
+            size = self._agree(trainer, module, space)
+        except NoLossInTrial as err:
+            raise _no_loss(
+                err, "on samples of the training dataset (mode='max' measures them at fit start)"
+            ) from None
         self._record(trainer, size, size)
         lightning_setattr(module, "batch_size", size)
         self._engine.max_micro_batch_size = size
@@ -431,6 +461,12 @@ class MemoryAwareBatchSize(Callback):
                     },
                     step=trainer.global_step,
                 )
+
+
+def _no_loss(err: NoLossInTrial, where: str) -> NoLossInTrial:
+    return NoLossInTrial(
+        f"{err} {where}. Return the loss for the batches the search measures, or remove MemoryAwareBatchSize."
+    )
 
 
 def _precision_of(trainer: pl.Trainer) -> str:

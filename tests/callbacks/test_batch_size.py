@@ -23,7 +23,7 @@ from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize, MicroBatchO
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.microbatch.attempt import SideEffects
 from lightning_gpuopt.testing import SimulatedMemory
-from tests.callbacks.batch_models import batch_peak, fit, peaks_at, true_maxima
+from tests.callbacks.batch_models import FAMILIES, batch_peak, fit, peaks_at, true_maxima
 from tests.callbacks.oom_models import Waves, WideRegressor, optimizer_step_ids
 from tests.callbacks.oom_models import fit as fit_wide
 from tests.helpers import TRAINER_QUIET, MetricsLogger
@@ -683,3 +683,35 @@ def test_docstring_examples_run(module):
 
     failures, tried = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert tried > 0 and failures == 0
+
+
+# --- a training_step that skips batches (returns None) ------------------------------------------------
+
+
+class _SkipsFirst(FAMILIES["superlinear"]):
+    """Returns ``None`` (Lightning's skip) for the first ``skips`` batches, or always."""
+
+    skips = 2
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx < self.skips else super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_skips_the_first_batches_is_measured_at_the_first_batch_it_trains_on(monkeypatch, caplog):
+    limit = peaks_at("superlinear", [32], 64)[32]
+    monkeypatch.setitem(FAMILIES, "superlinear", _SkipsFirst)
+    finder = MemoryAwareBatchSize(target_fraction=1.0)
+    with caplog.at_level(logging.INFO):
+        run = fit("superlinear", [finder], limit=limit, steps=4, batch_size=64)
+    assert run.trainer.global_step == 4 and finder.micro_batch_size is not None and finder.k > 1
+    (line,) = [r.getMessage() for r in caplog.records if "MemoryAwareBatchSize" in r.getMessage()]
+    assert "2 batch(es) later: training_step skipped the earlier ones" in line
+
+
+def test_a_step_that_never_returns_a_loss_stops_after_16_batches_in_one_line(monkeypatch):
+    monkeypatch.setattr(_SkipsFirst, "skips", 10**9)
+    monkeypatch.setitem(FAMILIES, "superlinear", _SkipsFirst)
+    with pytest.raises(
+        RuntimeError, match=r"returned no loss for a trial step .* 16 training batches in a row"
+    ):
+        fit("superlinear", [MemoryAwareBatchSize()], limit=2**40, steps=40, batch_size=16)

@@ -207,7 +207,11 @@ def test_an_isolated_nonfinite_step_in_fp32_is_held_back():
 def test_in_64_true_a_finite_run_trains_and_a_nonfinite_step_is_held_back():
     """float64 gradients: their norms are taken in float64 (a float32 norm would narrow them and fail)."""
     pl.seed_everything(0, verbose=False)
-    model, switch, hook = Troubled(overflow=(4, 5), bad_in="always"), PrecisionSwitch(initial="keep"), AppliedSteps()
+    model, switch, hook = (
+        Troubled(overflow=(4, 5), bad_in="always"),
+        PrecisionSwitch(initial="keep"),
+        AppliedSteps(),
+    )
     trainer = pl.Trainer(max_steps=12, precision="64-true", callbacks=[switch, hook], **TRAINER_QUIET)
     trainer.fit(model, DataLoader(Waves(length=1024), batch_size=BATCH))
     assert trainer.precision == "64-true" and switch.switches == []
