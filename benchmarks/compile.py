@@ -7,14 +7,11 @@
     python benchmarks/compile.py --out DIR --repeats 5 --models transformer --forms module
 
 Per workload (a small CNN with BatchNorm, a small causal transformer LM) and compiled form (``submodule``:
-the network inside the module; ``module``: ``trainer.fit(torch.compile(model))``, ``refused`` where
-OOMRecovery refuses it), an eager and a compiled fit with ``OOMRecovery()`` run the same schedule: warm-up
-and steady batches at k = 1, one batch whose limit (calibrated halfway between the eager peaks at k = 1
-and k = 4, as a fraction of each fit's own activations) makes it run out of memory and split, then batches
-at the split's k. Reported, median over interleaved repeats: step time compiled / eager at k = 1 and after
-the split; dynamo's compile records (``get_compilation_metrics()``): the first compilation and the
-recompilations the split caused, counted as frame compilations (by compile id: a frame's forward,
-backward and aot records are one), with their seconds, checked by timing. The pack's budget is one
+the network compiled; ``module``: ``trainer.fit(torch.compile(model))``), an eager and a compiled fit with
+``OOMRecovery()`` run warm-up and steady batches at k = 1, one batch under a limit (halfway between the eager
+peaks at k = 1 and k = 4) that makes it split, then batches at the split's k. Reported, median over
+interleaved repeats: compiled / eager step time at k = 1 and after the split; dynamo's compilations (by
+compile id) at the first batch and caused by the split, with their seconds. The pack's budget is one
 recompilation per split (docs/oom-recovery.md). Writes ``compile.json``; exits 1 when a fit fails.
 """
 
@@ -289,9 +286,7 @@ def measure(
     fraction = calibration["limit_fraction_of_activations"]
     fits: dict[str, list[dict[str, Any]]] = {"eager": [], **{form: [] for form in forms}}
     refused: dict[str, str] = {}
-    longest = (
-        0.0  # the longest fit so far: in a GPU check section, a fit that would not fit its slice is left out
-    )
+    longest = 0.0  # in a GPU check section, a fit that would not fit its slice is left out
     for repeat in range(repeats):
         for variant in ["eager", *forms][:: 1 if repeat % 2 == 0 else -1]:
             left = device.remaining()
@@ -301,15 +296,8 @@ def measure(
                 print(f"  {workload.name}, {variant}: left out, {left:.0f} s left in the slice", flush=True)
                 continue
             device.check()
-            r = run(
-                workload,
-                batches,
-                schedule,
-                fraction,
-                precision,
-                None if variant == "eager" else variant,
-                backend,
-            )
+            form = None if variant == "eager" else variant
+            r = run(workload, batches, schedule, fraction, precision, form, backend)
             if r["status"] == "refused":
                 refused[variant] = r["reason"]
                 print(
@@ -376,24 +364,20 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     recompilations["counted_by_the_pack"] = [c["pack_recompilations"] for _, c in pairs]
     recompilations["splits"] = [c["splits"] for _, c in pairs]
     recompilations.update(caused_by_split_median=_median(caused), per_split_median=_median(per_split))
-    recompilations["seconds_per_recompilation"] = per_recompilation
+    recompilations.update(seconds_per_recompilation=per_recompilation, split_batch_dynamo_s=split_seconds)
     recompilations["seconds_per_recompilation_median"] = _median(per_recompilation)
-    recompilations["split_batch_dynamo_s"] = split_seconds
     recompilations.update(
         split_batch_by_timing_s=by_timing, split_batch_by_timing_s_median=_median(by_timing)
     )
-    first = {
-        "dynamo": per_fit("first batch", "seconds"),
-        "dynamo_median": _median(per_fit("first batch", "seconds")),
-    }
-    first.update(frames=per_fit("first batch", "frames"), by_timing=extra_s("first_ms", "steady_ms"))
-    result = {"status": "ran", "repeats": len(pairs)}
+    first_s = per_fit("first batch", "seconds")
+    first = dict(dynamo=first_s, dynamo_median=_median(first_s), frames=per_fit("first batch", "frames"))
+    first["by_timing"] = extra_s("first_ms", "steady_ms")
+    result = {"status": "ran", "repeats": len(pairs), "step_ms": step_ms}
     result["split_happened"] = all(c["split_happened"] and e["split_happened"] for e, c in pairs)
     result["final_k"] = {
         "eager": [e["final_k"] for e, _ in pairs],
         "compiled": [c["final_k"] for _, c in pairs],
     }
-    result["step_ms"] = step_ms
     for name, key in (("ratio_k1", "steady_ms"), ("ratio_after_split", "after_ms")):
         result.update({name: ratios(key), f"{name}_median": _median(ratios(key))})
     result["ratio_split_batch"] = ratios("split_ms")
