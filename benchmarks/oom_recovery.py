@@ -4,25 +4,17 @@
     python benchmarks/oom_recovery.py --quick               # smoke run for CI, under a minute
     python benchmarks/oom_recovery.py --out DIR --repeats 11
 
-Per model (a SqueezeNet 1.1 on 32x32 images, a 4-layer MLP, and a tiny MLP whose steps are so short
-that the callback's fixed cost per step shows):
+Per model (SqueezeNet 1.1 on 32x32 images, a 4-layer MLP, a tiny MLP whose ~1 ms steps show the fixed cost):
 
-1. **Overhead**: steady-state step time with ``OOMRecovery()`` (k=1, no OOM) over plain Lightning.
-   Target: median ratio <= 1.02. **Forced k=2** (no OOM) is reported: the price of micro-batching.
-2. **DDP overhead** (``--no-ddp`` skips it, ``--ddp-only`` runs only it): two CPU processes over gloo
-   (``ddp_spawn``), plain DDP vs DDP with ``OOMRecovery()`` at k=1, rank 0's step times. Target: <= 1.05.
-3. **Recovery** under :class:`~lightning_gpuopt.testing.SimulatedMemory`: after unlimited warm-up steps
-   the limit drops halfway between the steady peaks at k=1 and at k=8, so the next step runs out of
-   memory and is retried with more micro-batches: that step's time over a steady step's and over a step
-   at the final k, the failed attempts and the final k. Where splitting does not lower the peak (the MLP
-   at batch 256: parameters, gradients and optimizer state dominate) the recovery run uses a larger
-   batch (``--mlp-recovery-batch-size``), and the calibration at batch 256 is recorded to show why.
+1. **Overhead**: steady step time with ``OOMRecovery()`` (k=1, no OOM) over plain Lightning, target <= 1.02;
+   forced k=2 reported (the price of micro-batching).
+2. **DDP overhead** (``--no-ddp`` / ``--ddp-only``): 2 CPU processes over gloo, rank 0's step times, <= 1.05.
+3. **Recovery** under SimulatedMemory: after unlimited warm-up the limit drops halfway between the steady
+   peaks at k=1 and k=8; the next step runs out of memory and recovers. Where splitting does not lower the
+   peak (the MLP at batch 256) the recovery run uses ``--mlp-recovery-batch-size``.
 
-Step time is the period between consecutive ``on_train_batch_end`` calls (everything the loop runs per
-batch). Variants run interleaved (plain, k=1, k=2, then the reverse order) after one untimed fit; per
-fit the median (and the minimum) of its steady steps, per repeat a ratio, reported as the median over
-repeats with its spread. Writes ``oom_recovery.json``; exits 1 if a recovery run fails (the timing
-targets are reported, not enforced: CPU timings on a shared machine are noisy).
+Step time: the period between consecutive ``on_train_batch_end`` calls; variants interleaved, per repeat a
+ratio, the median over repeats. Writes ``oom_recovery.json``; exits 1 if a recovery run fails.
 """
 
 from __future__ import annotations
@@ -182,11 +174,7 @@ def measure_overhead(workload: Workload, repeats: int, warmup: int, steps: int) 
     k1 = summary(ratios["k=1"])["median"]
     return {
         **{"batch_size": workload.batch_size, "warmup_steps": warmup, "timed_steps": steps},
-        **{
-            "step_ms_median_per_fit": median_ms,
-            "step_ms_min_per_fit": min_ms,
-            "cpu_ms_median_per_fit": cpu_ms,
-        },
+        **dict(step_ms_median_per_fit=median_ms, step_ms_min_per_fit=min_ms, cpu_ms_median_per_fit=cpu_ms),
         "step_ms": {v: statistics.median(median_ms[v]) for v in VARIANTS},
         **series,
         **{f"{name}_summary": summary(values) for name, values in series.items()},
@@ -222,21 +210,15 @@ def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: i
             pl.seed_everything(0, verbose=False)
             callbacks = [RankZeroTimes(path), *_recovery(FORCED_K[variant])]
             ddp = {**TRAINER, "devices": 2, "strategy": DDPStrategy(start_method="spawn")}
-            pl.Trainer(max_steps=warmup + steps, callbacks=callbacks, **ddp).fit(
-                Classifier(workload.build), loader
-            )
+            trainer = pl.Trainer(max_steps=warmup + steps, callbacks=callbacks, **ddp)
+            trainer.fit(Classifier(workload.build), loader)
             periods = json.loads(path.read_text())["periods"]
             median_ms[variant].append(1e3 * statistics.median(periods[warmup - 1 :]))
     ratios = _ratios(median_ms, variants)["k=1"]
     s = summary(ratios)
     metric = "median over repeats of rank 0's step-time ratio DDP+OOMRecovery() k=1 / plain DDP"
     return {
-        **{
-            "workload": workload.name,
-            "processes": 2,
-            "backend": "gloo",
-            "batch_size_per_rank": workload.batch_size,
-        },
+        **dict(workload=workload.name, processes=2, backend="gloo", batch_size_per_rank=workload.batch_size),
         **{"warmup_steps": warmup, "timed_steps": steps, "step_ms_median_per_fit": median_ms},
         "step_ms": {v: statistics.median(median_ms[v]) for v in variants},
         **{"ratio_k1": ratios, "ratio_k1_summary": s},
@@ -419,10 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{workload.name}: overhead, {repeats} interleaved repeats ...", flush=True)
         phase = time.perf_counter()
         entry = {"description": workload.description, "targeted": workload.targeted}
-        entry["overhead"] = {
-            **measure_overhead(workload, repeats, warmup, steps),
-            "wall_s": time.perf_counter() - phase,
-        }
+        entry["overhead"] = measure_overhead(workload, repeats, warmup, steps)
+        entry["overhead"]["wall_s"] = time.perf_counter() - phase
         if workload.recovery_batch_size is not None:
             print(f"{workload.name}: recovery under SimulatedMemory ...", flush=True)
             phase = time.perf_counter()
@@ -436,24 +416,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{workload.name}: DDP overhead, 2 processes, {repeats} interleaved repeats ...", flush=True
             )
-            phase = time.perf_counter()
-            entry = measure_ddp_overhead(
-                workload, repeats, warmup, steps, args.out / "ddp_times" / workload.name
-            )
+            phase, folder = time.perf_counter(), args.out / "ddp_times" / workload.name
+            entry = measure_ddp_overhead(workload, repeats, warmup, steps, folder)
             results["ddp"][workload.name] = {**entry, "wall_s": time.perf_counter() - phase}
-    targets = [
-        {"model": name, **r["overhead"]["target"]} for name, r in results["models"].items() if r["targeted"]
-    ]
-    targets += [
-        {"model": f"{name}, DDP x2", **entry["target"]} for name, entry in results.get("ddp", {}).items()
-    ]
-    for name, r in results["models"].items():
+    models = results["models"].items()
+    targets = [{"model": name, **r["overhead"]["target"]} for name, r in models if r["targeted"]]
+    targets += [{"model": f"{name}, DDP x2", **d["target"]} for name, d in results.get("ddp", {}).items()]
+    for name, r in models:
         if "recovery" in r:
-            done = {
-                "threshold": "recovered",
-                "value": r["recovery"]["status"],
-                "met": r["recovery"]["recovered"],
-            }
+            done = dict(threshold="recovered", value=r["recovery"]["status"], met=r["recovery"]["recovered"])
             targets.append({"model": name, "metric": "the run recovers from the OOM and completes", **done})
     results["targets"] = targets
     print()
