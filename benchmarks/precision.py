@@ -5,18 +5,10 @@
     python benchmarks/precision.py --device cuda    # the same on a GPU, plus tf32 (the GPU check: gpu/speed.py)
     python benchmarks/precision.py --out DIR --repeats 5
 
-For a small MLP and a small causal transformer LM (small: a CPU without AVX512-BF16/AMX runs float16 and
-bfloat16 autocast about 10x slower than float32), at the same batch in every configuration: samples/s and
-the final loss for ``32-true``, ``bf16-mixed``, ``16-mixed`` (on a CPU real float16 autocast through
-``MixedPrecision("16-mixed", "cpu")`` with a GradScaler) and on CUDA ``tf32``; a configuration is
-*stable* when its last losses are finite and its GradScaler's scale stays >= 1. The cost when healthy:
-``PrecisionSwitch(initial="keep")`` over plain Lightning in ``32-true`` (a host sync per step) and
-``16-mixed`` (none), target <= 1.02. The automatic choice, ``PrecisionSwitch()``, against the fastest
-stable configuration: target within 5 %. Samples/s: the batch over the step time after the warm-up (on
-CUDA the wall time synchronised at both ends only; on a CPU, one intra-op thread, the median CPU time
-of this process per step; float32 configurations time 5x more steps). Configurations run interleaved
-after one untimed fit; figures are medians over repeats. Writes ``precision.json``; the targets are
-reported, not enforced.
+For a small MLP and a small causal transformer LM, at the same batch: samples/s and the final loss per
+precision (``32-true``, ``bf16-mixed``, ``16-mixed``, on CUDA ``tf32``); PrecisionSwitch's cost when healthy
+(target <= 1.02) and its automatic choice against the fastest stable configuration (within 5 %). Writes
+``precision.json``; targets reported, not enforced. How each figure is measured: docs/benchmarks.md.
 """
 
 from __future__ import annotations
