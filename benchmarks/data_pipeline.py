@@ -4,16 +4,11 @@
     python benchmarks/data_pipeline.py --quick          # smoke run, under a minute
     python benchmarks/data_pipeline.py --device cuda    # adds "defaults without device prefetch" (GPU section `data`)
 
-A CPU-heavy pipeline on purpose: generated images stored JPEG-encoded in memory, each sample decoded and
-augmented (``RandomResizedCrop``, flip, ``ColorJitter``, normalisation) when loaded. Two models consume it:
-a torchvision ResNet-18 (on a CPU its compute competes with the loader workers for the cores), and on a
-CPU a **device stand-in**: a linear classifier whose step also waits ``--standin-ms`` off the CPU, as the
-host does while a GPU computes. Configurations, interleaved: **naive** (``num_workers=0``, no pinning, no
-device prefetch: the DataLoader's defaults), GPUOptDataModule's **defaults** (resolved for this machine),
-and on CUDA the **defaults without device prefetch**. Per fit: the data-wait fraction DataStallMonitor
-measured (first step excluded) and samples/s over the steady steps (from the end of the first step to the
-end of the last, synchronised on CUDA); per configuration the median over repeats with its spread, and
-the median per-repeat ratio to naive. Writes ``data_pipeline.json``; targets are reported, not enforced.
+JPEG-encoded generated images, decoded and augmented per sample, feed a ResNet-18 and (on a CPU) a device
+stand-in that waits ``--standin-ms`` per step. Configurations, interleaved: **naive** (the DataLoader's
+defaults), GPUOptDataModule's **defaults**, on CUDA the defaults without device prefetch. Per configuration:
+the data-wait fraction and samples/s, medians over repeats. Writes ``data_pipeline.json``; targets reported,
+not enforced. How each figure is measured: docs/benchmarks.md.
 """
 
 from __future__ import annotations
