@@ -1,21 +1,14 @@
 """GPU check section ``forensics``: the OOM record against a real CUDA OOM, and what the history ring buffer costs.
 
-1. **A real OOM.** A GPT-shaped model (``speed.GPT``) trains with ``OOMRecovery`` and
-   ``GPUOptReport(memory_history=True)``. Its first ``warmup`` steps run under the section's cap and measure
-   the memory held between steps and the step's peak; from then on the limit sits halfway between
-   (``set_per_process_memory_fraction``), so the next step raises a real CUDA OOM and is retried with more
-   micro-batches. At each OOM, when the report takes its breakdown, the check reads
-   ``torch.cuda.memory_snapshot()`` too and adds up the allocator's own blocks at the addresses of the
-   parameters', gradients', optimizer state's and saved activations' storages. Checks: one record per
-   OOM the allocator counted (``num_ooms``); each category within 1 % of the blocks at its storages; the
-   categories sum to ``allocated_bytes``; the snapshot pickle is written and loads, with the ring buffer's
-   events in it; the fragmentation and the memory outside the allocator are in the record.
-2. **The ring buffer's cost.** Interleaved pairs of fits without an OOM, ``memory_history=False`` and
-   ``True``, each fit the median of its steady steps timed by CUDA events; the median ratio over pairs
-   (target ≤ 3 %), with its spread. Pairs run while the slice has room (at least ``min_repeats``).
+1. **A real OOM**: a GPT-shaped model with ``OOMRecovery`` and ``GPUOptReport(memory_history=True)`` runs
+   into a limit halfway between its held memory and its peak. Checks: one record per OOM the allocator
+   counted; each category within 1 % of the allocator's blocks at its storages (``memory_snapshot()``); the
+   categories sum to ``allocated_bytes``; the snapshot pickle loads; fragmentation and memory outside the
+   allocator recorded.
+2. **The ring buffer's cost**: interleaved pairs of fits with ``memory_history`` off and on, CUDA-event
+   step times; the median ratio over pairs (target ≤ 3 %).
 
-In the dry run the OOM is SimulatedMemory's; the comparison with the allocator's blocks and the pickle are
-CUDA's only (skipped with their reason), and the cost pairs run to prove the path (no ring buffer on a CPU).
+In the dry run the OOM is SimulatedMemory's; the CUDA-only checks are skipped with their reason.
 """
 
 from __future__ import annotations
