@@ -1,21 +1,10 @@
 """GPU check section ``batchsize``: MemoryAwareBatchSize against real memory under a per-process fraction.
 
-For a causal transformer LM (512 tokens, AdamW) trained from a ``GPUOptDataModule``:
-
-1. **Calibrate**: unlimited runs measure the steady-state peak (``max_memory_allocated`` over steps 2-3)
-   at two batch sizes; the limit sits 60 % of the way from the smaller to the larger.
-2. **mode="max"** under that limit (``target_fraction=1.0``): the batch size found, the predicted peak,
-   and the measured steady-state peak of the training steps that follow at that size.
-3. **True maximum**: bisection over real runs under the same limit (a run fits when 3 steps finish
-   without an OOM), from the size found upward. The search answers multiples of ``multiple_of`` (8 on
-   CUDA, the pack's default there), so it is held to the largest multiple that fits; the true maximum
-   itself is reported beside it.
-4. **mode="micro"** with a batch of twice the true maximum: the micro-batch found and the measured peak
-   of the training steps, split into k micro-batches of ``ceil(batch / k)`` samples, against the
-   search's model at that size (the size found is the largest that fits, not the size the split runs).
-
-Checks: predicted vs measured peak within 5 % (both modes); the size found within 90-100 % of the
-largest answerable size that fits; every run after a search trains without OOM.
+For a causal transformer LM (512 tokens, AdamW) from a ``GPUOptDataModule``, under a limit 60 % of the way
+between the steady peaks at two batch sizes: ``mode="max"`` (the size found, its predicted and measured
+peak), the true maximum by bisection over real runs (held to multiples of ``multiple_of``), and
+``mode="micro"`` at twice the true maximum. Checks: predicted vs measured peak within 5 % (both modes); the
+size found within 90-100 % of the largest answerable size that fits; no OOM after a search.
 """
 
 from __future__ import annotations
