@@ -90,6 +90,7 @@ class Config:
 
 def configs(device: str) -> list[Config]:
     cpu = device == "cpu"  # on a CPU only the plugin gives real float16
+    auto = lambda: PrecisionSwitch(verbose=False)  # noqa: E731
     keep = lambda **kwargs: lambda: PrecisionSwitch(initial="keep", verbose=False, **kwargs)  # noqa: E731
     listed = [
         Config("32-true", "32-true", fp32_on_cpu=True),
@@ -97,14 +98,7 @@ def configs(device: str) -> list[Config]:
         Config("16-mixed", "16-mixed", fp16_plugin=cpu),
         Config("switch 32-true", "32-true", fp32_on_cpu=True, switch=keep(tf32=False)),
         Config("switch 16-mixed", "16-mixed", fp16_plugin=cpu, switch=keep()),
-        # auto picks 32-true on a CPU
-        Config(
-            "auto",
-            None,
-            switch=lambda: PrecisionSwitch(verbose=False),
-            explicit_fp32_math=False,
-            fp32_on_cpu=True,
-        ),
+        Config("auto", None, switch=auto, explicit_fp32_math=False, fp32_on_cpu=True),  # 32-true on a CPU
     ]
     if not cpu:
         listed.insert(1, Config("tf32", "32-true", tf32=True))
@@ -178,9 +172,7 @@ def fit(
 def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: int) -> dict[str, Any]:
     listed = configs(device)
     batches = [tuple(t.to(device) for t in b) for b in workload.batches()]
-    fit(
-        workload, listed[0], batches, device, warmup, 2, warmup + 2
-    )  # untimed: first-use costs of the process
+    fit(workload, listed[0], batches, device, warmup, 2, warmup + 2)  # untimed: the process's first-use costs
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in listed}
     for repeat in range(repeats):
         for config in listed if repeat % 2 == 0 else listed[::-1]:
@@ -217,7 +209,7 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
     met = auto_ratio is not None and auto_ratio >= AUTO_TARGET
     result = {"description": workload.description, "batch_size": workload.batch_size, "warmup_steps": warmup}
     result.update(
-        timed_steps=steps, timed_steps_fp32_on_cpu=steps * CPU_FAST_STEPS if device == "cpu" else steps
+        timed_steps=steps, timed_steps_fp32_on_cpu=steps * (CPU_FAST_STEPS if device == "cpu" else 1)
     )
     result.update(configs=per_config, overhead=overhead, fastest_stable=fastest)
     return {**result, "auto": {"chose": auto["precision"], "ratio_to_fastest_stable": auto_ratio, "met": met}}
@@ -256,9 +248,8 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
     """Measure every workload; the results with their targets (what ``main`` writes)."""
     started = time.perf_counter()
     results: dict[str, Any] = {"benchmark": "precision", **common.environment(repeats=repeats)}
-    results.update(
-        device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu", device_kind=device, models={}
-    )
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    results.update(device=name, device_kind=device, models={})
     for workload in workloads:
         print(
             f"{workload.name}: {len(configs(device))} configurations x {repeats} interleaved repeats ...",
@@ -273,11 +264,7 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
             ratio = {"threshold": OVERHEAD_TARGET, "value": o["ratio"], "met": o["met"]}
             targets.append({"model": name, "metric": f"{config} / plain step time", **ratio})
     for name, r in results["models"].items():
-        auto = {
-            "threshold": AUTO_TARGET,
-            "value": r["auto"]["ratio_to_fastest_stable"],
-            "met": r["auto"]["met"],
-        }
+        auto = dict(threshold=AUTO_TARGET, value=r["auto"]["ratio_to_fastest_stable"], met=r["auto"]["met"])
         targets.append({"model": name, "metric": "auto samples/s / fastest stable", **auto})
     results["targets"] = targets
     results["wall_s"] = time.perf_counter() - started
@@ -285,9 +272,8 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.arguments(
-        __doc__, "precision.json", quick="smoke mode, few repeats and steps (CI, about a minute)"
-    )
+    quick = "smoke mode, few repeats and steps (CI, about a minute)"
+    parser = common.arguments(__doc__, "precision.json", quick=quick)
     parser.add_argument(
         "--repeats", type=common.positive_int, help="interleaved repeats (default 7; 2 with --quick)"
     )
