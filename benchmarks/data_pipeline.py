@@ -139,9 +139,8 @@ def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: st
     pl.seed_everything(0, verbose=False)
     data = ImageData(dataset, batch_size=batch_size, **config.loader)
     monitor, throughput = DataStallMonitor(window=10_000), Throughput()  # window: never warn mid-benchmark
-    trainer = pl.Trainer(
-        accelerator=device, max_epochs=1, precision="32-true", callbacks=[monitor, throughput], **QUIET
-    )
+    run = dict(accelerator=device, max_epochs=1, precision="32-true")
+    trainer = pl.Trainer(callbacks=[monitor, throughput], **run, **QUIET)
     trainer.fit(Classifier(lambda: _network(standin_ms), lr=0.05), datamodule=data)
     epoch = monitor.history[0]
     return {
@@ -159,8 +158,7 @@ def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: st
 def measure(
     device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0
 ) -> dict[str, Any]:
-    dataset = EncodedImages(length=batch_size * steps)
-    variants = configs(device)
+    dataset, variants = EncodedImages(length=batch_size * steps), configs(device)
     fit_once(
         variants[0], EncodedImages(length=batch_size * 2), batch_size, device, standin_ms
     )  # untimed warm-up
@@ -196,29 +194,13 @@ def gpu_section(sizes: dict[str, Any]) -> dict[str, Any]:
         for name, r in runs.items()
     ]
     speedup = runs["defaults"]["speedup_vs_naive"]["median"]
-    figures.append(
-        figure(
-            "data pipeline: defaults over naive settings",
-            speedup,
-            "x",
-            "> 1",
-            speedup > 1 if on_cuda else None,
-        )
-    )
-    skipped = {}
+    met = speedup > 1 if on_cuda else None
+    figures.append(figure("data pipeline: defaults over naive settings", speedup, "x", "> 1", met))
+    skipped, rate = {}, {name: r["samples_per_s"]["median"] for name, r in runs.items()}
     if "defaults, no device prefetch" in runs:
-        gain = (
-            runs["defaults"]["samples_per_s"]["median"]
-            / runs["defaults, no device prefetch"]["samples_per_s"]["median"]
-        )
-        figures.append(
-            figure(
-                "data pipeline: device prefetch gain (defaults over defaults without it)",
-                gain,
-                "x",
-                "reported",
-            )
-        )
+        gain = rate["defaults"] / rate["defaults, no device prefetch"]
+        what = "data pipeline: device prefetch gain (defaults over defaults without it)"
+        figures.append(figure(what, gain, "x", "reported"))
     else:
         skipped["device prefetch"] = (
             "device prefetch copies on a CUDA side stream; a CPU run has no device copy"
@@ -229,24 +211,18 @@ def gpu_section(sizes: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any]) -> None:
-    rows = [
-        "model|configuration|workers|pinned|dev. prefetch|samples/s (median, min-max)|"
-        "data-wait fraction (median, min-max)|wait / compute ms per step|speed-up vs naive (median, min-max)".split(
-            "|"
-        )
-    ]
+    header = (
+        "model|configuration|workers|pinned|dev. prefetch|samples/s (median, min-max)|data-wait fraction "
+    )
+    header += "(median, min-max)|wait / compute ms per step|speed-up vs naive (median, min-max)"
+    rows = [header.split("|")]
     for model, configurations in results["models"].items():
         for name, r in configurations.items():
             s, w, x, settings = r["samples_per_s"], r["wait_fraction"], r["speedup_vs_naive"], r["settings"]
+            loader = (settings["num_workers"], settings["pin_memory"], settings["device_prefetch"])
             rows.append(
                 [
-                    *(
-                        model,
-                        name,
-                        settings["num_workers"],
-                        settings["pin_memory"],
-                        settings["device_prefetch"],
-                    ),
+                    *(model, name, *loader),
                     f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
                     f"{w['median']:.0%} ({w['min']:.0%}-{w['max']:.0%})",
                     f"{r['wait_ms_per_step']['median']:.0f} / {r['compute_ms_per_step']['median']:.0f}",
@@ -266,9 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--batch-size", type=common.positive_int, default=32, help="samples per step (default 32)"
     )
-    parser.add_argument(
-        "--standin-ms", type=float, default=60.0, help="device time per step of the stand-in model (CPU runs)"
-    )
+    standin = "device time per step of the stand-in model (CPU runs)"
+    parser.add_argument("--standin-ms", type=float, default=60.0, help=standin)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
@@ -292,15 +267,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for model, standin_ms in models.items():
         print(f"{model}:", flush=True)
         results["models"][model] = measure(args.device, repeats, steps, args.batch_size, standin_ms)
+    metric = "samples/s with the defaults over naive settings (median of per-repeat ratios)"
     results["targets"] = [
-        {
-            "model": model,
-            "metric": "samples/s with the defaults over naive settings (median of per-repeat ratios)",
-            "threshold": "> 1.0",
-            "value": r["defaults"]["speedup_vs_naive"]["median"],
-            "met": r["defaults"]["speedup_vs_naive"]["median"] > 1.0,
-        }
-        for model, r in results["models"].items()
+        dict(model=model, metric=metric, threshold="> 1.0", value=x, met=x > 1.0)
+        for model, x in (
+            (m, r["defaults"]["speedup_vs_naive"]["median"]) for m, r in results["models"].items()
+        )
     ]
     print()
     report(results)
