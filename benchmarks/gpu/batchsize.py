@@ -101,11 +101,7 @@ def run(workload: Workload, dataset: Dataset, batch_size: int, callbacks: list, 
     recorder, data = SteadyPeak(), Data(dataset, batch_size)
     callbacks = [device.Deadline(), *callbacks, recorder]
     trainer = pl.Trainer(
-        max_steps=STEPS,
-        callbacks=callbacks,
-        accelerator=device.current().accelerator,
-        precision="32-true",
-        **QUIET,
+        max_steps=STEPS, callbacks=callbacks, accelerator=device.current().accelerator, **QUIET
     )
     failed = None
     try:
@@ -160,10 +156,9 @@ def check_workload(workload: Workload, multiple_of: int) -> dict[str, Any]:
     ran = math.ceil(2 * fits / micro.k)
     micro_run.update(found=micro.micro_batch_size, k=micro.k, micro_batch_run=ran, trials=micro.trials)
     model = micro.result.model if micro.result else None
-    predicted = {
-        "predicted_peak_at_found": micro.predicted_peak_bytes,
-        "predicted_peak": model and model.peak(ran),
-    }
+    predicted = dict(
+        predicted_peak_at_found=micro.predicted_peak_bytes, predicted_peak=model and model.peak(ran)
+    )
     result["micro_mode"] = {**micro_run, **predicted}
     checks = {}
     for mode in ("max_mode", "micro_mode"):
@@ -171,9 +166,8 @@ def check_workload(workload: Workload, multiple_of: int) -> dict[str, Any]:
         error = abs(r["predicted_peak"] - r["steady_peak"]) / r["steady_peak"] if r["fits"] else None
         r["peak_error"] = error
         checks[f"{mode}: trains without OOM after the search"] = r["fits"]
-        checks[f"{mode}: predicted peak within {PEAK_TOLERANCE:.0%} of measured"] = (
-            error is not None and error <= 0.05
-        )
+        within = error is not None and error <= 0.05
+        checks[f"{mode}: predicted peak within {PEAK_TOLERANCE:.0%} of measured"] = within
     result["found_fraction"] = fraction = finder.micro_batch_size / answerable if answerable else 0.0
     checks[f"max_mode: {IN_BAND}"] = BAND[0] <= fraction <= BAND[1]
     checks["micro_mode: k > 1 (the batch had to be split)"] = micro.k > 1
@@ -191,9 +185,8 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
         details[name] = r = check_workload(workloads[name], sizes["multiple_of"])
         what = f"the largest multiple of {r['multiple_of']} that fits (true maximum {r['true_max']})"
         found, met = f"{r['max_mode']['found']} / {r['answerable_max']}", r["checks"][f"max_mode: {IN_BAND}"]
-        figures.append(
-            figure(f"{name}: MemoryAwareBatchSize(mode='max') found / {what}", found, "", "90-100 %", met)
-        )
+        what = f"{name}: MemoryAwareBatchSize(mode='max') found / {what}"
+        figures.append(figure(what, found, "", "90-100 %", met))
         for mode in ("max_mode", "micro_mode"):
             error, met = r[mode]["peak_error"], r["checks"][f"{mode}: predicted peak within 5% of measured"]
             at = f" (micro-batch of {r[mode]['micro_batch_run']})" if mode == "micro_mode" else ""
