@@ -43,13 +43,8 @@ def _loader(sizes: dict[str, Any], steps: int) -> DataLoader:
 def _fit(sizes: dict[str, Any], steps: int, callbacks: list) -> pl.Trainer:
     device.check()
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator=device.current().accelerator,
-        precision=sizes["precision"],
-        callbacks=[device.Deadline(), *callbacks],
-        **QUIET,
-    )
+    run = dict(max_steps=steps, accelerator=device.current().accelerator, precision=sizes["precision"])
+    trainer = pl.Trainer(callbacks=[device.Deadline(), *callbacks], **run, **QUIET)
     trainer.fit(_model(sizes), _loader(sizes, steps))
     return trainer
 
@@ -103,11 +98,8 @@ class AtTheOOM:
                 blocks = _blocks()
                 counted: set = set()
                 moment = {}
-                for name, tensors in (
-                    ("parameters", parameters),
-                    ("gradients", gradients),
-                    ("optimizer_state", optimizer_state),
-                ):
+                kinds = dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state)
+                for name, tensors in kinds.items():
                     keys = set(forensics.storages(tensors, device_)) - counted
                     counted |= keys
                     moment[name] = sum(blocks.get(key[2], 0) for key in keys)
@@ -161,19 +153,13 @@ def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, A
                               events > 0))  # fmt: skip
         details["moments"] = at_the_oom.moments
         details["fragmentation"] = [r.get("fragmentation") for r in records]
-        details["outside_allocator"] = [
-            (r.get("outside_allocator_bytes"), r.get("outside_allocator_source")) for r in records
-        ]
+        outside = [(r.get("outside_allocator_bytes"), r.get("outside_allocator_source")) for r in records]
+        details["outside_allocator"] = outside
     else:
         skipped["against memory_snapshot"] = "the caching allocator's blocks exist on CUDA only"
         skipped["snapshot pickle"] = "torch.cuda.memory._dump_snapshot needs CUDA"
-    details["records"] = [
-        {
-            k: r.get(k)
-            for k in ("step", "stage", "phase", "requested_bytes", "allocated_bytes", "categories", "action")
-        }
-        for r in records
-    ]
+    keys = ("step", "stage", "phase", "requested_bytes", "allocated_bytes", "categories", "action")
+    details["records"] = [{k: r.get(k) for k in keys} for r in records]
     return figures, details, skipped
 
 
