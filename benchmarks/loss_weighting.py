@@ -66,18 +66,12 @@ def _model(kind: str, width: int, layers: int, vocab: int, length: int) -> torch
 
     torch.manual_seed(0)
     if kind == "gpt2-causal-lm":
-        return tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=4)
-        )
-    config = tf.BertConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=4 * width,
-        max_position_embeddings=length,
+        config = dict(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=4)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(**config))
+    config = dict(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4)
+    return tf.BertForMaskedLM(
+        tf.BertConfig(**config, intermediate_size=4 * width, max_position_embeddings=length)
     )
-    return tf.BertForMaskedLM(config)
 
 
 def measure(kind: str, device: str, quick: bool) -> dict:
@@ -108,14 +102,13 @@ def measure(kind: str, device: str, quick: bool) -> dict:
     finally:
         lw.LossWeighting._decide = decide
     step = statistics.median(timer.durations(0 if sync else 1)[1:])
+    result = dict(workload=kind, batch=batch, k=2, weighting=oom.loss_weighting.decided.description)
+    check = check_times[0]
     return {
-        "workload": kind,
-        "batch": batch,
-        "k": 2,
-        "weighting": oom.loss_weighting.decided.description,
-        "check_ms": 1e3 * check_times[0],
+        **result,
+        "check_ms": 1e3 * check,
         "step_ms": 1e3 * step,
-        "check_percent_of_step": 100 * check_times[0] / step,
+        "check_percent_of_step": 100 * check / step,
     }
 
 
