@@ -129,12 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         **{"model": "resnet18", "image_size": 32, "batch_size": args.batch_size, "repeats": args.repeats},
         **{"steps_per_block": args.steps, "threads": torch.get_num_threads(), "torch": torch.__version__},
         **{"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count()},
-        **{
-            "timed_seconds": elapsed,
-            "target_ratio": TARGET,
-            "allocator_within_target": verdict,
-            "rows": rows,
-        },
+        **dict(timed_seconds=elapsed, target_ratio=TARGET, allocator_within_target=verdict, rows=rows),
     }
     write_json(args.out, "simulated_memory.json", result)
     return 1 if args.check and verdict is False else 0
