@@ -28,7 +28,7 @@ from typing import Any
 import common
 import lightning.pytorch as pl
 import torch
-from common import QUIET, Batches, figure, quiet
+from common import Batches, figure, quiet
 from gpu import device
 from gpu.oom import CausalLM, LimitAt, StepRecord, forced, image_batches, token_batches
 from gpu.oom import cnn as cnn_module
@@ -159,13 +159,13 @@ class Refused(Exception):
 
 def _fit(
     workload: Workload,
-    batches: list[tuple[Tensor, ...]],
+    batches: list,
     steps: int,
-    callbacks: list[pl.Callback],
+    callbacks: list,
     precision: str,
-    form: str | None = None,
-    backend: str = "aot_eager",
-) -> pl.Trainer:
+    form=None,
+    backend="aot_eager",
+):
     """One seeded fit, eager (``form=None``) or compiled in ``form``; raises :class:`Refused` on the refusal."""
     device.current().set_limit(None)
     torch._dynamo.reset()
@@ -174,11 +174,7 @@ def _fit(
     if form == "submodule":
         setattr(model, workload.submodule, torch.compile(getattr(model, workload.submodule), backend=backend))
     fitted = torch.compile(model, backend=backend) if form == "module" else model
-    callbacks = [device.Deadline(), *callbacks]
-    accelerator = device.current().accelerator
-    trainer = pl.Trainer(
-        max_steps=steps, accelerator=accelerator, callbacks=callbacks, precision=precision, **QUIET
-    )
+    trainer = device.trainer(steps, callbacks, precision=precision)
     try:
         trainer.fit(fitted, DataLoader(Batches(batches, steps), batch_size=None))
     except RuntimeError as err:
@@ -206,13 +202,13 @@ def calibrate(workload: Workload, batches: list[tuple[Tensor, ...]], precision: 
 
 def run(
     workload: Workload,
-    batches: list[tuple[Tensor, ...]],
+    batches: list,
     schedule: Schedule,
-    fraction: float | None,
+    fraction,
     precision: str,
-    form: str | None = None,
-    backend: str = "aot_eager",
-) -> dict[str, Any]:
+    form=None,
+    backend="aot_eager",
+):
     """One fit with OOMRecovery and its OOM at ``schedule.split_at`` (none when ``fraction`` is None)."""
     recovery = OOMRecovery(verbose=False)
     record, compiles = StepRecord(), CompileLog()

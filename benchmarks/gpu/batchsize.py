@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import QUIET, Classifier, figure
+from common import Classifier, figure
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -99,10 +99,7 @@ def run(workload: Workload, dataset: Dataset, batch_size: int, callbacks: list, 
     """Train ``STEPS`` steps; returns the steady peak, or the OOM when it ran out of memory."""
     device.current().set_limit(limit)
     recorder, data = SteadyPeak(), Data(dataset, batch_size)
-    callbacks = [device.Deadline(), *callbacks, recorder]
-    trainer = pl.Trainer(
-        max_steps=STEPS, callbacks=callbacks, accelerator=device.current().accelerator, **QUIET
-    )
+    trainer = device.trainer(STEPS, [*callbacks, recorder])
     failed = None
     try:
         trainer.fit(Classifier(workload.build, "adamw"), datamodule=data)

@@ -20,7 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import QUIET, figure, spread
+from common import figure, spread
 from torch.utils.data import DataLoader
 
 from gpu import device
@@ -43,8 +43,7 @@ def _loader(sizes: dict[str, Any], steps: int) -> DataLoader:
 def _fit(sizes: dict[str, Any], steps: int, callbacks: list) -> pl.Trainer:
     device.check()
     pl.seed_everything(0, verbose=False)
-    run = dict(max_steps=steps, accelerator=device.current().accelerator, precision=sizes["precision"])
-    trainer = pl.Trainer(callbacks=[device.Deadline(), *callbacks], **run, **QUIET)
+    trainer = device.trainer(steps, callbacks, precision=sizes["precision"])
     trainer.fit(_model(sizes), _loader(sizes, steps))
     return trainer
 

@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torchvision
-from common import QUIET, Batches, Classifier, figure
+from common import Batches, Classifier, figure
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -220,9 +220,7 @@ def fit(workload: Workload, batches: list, steps: int, callbacks: list[pl.Callba
     device.current().set_limit(None)  # also collects what earlier fits left to the garbage collector
     pl.seed_everything(0, verbose=False)
     model = workload.build()
-    callbacks = [device.Deadline(), *callbacks]
-    run = dict(max_steps=steps, accelerator=device.current().accelerator, precision="32-true")
-    trainer = pl.Trainer(callbacks=callbacks, **run, **QUIET)
+    trainer = device.trainer(steps, callbacks, precision="32-true")
     try:
         trainer.fit(model, DataLoader(Batches(batches, steps), batch_size=None))
     finally:
