@@ -99,30 +99,16 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
                 model, make_batch, step = make()
                 start = time.perf_counter()
                 optimizer = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
-                p = predict_peak(
-                    model,
-                    make_batch(n),
-                    optimizer,
-                    step=step,
-                    precision=precision,
-                    device="cuda",
-                    workspace_bytes=0,
+                options = dict(step=step, precision=precision, device="cuda", workspace_bytes=0)
+                p = predict_peak(model, make_batch(n), optimizer, **options)
+                row = dict(model=name, precision=precision, batch=n, predicted=p.peak_bytes)
+                row.update(max_memory_allocated=allocated, max_memory_reserved=reserved)
+                row.update(
+                    error_allocated=p.peak_bytes / allocated - 1, under_reserved=1 - p.peak_bytes / reserved
                 )
-                row = {
-                    "model": name,
-                    "precision": precision,
-                    "batch": n,
-                    "predicted": p.peak_bytes,
-                    "max_memory_allocated": allocated,
-                    "max_memory_reserved": reserved,
-                    "error_allocated": p.peak_bytes / allocated - 1,
-                    "under_reserved": 1 - p.peak_bytes / reserved,
-                    "seconds": time.perf_counter() - start,
-                    "peak_at": f"{p.phase} of step {p.step}",
-                }
-                row["ok"] = (
-                    abs(row["error_allocated"]) <= ALLOCATED_BAND and row["under_reserved"] <= RESERVED_UNDER
-                )
+                row.update(seconds=time.perf_counter() - start, peak_at=f"{p.phase} of step {p.step}")
+                ok = abs(row["error_allocated"]) <= ALLOCATED_BAND and row["under_reserved"] <= RESERVED_UNDER
+                row["ok"] = ok
                 rows.append(row)
                 print(
                     f"{name:9s} {precision:10s} n={n:3d} predicted {p.peak_bytes / 2**20:8.1f} MiB  allocated "
@@ -130,23 +116,14 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
                     f"(under by {row['under_reserved']:.1%})  {'ok' if row['ok'] else 'MISS'}",
                     flush=True,
                 )
-    result = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
-        "workspace_taken_before": workspace_taken,
-        "rows": rows,
-        "ok": all(r["ok"] for r in rows),
-    }
+    result = dict(
+        torch=torch.__version__, device=torch.cuda.get_device_name(), workspace_taken_before=workspace_taken
+    )
+    result.update(rows=rows, ok=all(r["ok"] for r in rows))
     write_json(sizes["out"], "predict/predict.json", result)
     target = f"within +-{ALLOCATED_BAND:.0%}, at most {RESERVED_UNDER:.0%} under reserved"
+    what = "predicted peak vs max_memory_allocated, {model} {precision} batch {batch}"
     figures = [
-        figure(
-            f"predicted peak vs max_memory_allocated, {r['model']} {r['precision']} batch {r['batch']}",
-            r["error_allocated"],
-            "relative error",
-            target,
-            r["ok"],
-        )
-        for r in rows
+        figure(what.format(**r), r["error_allocated"], "relative error", target, r["ok"]) for r in rows
     ]
     return {"figures": figures, "details": result, "skipped": {}}
