@@ -296,28 +296,20 @@ def measure(
             r = run(workload, batches, schedule, fraction, precision, form, backend)
             if r["status"] == "refused":
                 refused[variant] = r["reason"]
-                print(
-                    f"  {workload.name}, {variant}: skipped, OOMRecovery refuses it: {r['reason']}",
-                    flush=True,
-                )
+                why = f"skipped, OOMRecovery refuses it: {r['reason']}"
+                print(f"  {workload.name}, {variant}: {why}", flush=True)
                 continue
             fits[variant].append(r)
             longest = max(longest, r["wall_s"])
             print(f"  {workload.name}, {variant}: {_fit_line(r)}", flush=True)
-    result = {
-        "description": workload.description,
-        "batch_size": workload.batch_size,
-        "calibration": calibration,
-    }
+    result = dict(description=workload.description, batch_size=workload.batch_size, calibration=calibration)
     result.update(eager={"fits": fits["eager"]}, forms={})
     for form in forms:
         if form in refused:
             result["forms"][form] = {"status": "refused", "reason": refused[form]}
         elif not fits[form]:
-            result["forms"][form] = {
-                "status": "left out",
-                "reason": "the time slice ran out before its first fit",
-            }
+            why = "the time slice ran out before its first fit"
+            result["forms"][form] = {"status": "left out", "reason": why}
         else:
             result["forms"][form] = compare(fits["eager"], fits[form])
     result["wall_s"] = time.perf_counter() - started
@@ -328,10 +320,7 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     """The figures of one form: compiled over eager per repeat (pairs of fits that both ran), and dynamo's records."""
     pairs = [(e, c) for e, c in zip(eager, compiled) if e["status"] == c["status"] == "ran"]
     if not pairs:
-        return {
-            "status": "failed",
-            "errors": [f["error"] for f in [*eager, *compiled] if f["status"] != "ran"],
-        }
+        return dict(status="failed", errors=[f["error"] for f in [*eager, *compiled] if f["status"] != "ran"])
 
     def ratios(key: str) -> list[float]:
         return [c[key] / e[key] for e, c in pairs]
@@ -352,9 +341,8 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     # what is left is the recompilation (and the failed attempt's own compiled-vs-eager difference).
     by_timing = extra_s("split_ms", "after_ms")
     phases = (("k1", "steady_ms"), ("after_split", "after_ms"))
-    step_ms = {
-        f"{v}_{k}": _median([p[i][key] for p in pairs]) for i, v in enumerate(VARIANTS) for k, key in phases
-    }
+    medians = ((f"{v}_{k}", [p[i][key] for p in pairs]) for i, v in enumerate(VARIANTS) for k, key in phases)
+    step_ms = {name: _median(values) for name, values in medians}
     recompilations = {"at_split": split_frames, "after_split": after_frames}
     recompilations["steady_before_split"] = per_fit("steady", "frames")
     recompilations["counted_by_the_pack"] = [c["pack_recompilations"] for _, c in pairs]
@@ -362,18 +350,15 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     recompilations.update(caused_by_split_median=_median(caused), per_split_median=_median(per_split))
     recompilations.update(seconds_per_recompilation=per_recompilation, split_batch_dynamo_s=split_seconds)
     recompilations["seconds_per_recompilation_median"] = _median(per_recompilation)
-    recompilations.update(
-        split_batch_by_timing_s=by_timing, split_batch_by_timing_s_median=_median(by_timing)
-    )
+    recompilations["split_batch_by_timing_s"] = by_timing
+    recompilations["split_batch_by_timing_s_median"] = _median(by_timing)
     first_s = per_fit("first batch", "seconds")
     first = dict(dynamo=first_s, dynamo_median=_median(first_s), frames=per_fit("first batch", "frames"))
     first["by_timing"] = extra_s("first_ms", "steady_ms")
     result = {"status": "ran", "repeats": len(pairs), "step_ms": step_ms}
     result["split_happened"] = all(c["split_happened"] and e["split_happened"] for e, c in pairs)
-    result["final_k"] = {
-        "eager": [e["final_k"] for e, _ in pairs],
-        "compiled": [c["final_k"] for _, c in pairs],
-    }
+    result["final_k"] = {"eager": [e["final_k"] for e, _ in pairs]}
+    result["final_k"]["compiled"] = [c["final_k"] for _, c in pairs]
     for name, key in (("ratio_k1", "steady_ms"), ("ratio_after_split", "after_ms")):
         result.update({name: ratios(key), f"{name}_median": _median(ratios(key))})
     result["ratio_split_batch"] = ratios("split_ms")
@@ -435,18 +420,16 @@ def report(results: dict[str, Any]) -> None:
                 ]
             )
             if not f["split_happened"]:
-                messages.append(
-                    f"{name}, {form}: no split happened at the limit (see calibration in the JSON)"
-                )
+                messages.append(f"{name}, {form}: {NO_SPLIT}")
             elif any(r["steady_before_split"]):
-                messages.append(
-                    f"{name}, {form}: dynamo compiled during the steady batches too (before the split)"
-                )
+                messages.append(f"{name}, {form}: {STEADY_COMPILES}")
     common.print_table(rows)
     for message in [*messages, *(f"{', '.join(cases)}: {note}" for note, cases in notes.items())]:
         print(message)
 
 
+NO_SPLIT = "no split happened at the limit (see calibration in the JSON)"
+STEADY_COMPILES = "dynamo compiled during the steady batches too (before the split)"
 FORM_NAMES = {"module": "compiled LightningModule", "submodule": "compiled submodule"}
 
 
