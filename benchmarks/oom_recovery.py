@@ -44,6 +44,7 @@ from lightning_gpuopt import OOMRecovery
 from lightning_gpuopt.testing import SimulatedMemory
 
 OVERHEAD_TARGET, DDP_OVERHEAD_TARGET = 1.02, 1.05
+K1_OVER_PLAIN = "OOMRecovery() k=1 / plain"
 CALIBRATION_K = 8
 VARIANTS = ("plain", "k=1", "k=2")
 FORCED_K = {"plain": None, "k=1": 1, "k=2": 2}
@@ -84,17 +85,12 @@ def _features(width: int) -> MakeBatch:
 def workloads(mlp_recovery_batch_size: int) -> list[Workload]:
     squeezenet = lambda: torchvision.models.squeezenet1_1(num_classes=10)  # noqa: E731
     mlp4 = lambda: mlp(512, 1024, 1024, 1024, 10)  # noqa: E731
+    squeezenet_name, recovery_batch = "squeezenet1_1(num_classes=10)", mlp_recovery_batch_size
     tiny = "MLP 32-64-10 (steps of ~1 ms: the callback's fixed cost per step)"
     return [
-        Workload(
-            "squeezenet", "torchvision squeezenet1_1(num_classes=10) on 3x32x32", squeezenet, _images, 32, 32
-        ),
-        Workload(
-            "mlp", "MLP 512-1024-1024-1024-10, ReLU", mlp4, _features(512), 256, mlp_recovery_batch_size
-        ),
-        Workload(
-            "tiny", tiny, lambda: mlp(32, 64, 10), _features(32), 32, None, steps_factor=4, targeted=False
-        ),
+        Workload("squeezenet", f"torchvision {squeezenet_name} on 3x32x32", squeezenet, _images, 32, 32),
+        Workload("mlp", "MLP 512-1024-1024-1024-10, ReLU", mlp4, _features(512), 256, recovery_batch),
+        Workload("tiny", tiny, lambda: mlp(32, 64, 10), _features(32), 32, None, 4, targeted=False),
     ]
 
 
@@ -178,9 +174,7 @@ def measure_overhead(workload: Workload, repeats: int, warmup: int, steps: int) 
         "step_ms": {v: statistics.median(median_ms[v]) for v in VARIANTS},
         **series,
         **{f"{name}_summary": summary(values) for name, values in series.items()},
-        "target": _target(
-            "median over repeats of step-time ratio OOMRecovery() k=1 / plain", OVERHEAD_TARGET, k1
-        ),
+        "target": _target(f"median over repeats of step-time ratio {K1_OVER_PLAIN}", OVERHEAD_TARGET, k1),
     }
 
 
@@ -262,9 +256,8 @@ def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[
     try:
         trainer = fit(workload, [clock, peaks, recovery], workload.loader(batch_size, total_steps), memory)
     except Exception as err:  # a failed recovery is a result: report it with what was measured
-        result.update(
-            status="failed", recovered=False, limit_bytes=limit, error=f"{type(err).__name__}: {err}"
-        )
+        error = f"{type(err).__name__}: {err}"
+        result.update(status="failed", recovered=False, limit_bytes=limit, error=error)
         return {**result, "failures": [dataclasses.asdict(f) for f in recovery.failures]}
     gc_started = time.perf_counter()
     gc.collect()  # what free_memory() pays per failed attempt on CPU, on a heap like the run's
@@ -306,18 +299,10 @@ def report(results: dict[str, Any]) -> None:
         met = ("met" if o["target"]["met"] else "NOT met") if r["targeted"] else "(info)"
         medians = [o[f"{key}_summary"]["median"] for key in ("ratio_k1_of_min_steps", "ratio_k1_cpu_time")]
         cells = [name, o["batch_size"], f"{o['step_ms']['plain']:.2f}", f"{o['step_ms']['k=1']:.2f}"]
-        cells += [
-            _spread(o["ratio_k1_summary"]),
-            f"<= {OVERHEAD_TARGET} {met}",
-            *(f"{m:.3f}" for m in medians),
-        ]
-        rows.append(
-            [
-                *cells,
-                f"{o['overhead_k1_ms_summary']['median']:+.3f}",
-                f"{o['ratio_k2_summary']['median']:.3f}",
-            ]
-        )
+        target = f"<= {OVERHEAD_TARGET} {met}"
+        cells += [_spread(o["ratio_k1_summary"]), target, *(f"{m:.3f}" for m in medians)]
+        extra, k2 = o["overhead_k1_ms_summary"]["median"], o["ratio_k2_summary"]["median"]
+        rows.append([*cells, f"{extra:+.3f}", f"{k2:.3f}"])
     common.print_table([rows[0].split("|"), *rows[1:]])
     print(
         "k=1/plain: median over repeats of the ratio of per-fit median step times; 'of min steps': of per-fit "
@@ -353,9 +338,8 @@ def report(results: dict[str, Any]) -> None:
         other = c.get("calibration_at_overhead_batch_size")
         if other is not None:
             peak_1, peak_k = other["peak_k1_bytes"] / 2**20, other[f"peak_k{CALIBRATION_K}_bytes"] / 2**20
-            verdict = (
-                "splitting lowers it" if other["limit_bytes"] else "splitting cannot recover an OOM there"
-            )
+            verdict = "splitting cannot recover an OOM there"
+            verdict = "splitting lowers it" if other["limit_bytes"] else verdict
             notes.append(
                 f"{name}: at batch {other['batch_size']} the step peaks at {peak_1:.1f} MiB with k=1 and "
                 f"{peak_k:.1f} MiB with k={CALIBRATION_K}: {verdict}"
@@ -366,12 +350,10 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.arguments(
-        __doc__, "oom_recovery.json", quick="smoke mode, few repeats and steps (CI, < 60 s)"
-    )
-    parser.add_argument(
-        "--repeats", type=common.positive_int, help="interleaved repeats (default 7; --quick: 2)"
-    )
+    quick = "smoke mode, few repeats and steps (CI, < 60 s)"
+    parser = common.arguments(__doc__, "oom_recovery.json", quick=quick)
+    repeats_help = "interleaved repeats (default 7; --quick: 2)"
+    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process DDP overhead measurement")
     parser.add_argument("--ddp-only", action="store_true", help="only the 2-process DDP overhead measurement")
     parser.add_argument(
