@@ -198,9 +198,8 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
         ratios = [b / a for a, b in zip(rates[name], rates[base])]  # time ratio = inverse rate ratio
         added_ms = [1e3 * workload.batch_size * (1 / a - 1 / b) for a, b in zip(rates[name], rates[base])]
         overhead[name] = {"ratio": statistics.median(ratios), "ratio_summary": summary(ratios)}
-        overhead[name].update(
-            added_ms_per_step=statistics.median(added_ms), added_ms_summary=summary(added_ms)
-        )
+        overhead[name]["added_ms_per_step"] = statistics.median(added_ms)
+        overhead[name]["added_ms_summary"] = summary(added_ms)
         overhead[name]["met"] = statistics.median(ratios) <= OVERHEAD_TARGET
     stable = {n: v for n, v in per_config.items() if n in PRECISIONS and v["stable"]}
     fastest = max(stable, key=lambda n: stable[n]["samples_per_s"]) if stable else None
@@ -208,9 +207,8 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
     auto_ratio = auto["samples_per_s"] / stable[fastest]["samples_per_s"] if fastest else None
     met = auto_ratio is not None and auto_ratio >= AUTO_TARGET
     result = {"description": workload.description, "batch_size": workload.batch_size, "warmup_steps": warmup}
-    result.update(
-        timed_steps=steps, timed_steps_fp32_on_cpu=steps * (CPU_FAST_STEPS if device == "cpu" else 1)
-    )
+    fp32_steps = steps * (CPU_FAST_STEPS if device == "cpu" else 1)
+    result.update(timed_steps=steps, timed_steps_fp32_on_cpu=fp32_steps)
     result.update(configs=per_config, overhead=overhead, fastest_stable=fastest)
     return {**result, "auto": {"chose": auto["precision"], "ratio_to_fastest_stable": auto_ratio, "met": met}}
 
@@ -251,10 +249,8 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     results.update(device=name, device_kind=device, models={})
     for workload in workloads:
-        print(
-            f"{workload.name}: {len(configs(device))} configurations x {repeats} interleaved repeats ...",
-            flush=True,
-        )
+        count = len(configs(device))
+        print(f"{workload.name}: {count} configurations x {repeats} interleaved repeats ...", flush=True)
         phase = time.perf_counter()
         results["models"][workload.name] = measure(workload, device, repeats, warmup, steps)
         results["models"][workload.name]["wall_s"] = time.perf_counter() - phase
@@ -274,9 +270,8 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
 def main(argv: list[str] | None = None) -> int:
     quick = "smoke mode, few repeats and steps (CI, about a minute)"
     parser = common.arguments(__doc__, "precision.json", quick=quick)
-    parser.add_argument(
-        "--repeats", type=common.positive_int, help="interleaved repeats (default 7; 2 with --quick)"
-    )
+    repeats_help = "interleaved repeats (default 7; 2 with --quick)"
+    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
     where = "where to run (auto: CUDA when available)"
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=where)
     threads = (
