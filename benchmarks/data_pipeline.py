@@ -32,6 +32,7 @@ from lightning_gpuopt.data import available_cpus
 IMAGE_SIZE = 96  # stored (encoded) images
 CROP = 64  # what the model sees
 NUM_CLASSES = 10
+NAIVE = "num_workers=0, pin_memory=False, device_prefetch=False"
 
 
 class EncodedImages(Dataset):
@@ -122,11 +123,7 @@ class Config:
 def configs(device: str) -> list[Config]:
     naive = {"num_workers": 0, "pin_memory": False, "device_prefetch": False, "persistent_workers": False}
     listed = [
-        Config(
-            "naive",
-            naive,
-            "num_workers=0, pin_memory=False, device_prefetch=False (the DataLoader's defaults)",
-        ),
+        Config("naive", naive, f"{NAIVE} (the DataLoader's defaults)"),
         Config("defaults", {}, "GPUOptDataModule defaults (num_workers/pin_memory/device_prefetch 'auto')"),
     ]
     if device == "cuda":
@@ -155,13 +152,10 @@ def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: st
     }
 
 
-def measure(
-    device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0
-) -> dict[str, Any]:
+def measure(device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0) -> dict:
     dataset, variants = EncodedImages(length=batch_size * steps), configs(device)
-    fit_once(
-        variants[0], EncodedImages(length=batch_size * 2), batch_size, device, standin_ms
-    )  # untimed warm-up
+    warmup = EncodedImages(length=batch_size * 2)
+    fit_once(variants[0], warmup, batch_size, device, standin_ms)  # untimed warm-up
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in variants}
     for r in range(repeats):
         for config in variants if r % 2 == 0 else variants[::-1]:
@@ -170,14 +164,13 @@ def measure(
     results: dict[str, Any] = {}
     for config in variants:
         fits = runs[config.name]
+        speedup = [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, runs["naive"])]
         results[config.name] = {
             "description": config.description,
             "settings": {k: fits[0][k] for k in ("num_workers", "pin_memory", "device_prefetch")},
             **{key: spread([f[key] for f in fits]) for key in ("samples_per_s", "wait_fraction")},
             **{key: spread([f[key] for f in fits]) for key in ("wait_ms_per_step", "compute_ms_per_step")},
-            "speedup_vs_naive": spread(
-                [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, runs["naive"])]
-            ),
+            "speedup_vs_naive": spread(speedup),
             "fits": fits,
         }
     return results
@@ -247,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    batch = args.batch_size
     repeats, steps = args.repeats or (1 if args.quick else 5), args.steps or (8 if args.quick else 30)
     common.quiet()
     started = time.perf_counter()
@@ -258,9 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"normalize per sample; torchvision ResNet-18 ({NUM_CLASSES} classes), SGD",
         **{"batch_size": args.batch_size, "steps": steps, "repeats": repeats, "models": {}},
     }
-    print(
-        f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {args.batch_size}"
-    )
+    print(f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {batch}")
     models = {"resnet18": 0.0}
     if args.device == "cpu":
         models[f"device stand-in ({args.standin_ms:g} ms)"] = args.standin_ms
