@@ -2,13 +2,9 @@
 
     python benchmarks/simulated_memory.py [--out DIR] [--batch-size 32] [--repeats 7] [--steps 3]
 
-Each repeat times one block of ``--steps`` training steps per configuration -- plain, plain again
-(an A/A control that shows the machine's noise), and SimulatedMemory with each backend -- in an order
-that rotates from repeat to repeat, so drifts in machine load hit every configuration alike. A block
-starts with one untimed step; its time is the median step. The ratio of a configuration is computed
-per repeat against that repeat's plain block; the table shows the median ratio and its spread
-(min–max and interquartile range). Writes ``simulated_memory.json`` to ``--out``.
-The target is a median ratio ≤ 1.1 for the default (allocator) backend; ``--check`` exits 1 if not.
+Each repeat times a block of ``--steps`` steps per configuration (plain, plain again as an A/A control,
+SimulatedMemory per backend) in a rotating order; per repeat the ratio to plain, the median over repeats.
+Writes ``simulated_memory.json``; target: median ratio ≤ 1.1 (allocator backend), ``--check`` exits 1 if not.
 """
 
 from __future__ import annotations
