@@ -4,13 +4,9 @@
     python benchmarks/loss_weighting.py --quick    # smoke run for CI
     python benchmarks/loss_weighting.py --device cuda --out DIR
 
-For each workload (a Hugging Face GPT-2 from a config, no weights downloaded, on right-padded
-variable-length batches with ``labels=-100`` on the padding; and a BERT masked LM), ``OOMRecovery()`` runs
-every batch as k = 2 micro-batches from the start, so the check runs at the first batch. Measured: the
-check's own time (three forwards without gradients: a piece of the batch the size of one micro-batch,
-and its two parts), and the median time of the later training steps (all k micro-batches, backward and
-optimizer step). On a CPU, with one intra-op thread, times are this process's CPU time (shared cores make
-wall time useless); on CUDA, wall time synchronised at both ends. Writes ``loss_weighting.json`` to ``--out``.
+A Hugging Face GPT-2 (right-padded batches, ``labels=-100`` on the padding) and a BERT masked LM, run by
+``OOMRecovery()`` at k = 2 from the start: the check's own time against the median later step (CPU time on a
+CPU, synchronised wall time on CUDA). Writes ``loss_weighting.json``; details in docs/benchmarks.md.
 """
 
 from __future__ import annotations
