@@ -2,14 +2,9 @@
 
     python benchmarks/resume.py [--hidden 1024] [--steps 30] [--out benchmarks/results]
 
-One process on the CPU (or the first GPU with ``--device cuda``): an MLP (4 layers of ``--hidden``) with
-AdamW, a GPUOptDataModule over random data, ExactResume. Measured:
-
-* one training step: the median step time (wall clock between batch ends) of a plain run;
-* checkpoint: ``trainer.save_checkpoint`` (model, AdamW state, the datamodule's loader state, every rank's
-  RNG) to local disk, median of 5;
-* resume: time from ``fit(ckpt_path=...)`` to the first training batch, minus the same for a fresh ``fit``;
-* the step-time overhead of the resumable loader (per-sample seeded loading) and of ExactResume.
+An MLP (4 layers of ``--hidden``, AdamW) over a GPUOptDataModule with ExactResume: one step's time,
+``save_checkpoint`` (median of 5), the extra time of ``fit(ckpt_path=...)`` to its first batch, and the step
+overheads of the resumable loader and of ExactResume. Details in docs/benchmarks.md.
 """
 
 from __future__ import annotations
