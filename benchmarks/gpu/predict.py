@@ -1,13 +1,8 @@
 """GPU check section ``predict``: predict_peak against max_memory_allocated / max_memory_reserved.
 
-For an MLP, a torchvision ResNet-18 (64x64 images) and a tiny Hugging Face GPT-2 (skipped when
-transformers is missing), AdamW, fp32 and bf16-mixed, it runs two real training steps on the GPU in
-Lightning's order (forward, zero_grad, backward, step) from an empty cache and compares the predicted
-peak (``predict_peak(..., device="cuda")``) with ``max_memory_allocated`` (target within +-5 %; cuBLAS's
-workspace is taken once before measuring and left out of both sides) and with ``max_memory_reserved``
-(at most 15 % under it: reserved adds segment rounding and fragmentation the prediction does not model).
-cuDNN's convolution workspaces are kernel-internal and not modelled: the ResNet-18 rows say how much
-they weigh. Writes ``predict/predict.json`` beside the check's results.
+For an MLP, a ResNet-18 and a tiny GPT-2 (AdamW, fp32 and bf16-mixed): two real steps from an empty cache
+against ``predict_peak(..., device="cuda")``: within ±5 % of ``max_memory_allocated`` and at most 15 % under
+``max_memory_reserved`` (cuBLAS's workspace taken first, left out of both). Writes ``predict/predict.json``.
 """
 
 from __future__ import annotations
