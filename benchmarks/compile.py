@@ -7,14 +7,11 @@
     python benchmarks/compile.py --out DIR --repeats 5 --models transformer --forms module
 
 Per workload (a small CNN with BatchNorm, a small causal transformer LM) and compiled form (``submodule``:
-the network inside the module; ``module``: ``trainer.fit(torch.compile(model))``, ``refused`` where
-OOMRecovery refuses it), an eager and a compiled fit with ``OOMRecovery()`` run the same schedule: warm-up
-and steady batches at k = 1, one batch whose limit (calibrated halfway between the eager peaks at k = 1
-and k = 4, as a fraction of each fit's own activations) makes it run out of memory and split, then batches
-at the split's k. Reported, median over interleaved repeats: step time compiled / eager at k = 1 and after
-the split; dynamo's compile records (``get_compilation_metrics()``): the first compilation and the
-recompilations the split caused, counted as frame compilations (by compile id: a frame's forward,
-backward and aot records are one), with their seconds, checked by timing. The pack's budget is one
+the network compiled; ``module``: ``trainer.fit(torch.compile(model))``), an eager and a compiled fit with
+``OOMRecovery()`` run warm-up and steady batches at k = 1, one batch under a limit (halfway between the eager
+peaks at k = 1 and k = 4) that makes it split, then batches at the split's k. Reported, median over
+interleaved repeats: compiled / eager step time at k = 1 and after the split; dynamo's compilations (by
+compile id) at the first batch and caused by the split, with their seconds. The pack's budget is one
 recompilation per split (docs/oom-recovery.md). Writes ``compile.json``; exits 1 when a fit fails.
 """
 
@@ -31,7 +28,7 @@ from typing import Any
 import common
 import lightning.pytorch as pl
 import torch
-from common import QUIET, Batches, figure, quiet
+from common import Batches, figure, quiet
 from gpu import device
 from gpu.oom import CausalLM, LimitAt, StepRecord, forced, image_batches, token_batches
 from gpu.oom import cnn as cnn_module
@@ -162,13 +159,13 @@ class Refused(Exception):
 
 def _fit(
     workload: Workload,
-    batches: list[tuple[Tensor, ...]],
+    batches: list,
     steps: int,
-    callbacks: list[pl.Callback],
+    callbacks: list,
     precision: str,
-    form: str | None = None,
-    backend: str = "aot_eager",
-) -> pl.Trainer:
+    form=None,
+    backend="aot_eager",
+):
     """One seeded fit, eager (``form=None``) or compiled in ``form``; raises :class:`Refused` on the refusal."""
     device.current().set_limit(None)
     torch._dynamo.reset()
@@ -177,11 +174,7 @@ def _fit(
     if form == "submodule":
         setattr(model, workload.submodule, torch.compile(getattr(model, workload.submodule), backend=backend))
     fitted = torch.compile(model, backend=backend) if form == "module" else model
-    callbacks = [device.Deadline(), *callbacks]
-    accelerator = device.current().accelerator
-    trainer = pl.Trainer(
-        max_steps=steps, accelerator=accelerator, callbacks=callbacks, precision=precision, **QUIET
-    )
+    trainer = device.trainer(steps, callbacks, precision=precision)
     try:
         trainer.fit(fitted, DataLoader(Batches(batches, steps), batch_size=None))
     except RuntimeError as err:
@@ -209,13 +202,13 @@ def calibrate(workload: Workload, batches: list[tuple[Tensor, ...]], precision: 
 
 def run(
     workload: Workload,
-    batches: list[tuple[Tensor, ...]],
+    batches: list,
     schedule: Schedule,
-    fraction: float | None,
+    fraction,
     precision: str,
-    form: str | None = None,
-    backend: str = "aot_eager",
-) -> dict[str, Any]:
+    form=None,
+    backend="aot_eager",
+):
     """One fit with OOMRecovery and its OOM at ``schedule.split_at`` (none when ``fraction`` is None)."""
     recovery = OOMRecovery(verbose=False)
     record, compiles = StepRecord(), CompileLog()
@@ -289,9 +282,7 @@ def measure(
     fraction = calibration["limit_fraction_of_activations"]
     fits: dict[str, list[dict[str, Any]]] = {"eager": [], **{form: [] for form in forms}}
     refused: dict[str, str] = {}
-    longest = (
-        0.0  # the longest fit so far: in a GPU check section, a fit that would not fit its slice is left out
-    )
+    longest = 0.0  # in a GPU check section, a fit that would not fit its slice is left out
     for repeat in range(repeats):
         for variant in ["eager", *forms][:: 1 if repeat % 2 == 0 else -1]:
             left = device.remaining()
@@ -301,39 +292,24 @@ def measure(
                 print(f"  {workload.name}, {variant}: left out, {left:.0f} s left in the slice", flush=True)
                 continue
             device.check()
-            r = run(
-                workload,
-                batches,
-                schedule,
-                fraction,
-                precision,
-                None if variant == "eager" else variant,
-                backend,
-            )
+            form = None if variant == "eager" else variant
+            r = run(workload, batches, schedule, fraction, precision, form, backend)
             if r["status"] == "refused":
                 refused[variant] = r["reason"]
-                print(
-                    f"  {workload.name}, {variant}: skipped, OOMRecovery refuses it: {r['reason']}",
-                    flush=True,
-                )
+                why = f"skipped, OOMRecovery refuses it: {r['reason']}"
+                print(f"  {workload.name}, {variant}: {why}", flush=True)
                 continue
             fits[variant].append(r)
             longest = max(longest, r["wall_s"])
             print(f"  {workload.name}, {variant}: {_fit_line(r)}", flush=True)
-    result = {
-        "description": workload.description,
-        "batch_size": workload.batch_size,
-        "calibration": calibration,
-    }
+    result = dict(description=workload.description, batch_size=workload.batch_size, calibration=calibration)
     result.update(eager={"fits": fits["eager"]}, forms={})
     for form in forms:
         if form in refused:
             result["forms"][form] = {"status": "refused", "reason": refused[form]}
         elif not fits[form]:
-            result["forms"][form] = {
-                "status": "left out",
-                "reason": "the time slice ran out before its first fit",
-            }
+            why = "the time slice ran out before its first fit"
+            result["forms"][form] = {"status": "left out", "reason": why}
         else:
             result["forms"][form] = compare(fits["eager"], fits[form])
     result["wall_s"] = time.perf_counter() - started
@@ -344,10 +320,7 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     """The figures of one form: compiled over eager per repeat (pairs of fits that both ran), and dynamo's records."""
     pairs = [(e, c) for e, c in zip(eager, compiled) if e["status"] == c["status"] == "ran"]
     if not pairs:
-        return {
-            "status": "failed",
-            "errors": [f["error"] for f in [*eager, *compiled] if f["status"] != "ran"],
-        }
+        return dict(status="failed", errors=[f["error"] for f in [*eager, *compiled] if f["status"] != "ran"])
 
     def ratios(key: str) -> list[float]:
         return [c[key] / e[key] for e, c in pairs]
@@ -368,32 +341,24 @@ def compare(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> dict
     # what is left is the recompilation (and the failed attempt's own compiled-vs-eager difference).
     by_timing = extra_s("split_ms", "after_ms")
     phases = (("k1", "steady_ms"), ("after_split", "after_ms"))
-    step_ms = {
-        f"{v}_{k}": _median([p[i][key] for p in pairs]) for i, v in enumerate(VARIANTS) for k, key in phases
-    }
+    medians = ((f"{v}_{k}", [p[i][key] for p in pairs]) for i, v in enumerate(VARIANTS) for k, key in phases)
+    step_ms = {name: _median(values) for name, values in medians}
     recompilations = {"at_split": split_frames, "after_split": after_frames}
     recompilations["steady_before_split"] = per_fit("steady", "frames")
     recompilations["counted_by_the_pack"] = [c["pack_recompilations"] for _, c in pairs]
     recompilations["splits"] = [c["splits"] for _, c in pairs]
     recompilations.update(caused_by_split_median=_median(caused), per_split_median=_median(per_split))
-    recompilations["seconds_per_recompilation"] = per_recompilation
+    recompilations.update(seconds_per_recompilation=per_recompilation, split_batch_dynamo_s=split_seconds)
     recompilations["seconds_per_recompilation_median"] = _median(per_recompilation)
-    recompilations["split_batch_dynamo_s"] = split_seconds
-    recompilations.update(
-        split_batch_by_timing_s=by_timing, split_batch_by_timing_s_median=_median(by_timing)
-    )
-    first = {
-        "dynamo": per_fit("first batch", "seconds"),
-        "dynamo_median": _median(per_fit("first batch", "seconds")),
-    }
-    first.update(frames=per_fit("first batch", "frames"), by_timing=extra_s("first_ms", "steady_ms"))
-    result = {"status": "ran", "repeats": len(pairs)}
+    recompilations["split_batch_by_timing_s"] = by_timing
+    recompilations["split_batch_by_timing_s_median"] = _median(by_timing)
+    first_s = per_fit("first batch", "seconds")
+    first = dict(dynamo=first_s, dynamo_median=_median(first_s), frames=per_fit("first batch", "frames"))
+    first["by_timing"] = extra_s("first_ms", "steady_ms")
+    result = {"status": "ran", "repeats": len(pairs), "step_ms": step_ms}
     result["split_happened"] = all(c["split_happened"] and e["split_happened"] for e, c in pairs)
-    result["final_k"] = {
-        "eager": [e["final_k"] for e, _ in pairs],
-        "compiled": [c["final_k"] for _, c in pairs],
-    }
-    result["step_ms"] = step_ms
+    result["final_k"] = {"eager": [e["final_k"] for e, _ in pairs]}
+    result["final_k"]["compiled"] = [c["final_k"] for _, c in pairs]
     for name, key in (("ratio_k1", "steady_ms"), ("ratio_after_split", "after_ms")):
         result.update({name: ratios(key), f"{name}_median": _median(ratios(key))})
     result["ratio_split_batch"] = ratios("split_ms")
@@ -455,18 +420,16 @@ def report(results: dict[str, Any]) -> None:
                 ]
             )
             if not f["split_happened"]:
-                messages.append(
-                    f"{name}, {form}: no split happened at the limit (see calibration in the JSON)"
-                )
+                messages.append(f"{name}, {form}: {NO_SPLIT}")
             elif any(r["steady_before_split"]):
-                messages.append(
-                    f"{name}, {form}: dynamo compiled during the steady batches too (before the split)"
-                )
+                messages.append(f"{name}, {form}: {STEADY_COMPILES}")
     common.print_table(rows)
     for message in [*messages, *(f"{', '.join(cases)}: {note}" for note, cases in notes.items())]:
         print(message)
 
 
+NO_SPLIT = "no split happened at the limit (see calibration in the JSON)"
+STEADY_COMPILES = "dynamo compiled during the steady batches too (before the split)"
 FORM_NAMES = {"module": "compiled LightningModule", "submodule": "compiled submodule"}
 
 

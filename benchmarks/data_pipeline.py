@@ -4,16 +4,11 @@
     python benchmarks/data_pipeline.py --quick          # smoke run, under a minute
     python benchmarks/data_pipeline.py --device cuda    # adds "defaults without device prefetch" (GPU section `data`)
 
-A CPU-heavy pipeline on purpose: generated images stored JPEG-encoded in memory, each sample decoded and
-augmented (``RandomResizedCrop``, flip, ``ColorJitter``, normalisation) when loaded. Two models consume it:
-a torchvision ResNet-18 (on a CPU its compute competes with the loader workers for the cores), and on a
-CPU a **device stand-in**: a linear classifier whose step also waits ``--standin-ms`` off the CPU, as the
-host does while a GPU computes. Configurations, interleaved: **naive** (``num_workers=0``, no pinning, no
-device prefetch: the DataLoader's defaults), GPUOptDataModule's **defaults** (resolved for this machine),
-and on CUDA the **defaults without device prefetch**. Per fit: the data-wait fraction DataStallMonitor
-measured (first step excluded) and samples/s over the steady steps (from the end of the first step to the
-end of the last, synchronised on CUDA); per configuration the median over repeats with its spread, and
-the median per-repeat ratio to naive. Writes ``data_pipeline.json``; targets are reported, not enforced.
+JPEG-encoded generated images, decoded and augmented per sample, feed a ResNet-18 and (on a CPU) a device
+stand-in that waits ``--standin-ms`` per step. Configurations, interleaved: **naive** (the DataLoader's
+defaults), GPUOptDataModule's **defaults**, on CUDA the defaults without device prefetch. Per configuration:
+the data-wait fraction and samples/s, medians over repeats. Writes ``data_pipeline.json``; targets reported,
+not enforced. How each figure is measured: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -37,6 +32,7 @@ from lightning_gpuopt.data import available_cpus
 IMAGE_SIZE = 96  # stored (encoded) images
 CROP = 64  # what the model sees
 NUM_CLASSES = 10
+NAIVE = "num_workers=0, pin_memory=False, device_prefetch=False"
 
 
 class EncodedImages(Dataset):
@@ -127,11 +123,7 @@ class Config:
 def configs(device: str) -> list[Config]:
     naive = {"num_workers": 0, "pin_memory": False, "device_prefetch": False, "persistent_workers": False}
     listed = [
-        Config(
-            "naive",
-            naive,
-            "num_workers=0, pin_memory=False, device_prefetch=False (the DataLoader's defaults)",
-        ),
+        Config("naive", naive, f"{NAIVE} (the DataLoader's defaults)"),
         Config("defaults", {}, "GPUOptDataModule defaults (num_workers/pin_memory/device_prefetch 'auto')"),
     ]
     if device == "cuda":
@@ -144,9 +136,8 @@ def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: st
     pl.seed_everything(0, verbose=False)
     data = ImageData(dataset, batch_size=batch_size, **config.loader)
     monitor, throughput = DataStallMonitor(window=10_000), Throughput()  # window: never warn mid-benchmark
-    trainer = pl.Trainer(
-        accelerator=device, max_epochs=1, precision="32-true", callbacks=[monitor, throughput], **QUIET
-    )
+    run = dict(accelerator=device, max_epochs=1, precision="32-true")
+    trainer = pl.Trainer(callbacks=[monitor, throughput], **run, **QUIET)
     trainer.fit(Classifier(lambda: _network(standin_ms), lr=0.05), datamodule=data)
     epoch = monitor.history[0]
     return {
@@ -161,14 +152,10 @@ def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: st
     }
 
 
-def measure(
-    device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0
-) -> dict[str, Any]:
-    dataset = EncodedImages(length=batch_size * steps)
-    variants = configs(device)
-    fit_once(
-        variants[0], EncodedImages(length=batch_size * 2), batch_size, device, standin_ms
-    )  # untimed warm-up
+def measure(device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0) -> dict:
+    dataset, variants = EncodedImages(length=batch_size * steps), configs(device)
+    warmup = EncodedImages(length=batch_size * 2)
+    fit_once(variants[0], warmup, batch_size, device, standin_ms)  # untimed warm-up
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in variants}
     for r in range(repeats):
         for config in variants if r % 2 == 0 else variants[::-1]:
@@ -177,14 +164,13 @@ def measure(
     results: dict[str, Any] = {}
     for config in variants:
         fits = runs[config.name]
+        speedup = [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, runs["naive"])]
         results[config.name] = {
             "description": config.description,
             "settings": {k: fits[0][k] for k in ("num_workers", "pin_memory", "device_prefetch")},
             **{key: spread([f[key] for f in fits]) for key in ("samples_per_s", "wait_fraction")},
             **{key: spread([f[key] for f in fits]) for key in ("wait_ms_per_step", "compute_ms_per_step")},
-            "speedup_vs_naive": spread(
-                [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, runs["naive"])]
-            ),
+            "speedup_vs_naive": spread(speedup),
             "fits": fits,
         }
     return results
@@ -201,29 +187,13 @@ def gpu_section(sizes: dict[str, Any]) -> dict[str, Any]:
         for name, r in runs.items()
     ]
     speedup = runs["defaults"]["speedup_vs_naive"]["median"]
-    figures.append(
-        figure(
-            "data pipeline: defaults over naive settings",
-            speedup,
-            "x",
-            "> 1",
-            speedup > 1 if on_cuda else None,
-        )
-    )
-    skipped = {}
+    met = speedup > 1 if on_cuda else None
+    figures.append(figure("data pipeline: defaults over naive settings", speedup, "x", "> 1", met))
+    skipped, rate = {}, {name: r["samples_per_s"]["median"] for name, r in runs.items()}
     if "defaults, no device prefetch" in runs:
-        gain = (
-            runs["defaults"]["samples_per_s"]["median"]
-            / runs["defaults, no device prefetch"]["samples_per_s"]["median"]
-        )
-        figures.append(
-            figure(
-                "data pipeline: device prefetch gain (defaults over defaults without it)",
-                gain,
-                "x",
-                "reported",
-            )
-        )
+        gain = rate["defaults"] / rate["defaults, no device prefetch"]
+        what = "data pipeline: device prefetch gain (defaults over defaults without it)"
+        figures.append(figure(what, gain, "x", "reported"))
     else:
         skipped["device prefetch"] = (
             "device prefetch copies on a CUDA side stream; a CPU run has no device copy"
@@ -234,24 +204,18 @@ def gpu_section(sizes: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any]) -> None:
-    rows = [
-        "model|configuration|workers|pinned|dev. prefetch|samples/s (median, min-max)|"
-        "data-wait fraction (median, min-max)|wait / compute ms per step|speed-up vs naive (median, min-max)".split(
-            "|"
-        )
-    ]
+    header = (
+        "model|configuration|workers|pinned|dev. prefetch|samples/s (median, min-max)|data-wait fraction "
+    )
+    header += "(median, min-max)|wait / compute ms per step|speed-up vs naive (median, min-max)"
+    rows = [header.split("|")]
     for model, configurations in results["models"].items():
         for name, r in configurations.items():
             s, w, x, settings = r["samples_per_s"], r["wait_fraction"], r["speedup_vs_naive"], r["settings"]
+            loader = (settings["num_workers"], settings["pin_memory"], settings["device_prefetch"])
             rows.append(
                 [
-                    *(
-                        model,
-                        name,
-                        settings["num_workers"],
-                        settings["pin_memory"],
-                        settings["device_prefetch"],
-                    ),
+                    *(model, name, *loader),
                     f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
                     f"{w['median']:.0%} ({w['min']:.0%}-{w['max']:.0%})",
                     f"{r['wait_ms_per_step']['median']:.0f} / {r['compute_ms_per_step']['median']:.0f}",
@@ -271,12 +235,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--batch-size", type=common.positive_int, default=32, help="samples per step (default 32)"
     )
-    parser.add_argument(
-        "--standin-ms", type=float, default=60.0, help="device time per step of the stand-in model (CPU runs)"
-    )
+    standin = "device time per step of the stand-in model (CPU runs)"
+    parser.add_argument("--standin-ms", type=float, default=60.0, help=standin)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    batch = args.batch_size
     repeats, steps = args.repeats or (1 if args.quick else 5), args.steps or (8 if args.quick else 30)
     common.quiet()
     started = time.perf_counter()
@@ -288,24 +252,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"normalize per sample; torchvision ResNet-18 ({NUM_CLASSES} classes), SGD",
         **{"batch_size": args.batch_size, "steps": steps, "repeats": repeats, "models": {}},
     }
-    print(
-        f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {args.batch_size}"
-    )
+    print(f"data pipeline on {args.device}: {repeats} interleaved repeats of {steps} steps, batch {batch}")
     models = {"resnet18": 0.0}
     if args.device == "cpu":
         models[f"device stand-in ({args.standin_ms:g} ms)"] = args.standin_ms
     for model, standin_ms in models.items():
         print(f"{model}:", flush=True)
         results["models"][model] = measure(args.device, repeats, steps, args.batch_size, standin_ms)
+    metric = "samples/s with the defaults over naive settings (median of per-repeat ratios)"
     results["targets"] = [
-        {
-            "model": model,
-            "metric": "samples/s with the defaults over naive settings (median of per-repeat ratios)",
-            "threshold": "> 1.0",
-            "value": r["defaults"]["speedup_vs_naive"]["median"],
-            "met": r["defaults"]["speedup_vs_naive"]["median"] > 1.0,
-        }
-        for model, r in results["models"].items()
+        dict(model=model, metric=metric, threshold="> 1.0", value=x, met=x > 1.0)
+        for model, x in (
+            (m, r["defaults"]["speedup_vs_naive"]["median"]) for m, r in results["models"].items()
+        )
     ]
     print()
     report(results)

@@ -4,13 +4,9 @@
     python benchmarks/loss_weighting.py --quick    # smoke run for CI
     python benchmarks/loss_weighting.py --device cuda --out DIR
 
-For each workload (a Hugging Face GPT-2 from a config, no weights downloaded, on right-padded
-variable-length batches with ``labels=-100`` on the padding; and a BERT masked LM), ``OOMRecovery()`` runs
-every batch as k = 2 micro-batches from the start, so the check runs at the first batch. Measured: the
-check's own time (three forwards without gradients: a piece of the batch the size of one micro-batch,
-and its two parts), and the median time of the later training steps (all k micro-batches, backward and
-optimizer step). On a CPU, with one intra-op thread, times are this process's CPU time (shared cores make
-wall time useless); on CUDA, wall time synchronised at both ends. Writes ``loss_weighting.json`` to ``--out``.
+A Hugging Face GPT-2 (right-padded batches, ``labels=-100`` on the padding) and a BERT masked LM, run by
+``OOMRecovery()`` at k = 2 from the start: the check's own time against the median later step (CPU time on a
+CPU, synchronised wall time on CUDA). Writes ``loss_weighting.json``; details in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -66,18 +62,12 @@ def _model(kind: str, width: int, layers: int, vocab: int, length: int) -> torch
 
     torch.manual_seed(0)
     if kind == "gpt2-causal-lm":
-        return tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=4)
-        )
-    config = tf.BertConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=4 * width,
-        max_position_embeddings=length,
+        config = dict(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=4)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(**config))
+    config = dict(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4)
+    return tf.BertForMaskedLM(
+        tf.BertConfig(**config, intermediate_size=4 * width, max_position_embeddings=length)
     )
-    return tf.BertForMaskedLM(config)
 
 
 def measure(kind: str, device: str, quick: bool) -> dict:
@@ -108,14 +98,13 @@ def measure(kind: str, device: str, quick: bool) -> dict:
     finally:
         lw.LossWeighting._decide = decide
     step = statistics.median(timer.durations(0 if sync else 1)[1:])
+    result = dict(workload=kind, batch=batch, k=2, weighting=oom.loss_weighting.decided.description)
+    check = check_times[0]
     return {
-        "workload": kind,
-        "batch": batch,
-        "k": 2,
-        "weighting": oom.loss_weighting.decided.description,
-        "check_ms": 1e3 * check_times[0],
+        **result,
+        "check_ms": 1e3 * check,
         "step_ms": 1e3 * step,
-        "check_percent_of_step": 100 * check_times[0] / step,
+        "check_percent_of_step": 100 * check / step,
     }
 
 

@@ -4,25 +4,17 @@
     python benchmarks/oom_recovery.py --quick               # smoke run for CI, under a minute
     python benchmarks/oom_recovery.py --out DIR --repeats 11
 
-Per model (a SqueezeNet 1.1 on 32x32 images, a 4-layer MLP, and a tiny MLP whose steps are so short
-that the callback's fixed cost per step shows):
+Per model (SqueezeNet 1.1 on 32x32 images, a 4-layer MLP, a tiny MLP whose ~1 ms steps show the fixed cost):
 
-1. **Overhead**: steady-state step time with ``OOMRecovery()`` (k=1, no OOM) over plain Lightning.
-   Target: median ratio <= 1.02. **Forced k=2** (no OOM) is reported: the price of micro-batching.
-2. **DDP overhead** (``--no-ddp`` skips it, ``--ddp-only`` runs only it): two CPU processes over gloo
-   (``ddp_spawn``), plain DDP vs DDP with ``OOMRecovery()`` at k=1, rank 0's step times. Target: <= 1.05.
-3. **Recovery** under :class:`~lightning_gpuopt.testing.SimulatedMemory`: after unlimited warm-up steps
-   the limit drops halfway between the steady peaks at k=1 and at k=8, so the next step runs out of
-   memory and is retried with more micro-batches: that step's time over a steady step's and over a step
-   at the final k, the failed attempts and the final k. Where splitting does not lower the peak (the MLP
-   at batch 256: parameters, gradients and optimizer state dominate) the recovery run uses a larger
-   batch (``--mlp-recovery-batch-size``), and the calibration at batch 256 is recorded to show why.
+1. **Overhead**: steady step time with ``OOMRecovery()`` (k=1, no OOM) over plain Lightning, target <= 1.02;
+   forced k=2 reported (the price of micro-batching).
+2. **DDP overhead** (``--no-ddp`` / ``--ddp-only``): 2 CPU processes over gloo, rank 0's step times, <= 1.05.
+3. **Recovery** under SimulatedMemory: after unlimited warm-up the limit drops halfway between the steady
+   peaks at k=1 and k=8; the next step runs out of memory and recovers. Where splitting does not lower the
+   peak (the MLP at batch 256) the recovery run uses ``--mlp-recovery-batch-size``.
 
-Step time is the period between consecutive ``on_train_batch_end`` calls (everything the loop runs per
-batch). Variants run interleaved (plain, k=1, k=2, then the reverse order) after one untimed fit; per
-fit the median (and the minimum) of its steady steps, per repeat a ratio, reported as the median over
-repeats with its spread. Writes ``oom_recovery.json``; exits 1 if a recovery run fails (the timing
-targets are reported, not enforced: CPU timings on a shared machine are noisy).
+Step time: the period between consecutive ``on_train_batch_end`` calls; variants interleaved, per repeat a
+ratio, the median over repeats. Writes ``oom_recovery.json``; exits 1 if a recovery run fails.
 """
 
 from __future__ import annotations
@@ -52,6 +44,7 @@ from lightning_gpuopt import OOMRecovery
 from lightning_gpuopt.testing import SimulatedMemory
 
 OVERHEAD_TARGET, DDP_OVERHEAD_TARGET = 1.02, 1.05
+K1_OVER_PLAIN = "OOMRecovery() k=1 / plain"
 CALIBRATION_K = 8
 VARIANTS = ("plain", "k=1", "k=2")
 FORCED_K = {"plain": None, "k=1": 1, "k=2": 2}
@@ -92,17 +85,12 @@ def _features(width: int) -> MakeBatch:
 def workloads(mlp_recovery_batch_size: int) -> list[Workload]:
     squeezenet = lambda: torchvision.models.squeezenet1_1(num_classes=10)  # noqa: E731
     mlp4 = lambda: mlp(512, 1024, 1024, 1024, 10)  # noqa: E731
+    squeezenet_name, recovery_batch = "squeezenet1_1(num_classes=10)", mlp_recovery_batch_size
     tiny = "MLP 32-64-10 (steps of ~1 ms: the callback's fixed cost per step)"
     return [
-        Workload(
-            "squeezenet", "torchvision squeezenet1_1(num_classes=10) on 3x32x32", squeezenet, _images, 32, 32
-        ),
-        Workload(
-            "mlp", "MLP 512-1024-1024-1024-10, ReLU", mlp4, _features(512), 256, mlp_recovery_batch_size
-        ),
-        Workload(
-            "tiny", tiny, lambda: mlp(32, 64, 10), _features(32), 32, None, steps_factor=4, targeted=False
-        ),
+        Workload("squeezenet", f"torchvision {squeezenet_name} on 3x32x32", squeezenet, _images, 32, 32),
+        Workload("mlp", "MLP 512-1024-1024-1024-10, ReLU", mlp4, _features(512), 256, recovery_batch),
+        Workload("tiny", tiny, lambda: mlp(32, 64, 10), _features(32), 32, None, 4, targeted=False),
     ]
 
 
@@ -182,17 +170,11 @@ def measure_overhead(workload: Workload, repeats: int, warmup: int, steps: int) 
     k1 = summary(ratios["k=1"])["median"]
     return {
         **{"batch_size": workload.batch_size, "warmup_steps": warmup, "timed_steps": steps},
-        **{
-            "step_ms_median_per_fit": median_ms,
-            "step_ms_min_per_fit": min_ms,
-            "cpu_ms_median_per_fit": cpu_ms,
-        },
+        **dict(step_ms_median_per_fit=median_ms, step_ms_min_per_fit=min_ms, cpu_ms_median_per_fit=cpu_ms),
         "step_ms": {v: statistics.median(median_ms[v]) for v in VARIANTS},
         **series,
         **{f"{name}_summary": summary(values) for name, values in series.items()},
-        "target": _target(
-            "median over repeats of step-time ratio OOMRecovery() k=1 / plain", OVERHEAD_TARGET, k1
-        ),
+        "target": _target(f"median over repeats of step-time ratio {K1_OVER_PLAIN}", OVERHEAD_TARGET, k1),
     }
 
 
@@ -222,21 +204,15 @@ def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: i
             pl.seed_everything(0, verbose=False)
             callbacks = [RankZeroTimes(path), *_recovery(FORCED_K[variant])]
             ddp = {**TRAINER, "devices": 2, "strategy": DDPStrategy(start_method="spawn")}
-            pl.Trainer(max_steps=warmup + steps, callbacks=callbacks, **ddp).fit(
-                Classifier(workload.build), loader
-            )
+            trainer = pl.Trainer(max_steps=warmup + steps, callbacks=callbacks, **ddp)
+            trainer.fit(Classifier(workload.build), loader)
             periods = json.loads(path.read_text())["periods"]
             median_ms[variant].append(1e3 * statistics.median(periods[warmup - 1 :]))
     ratios = _ratios(median_ms, variants)["k=1"]
     s = summary(ratios)
     metric = "median over repeats of rank 0's step-time ratio DDP+OOMRecovery() k=1 / plain DDP"
     return {
-        **{
-            "workload": workload.name,
-            "processes": 2,
-            "backend": "gloo",
-            "batch_size_per_rank": workload.batch_size,
-        },
+        **dict(workload=workload.name, processes=2, backend="gloo", batch_size_per_rank=workload.batch_size),
         **{"warmup_steps": warmup, "timed_steps": steps, "step_ms_median_per_fit": median_ms},
         "step_ms": {v: statistics.median(median_ms[v]) for v in variants},
         **{"ratio_k1": ratios, "ratio_k1_summary": s},
@@ -280,9 +256,8 @@ def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[
     try:
         trainer = fit(workload, [clock, peaks, recovery], workload.loader(batch_size, total_steps), memory)
     except Exception as err:  # a failed recovery is a result: report it with what was measured
-        result.update(
-            status="failed", recovered=False, limit_bytes=limit, error=f"{type(err).__name__}: {err}"
-        )
+        error = f"{type(err).__name__}: {err}"
+        result.update(status="failed", recovered=False, limit_bytes=limit, error=error)
         return {**result, "failures": [dataclasses.asdict(f) for f in recovery.failures]}
     gc_started = time.perf_counter()
     gc.collect()  # what free_memory() pays per failed attempt on CPU, on a heap like the run's
@@ -324,18 +299,10 @@ def report(results: dict[str, Any]) -> None:
         met = ("met" if o["target"]["met"] else "NOT met") if r["targeted"] else "(info)"
         medians = [o[f"{key}_summary"]["median"] for key in ("ratio_k1_of_min_steps", "ratio_k1_cpu_time")]
         cells = [name, o["batch_size"], f"{o['step_ms']['plain']:.2f}", f"{o['step_ms']['k=1']:.2f}"]
-        cells += [
-            _spread(o["ratio_k1_summary"]),
-            f"<= {OVERHEAD_TARGET} {met}",
-            *(f"{m:.3f}" for m in medians),
-        ]
-        rows.append(
-            [
-                *cells,
-                f"{o['overhead_k1_ms_summary']['median']:+.3f}",
-                f"{o['ratio_k2_summary']['median']:.3f}",
-            ]
-        )
+        target = f"<= {OVERHEAD_TARGET} {met}"
+        cells += [_spread(o["ratio_k1_summary"]), target, *(f"{m:.3f}" for m in medians)]
+        extra, k2 = o["overhead_k1_ms_summary"]["median"], o["ratio_k2_summary"]["median"]
+        rows.append([*cells, f"{extra:+.3f}", f"{k2:.3f}"])
     common.print_table([rows[0].split("|"), *rows[1:]])
     print(
         "k=1/plain: median over repeats of the ratio of per-fit median step times; 'of min steps': of per-fit "
@@ -371,9 +338,8 @@ def report(results: dict[str, Any]) -> None:
         other = c.get("calibration_at_overhead_batch_size")
         if other is not None:
             peak_1, peak_k = other["peak_k1_bytes"] / 2**20, other[f"peak_k{CALIBRATION_K}_bytes"] / 2**20
-            verdict = (
-                "splitting lowers it" if other["limit_bytes"] else "splitting cannot recover an OOM there"
-            )
+            verdict = "splitting cannot recover an OOM there"
+            verdict = "splitting lowers it" if other["limit_bytes"] else verdict
             notes.append(
                 f"{name}: at batch {other['batch_size']} the step peaks at {peak_1:.1f} MiB with k=1 and "
                 f"{peak_k:.1f} MiB with k={CALIBRATION_K}: {verdict}"
@@ -384,12 +350,10 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.arguments(
-        __doc__, "oom_recovery.json", quick="smoke mode, few repeats and steps (CI, < 60 s)"
-    )
-    parser.add_argument(
-        "--repeats", type=common.positive_int, help="interleaved repeats (default 7; --quick: 2)"
-    )
+    quick = "smoke mode, few repeats and steps (CI, < 60 s)"
+    parser = common.arguments(__doc__, "oom_recovery.json", quick=quick)
+    repeats_help = "interleaved repeats (default 7; --quick: 2)"
+    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process DDP overhead measurement")
     parser.add_argument("--ddp-only", action="store_true", help="only the 2-process DDP overhead measurement")
     parser.add_argument(
@@ -419,10 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{workload.name}: overhead, {repeats} interleaved repeats ...", flush=True)
         phase = time.perf_counter()
         entry = {"description": workload.description, "targeted": workload.targeted}
-        entry["overhead"] = {
-            **measure_overhead(workload, repeats, warmup, steps),
-            "wall_s": time.perf_counter() - phase,
-        }
+        entry["overhead"] = measure_overhead(workload, repeats, warmup, steps)
+        entry["overhead"]["wall_s"] = time.perf_counter() - phase
         if workload.recovery_batch_size is not None:
             print(f"{workload.name}: recovery under SimulatedMemory ...", flush=True)
             phase = time.perf_counter()
@@ -436,24 +398,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{workload.name}: DDP overhead, 2 processes, {repeats} interleaved repeats ...", flush=True
             )
-            phase = time.perf_counter()
-            entry = measure_ddp_overhead(
-                workload, repeats, warmup, steps, args.out / "ddp_times" / workload.name
-            )
+            phase, folder = time.perf_counter(), args.out / "ddp_times" / workload.name
+            entry = measure_ddp_overhead(workload, repeats, warmup, steps, folder)
             results["ddp"][workload.name] = {**entry, "wall_s": time.perf_counter() - phase}
-    targets = [
-        {"model": name, **r["overhead"]["target"]} for name, r in results["models"].items() if r["targeted"]
-    ]
-    targets += [
-        {"model": f"{name}, DDP x2", **entry["target"]} for name, entry in results.get("ddp", {}).items()
-    ]
-    for name, r in results["models"].items():
+    models = results["models"].items()
+    targets = [{"model": name, **r["overhead"]["target"]} for name, r in models if r["targeted"]]
+    targets += [{"model": f"{name}, DDP x2", **d["target"]} for name, d in results.get("ddp", {}).items()]
+    for name, r in models:
         if "recovery" in r:
-            done = {
-                "threshold": "recovered",
-                "value": r["recovery"]["status"],
-                "met": r["recovery"]["recovered"],
-            }
+            done = dict(threshold="recovered", value=r["recovery"]["status"], met=r["recovery"]["recovered"])
             targets.append({"model": name, "metric": "the run recovers from the OOM and completes", **done})
     results["targets"] = targets
     print()

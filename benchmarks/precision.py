@@ -5,18 +5,10 @@
     python benchmarks/precision.py --device cuda    # the same on a GPU, plus tf32 (the GPU check: gpu/speed.py)
     python benchmarks/precision.py --out DIR --repeats 5
 
-For a small MLP and a small causal transformer LM (small: a CPU without AVX512-BF16/AMX runs float16 and
-bfloat16 autocast about 10x slower than float32), at the same batch in every configuration: samples/s and
-the final loss for ``32-true``, ``bf16-mixed``, ``16-mixed`` (on a CPU real float16 autocast through
-``MixedPrecision("16-mixed", "cpu")`` with a GradScaler) and on CUDA ``tf32``; a configuration is
-*stable* when its last losses are finite and its GradScaler's scale stays >= 1. The cost when healthy:
-``PrecisionSwitch(initial="keep")`` over plain Lightning in ``32-true`` (a host sync per step) and
-``16-mixed`` (none), target <= 1.02. The automatic choice, ``PrecisionSwitch()``, against the fastest
-stable configuration: target within 5 %. Samples/s: the batch over the step time after the warm-up (on
-CUDA the wall time synchronised at both ends only; on a CPU, one intra-op thread, the median CPU time
-of this process per step; float32 configurations time 5x more steps). Configurations run interleaved
-after one untimed fit; figures are medians over repeats. Writes ``precision.json``; the targets are
-reported, not enforced.
+For a small MLP and a small causal transformer LM, at the same batch: samples/s and the final loss per
+precision (``32-true``, ``bf16-mixed``, ``16-mixed``, on CUDA ``tf32``); PrecisionSwitch's cost when healthy
+(target <= 1.02) and its automatic choice against the fastest stable configuration (within 5 %). Writes
+``precision.json``; targets reported, not enforced. How each figure is measured: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -98,6 +90,7 @@ class Config:
 
 def configs(device: str) -> list[Config]:
     cpu = device == "cpu"  # on a CPU only the plugin gives real float16
+    auto = lambda: PrecisionSwitch(verbose=False)  # noqa: E731
     keep = lambda **kwargs: lambda: PrecisionSwitch(initial="keep", verbose=False, **kwargs)  # noqa: E731
     listed = [
         Config("32-true", "32-true", fp32_on_cpu=True),
@@ -105,14 +98,7 @@ def configs(device: str) -> list[Config]:
         Config("16-mixed", "16-mixed", fp16_plugin=cpu),
         Config("switch 32-true", "32-true", fp32_on_cpu=True, switch=keep(tf32=False)),
         Config("switch 16-mixed", "16-mixed", fp16_plugin=cpu, switch=keep()),
-        # auto picks 32-true on a CPU
-        Config(
-            "auto",
-            None,
-            switch=lambda: PrecisionSwitch(verbose=False),
-            explicit_fp32_math=False,
-            fp32_on_cpu=True,
-        ),
+        Config("auto", None, switch=auto, explicit_fp32_math=False, fp32_on_cpu=True),  # 32-true on a CPU
     ]
     if not cpu:
         listed.insert(1, Config("tf32", "32-true", tf32=True))
@@ -186,9 +172,7 @@ def fit(
 def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: int) -> dict[str, Any]:
     listed = configs(device)
     batches = [tuple(t.to(device) for t in b) for b in workload.batches()]
-    fit(
-        workload, listed[0], batches, device, warmup, 2, warmup + 2
-    )  # untimed: first-use costs of the process
+    fit(workload, listed[0], batches, device, warmup, 2, warmup + 2)  # untimed: the process's first-use costs
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in listed}
     for repeat in range(repeats):
         for config in listed if repeat % 2 == 0 else listed[::-1]:
@@ -214,9 +198,8 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
         ratios = [b / a for a, b in zip(rates[name], rates[base])]  # time ratio = inverse rate ratio
         added_ms = [1e3 * workload.batch_size * (1 / a - 1 / b) for a, b in zip(rates[name], rates[base])]
         overhead[name] = {"ratio": statistics.median(ratios), "ratio_summary": summary(ratios)}
-        overhead[name].update(
-            added_ms_per_step=statistics.median(added_ms), added_ms_summary=summary(added_ms)
-        )
+        overhead[name]["added_ms_per_step"] = statistics.median(added_ms)
+        overhead[name]["added_ms_summary"] = summary(added_ms)
         overhead[name]["met"] = statistics.median(ratios) <= OVERHEAD_TARGET
     stable = {n: v for n, v in per_config.items() if n in PRECISIONS and v["stable"]}
     fastest = max(stable, key=lambda n: stable[n]["samples_per_s"]) if stable else None
@@ -224,9 +207,8 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
     auto_ratio = auto["samples_per_s"] / stable[fastest]["samples_per_s"] if fastest else None
     met = auto_ratio is not None and auto_ratio >= AUTO_TARGET
     result = {"description": workload.description, "batch_size": workload.batch_size, "warmup_steps": warmup}
-    result.update(
-        timed_steps=steps, timed_steps_fp32_on_cpu=steps * CPU_FAST_STEPS if device == "cpu" else steps
-    )
+    fp32_steps = steps * (CPU_FAST_STEPS if device == "cpu" else 1)
+    result.update(timed_steps=steps, timed_steps_fp32_on_cpu=fp32_steps)
     result.update(configs=per_config, overhead=overhead, fastest_stable=fastest)
     return {**result, "auto": {"chose": auto["precision"], "ratio_to_fastest_stable": auto_ratio, "met": met}}
 
@@ -264,14 +246,11 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
     """Measure every workload; the results with their targets (what ``main`` writes)."""
     started = time.perf_counter()
     results: dict[str, Any] = {"benchmark": "precision", **common.environment(repeats=repeats)}
-    results.update(
-        device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu", device_kind=device, models={}
-    )
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    results.update(device=name, device_kind=device, models={})
     for workload in workloads:
-        print(
-            f"{workload.name}: {len(configs(device))} configurations x {repeats} interleaved repeats ...",
-            flush=True,
-        )
+        count = len(configs(device))
+        print(f"{workload.name}: {count} configurations x {repeats} interleaved repeats ...", flush=True)
         phase = time.perf_counter()
         results["models"][workload.name] = measure(workload, device, repeats, warmup, steps)
         results["models"][workload.name]["wall_s"] = time.perf_counter() - phase
@@ -281,11 +260,7 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
             ratio = {"threshold": OVERHEAD_TARGET, "value": o["ratio"], "met": o["met"]}
             targets.append({"model": name, "metric": f"{config} / plain step time", **ratio})
     for name, r in results["models"].items():
-        auto = {
-            "threshold": AUTO_TARGET,
-            "value": r["auto"]["ratio_to_fastest_stable"],
-            "met": r["auto"]["met"],
-        }
+        auto = dict(threshold=AUTO_TARGET, value=r["auto"]["ratio_to_fastest_stable"], met=r["auto"]["met"])
         targets.append({"model": name, "metric": "auto samples/s / fastest stable", **auto})
     results["targets"] = targets
     results["wall_s"] = time.perf_counter() - started
@@ -293,12 +268,10 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.arguments(
-        __doc__, "precision.json", quick="smoke mode, few repeats and steps (CI, about a minute)"
-    )
-    parser.add_argument(
-        "--repeats", type=common.positive_int, help="interleaved repeats (default 7; 2 with --quick)"
-    )
+    quick = "smoke mode, few repeats and steps (CI, about a minute)"
+    parser = common.arguments(__doc__, "precision.json", quick=quick)
+    repeats_help = "interleaved repeats (default 7; 2 with --quick)"
+    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
     where = "where to run (auto: CUDA when available)"
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=where)
     threads = (

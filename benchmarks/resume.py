@@ -2,14 +2,9 @@
 
     python benchmarks/resume.py [--hidden 1024] [--steps 30] [--out benchmarks/results]
 
-One process on the CPU (or the first GPU with ``--device cuda``): an MLP (4 layers of ``--hidden``) with
-AdamW, a GPUOptDataModule over random data, ExactResume. Measured:
-
-* one training step: the median step time (wall clock between batch ends) of a plain run;
-* checkpoint: ``trainer.save_checkpoint`` (model, AdamW state, the datamodule's loader state, every rank's
-  RNG) to local disk, median of 5;
-* resume: time from ``fit(ckpt_path=...)`` to the first training batch, minus the same for a fresh ``fit``;
-* the step-time overhead of the resumable loader (per-sample seeded loading) and of ExactResume.
+An MLP (4 layers of ``--hidden``, AdamW) over a GPUOptDataModule with ExactResume: one step's time,
+``save_checkpoint`` (median of 5), the extra time of ``fit(ckpt_path=...)`` to its first batch, and the step
+overheads of the resumable loader and of ExactResume. Details in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -42,16 +37,8 @@ class Data(GPUOptDataModule):
 class MLP(pl.LightningModule):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(dim, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Dropout(0.1),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 1),
-        )
+        layers = [nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1)]
+        self.net = nn.Sequential(*layers, nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -68,13 +55,8 @@ def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=N
     trainer = pl.Trainer(
         accelerator=args.device, max_steps=steps, callbacks=callbacks, default_root_dir=root, **QUIET
     )
-    data = Data(
-        args.dim,
-        args.batch_size * (steps + 5),
-        batch_size=args.batch_size,
-        num_workers=0,
-        resumable=resumable,
-    )
+    loader = dict(batch_size=args.batch_size, num_workers=0, resumable=resumable)
+    data = Data(args.dim, args.batch_size * (steps + 5), **loader)
     t0 = time.perf_counter()
     trainer.fit(MLP(args.dim, args.hidden), data, ckpt_path=ckpt_path)
     step_times = clock.periods()[1:]
@@ -122,9 +104,8 @@ def main() -> None:
     print(
         f"| checkpoint (`save_checkpoint`) | {save * 1e3:.1f} ms = {result['checkpoint_steps']:.1f} steps |"
     )
-    print(
-        f"| resume (extra time to the first step) | {resume * 1e3:.1f} ms = {result['resume_steps']:.1f} steps |"
-    )
+    steps = result["resume_steps"]
+    print(f"| resume (extra time to the first step) | {resume * 1e3:.1f} ms = {steps:.1f} steps |")
     print(f"| step time, resumable loader vs plain | {result['resumable_loader_overhead']:+.1%} |")
     print(f"| step time, + ExactResume | {result['exact_resume_overhead']:+.1%} |")
     write_json(args.out, "resume.json", result)

@@ -2,13 +2,9 @@
 
     python benchmarks/simulated_memory.py [--out DIR] [--batch-size 32] [--repeats 7] [--steps 3]
 
-Each repeat times one block of ``--steps`` training steps per configuration -- plain, plain again
-(an A/A control that shows the machine's noise), and SimulatedMemory with each backend -- in an order
-that rotates from repeat to repeat, so drifts in machine load hit every configuration alike. A block
-starts with one untimed step; its time is the median step. The ratio of a configuration is computed
-per repeat against that repeat's plain block; the table shows the median ratio and its spread
-(min–max and interquartile range). Writes ``simulated_memory.json`` to ``--out``.
-The target is a median ratio ≤ 1.1 for the default (allocator) backend; ``--check`` exits 1 if not.
+Each repeat times a block of ``--steps`` steps per configuration (plain, plain again as an A/A control,
+SimulatedMemory per backend) in a rotating order; per repeat the ratio to plain, the median over repeats.
+Writes ``simulated_memory.json``; target: median ratio ≤ 1.1 (allocator backend), ``--check`` exits 1 if not.
 """
 
 from __future__ import annotations
@@ -129,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         **{"model": "resnet18", "image_size": 32, "batch_size": args.batch_size, "repeats": args.repeats},
         **{"steps_per_block": args.steps, "threads": torch.get_num_threads(), "torch": torch.__version__},
         **{"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count()},
-        **{
-            "timed_seconds": elapsed,
-            "target_ratio": TARGET,
-            "allocator_within_target": verdict,
-            "rows": rows,
-        },
+        **dict(timed_seconds=elapsed, target_ratio=TARGET, allocator_within_target=verdict, rows=rows),
     }
     write_json(args.out, "simulated_memory.json", result)
     return 1 if args.check and verdict is False else 0

@@ -1,21 +1,10 @@
 """GPU check section ``batchsize``: MemoryAwareBatchSize against real memory under a per-process fraction.
 
-For a causal transformer LM (512 tokens, AdamW) trained from a ``GPUOptDataModule``:
-
-1. **Calibrate**: unlimited runs measure the steady-state peak (``max_memory_allocated`` over steps 2-3)
-   at two batch sizes; the limit sits 60 % of the way from the smaller to the larger.
-2. **mode="max"** under that limit (``target_fraction=1.0``): the batch size found, the predicted peak,
-   and the measured steady-state peak of the training steps that follow at that size.
-3. **True maximum**: bisection over real runs under the same limit (a run fits when 3 steps finish
-   without an OOM), from the size found upward. The search answers multiples of ``multiple_of`` (8 on
-   CUDA, the pack's default there), so it is held to the largest multiple that fits; the true maximum
-   itself is reported beside it.
-4. **mode="micro"** with a batch of twice the true maximum: the micro-batch found and the measured peak
-   of the training steps, split into k micro-batches of ``ceil(batch / k)`` samples, against the
-   search's model at that size (the size found is the largest that fits, not the size the split runs).
-
-Checks: predicted vs measured peak within 5 % (both modes); the size found within 90-100 % of the
-largest answerable size that fits; every run after a search trains without OOM.
+For a causal transformer LM (512 tokens, AdamW) from a ``GPUOptDataModule``, under a limit 60 % of the way
+between the steady peaks at two batch sizes: ``mode="max"`` (the size found, its predicted and measured
+peak), the true maximum by bisection over real runs (held to multiples of ``multiple_of``), and
+``mode="micro"`` at twice the true maximum. Checks: predicted vs measured peak within 5 % (both modes); the
+size found within 90-100 % of the largest answerable size that fits; no OOM after a search.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import QUIET, Classifier, figure
+from common import Classifier, figure
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -110,14 +99,7 @@ def run(workload: Workload, dataset: Dataset, batch_size: int, callbacks: list, 
     """Train ``STEPS`` steps; returns the steady peak, or the OOM when it ran out of memory."""
     device.current().set_limit(limit)
     recorder, data = SteadyPeak(), Data(dataset, batch_size)
-    callbacks = [device.Deadline(), *callbacks, recorder]
-    trainer = pl.Trainer(
-        max_steps=STEPS,
-        callbacks=callbacks,
-        accelerator=device.current().accelerator,
-        precision="32-true",
-        **QUIET,
-    )
+    trainer = device.trainer(STEPS, [*callbacks, recorder])
     failed = None
     try:
         trainer.fit(Classifier(workload.build, "adamw"), datamodule=data)
@@ -171,10 +153,9 @@ def check_workload(workload: Workload, multiple_of: int) -> dict[str, Any]:
     ran = math.ceil(2 * fits / micro.k)
     micro_run.update(found=micro.micro_batch_size, k=micro.k, micro_batch_run=ran, trials=micro.trials)
     model = micro.result.model if micro.result else None
-    predicted = {
-        "predicted_peak_at_found": micro.predicted_peak_bytes,
-        "predicted_peak": model and model.peak(ran),
-    }
+    predicted = dict(
+        predicted_peak_at_found=micro.predicted_peak_bytes, predicted_peak=model and model.peak(ran)
+    )
     result["micro_mode"] = {**micro_run, **predicted}
     checks = {}
     for mode in ("max_mode", "micro_mode"):
@@ -182,9 +163,8 @@ def check_workload(workload: Workload, multiple_of: int) -> dict[str, Any]:
         error = abs(r["predicted_peak"] - r["steady_peak"]) / r["steady_peak"] if r["fits"] else None
         r["peak_error"] = error
         checks[f"{mode}: trains without OOM after the search"] = r["fits"]
-        checks[f"{mode}: predicted peak within {PEAK_TOLERANCE:.0%} of measured"] = (
-            error is not None and error <= 0.05
-        )
+        within = error is not None and error <= 0.05
+        checks[f"{mode}: predicted peak within {PEAK_TOLERANCE:.0%} of measured"] = within
     result["found_fraction"] = fraction = finder.micro_batch_size / answerable if answerable else 0.0
     checks[f"max_mode: {IN_BAND}"] = BAND[0] <= fraction <= BAND[1]
     checks["micro_mode: k > 1 (the batch had to be split)"] = micro.k > 1
@@ -202,9 +182,8 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
         details[name] = r = check_workload(workloads[name], sizes["multiple_of"])
         what = f"the largest multiple of {r['multiple_of']} that fits (true maximum {r['true_max']})"
         found, met = f"{r['max_mode']['found']} / {r['answerable_max']}", r["checks"][f"max_mode: {IN_BAND}"]
-        figures.append(
-            figure(f"{name}: MemoryAwareBatchSize(mode='max') found / {what}", found, "", "90-100 %", met)
-        )
+        what = f"{name}: MemoryAwareBatchSize(mode='max') found / {what}"
+        figures.append(figure(what, found, "", "90-100 %", met))
         for mode in ("max_mode", "micro_mode"):
             error, met = r[mode]["peak_error"], r["checks"][f"{mode}: predicted peak within 5% of measured"]
             at = f" (micro-batch of {r[mode]['micro_batch_run']})" if mode == "micro_mode" else ""

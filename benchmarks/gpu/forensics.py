@@ -1,21 +1,14 @@
 """GPU check section ``forensics``: the OOM record against a real CUDA OOM, and what the history ring buffer costs.
 
-1. **A real OOM.** A GPT-shaped model (``speed.GPT``) trains with ``OOMRecovery`` and
-   ``GPUOptReport(memory_history=True)``. Its first ``warmup`` steps run under the section's cap and measure
-   the memory held between steps and the step's peak; from then on the limit sits halfway between
-   (``set_per_process_memory_fraction``), so the next step raises a real CUDA OOM and is retried with more
-   micro-batches. At each OOM, when the report takes its breakdown, the check reads
-   ``torch.cuda.memory_snapshot()`` too and adds up the allocator's own blocks at the addresses of the
-   parameters', gradients', optimizer state's and saved activations' storages. Checks: one record per
-   OOM the allocator counted (``num_ooms``); each category within 1 % of the blocks at its storages; the
-   categories sum to ``allocated_bytes``; the snapshot pickle is written and loads, with the ring buffer's
-   events in it; the fragmentation and the memory outside the allocator are in the record.
-2. **The ring buffer's cost.** Interleaved pairs of fits without an OOM, ``memory_history=False`` and
-   ``True``, each fit the median of its steady steps timed by CUDA events; the median ratio over pairs
-   (target ≤ 3 %), with its spread. Pairs run while the slice has room (at least ``min_repeats``).
+1. **A real OOM**: a GPT-shaped model with ``OOMRecovery`` and ``GPUOptReport(memory_history=True)`` runs
+   into a limit halfway between its held memory and its peak. Checks: one record per OOM the allocator
+   counted; each category within 1 % of the allocator's blocks at its storages (``memory_snapshot()``); the
+   categories sum to ``allocated_bytes``; the snapshot pickle loads; fragmentation and memory outside the
+   allocator recorded.
+2. **The ring buffer's cost**: interleaved pairs of fits with ``memory_history`` off and on, CUDA-event
+   step times; the median ratio over pairs (target ≤ 3 %).
 
-In the dry run the OOM is SimulatedMemory's; the comparison with the allocator's blocks and the pickle are
-CUDA's only (skipped with their reason), and the cost pairs run to prove the path (no ring buffer on a CPU).
+In the dry run the OOM is SimulatedMemory's; the CUDA-only checks are skipped with their reason.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import QUIET, figure, spread
+from common import figure, spread
 from torch.utils.data import DataLoader
 
 from gpu import device
@@ -50,13 +43,7 @@ def _loader(sizes: dict[str, Any], steps: int) -> DataLoader:
 def _fit(sizes: dict[str, Any], steps: int, callbacks: list) -> pl.Trainer:
     device.check()
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator=device.current().accelerator,
-        precision=sizes["precision"],
-        callbacks=[device.Deadline(), *callbacks],
-        **QUIET,
-    )
+    trainer = device.trainer(steps, callbacks, precision=sizes["precision"])
     trainer.fit(_model(sizes), _loader(sizes, steps))
     return trainer
 
@@ -110,11 +97,8 @@ class AtTheOOM:
                 blocks = _blocks()
                 counted: set = set()
                 moment = {}
-                for name, tensors in (
-                    ("parameters", parameters),
-                    ("gradients", gradients),
-                    ("optimizer_state", optimizer_state),
-                ):
+                kinds = dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state)
+                for name, tensors in kinds.items():
                     keys = set(forensics.storages(tensors, device_)) - counted
                     counted |= keys
                     moment[name] = sum(blocks.get(key[2], 0) for key in keys)
@@ -168,19 +152,13 @@ def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, A
                               events > 0))  # fmt: skip
         details["moments"] = at_the_oom.moments
         details["fragmentation"] = [r.get("fragmentation") for r in records]
-        details["outside_allocator"] = [
-            (r.get("outside_allocator_bytes"), r.get("outside_allocator_source")) for r in records
-        ]
+        outside = [(r.get("outside_allocator_bytes"), r.get("outside_allocator_source")) for r in records]
+        details["outside_allocator"] = outside
     else:
         skipped["against memory_snapshot"] = "the caching allocator's blocks exist on CUDA only"
         skipped["snapshot pickle"] = "torch.cuda.memory._dump_snapshot needs CUDA"
-    details["records"] = [
-        {
-            k: r.get(k)
-            for k in ("step", "stage", "phase", "requested_bytes", "allocated_bytes", "categories", "action")
-        }
-        for r in records
-    ]
+    keys = ("step", "stage", "phase", "requested_bytes", "allocated_bytes", "categories", "action")
+    details["records"] = [{k: r.get(k) for k in keys} for r in records]
     return figures, details, skipped
 
 

@@ -1,17 +1,11 @@
 """GPU check section ``oom``: OOMRecovery against real CUDA out-of-memory errors.
 
-For a torchvision ResNet-50 and a causal transformer LM, in fp32 with TF32 off and deterministic cuDNN:
-two unlimited runs measure the steady peak of a step at k=1 and at k=8, and the limit sits halfway
-between; a run with ``OOMRecovery()`` is confined to it (``set_per_process_memory_fraction``) after a few
-steps, so the next step raises a real CUDA OOM and is retried with more micro-batches. Checks: the run
-completes; ``memory_allocated`` at the start of a later step is within 1 % of the failing step's; and
-recovery leaves no trace: DESIGN.md's "same training" measure ``‖Δθ − Δθ_ref‖ / ‖Δθ_ref‖`` (Δθ = θ_N − θ_0,
-the parameters) against a run without a limit at the same k per batch, within the case's own floor:
-twice the spread of two such runs, at least 1e-4. The same schedule is the same computation (BatchNorm
-normalises over each micro-batch, dropout is off). The difference to a run at k = 1 throughout is
-reported, not a target (with BatchNorm: the documented exception, statistics over micro-batches). The k
-a batch ran at is read from the engine's history: a k proposed at the end of a step (more micro-batches
-when the allocator thrashes, fewer to grow back) applies from the next batch on.
+For a ResNet-50 and a causal transformer LM (fp32, TF32 off, deterministic cuDNN): the limit sits halfway
+between the steady peaks at k=1 and k=8; a run with ``OOMRecovery()`` is confined to it after a few steps, so
+the next step raises a real CUDA OOM and is retried with more micro-batches. Checks: the run completes; the
+memory at a later step's start is within 1 % of the failing step's; and DESIGN.md's "same training" measure
+``‖Δθ − Δθ_ref‖ / ‖Δθ_ref‖`` against runs at the same k per batch without a limit stays within the case's
+floor (twice the spread of two such runs, at least 1e-4). The difference to a run at k = 1 is reported.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torchvision
-from common import QUIET, Batches, Classifier, figure
+from common import Batches, Classifier, figure
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -128,9 +122,8 @@ def workload(name: str, batch_size: int, dry_run: bool = False) -> Workload:
     its stand-in on the CPU under SimulatedMemory (the same code paths, tiny sizes, its own batch size)."""
     if name == "resnet50" and dry_run:
         what = "dry run: 2-conv CNN with BatchNorm on 3x16x16, 10 classes, SGD momentum"
-        return Workload(
-            name, what, lambda: cnn("tiny", 10), lambda: image_batches(32, 16, 3, 10), 32, BATCHNORM
-        )
+        batches = lambda: image_batches(32, 16, 3, 10)  # noqa: E731
+        return Workload(name, what, lambda: cnn("tiny", 10), batches, 32, BATCHNORM)
     if name == "resnet50":
         what = "torchvision resnet50(num_classes=1000), 3x224x224, SGD momentum"
         return Workload(name, what, cnn, lambda: image_batches(batch_size), batch_size, BATCHNORM)
@@ -227,14 +220,7 @@ def fit(workload: Workload, batches: list, steps: int, callbacks: list[pl.Callba
     device.current().set_limit(None)  # also collects what earlier fits left to the garbage collector
     pl.seed_everything(0, verbose=False)
     model = workload.build()
-    callbacks = [device.Deadline(), *callbacks]
-    trainer = pl.Trainer(
-        max_steps=steps,
-        callbacks=callbacks,
-        accelerator=device.current().accelerator,
-        precision="32-true",
-        **QUIET,
-    )
+    trainer = device.trainer(steps, callbacks, precision="32-true")
     try:
         trainer.fit(model, DataLoader(Batches(batches, steps), batch_size=None))
     finally:
@@ -310,10 +296,8 @@ def check_workload(workload: Workload) -> dict[str, Any]:
     checks["real_oom_of_the_device"] = bool(failures) and all(
         device.current().is_its_oom(f["message"]) for f in failures
     )
-    checks["limit_forced_the_oom_at_its_batch"] = bool(failures) and (
-        failures[0]["batch_idx"],
-        failures[0]["k"],
-    ) == (limit_at, 1)
+    first = (failures[0]["batch_idx"], failures[0]["k"]) if failures else None
+    checks["limit_forced_the_oom_at_its_batch"] = first == (limit_at, 1)
     if checks["completed"]:
         before, later = record.starts[limit_at], record.starts[-1]
         peak_after = max(record.peaks[limit_at:])
@@ -374,11 +358,8 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
             recovered = all(checks.get(c, False) for c in ("completed", "real_oom_of_the_device"))
             met = recovered and checks.get("limit_forced_the_oom_at_its_batch", False)
             retries = f"{r.get('retries')} retries, k {r.get('final_k')}"
-            figures.append(
-                figure(
-                    f"{name}: OOM retries, final k", retries, "", "real OOM at its batch, run completes", met
-                )
-            )
+            target = "real OOM at its batch, run completes"
+            figures.append(figure(f"{name}: OOM retries, final k", retries, "", target, met))
             spread, floor = params.get("reference_spread", float("nan")), params.get("floor", float("nan"))
             no_trace = (
                 f"{name}: recovery leaves no trace: same training (‖Δθ−Δθ_ref‖/‖Δθ_ref‖) as a run at the same k per "
@@ -391,7 +372,6 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
             figures.append(figure(unsplit, params.get("vs_unsplit"), "", "reported"))
             change = None if not memory else 100 * memory["relative_change"]
             met = checks.get("memory_returns_to_pre_oom", False)
-            figures.append(
-                figure(f"{name}: memory_allocated after recovery vs pre-OOM", change, "%", "<= +1 %", met)
-            )
+            what = f"{name}: memory_allocated after recovery vs pre-OOM"
+            figures.append(figure(what, change, "%", "<= +1 %", met))
     return {"figures": figures, "details": details}

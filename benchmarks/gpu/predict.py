@@ -1,13 +1,8 @@
 """GPU check section ``predict``: predict_peak against max_memory_allocated / max_memory_reserved.
 
-For an MLP, a torchvision ResNet-18 (64x64 images) and a tiny Hugging Face GPT-2 (skipped when
-transformers is missing), AdamW, fp32 and bf16-mixed, it runs two real training steps on the GPU in
-Lightning's order (forward, zero_grad, backward, step) from an empty cache and compares the predicted
-peak (``predict_peak(..., device="cuda")``) with ``max_memory_allocated`` (target within +-5 %; cuBLAS's
-workspace is taken once before measuring and left out of both sides) and with ``max_memory_reserved``
-(at most 15 % under it: reserved adds segment rounding and fragmentation the prediction does not model).
-cuDNN's convolution workspaces are kernel-internal and not modelled: the ResNet-18 rows say how much
-they weigh. Writes ``predict/predict.json`` beside the check's results.
+For an MLP, a ResNet-18 and a tiny GPT-2 (AdamW, fp32 and bf16-mixed): two real steps from an empty cache
+against ``predict_peak(..., device="cuda")``: within ±5 % of ``max_memory_allocated`` and at most 15 % under
+``max_memory_reserved`` (cuBLAS's workspace taken first, left out of both). Writes ``predict/predict.json``.
 """
 
 from __future__ import annotations
@@ -99,30 +94,16 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
                 model, make_batch, step = make()
                 start = time.perf_counter()
                 optimizer = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
-                p = predict_peak(
-                    model,
-                    make_batch(n),
-                    optimizer,
-                    step=step,
-                    precision=precision,
-                    device="cuda",
-                    workspace_bytes=0,
+                options = dict(step=step, precision=precision, device="cuda", workspace_bytes=0)
+                p = predict_peak(model, make_batch(n), optimizer, **options)
+                row = dict(model=name, precision=precision, batch=n, predicted=p.peak_bytes)
+                row.update(max_memory_allocated=allocated, max_memory_reserved=reserved)
+                row.update(
+                    error_allocated=p.peak_bytes / allocated - 1, under_reserved=1 - p.peak_bytes / reserved
                 )
-                row = {
-                    "model": name,
-                    "precision": precision,
-                    "batch": n,
-                    "predicted": p.peak_bytes,
-                    "max_memory_allocated": allocated,
-                    "max_memory_reserved": reserved,
-                    "error_allocated": p.peak_bytes / allocated - 1,
-                    "under_reserved": 1 - p.peak_bytes / reserved,
-                    "seconds": time.perf_counter() - start,
-                    "peak_at": f"{p.phase} of step {p.step}",
-                }
-                row["ok"] = (
-                    abs(row["error_allocated"]) <= ALLOCATED_BAND and row["under_reserved"] <= RESERVED_UNDER
-                )
+                row.update(seconds=time.perf_counter() - start, peak_at=f"{p.phase} of step {p.step}")
+                ok = abs(row["error_allocated"]) <= ALLOCATED_BAND and row["under_reserved"] <= RESERVED_UNDER
+                row["ok"] = ok
                 rows.append(row)
                 print(
                     f"{name:9s} {precision:10s} n={n:3d} predicted {p.peak_bytes / 2**20:8.1f} MiB  allocated "
@@ -130,23 +111,14 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
                     f"(under by {row['under_reserved']:.1%})  {'ok' if row['ok'] else 'MISS'}",
                     flush=True,
                 )
-    result = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
-        "workspace_taken_before": workspace_taken,
-        "rows": rows,
-        "ok": all(r["ok"] for r in rows),
-    }
+    result = dict(
+        torch=torch.__version__, device=torch.cuda.get_device_name(), workspace_taken_before=workspace_taken
+    )
+    result.update(rows=rows, ok=all(r["ok"] for r in rows))
     write_json(sizes["out"], "predict/predict.json", result)
     target = f"within +-{ALLOCATED_BAND:.0%}, at most {RESERVED_UNDER:.0%} under reserved"
+    what = "predicted peak vs max_memory_allocated, {model} {precision} batch {batch}"
     figures = [
-        figure(
-            f"predicted peak vs max_memory_allocated, {r['model']} {r['precision']} batch {r['batch']}",
-            r["error_allocated"],
-            "relative error",
-            target,
-            r["ok"],
-        )
-        for r in rows
+        figure(what.format(**r), r["error_allocated"], "relative error", target, r["ok"]) for r in rows
     ]
     return {"figures": figures, "details": result, "skipped": {}}
