@@ -131,6 +131,10 @@ class AdaptiveBatchSize(Callback):
         self._last_step = trainer.global_step
         self._measured = len(self._noise.history) if self._noise is not None else 0
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A checkpoint's state is loaded after `on_fit_start` in some strategies: take it before the first batch.
+        self.on_fit_start(trainer, pl_module)
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
