@@ -277,10 +277,10 @@ class GradientNoiseScale(Callback):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema": self.ema.state_dict(), "history": [list(h) for h in self.history]}
+        return {**self.ema.state_dict(), "history": [list(h) for h in self.history]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.ema.load_state_dict(state_dict.get("ema", {}))
+        self.ema.load_state_dict(state_dict)
         self.history = [list(h) for h in state_dict.get("history", [])]
 
     def __getstate__(self) -> dict[str, Any]:

@@ -52,8 +52,8 @@ class NoiseScaleEMA:
         >>> ema = NoiseScaleEMA(beta=0.5, min_count=2, trust=1.0)
         >>> for g2, trace in [(1.0, 100.0), (1.2, 110.0), (0.8, 90.0)]:
         ...     ema.update(g2, trace)
-        >>> round(ema.estimate, 1)
-        100.0
+        >>> round(ema.estimate, 1)  # the ratio of the averages, not the average of the ratios
+        103.0
     """
 
     beta: float = 0.99
