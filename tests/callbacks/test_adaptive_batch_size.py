@@ -51,7 +51,9 @@ def test_grows_at_window_boundaries_with_lr_and_samples_schedule():
     windows = Windows()
     grow = AdaptiveBatchSize(interval=10, max_batch=128)
     model = Scheduled(lr=1e-3)
-    trainer = _fit(model, [GradientNoiseScale(every=1, min_measurements=5, trust=0.5), grow, windows])
+    trainer = _fit(
+        model, [GradientNoiseScale(every=1, split_every=1, min_measurements=5, trust=0.5), grow, windows]
+    )
     assert grow.changes, "the batch never grew"
     assert len(grow.changes) >= 2 and all(after == 2 * before for _, before, after, *_ in grow.changes)
     assert grow.changes[0][1] == 16 and grow.optimizer_batch <= 128
@@ -111,7 +113,7 @@ def test_resume_continues_the_schedule_exactly(tmp_path):
 
     def callbacks():
         return [
-            GradientNoiseScale(every=1, min_measurements=5, trust=0.5),
+            GradientNoiseScale(every=1, split_every=1, min_measurements=5, trust=0.5),
             AdaptiveBatchSize(interval=10, max_batch=128),
         ]
 
