@@ -29,9 +29,10 @@ LRScaling = Literal["auto", "sqrt", "linear", "none"]
 class AdaptiveBatchSize(Callback):
     """Grows the optimizer batch while the measured noise scale says a larger batch wastes no samples (opt-in).
 
-    The target optimizer batch is ``target_fraction`` x B_simple (measured by :class:`GradientNoiseScale`),
+    The target optimizer batch is ``target_fraction`` x B_simple (measured by :class:`GradientNoiseScale`, taken
+    cautiously as ``B_simple / (1 + 2 x its relative error)``),
     clamped to ``[min_batch, max_batch]``; the batch moves towards it one integer ``factor`` at a time, at most
-    once every ``interval`` optimizer steps, and only once the estimate is trusted. The micro-batch stays
+    once every ``interval`` optimizer steps, from ``min_measurements`` measurements on. The micro-batch stays
     whatever MemoryAwareBatchSize and OOMRecovery chose: the growth comes through ``accumulate_grad_batches``,
     changed only at a window boundary (mid-epoch, where the batches done in the epoch are a multiple of the new
     accumulation). The learning rate is scaled with the batch through the schedulers' ``base_lrs`` (so that a
@@ -171,7 +172,7 @@ class AdaptiveBatchSize(Callback):
             return  # nothing new measured (every rank measures at the same steps)
         self._measured = len(noise.history)
         proposal = self.accumulate
-        estimate = noise.estimate
+        estimate = noise.lower_bound()  # cautious: B_simple / (1 + 2 relative errors)
         if estimate is not None and trainer.global_step - self.last_change_step >= self.interval:
             proposal = next_accumulation(
                 self.accumulate,

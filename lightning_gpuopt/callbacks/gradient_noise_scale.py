@@ -60,7 +60,9 @@ class GradientNoiseScale(Callback):
 
     The per-measurement estimates of ``|G|^2`` and ``tr(Sigma)`` are averaged separately (exponential moving
     averages with decay ``beta`` per measurement, bias-corrected like Adam's by ``1 - beta**count``) and their
-    ratio taken. Until the estimate is trusted it measures every optimizer step; then every ``every``-th where
+    ratio taken. Until the estimate is trusted (or for at most ``3 / (1 - beta)`` measurements: where B_simple is
+    far above the batch, one measurement is so noisy that the error never falls below ``trust``) it measures every
+    optimizer step; then every ``every``-th where
     the measurement is free (two gradient norms), every ``split_every``-th where it needs the k = 1 split (a measured
     step then costs up to one more step on small, launch-bound models: 100 keeps that within 1 %).
 
@@ -124,6 +126,14 @@ class GradientNoiseScale(Callback):
         """``B_simple`` in samples (loss-weighting units of a sample), ``None`` until trusted."""
         return self.ema.estimate
 
+    def lower_bound(self, sigmas: float = 2.0) -> float | None:
+        """``B_simple`` divided by ``1 + sigmas * relative_error``: a cautious value even before it is trusted
+        (``None`` before ``min_measurements``)."""
+        value, error = self.ema.value, self.ema.relative_error
+        if value is None or self.ema.count < self.ema.min_count or not math.isfinite(error):
+            return None
+        return value / (1 + sigmas * error)
+
     @property
     def relative_error(self) -> float:
         """The estimate's relative standard error now (``inf`` before two measurements)."""
@@ -132,7 +142,10 @@ class GradientNoiseScale(Callback):
     def due(self, step: int, split: bool = False) -> bool:
         """Whether the optimizer step ``step`` is measured: every step until trusted, then every ``every``-th (every
         ``split_every``-th where the measurement needs the k = 1 split)."""
-        return not self.ema.trusted or step % (self.split_every if split else self.every) == 0
+        dense = not self.ema.trusted and self.ema.count < 3 / (
+            1 - self.ema.beta
+        )  # until trusted, or three windows
+        return dense or step % (self.split_every if split else self.every) == 0
 
     # ------------------------------------------------------------------ lifecycle
 

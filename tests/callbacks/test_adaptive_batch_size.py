@@ -41,7 +41,7 @@ class Windows(pl.Callback):
 
 
 def _fit(model, callbacks, **kwargs):
-    kwargs = {"max_steps": 150, **kwargs}
+    kwargs = {"max_steps": 390, **kwargs}
     trainer = pl.Trainer(precision="64-true", callbacks=callbacks, **{**TRAINER_QUIET, **kwargs})
     trainer.fit(model, quadratic_loader(4096, batch_size=16, steps=400, seed=1))
     return trainer
