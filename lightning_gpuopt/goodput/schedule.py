@@ -38,6 +38,8 @@ def next_accumulation(
         2
     """
     target = target_fraction * noise_scale
+    if accumulate < min_accumulate:  # clamped to [min_batch, max_batch]: up to the floor first
+        return min(accumulate * factor, max_accumulate)
     if accumulate * factor * samples_per_batch <= target and accumulate * factor <= max_accumulate:
         return accumulate * factor
     if accumulate * samples_per_batch > factor * target and accumulate // factor >= min_accumulate:
