@@ -110,3 +110,10 @@ def test_estimate_on_two_ddp_ranks(tmp_path):
         for b_simple, estimate in result["estimates"]:
             assert estimate is not None and abs(estimate / b_simple - 1) <= 0.25, (b_simple, estimate)
     assert results[0]["estimates"] == results[1]["estimates"]  # the ranks agree
+
+
+def test_estimate_from_accumulation_windows_without_a_split():
+    """accumulate_grad_batches=2: the window's first batch against the window, no split asked for."""
+    noise = GradientNoiseScale(split=False)
+    _fit(Quadratic(), quadratic_loader(16, batch_size=32, steps=600), [noise], accumulate_grad_batches=2)
+    assert noise.estimate is not None and abs(noise.estimate / 16 - 1) <= 0.25, noise.estimate
