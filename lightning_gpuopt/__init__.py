@@ -7,9 +7,11 @@ __version__ = "0.1.0.dev0"
 
 from lightning_gpuopt._warnings import GPUOptWarning
 from lightning_gpuopt.callbacks import (
+    AdaptiveBatchSize,
     DataStallMonitor,
     ExactResume,
     GPUOptReport,
+    GradientNoiseScale,
     MemoryAwareBatchSize,
     MicroBatchOOMError,
     OOMRecovery,
@@ -22,6 +24,7 @@ from lightning_gpuopt.microbatch import OptimizerStepOOMError, Rung
 from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlan, StrategyPlanError, select_strategy
 
 __all__ = [
+    "AdaptiveBatchSize",
     "DataStallMonitor",
     "ExactResume",
     "FSDP2Strategy",
@@ -29,6 +32,7 @@ __all__ = [
     "GPUOptDataModule",
     "GPUOptReport",
     "GPUOptWarning",
+    "GradientNoiseScale",
     "MemmapDataset",
     "MemoryAwareBatchSize",
     "MicroBatchOOMError",

@@ -38,8 +38,10 @@ from lightning_gpuopt._cli_errors import (
 from lightning_gpuopt._cli_resume import ResumePlan, RunFingerprint, plan_resume, run_fingerprint
 from lightning_gpuopt._summary import RunSummary
 from lightning_gpuopt.callbacks import (
+    AdaptiveBatchSize,
     ExactResume,
     GPUOptReport,
+    GradientNoiseScale,
     MemoryAwareBatchSize,
     OOMRecovery,
     PrecisionSwitch,
@@ -107,6 +109,9 @@ class GPUOptCLI(LightningCLI):
       ``fit``, unless ``--trainer.callbacks`` already has one: ``initial="auto"`` (the fastest precision
       the hardware runs natively), or ``initial="keep"`` when ``--trainer.precision`` (or a precision
       plugin in ``--trainer.plugins``) is given.
+    * ``--gpuopt.noise_scale`` (default false): add :class:`~lightning_gpuopt.GradientNoiseScale` to ``fit``;
+      ``--gpuopt.adaptive_batch`` (default false) adds :class:`~lightning_gpuopt.AdaptiveBatchSize` (and the
+      measurement it needs).
     * ``--gpuopt.report`` (default true): add :class:`~lightning_gpuopt.GPUOptReport` to ``fit``
       (table, ``gpuopt_report.json`` and ``.png`` in the run's log directory), unless
       ``--trainer.callbacks`` already has one.
@@ -237,6 +242,20 @@ class GPUOptCLI(LightningCLI):
             default=True,
             help="Add PrecisionSwitch to fit (the fastest precision the hardware runs natively, a more stable one on "
             "non-finite values), unless trainer.callbacks has one; it keeps --trainer.precision when that is given.",
+        )
+        parser.add_argument(
+            "--gpuopt.noise_scale",
+            type=bool,
+            default=False,
+            help="Add GradientNoiseScale to fit (measures the gradient noise scale B_simple: is a larger batch worth "
+            "it? logged as gpuopt/noise_scale and shown in the report), unless trainer.callbacks has one.",
+        )
+        parser.add_argument(
+            "--gpuopt.adaptive_batch",
+            type=bool,
+            default=False,
+            help="Add AdaptiveBatchSize to fit (opt-in, it changes the optimization: grows the optimizer batch through "
+            "accumulation while the noise scale says it pays, learning rate scaled), unless trainer.callbacks has one.",
         )
         parser.add_argument(
             "--gpuopt.report",
@@ -372,6 +391,12 @@ class GPUOptCLI(LightningCLI):
             self._add_oom_recovery(trainer)
         if fitting and self._gpuopt_option("precision_switch"):
             self._add_precision_switch(trainer)
+        if fitting and (self._gpuopt_option("noise_scale") or self._gpuopt_option("adaptive_batch")):
+            if not any(isinstance(cb, GradientNoiseScale) for cb in trainer.callbacks):
+                trainer.callbacks.append(GradientNoiseScale())
+        if fitting and self._gpuopt_option("adaptive_batch"):
+            if not any(isinstance(cb, AdaptiveBatchSize) for cb in trainer.callbacks):
+                trainer.callbacks.append(AdaptiveBatchSize())
         if fitting and self._gpuopt_option("report"):
             if not any(isinstance(cb, GPUOptReport) for cb in trainer.callbacks):
                 trainer.callbacks.append(GPUOptReport())

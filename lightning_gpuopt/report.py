@@ -78,6 +78,7 @@ STEP_FIELDS = (
     "samples",
     "step_time_s",
     "mfu",
+    "noise_scale",
 )
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -479,6 +480,15 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         wait = _median([s.get("data_wait_fraction") for s in steps[1:]])
         if wait is not None:
             rows.append(("data-wait fraction", f"{wait:.0%} (median)"))
+        noise = [(s["step"], s["noise_scale"]) for s in steps if s.get("noise_scale") is not None]
+        if noise:  # GradientNoiseScale: its trusted estimate, first and last
+            rows.append(
+                (
+                    "noise scale B_simple",
+                    f"{noise[0][1]:.0f} (step {noise[0][0]}) -> {noise[-1][1]:.0f} samples (step {noise[-1][0]}); "
+                    f"optimizer batch {last['batch_size']} a batch",
+                )
+            )
         for field in run.get("fields", []):  # ReportFields: GPUOptReport(fields=[...])
             rows.append((field["label"], summarize_values([s.get(field["name"]) for s in steps])))
     recompiled = [d for d in made if d["kind"] == "recompilation"]

@@ -347,6 +347,18 @@ def _speed_axis(ax: Any, steps: list[dict[str, Any]], x: list[float], bins: list
         twin.set_ylabel(f"data wait, % ({window}-step mean)", color="#455a64", fontsize=9)
         high = max((w for w in smooth if not math.isnan(w)), default=0.0)
         twin.set_ylim(0, min(100.0, max(5.0, 1.3 * high)))
+    noise = [s.get("noise_scale") for s in steps]
+    if any(v is not None for v in noise):  # GradientNoiseScale's trusted estimate, against the batch
+        binned = _binned([float(v) if v is not None else math.nan for v in noise], bins, "mean")
+        batch = _binned([float(s["batch_size"]) for s in steps], bins, "mean")
+        scale = ax.twinx()
+        scale.spines["right"].set_position(("axes", 1.09))
+        handles.append(scale.plot(x, binned, color="#d62728", lw=1.4, label="B_simple (far right)")[0])
+        handles.append(
+            scale.step(x, batch, where="post", color="#d62728", lw=0.9, ls=":", label="batch (far right)")[0]
+        )
+        scale.set_yscale("log")
+        scale.set_ylabel("samples (log)", color="#d62728", fontsize=9)
     return handles
 
 

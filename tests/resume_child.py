@@ -4,7 +4,8 @@
 GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt`` every optimizer step.
 
     python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--kill-batch N]
-        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H] [--batch-size B] [--onecycle] [--resume]
+        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H] [--batch-size B] [--onecycle]
+        [--adaptive] [--resume]
 
 Each rank appends ``epoch batch_idx id,id,...`` per training batch to ``ROOT/ids_rank{r}.txt`` (flushed,
 so a killed run keeps its lines); at the end of fit rank 0 saves the parameters to ``ROOT/params.pt`` and
@@ -26,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from lightning_gpuopt import ExactResume, GPUOptDataModule, OOMRecovery
+from lightning_gpuopt import AdaptiveBatchSize, ExactResume, GPUOptDataModule, GradientNoiseScale, OOMRecovery
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
 from lightning_gpuopt.decisions import decisions
 
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--onecycle", action="store_true")
+    parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
     os.makedirs(args.root, exist_ok=True)
@@ -169,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
             dirpath=os.path.join(args.root, "ckpt"), every_n_train_steps=1, save_top_k=0, save_last=True
         ),
     ]
+    if args.adaptive:  # the batch grows 8 -> 16 -> 32 mid-epoch (up to min_batch)
+        callbacks += [
+            GradientNoiseScale(every=1, min_measurements=2),
+            AdaptiveBatchSize(interval=1, min_batch=32, max_batch=32),
+        ]
     if args.oom_limit is not None:
         callbacks += [OOMRecovery(), MemoryLimit(args.root, args.oom_limit, args.oom_from)]
     trainer = pl.Trainer(

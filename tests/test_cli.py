@@ -119,6 +119,20 @@ def test_fit_adds_the_report_unless_turned_off(tmp_path):
     assert not any(isinstance(cb, GPUOptReport) for cb in off.trainer.callbacks)
 
 
+def test_noise_scale_and_adaptive_batch_flags(tmp_path):
+    from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale
+
+    base = ["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.report", "false", *_quiet(tmp_path)]
+    off = run(base)
+    assert not any(isinstance(cb, (GradientNoiseScale, AdaptiveBatchSize)) for cb in off.trainer.callbacks)
+    noise = run([*base, "--gpuopt.noise_scale", "true"])
+    assert [type(cb) for cb in noise.trainer.callbacks].count(GradientNoiseScale) == 1
+    assert not any(isinstance(cb, AdaptiveBatchSize) for cb in noise.trainer.callbacks)
+    grow = run([*base, "--gpuopt.adaptive_batch", "true"])
+    kinds = [type(cb) for cb in grow.trainer.callbacks]
+    assert kinds.count(GradientNoiseScale) == 1 and kinds.count(AdaptiveBatchSize) == 1
+
+
 def test_fit_adds_precision_switch_auto_or_keep(tmp_path):
     from lightning_gpuopt import PrecisionSwitch
 

@@ -79,6 +79,10 @@ def test_dry_run_runs_every_section_on_cpu_without_jsonargparse_or_torchdata(dry
         0 < lm["answerable_max"] <= lm["true_max"] and lm["micro_mode"]["micro_batch_run"] <= lm["true_max"]
     )
     assert status["overhead"]["details"]["overhead_percent"]["n"] >= 2  # pairs of fits, their spread reported
+    goodput = status["goodput"]["details"]
+    assert (
+        goodput["measurements"] >= 1 and goodput["overhead_percent"]["n"] >= 2
+    )  # measured; pairs with spread
     assert "tf32" in status["precision"]["skipped"] and "device prefetch" in status["data"]["skipped"]
     mfu = status["mfu"]["details"]
     assert (

@@ -93,7 +93,8 @@ _NO_CUDA_ALLOCATOR = (
 #: A later GPU figure adds a row here with its own slice, inside the same total. The slices follow the first
 #: H200 run (2026-12-04: 158 s of 300), with room for both compiled forms (inductor: ~25 s a form);
 #: ``forensics`` (15 s) took 5 s each from ``mfu`` (used 9 s), ``batchsize`` (used 20 s) and ``overhead`` (which
-#: runs pairs of fits while its slice has room).
+#: runs pairs of fits while its slice has room); ``goodput`` (20 s) took 10 s from ``overhead`` (pairs while room) and
+#: 5 s each from ``batchsize`` (used 20 s) and ``precision``.
 SECTIONS: dict[str, Section] = {
     s.name: s
     for s in (
@@ -112,7 +113,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "batchsize",
             "MemoryAwareBatchSize against the bisected true maximum",
-            25,
+            20,
             "gpu.batchsize:section",
             {"models": ["lm"], "multiple_of": 8},  # the pack's default on CUDA
             {"models": ["lm"], "multiple_of": 1},
@@ -120,7 +121,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "precision",
             "PrecisionSwitch auto against 32-true, TF32, bf16-mixed",
-            25,
+            20,
             "gpu.speed:precision_section",
             {**_GPT2, "layers": 6, "seq": 512, "batch": 16, "steps": 12, "warmup": 4, "repeats": 2},
             {**_GPT_TINY, "batch": 4, "steps": 3, "warmup": 1, "repeats": 1},
@@ -145,10 +146,29 @@ SECTIONS: dict[str, Section] = {
         Section(
             "overhead",
             "OOMRecovery at k = 1 against plain Lightning (steady state)",
-            25,
+            15,
             "gpu.speed:overhead_section",
             {**_GPT2, **_OVERHEAD, "precision": "bf16-mixed", "target_percent": 2.0},
             {**_GPT_TINY, **_OVERHEAD_DRY, "target_percent": 2.0},
+        ),
+        Section(
+            "goodput",
+            "the gradient noise scale of the GPT-2-shaped model; GradientNoiseScale's steady-state step-time cost "
+            "against OOMRecovery at k = 1",
+            20,
+            "gpu.goodput:section",
+            {
+                **_GPT2,
+                **_OVERHEAD,
+                "layers": 4,
+                "seq": 512,
+                "precision": "bf16-mixed",
+                "steps": 41,
+                "warmup": 1,
+            }
+            | {"every": 10, "estimate_steps": 60, "repeats": 4, "min_repeats": 2, "target_percent": 1.0},
+            {**_GPT_TINY, **_OVERHEAD_DRY, "every": 2, "estimate_steps": 6, "target_percent": 1.0}
+            | {"steps": 5, "warmup": 1},
         ),
         Section(
             "forensics",

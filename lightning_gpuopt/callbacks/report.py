@@ -19,6 +19,7 @@ from lightning_gpuopt.batch_size.trial import TrialSteps
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.callbacks._oom_log import OOMLog, memory_limit, state_tensors
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
+from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import decisions, record_decision
 from lightning_gpuopt.memory import forensics, get_probe, is_oom_error
 from lightning_gpuopt.memory.forensics import MemoryHistory
@@ -330,6 +331,7 @@ class GPUOptReport(Callback):
             "samples": n,
             "step_time_s": step_time,
             "mfu": mfu(self._flops, step_time, self._peak_flops),
+            "noise_scale": _noise_scale(trainer),
         }
         for field in self.fields:
             record[field.name] = field.value(trainer, pl_module)
@@ -531,3 +533,9 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _noise_scale(trainer: pl.Trainer) -> float | None:
+    """GradientNoiseScale's trusted estimate now (``None`` without one, or until it is trusted)."""
+    noise = next((c for c in trainer.callbacks if isinstance(c, GradientNoiseScale)), None)
+    return noise.estimate if noise is not None else None

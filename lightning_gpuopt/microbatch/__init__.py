@@ -37,7 +37,7 @@ Evaluation steps (validation, test, predict) are wrapped too: an OOM there split
 chunks, runs them, and puts their outputs back together in order.
 
 Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`,
-``next_proposal``, ``oom_handler``, ``attempt_checks``, the recovery rungs (:meth:`~MicroBatchEngine.add_rung`,
+``next_proposal``, ``oom_handler``, ``attempt_checks``, ``backward_listeners``, ``measure_split``, the recovery rungs (:meth:`~MicroBatchEngine.add_rung`,
 :meth:`~MicroBatchEngine.turn_on`, ``rung_listeners``), ``loss_weighting``, ``compile_cause`` and
 ``listeners``, and read it through :meth:`~MicroBatchEngine.effective_k`,
 :meth:`~MicroBatchEngine.micro_batch_size`, :meth:`~MicroBatchEngine.batch_size` and
@@ -49,6 +49,7 @@ from lightning_gpuopt.microbatch.engine import (
     EVAL_STAGES,
     EngineState,
     KChange,
+    MicroBatchBackward,
     MicroBatchEngine,
     WeightFn,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ActivationCheckpointing",
     "EngineState",
     "KChange",
+    "MicroBatchBackward",
     "MicroBatchEngine",
     "MicroBatchOOMError",
     "OptimizerStepHook",

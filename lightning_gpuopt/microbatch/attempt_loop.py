@@ -205,6 +205,7 @@ class AttemptLoop:
         smallest_failed = n + 1
         rechecks = 0
         first_size_error: BaseException | None = None
+        refused: LossWeightingError | None = None
         while True:
             k = batch.k()
             baseline = probe.allocated if measured else None
@@ -217,6 +218,11 @@ class AttemptLoop:
                 output = batch.attempt(k)
             except PeerFailure as err:
                 peer_votes = err.votes
+            except LossWeightingError as err:  # the check refused to split: not an OOM to retry
+                if not batch.measuring:
+                    batch.give_up()
+                    raise
+                refused = err.with_traceback(None)  # only a measurement asked for the split: run whole
             except Exception as err:
                 # cuDNN's CUDNN_STATUS_NOT_SUPPORTED is often a size limit: shrink once, then re-raise the original.
                 size_error = (
@@ -247,6 +253,11 @@ class AttemptLoop:
                 )  # inside the except: the failed attempt's tensors live
             finally:
                 watch.after_attempt(self.trainer, marker, stage, n, k)
+            if refused is not None:
+                batch.drop()
+                batch.stop_measuring(refused)
+                refused = None
+                continue
             fatal: BaseException | None = None
             if failure is not None or peer_votes is not None:
                 # Outside the except block: the traceback and the activations it pinned are gone.

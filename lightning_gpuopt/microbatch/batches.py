@@ -10,6 +10,7 @@ attempt, how to drop one, what to vote after an OOM, and what a kept attempt or 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -31,7 +32,30 @@ from lightning_gpuopt.oom_policy import Agreement, OOMFailure, Proposal, Recover
 if TYPE_CHECKING:
     from lightning_gpuopt.microbatch.attempt_loop import AttemptLoop
 
-__all__ = ["EvalBatch", "TrainingBatch", "k_change_reason"]
+__all__ = ["EvalBatch", "MicroBatchBackward", "TrainingBatch", "k_change_reason"]
+
+
+@dataclass(frozen=True)
+class MicroBatchBackward:
+    """What a backward listener is told after each micro-batch's backward of a training attempt.
+
+    The parameters' ``.grad`` then hold this batch's micro-batches ``0..index`` only (earlier batches of the
+    accumulation window are kept apart), each micro-batch's loss multiplied by its ``weight`` (its share of the
+    batch's loss), divided by ``accumulate`` and multiplied by ``scale`` (the AMP loss scale, 1.0 without one).
+    Under DDP the gradients are this rank's own (the engine reduces them at the optimizer step). A failed attempt
+    is run again from ``index`` 0.
+    """
+
+    index: int
+    count: int
+    weight: float
+    samples: int
+    first_in_window: bool
+    accumulate: int
+    scale: float
+    params: tuple
+    #: The batch runs as 2 micro-batches only because a listener asked for a measurement (``measure_split``).
+    measuring: bool = False
 
 
 class TrainingBatch:
@@ -67,6 +91,16 @@ class TrainingBatch:
         self.proposal: Proposal | None = self.engine.next_proposal
         self.engine.next_proposal = None
         self.checks = self.engine.attempt_checks
+        # A batch that would run whole runs as 2 micro-batches when a measurement asks (GradientNoiseScale at k=1).
+        ask = self.engine.measure_split
+        self.measuring = bool(
+            ask is not None
+            and self.first_in_window
+            and self.n >= 2
+            and self.engine.effective_k(self.batch) == 1
+            and self.engine.splittable(self.batch)
+            and ask(self.batch_idx)
+        )
         self.logs: tuple[list, list[float]] = ([], [])
         #: A micro-batch's step returned no loss in the last attempt (``None``: Lightning's skip; a dict without
         #: ``"loss"``, or another value: Lightning's error): that output, at ``skipped_at`` of ``skipped_of``.
@@ -75,10 +109,23 @@ class TrainingBatch:
         self.skipped_at = (0, 0)
 
     def k(self) -> int:
-        return self.engine.effective_k(self.batch)
+        k = self.engine.effective_k(self.batch)
+        return 2 if self.measuring and k == 1 else k
 
     def vote(self, status: int, k: int) -> list[Vote]:
         return self.engine.exchange.vote(status, k)
+
+    def stop_measuring(self, refusal: BaseException) -> None:
+        """The loss-weighting check refused the split a measurement asked for: run whole, ask for no more splits.
+
+        The check is reset, so a split an OOM needs later is checked (and refused) as ever; the asker hears why
+        through ``measure_refused``.
+        """
+        self.measuring = False
+        self.engine.measure_split = None
+        self.engine.loss_weighting.load_state_dict({})
+        if self.engine.measure_refused is not None:
+            self.engine.measure_refused(str(refusal))
 
     def where(self) -> str:
         return f"at step {self.loop.trainer.global_step}"
@@ -105,6 +152,7 @@ class TrainingBatch:
             self.engine, chunks, lambda piece: step(piece, *self.rest, **self.kwargs), self.batch
         )
         scaler = getattr(loop.trainer.precision_plugin, "scaler", None)
+        listeners = self.engine.backward_listeners
         extras: list[dict[str, Any] | None] = []
         total: Tensor | None = None
         self.skipped, self.skipped_output = False, None
@@ -126,6 +174,20 @@ class TrainingBatch:
             if scaler is not None:
                 scaled = scaler.scale(scaled)
             loop.module_backward(scaled)
+            if listeners:
+                told = MicroBatchBackward(
+                    len(extras) - 1,
+                    len(chunks),
+                    weight,
+                    self.n,
+                    self.first_in_window,
+                    self.accumulate,
+                    float(scaler.get_scale()) if scaler is not None else 1.0,
+                    tuple(self.params),
+                    self.measuring and k == 2,
+                )
+                for listener in listeners:
+                    listener(told)
             part = loss.detach() if weight == 1.0 else loss.detach() * weight
             total = part if total is None else total + part
             return True
@@ -201,6 +263,7 @@ class EvalBatch:
     """An evaluation batch: chunks whose outputs are put back together in order."""
 
     retries_size_errors = False
+    measuring = False
     proposal = None
     checks: tuple = ()
     params = None

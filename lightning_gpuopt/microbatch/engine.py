@@ -24,6 +24,7 @@ from lightning_gpuopt._compiled import RecompileBudget, is_compiled_anywhere
 from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.microbatch.attempt import batch_samples
 from lightning_gpuopt.microbatch.attempt_loop import EVAL_STAGES, AttemptLoop
+from lightning_gpuopt.microbatch.batches import MicroBatchBackward
 from lightning_gpuopt.microbatch.compile_watch import CompileWatch
 from lightning_gpuopt.microbatch.exchange import (
     DDPExchange,
@@ -38,7 +39,15 @@ from lightning_gpuopt.microbatch.setup_checks import check_strategy, check_suppo
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.oom_policy import OOMFailure, Proposal, Recovery, Source, Vote
 
-__all__ = ["CHECKPOINTING", "EVAL_STAGES", "EngineState", "KChange", "MicroBatchEngine", "WeightFn"]
+__all__ = [
+    "CHECKPOINTING",
+    "EVAL_STAGES",
+    "EngineState",
+    "KChange",
+    "MicroBatchBackward",
+    "MicroBatchEngine",
+    "WeightFn",
+]
 
 #: The name of the activation-checkpointing rung in the engine's state.
 CHECKPOINTING = ActivationCheckpointing.name
@@ -143,6 +152,16 @@ class MicroBatchEngine:
         #: alike on every rank.
         self.attempt_checks: list[Callable[[int, Tensor], bool]] = []
         self.history: list[KChange] = []
+        #: ``listener(MicroBatchBackward)``, told after each micro-batch's backward in a training attempt (the
+        #: gradients of this batch so far in ``.grad``): GradientNoiseScale reads the first micro-batch's there.
+        self.backward_listeners: list[Callable[[MicroBatchBackward], None]] = []
+        #: ``ask(batch_idx) -> bool``: run this training batch, first of its accumulation window and due to run
+        #: whole (k = 1), as 2 micro-batches instead, for a measurement; k is unchanged. Only for steps whose
+        #: update a split leaves unchanged (the asker's to know); ``None``: never.
+        self.measure_split: Callable[[int], bool] | None = None
+        #: ``told(why)`` when the loss-weighting check refused such a split (the batch then ran whole, and
+        #: ``measure_split`` is reset to ``None``).
+        self.measure_refused: Callable[[str], None] | None = None
         self.listeners: list[Callable[[KChange], None]] = []
         #: The Trainer's optimizer-step hook (``step.py``), attached with the training step.
         self.step_hook: OptimizerStepHook | None = None

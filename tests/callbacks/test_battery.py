@@ -27,10 +27,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 import lightning_gpuopt
 import lightning_gpuopt.callbacks as pack_callbacks
 from lightning_gpuopt import (
+    AdaptiveBatchSize,
     DataStallMonitor,
     ExactResume,
     GPUOptDataModule,
     GPUOptReport,
+    GradientNoiseScale,
     MemoryAwareBatchSize,
     OOMRecovery,
     PrecisionSwitch,
@@ -200,7 +202,25 @@ def _precision_kept(run):
     assert run.resumed.precision == run.trainer.precision == "bf16-mixed"
 
 
+def _noise_decided(state, run):
+    assert len(state["history"]) == state["count"]
+
+
+def _noise_kept(run):
+    assert run.resumed.ema.count >= run.saved["count"]  # it continued the saved averages
+
+
+def _adaptive_decided(state, run):
+    assert state["base_accumulate"] == state["accumulate"] == 1 and state["samples"] > 0
+
+
+def _adaptive_kept(run):
+    assert run.resumed.samples > run.saved["samples"] and run.resumed.accumulate == 1
+
+
 CASES: dict[type[Callback], Case] = {
+    AdaptiveBatchSize: Case(AdaptiveBatchSize, False, _adaptive_decided, _adaptive_kept),
+    GradientNoiseScale: Case(lambda: GradientNoiseScale(every=1), False, _noise_decided, _noise_kept),
     DataStallMonitor: Case(
         lambda: DataStallMonitor(threshold=0.99, window=3, autotune=True), False, _stall_decided, _stall_kept
     ),

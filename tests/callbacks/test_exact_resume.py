@@ -242,3 +242,15 @@ def test_the_report_of_a_resumed_run_covers_the_whole_run_and_marks_the_resume(t
     assert [s["step"] for s in report.report["steps"]] == list(range(10))
     assert report.report["resumes"] == [{"step": 5, "steps_before": 5}]
     assert [(d["step"], d["kind"]) for d in report.report["decisions"]] == [(5, "resume")]
+
+
+def test_sigkill_in_the_middle_of_a_batch_size_change_resumes_exactly(tmp_path):
+    # AdaptiveBatchSize grows the batch 8 -> 16 at step 2 and 16 -> 32 at step 3 (accumulation 2 -> 4 -> 8); the
+    # kill falls inside the first window of the new accumulation (batches 8..15), after the checkpoint holding it.
+    run = _interrupted_runs(tmp_path, ("--adaptive", "--accumulate", "2"), [("--kill-batch", "10")])
+    straight = json.loads((tmp_path / "ref" / "decisions_rank0.json").read_text())
+    assert [d["data"]["after"] for d in straight if d["kind"] == "batch size"] == [16, 32]
+    resumed = json.loads((run / "run1_decisions_rank0.json").read_text())
+    assert not [
+        d for d in resumed if d["kind"] == "batch size"
+    ]  # resumed with the change made, not made again

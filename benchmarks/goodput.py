@@ -1,0 +1,256 @@
+"""Goodput: AdaptiveBatchSize against a fixed small and a fixed large batch, to a fixed validation loss; and what
+measuring the noise scale costs.
+
+    python benchmarks/goodput.py            # about 2 minutes on 2 shared CPU cores
+    python benchmarks/goodput.py --quick    # smoke run
+
+Two tiny CPU tasks with built-in synthetic data (nothing downloaded): a next-token language model on sequences
+from a fixed random Markov chain (its loss floor is the chain's entropy), and an image classifier on 8x8 Gaussian
+class prototypes with noise. Each trains with Adam to a fixed validation-loss target under three settings from one
+run: the fixed small batch (16), a fixed large batch (256, learning rate x sqrt(16)) and ``AdaptiveBatchSize()``
+from the small batch at its defaults. Figures: optimizer steps, samples and wall time to the target (the
+validation loss read every 10 optimizer steps, not timed). Goal (issue 29): >= 25 % fewer steps than the small
+batch, samples <= 1.1x the small batch's, wall time no worse than the better fixed batch.
+
+The overhead is GradientNoiseScale in its steady state (a split step every 100th) beside OOMRecovery at k = 1
+against OOMRecovery alone: interleaved pairs of fits, each fit's figure the mean of its steady steps. Writes
+``goodput.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+from common import QUIET, arguments, environment, print_table, quiet, spread, write_json
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale, OOMRecovery
+
+SMALL, LARGE, LR, EVAL_EVERY = 16, 256, 3e-3, 10
+
+
+def markov_tokens(n: int, seq: int = 16, vocab: int = 64, seed: int = 0) -> tuple[torch.Tensor, float]:
+    """``n`` sequences of a fixed random Markov chain, and the chain's entropy rate (the loss floor, nats)."""
+    g = torch.Generator().manual_seed(123)
+    logits = torch.randn(vocab, vocab, generator=g) * 2.0
+    probs = logits.softmax(-1)
+    entropy = float(-(probs * probs.log()).sum(-1).mean())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.empty(n, seq, dtype=torch.long)
+    x[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for t in range(1, seq):
+        x[:, t] = torch.multinomial(probs[x[:, t - 1]], 1, generator=g).squeeze(1)
+    return x, entropy
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self, vocab: int = 64, width: int = 128, lr: float = LR) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Embedding(vocab, width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, vocab)
+        )
+        self.lr = lr
+
+    def loss(self, batch):
+        (x,) = batch
+        return F.cross_entropy(self.net(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def prototypes(n: int, dim: int = 64, classes: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    centers = torch.randn(classes, dim, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return centers[y] + 2.2 * torch.randn(n, dim, generator=g), y
+
+
+class TinyClassifier(TinyLM):
+    def __init__(self, dim: int = 64, classes: int = 10, lr: float = LR) -> None:
+        pl.LightningModule.__init__(self)
+        self.net = nn.Sequential(nn.Linear(dim, 128), nn.GELU(), nn.Linear(128, classes))
+        self.lr = lr
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+class StopAtTarget(pl.Callback):
+    """Reads the validation loss every ``EVAL_EVERY`` optimizer steps (time not counted) and stops at the target."""
+
+    def __init__(self, val, target: float) -> None:
+        self.val, self.target = val, target
+        self.reached_step = self.samples = None
+        self.seconds, self.final = 0.0, None
+        self._last, self._seen, self._t0 = -1, 0, None
+
+    def on_train_start(self, trainer, pl_module):
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._seen += len(batch[0])
+        step = trainer.global_step
+        if step == self._last or step % EVAL_EVERY:
+            return
+        self._last = step
+        paused = time.perf_counter()
+        with torch.no_grad():
+            loss = float(pl_module.loss(self.val))
+        self.final = loss
+        if loss <= self.target:
+            self.reached_step, self.samples = step, self._seen
+            self.seconds += paused - self._t0
+            trainer.should_stop = True
+        else:
+            self.seconds += paused - self._t0
+            self._t0 = time.perf_counter()
+
+
+def train(task: str, setting: str, max_steps: int) -> dict:
+    pl.seed_everything(0, verbose=False)
+    if task == "lm":
+        x, entropy = markov_tokens(40_000)
+        val = (markov_tokens(2_000, seed=1)[0],)
+        model, data, target = TinyLM(), TensorDataset(x), entropy + 0.09
+    else:
+        x, y = prototypes(60_000)
+        val = prototypes(4_000, seed=1)
+        model, data, target = TinyClassifier(), TensorDataset(x, y), 0.30
+    batch = LARGE if setting == "large" else SMALL
+    if setting == "large":
+        model.lr = LR * math.sqrt(LARGE / SMALL)
+    stop = StopAtTarget(val, target)
+    callbacks: list = [stop]
+    grow = None
+    if setting == "adaptive":
+        grow = AdaptiveBatchSize(max_batch=LARGE)
+        callbacks.insert(0, grow)
+    trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, callbacks=callbacks, accelerator="cpu", **QUIET)
+    trainer.fit(
+        model, DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
+    )
+    return {
+        "task": task,
+        "setting": setting,
+        "target": target,
+        "reached": stop.reached_step is not None,
+        "steps": stop.reached_step if stop.reached_step is not None else trainer.global_step,
+        "samples": stop.samples if stop.samples is not None else stop._seen,
+        "seconds": stop.seconds,
+        "final_loss": stop.final,
+        "changes": grow.changes if grow is not None else [],
+    }
+
+
+def overhead(task: str, steps: int, pairs: int) -> dict:
+    """GradientNoiseScale (steady: every 100th step split) + OOMRecovery against OOMRecovery alone, interleaved pairs."""
+
+    def fit(with_noise: bool) -> float:
+        pl.seed_everything(0, verbose=False)
+        model = TinyLM() if task == "lm" else TinyClassifier()
+        data = (
+            TensorDataset(markov_tokens(steps * 64)[0])
+            if task == "lm"
+            else TensorDataset(*prototypes(steps * 64))
+        )
+        ends: list[float] = []
+        mark = pl.Callback()
+        mark.on_train_batch_end = lambda *a: ends.append(time.perf_counter())
+        noise = [GradientNoiseScale(min_measurements=1, trust=math.inf)] if with_noise else []
+        trainer = pl.Trainer(
+            max_steps=steps, callbacks=[OOMRecovery(verbose=False), *noise, mark], accelerator="cpu", **QUIET
+        )
+        trainer.fit(model, DataLoader(data, batch_size=64))
+        periods = [
+            b - a for a, b in itertools.pairwise(ends[110:])
+        ]  # steady: after the first split (step 100)
+        return statistics.fmean(periods)
+
+    ratios = []
+    for r in range(pairs):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        times = {flag: fit(flag) for flag in order}
+        ratios.append(100 * (times[True] / times[False] - 1))
+    return spread(ratios)
+
+
+def main() -> None:
+    parser = arguments(__doc__, "goodput.json", quick="tiny runs: checks the script, not the goals")
+    args = parser.parse_args()
+    quiet(every_warning=True)
+    torch.set_num_threads(1)
+    max_steps = 200 if args.quick else 6000
+    runs = [train(task, s, max_steps) for task in ("lm", "image") for s in ("small", "large", "adaptive")]
+    rows = [
+        [
+            "task",
+            "setting",
+            "reached",
+            "steps",
+            "samples",
+            "wall s",
+            "steps/small",
+            "samples/small",
+            "wall/best fixed",
+            "changes",
+        ]
+    ]
+    summary = {}
+    for task in ("lm", "image"):
+        by = {r["setting"]: r for r in runs if r["task"] == task}
+        small, best = by["small"], min(by["small"]["seconds"], by["large"]["seconds"])
+        for r in by.values():
+            rows.append(
+                [
+                    task,
+                    r["setting"],
+                    r["reached"],
+                    r["steps"],
+                    r["samples"],
+                    f"{r['seconds']:.1f}",
+                    f"{r['steps'] / small['steps']:.2f}",
+                    f"{r['samples'] / small['samples']:.2f}",
+                    f"{r['seconds'] / best:.2f}",
+                    " ".join(f"{c[1]}->{c[2]}@{c[0]}" for c in r["changes"]),
+                ]
+            )
+        a = by["adaptive"]
+        summary[task] = {
+            "steps_ratio": a["steps"] / small["steps"],
+            "samples_ratio": a["samples"] / small["samples"],
+            "wall_ratio_vs_best_fixed": a["seconds"] / best,
+            "goal_steps_met": a["steps"] <= 0.75 * small["steps"],
+            "goal_samples_met": a["samples"] <= 1.1 * small["samples"],
+            "goal_wall_met": a["seconds"] <= best,
+        }
+    print_table(rows)
+    pairs = 2 if args.quick else 5
+    cost = {task: overhead(task, 120 if args.quick else 1210, pairs) for task in ("lm", "image")}
+    for task, s in cost.items():
+        print(
+            f"overhead {task}: GradientNoiseScale (steady: every 100th step split) vs OOMRecovery k=1: median {s['median']:+.2f} % "
+            f"(IQR {s['q1']:+.2f}..{s['q3']:+.2f}, min..max {s['min']:+.2f}..{s['max']:+.2f}, {s['n']} pairs)"
+        )
+    write_json(
+        args.out,
+        "goodput.json",
+        {"environment": environment(), "runs": runs, "summary": summary, "overhead_percent": cost},
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""GradientNoiseScale: the simple noise scale B_simple of a run, from gradients it computes anyway.
+
+The math is in :mod:`lightning_gpuopt.goodput.estimator`; this callback finds the two batch sizes:
+
+* the first micro-batch of an accumulation window (told by the micro-batch engine right after its backward),
+  against the whole window in ``on_before_optimizer_step`` (unscaled, unclipped), when the window has several
+  micro-batches (k >= 2, or ``accumulate_grad_batches`` >= 2);
+* under DDP, this rank's first micro-batch against the all-reduced window: the ranks average the small norm in
+  one extra all-reduce of three scalars;
+* at k = 1 on one device, the engine runs every measured step as 2 micro-batches (``measure_split``), for steps
+  whose update that leaves unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gpuopt import _compat
+from lightning_gpuopt._validate import fraction, positive_int
+from lightning_gpuopt.goodput.estimator import NoiseScaleEMA, noise_scale_terms
+from lightning_gpuopt.microbatch import (
+    EngineState,
+    MicroBatchBackward,
+    MicroBatchEngine,
+    unsupported_strategy,
+)
+from lightning_gpuopt.microbatch.replay import RandomDraws
+from lightning_gpuopt.support import Feature
+
+__all__ = ["GradientNoiseScale"]
+
+_DROPOUT = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+class GradientNoiseScale(Callback):
+    """Measures the simple gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (in samples) during ``fit``.
+
+    ``B_simple`` predicts the critical batch size (McCandlish et al. 2018): well below it a larger batch trains
+    in proportionally fewer steps; above it, extra samples per step buy little. It is measured from gradients
+    the run computes anyway (see docs/batch-size.md, "Worth it? The noise scale"): within an accumulation
+    window, across DDP ranks, or, at k = 1 on one device, by running a measured step as 2 micro-batches, which
+    leaves the update unchanged (only for models without BatchNorm, dropout or random draws in the step: for
+    the others it says so once and measures only where a window has several micro-batches or ranks). Under
+    FSDP2 it measures at k >= 2 only. Gradients are read in ``on_before_optimizer_step``: before clipping, with
+    the AMP loss scale divided out; a step with non-finite gradients is skipped.
+
+    The per-measurement estimates of ``|G|^2`` and ``tr(Sigma)`` are averaged separately (exponential moving
+    averages with decay ``beta`` per measurement, bias-corrected like Adam's by ``1 - beta**count``) and their
+    ratio taken. Until the estimate is trusted (or for at most ``3 / (1 - beta)`` measurements: where B_simple is
+    far above the batch, one measurement is so noisy that the error never falls below ``trust``) it measures every
+    optimizer step; then every ``every``-th where
+    the measurement is free (two gradient norms), every ``split_every``-th where it needs the k = 1 split (a measured
+    step then costs up to one more step on small, launch-bound models: 100 keeps that within 1 %).
+
+    Args:
+        every: once trusted, measure every ``every``-th optimizer step (default 10).
+        split_every: once trusted, and where a measurement needs the k = 1 split, measure every ``split_every``-th
+            optimizer step (default 100).
+        beta: the moving averages' decay per measurement (default 0.99: about the last 100 measurements).
+        trust: the relative standard error of the ratio below which :attr:`estimate` is given (default 0.1).
+        min_measurements: measurements before :attr:`estimate` is given, however small the error (default 20).
+        split: at k = 1 on one device, run measured steps as 2 micro-batches when that leaves the update
+            unchanged (default ``True``); ``False``: measure only where a window has several micro-batches.
+
+    Attributes:
+        estimate: ``B_simple`` in samples once trusted, else ``None``.
+        history: ``[step, B_simple or None, relative error]`` per measurement.
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_gpuopt import GradientNoiseScale
+        >>> noise = GradientNoiseScale()
+        >>> trainer = L.Trainer(callbacks=[noise], logger=False, enable_progress_bar=False)
+        >>> noise.estimate is None
+        True
+    """
+
+    def __init__(
+        self,
+        every: int = 10,
+        split_every: int = 100,
+        beta: float = 0.99,
+        trust: float = 0.1,
+        min_measurements: int = 20,
+        split: bool = True,
+    ) -> None:
+        positive_int("every", every, unit="optimizer steps")
+        positive_int("split_every", split_every, unit="optimizer steps")
+        fraction("beta", beta, closed_high=False)
+        if isinstance(trust, bool) or not isinstance(trust, (int, float)) or trust <= 0:
+            raise ValueError(f"`trust` must be a positive number (a relative standard error), got {trust!r}")
+        positive_int("min_measurements", min_measurements)
+        if not isinstance(split, bool):
+            raise TypeError(f"`split` must be a bool, got {split!r}")
+        self.every, self.split_every = every, split_every
+        self.split = split
+        self.ema = NoiseScaleEMA(beta=beta, min_count=min_measurements, trust=float(trust))
+        self.history: list[list[Any]] = []
+        self._engine: MicroBatchEngine | None = None
+        self._split_ok: bool | None = None
+        self._draws: RandomDraws | None = None
+        self._recording: Any = None
+        #: This window's first micro-batch: (squared norm of its mean gradient, its samples, the window's samples).
+        self._small: tuple[float, float, float] | None = None
+        self._said_no_split = False
+        self._sharded = False
+
+    # ------------------------------------------------------------------ reads
+
+    @property
+    def estimate(self) -> float | None:
+        """``B_simple`` in samples (loss-weighting units of a sample), ``None`` until trusted."""
+        return self.ema.estimate
+
+    def lower_bound(self, sigmas: float = 2.0) -> float | None:
+        """``B_simple`` divided by ``1 + sigmas * relative_error``: a cautious value even before it is trusted
+        (``None`` before ``min_measurements``)."""
+        value, error = self.ema.value, self.ema.relative_error
+        if value is None or self.ema.count < self.ema.min_count or not math.isfinite(error):
+            return None
+        return value / (1 + sigmas * error)
+
+    @property
+    def relative_error(self) -> float:
+        """The estimate's relative standard error now (``inf`` before two measurements)."""
+        return self.ema.relative_error
+
+    def due(self, step: int, split: bool = False) -> bool:
+        """Whether the optimizer step ``step`` is measured: every step until trusted, then every ``every``-th (every
+        ``split_every``-th where the measurement needs the k = 1 split)."""
+        dense = not self.ema.trusted and self.ema.count < 3 / (
+            1 - self.ema.beta
+        )  # until trusted, or three windows
+        return dense or step % (self.split_every if split else self.every) == 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        EngineState.ensure(trainer)
+        if stage != "fit":
+            return
+        reason = unsupported_strategy(trainer.strategy, Feature.OOM_RECOVERY)
+        if reason is not None:
+            raise RuntimeError(f"GradientNoiseScale: {reason}")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            engine = MicroBatchEngine.attach(trainer, self, training=True)
+        except RuntimeError as err:
+            raise RuntimeError(f"GradientNoiseScale: {err}") from None
+        self._engine = engine
+        engine.resume()
+        engine.backward_listeners.append(self._on_backward)
+        self._sharded = isinstance(trainer.strategy, ModelParallelStrategy)
+        self._small = None
+        self._split_ok = None
+        if not self.split or engine.world_size > 1 or self._sharded:
+            return
+        why = _split_changes_update(pl_module, engine.compiled)
+        if why is not None:
+            self._no_split(why)
+            return
+        engine.measure_split = self._ask_split
+        engine.measure_refused = self._no_split
+
+    def _no_split(self, why: str) -> None:
+        self._split_ok = False
+        if self._engine is not None and self._engine.measure_split == self._ask_split:
+            self._engine.measure_split = None
+        if not self._said_no_split:
+            self._said_no_split = True
+            rank_zero_info(
+                f"GradientNoiseScale: a measured step is not split into 2 micro-batches because {why}; the noise "
+                "scale is measured only in accumulation windows of several micro-batches or across ranks."
+            )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_recording()
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        if self._on_backward in engine.backward_listeners:
+            engine.backward_listeners.remove(self._on_backward)
+        if engine.measure_split == self._ask_split:
+            engine.measure_split = None
+            engine.measure_refused = None
+        engine.release(self)
+
+    # ------------------------------------------------------------------ the k = 1 split
+
+    def _ask_split(self, batch_idx: int) -> bool:
+        engine = self._engine
+        return bool(
+            self._split_ok and engine is not None and self.due(engine.trainer.global_step, split=True)
+        )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        engine = self._engine
+        if self._split_ok is None and engine is not None and engine.measure_split == self._ask_split:
+            # The first step runs whole with its random draws watched: a step that draws is never split.
+            self._draws = RandomDraws(1)
+            self._recording = self._draws.record()
+            self._recording.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._recording is None:
+            return
+        draws = self._stop_recording()
+        if draws is not None and (draws.drew or draws.host is not None):
+            source = f"draws from {draws.host}" if draws.host else "draws random numbers"
+            self._no_split(f"the training step {source} (dropout, noise)")
+        elif self._split_ok is None:
+            self._split_ok = True
+
+    def _stop_recording(self) -> RandomDraws | None:
+        recording, self._recording = self._recording, None
+        draws, self._draws = self._draws, None
+        if recording is not None:
+            recording.__exit__(None, None, None)
+        if draws is not None:
+            drew = draws.drew
+            draws.clear()
+            draws.draws = [None] if drew else []  # keep the answer, let the tensors go
+        return draws
+
+    # ------------------------------------------------------------------ the measurement
+
+    def _on_backward(self, told: MicroBatchBackward) -> None:
+        if not told.first_in_window or told.index != 0:
+            return
+        engine = self._engine
+        step = engine.trainer.global_step if engine is not None else 0
+        self._small = None
+        whole = told.count == 1 and told.accumulate == 1
+        if not self.due(step, split=told.measuring) or (whole and (engine is None or engine.world_size == 1)):
+            return
+        if self._sharded and told.count == 1:
+            return  # FSDP2: a rank's gradient is never whole; measure inside a window of k >= 2 only
+        share = told.weight / told.accumulate * told.scale
+        sq = _grad_sq(told.params)
+        if self._sharded:
+            sq = float(engine.trainer.strategy.reduce(torch.tensor(sq, dtype=torch.float64), reduce_op="sum"))
+        self._small = (
+            sq / (share * share),
+            told.weight * told.samples,
+            float(told.samples * told.accumulate),
+        )
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        small, self._small = self._small, None
+        if small is None or self._engine is None:
+            return
+        engine = self._engine
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        big_sq = _grad_sq(params)
+        small_sq, b_small, b_big = small
+        if self._sharded:
+            big_sq = float(
+                trainer.strategy.reduce(torch.tensor(big_sq, dtype=torch.float64), reduce_op="sum")
+            )
+            b_small *= engine.world_size  # FSDP2 reduces each micro-batch's gradient over the ranks
+            b_big *= engine.world_size
+        elif engine.world_size > 1:  # the ranks' small norms averaged: one extra all-reduce of three scalars
+            total = trainer.strategy.reduce(
+                torch.tensor([small_sq, b_small, b_big], dtype=torch.float64), reduce_op="sum"
+            )
+            world = engine.world_size
+            small_sq, b_small, b_big = float(total[0]) / world, float(total[1]) / world, float(total[2])
+        if not (math.isfinite(small_sq) and math.isfinite(big_sq)) or not 0 < b_small < b_big:
+            return
+        g2, trace = noise_scale_terms(small_sq, b_small, big_sq, b_big)
+        self.ema.update(g2, trace)
+        value = self.ema.estimate
+        self.history.append([trainer.global_step, value, min(self.ema.relative_error, 1e9)])
+        if value is not None and trainer.global_rank == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics({"gpuopt/noise_scale": value}, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.ema.state_dict(), "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.ema.load_state_dict(state_dict)
+        self.history = [list(h) for h in state_dict.get("history", [])]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_engine": None, "_draws": None, "_recording": None}
+
+
+def _grad_sq(params: list[torch.Tensor] | tuple) -> float:
+    """The squared L2 norm of the parameters' gradients on this rank (a DTensor's local shard)."""
+    grads = [_compat.local_tensor(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = _compat.foreach_norm(grads, None)
+    return float(torch.stack([n.double().to(norms[0].device) for n in norms]).square().sum())
+
+
+def _split_changes_update(module: torch.nn.Module, compiled: bool) -> str | None:
+    """Why splitting a step into 2 micro-batches would change its update (``None``: it would not)."""
+    if compiled:
+        return "the module is compiled (a split would recompile it)"
+    for name, m in module.named_modules():
+        if isinstance(m, _compat.batch_norm_types()):
+            return f"it has BatchNorm ({name or 'the module'}), whose batch statistics depend on the split"
+        if isinstance(m, _DROPOUT) and m.p > 0:
+            return f"it has dropout ({name}, p={m.p})"
+    return None

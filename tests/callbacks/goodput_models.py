@@ -1,0 +1,35 @@
+"""A quadratic problem whose noise scale is known in closed form, for the goodput tests and benchmarks.
+
+The loss of a sample ``x`` is ``|theta - x|^2 / 2``: its gradient is ``theta - x``. With ``x ~ N(mu, s^2 I)`` in
+``d`` dimensions the true gradient is ``G = theta - mu`` and the per-sample covariance ``Sigma = s^2 I``, so
+``B_simple = d s^2 / |G|^2``. ``theta`` starts at ``|G|^2 = 1``; with the learning rate at 0 it stays there.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Quadratic(pl.LightningModule):
+    def __init__(self, d: int = 64, lr: float = 0.0, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.full((d,), 1.0 / d**0.5, dtype=torch.float64))
+        self.lr, self.optimizer = lr, optimizer
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return 0.5 * (self.theta - x).square().sum(dim=1).mean()
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def quadratic_loader(b_simple: float, *, d: int = 64, batch_size: int = 64, steps: int = 300, seed: int = 0):
+    """Samples ``x ~ N(0, s^2 I)`` with ``s^2 = b_simple / d`` (so that ``B_simple = b_simple`` at the start)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * batch_size, d, generator=generator, dtype=torch.float64) * (b_simple / d) ** 0.5
+    return DataLoader(TensorDataset(x), batch_size=batch_size)

@@ -1,0 +1,129 @@
+"""AdaptiveBatchSize: growth through accumulation at window boundaries, the learning rate, decisions, resume."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale
+from lightning_gpuopt.decisions import decisions
+from lightning_gpuopt.goodput import lr_factor, next_accumulation
+from tests.callbacks.goodput_models import Quadratic, quadratic_loader
+from tests.helpers import TRAINER_QUIET
+
+WARMUP, TOTAL = 20, 400
+
+
+def _schedule(step: int) -> float:  # warm-up, then cosine, counted in batches of the user's optimizer batch
+    if step < WARMUP:
+        return (step + 1) / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * min(step - WARMUP, TOTAL) / TOTAL))
+
+
+class Scheduled(Quadratic):
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Windows(pl.Callback):
+    """The accumulation each batch ran under and where the optimizer stepped."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((batch_idx, trainer.accumulate_grad_batches, trainer.global_step))
+
+
+def _fit(model, callbacks, **kwargs):
+    kwargs = {"max_steps": 390, **kwargs}
+    trainer = pl.Trainer(precision="64-true", callbacks=callbacks, **{**TRAINER_QUIET, **kwargs})
+    trainer.fit(model, quadratic_loader(4096, batch_size=16, steps=400, seed=1))
+    return trainer
+
+
+def test_grows_at_window_boundaries_with_lr_and_samples_schedule():
+    windows = Windows()
+    grow = AdaptiveBatchSize(interval=10, max_batch=128)
+    model = Scheduled(lr=1e-3)
+    trainer = _fit(
+        model, [GradientNoiseScale(every=1, split_every=1, min_measurements=5, trust=0.5), grow, windows]
+    )
+    assert grow.changes, "the batch never grew"
+    assert len(grow.changes) >= 2 and all(after == 2 * before for _, before, after, *_ in grow.changes)
+    assert grow.changes[0][1] == 16 and grow.optimizer_batch <= 128
+    # Each change starts where the epoch's batches done are a multiple of the new accumulation.
+    for (idx, acc, _), (_, prev, _) in zip(windows.seen[1:], windows.seen):
+        if acc != prev:
+            assert idx % acc == 0, (idx, prev, acc)
+    # The schedule advanced by samples: one step per 16 samples of optimizer batch.
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == grow.samples // 16
+    # The learning rate: warm-up + cosine at the samples' step, times the square root of the growth (Adam).
+    expected = 1e-3 * math.sqrt(grow.optimizer_batch / 16) * _schedule(scheduler.last_epoch)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
+    batch_decisions = [d for d in decisions(trainer) if d.kind == "batch size"]
+    assert (
+        len(batch_decisions) == len(grow.changes) and "optimizer batch 16 -> 32" in batch_decisions[0].message
+    )
+    assert trainer.accumulate_grad_batches == 1  # the user's, back after fit
+
+
+def test_never_below_the_users_batch():
+    assert (
+        next_accumulation(2, 16, 1.0, target_fraction=0.25, factor=2, min_accumulate=2, max_accumulate=64)
+        == 2
+    )
+    assert (
+        next_accumulation(8, 16, 1.0, target_fraction=0.25, factor=2, min_accumulate=2, max_accumulate=64)
+        == 4
+    )
+    windows = Windows()
+    grow = AdaptiveBatchSize(interval=5)
+    _fit(
+        Quadratic(lr=1e-3),
+        [GradientNoiseScale(every=1), grow, windows],
+        max_steps=60,
+        accumulate_grad_batches=2,
+    )
+    assert min(acc for _, acc, _ in windows.seen) == 2
+
+
+def test_lr_rules_and_bad_arguments():
+    assert (
+        lr_factor(4.0, "sqrt") == 2.0
+        and lr_factor(4.0, "linear") == 4.0
+        and lr_factor(4.0, lambda r: 3.0) == 3.0
+    )
+    with pytest.raises(ValueError, match="`factor` must be an int >= 2"):
+        AdaptiveBatchSize(factor=1)
+    with pytest.raises(ValueError, match="`lr_scaling` must be one of"):
+        AdaptiveBatchSize(lr_scaling="cube")
+    with pytest.raises(ValueError, match="`min_batch` must be <= `max_batch`"):
+        AdaptiveBatchSize(min_batch=64, max_batch=32)
+
+
+def test_resume_continues_the_schedule_exactly(tmp_path):
+    """Stopped at an epoch's end with a change decided, resumed: the same parameters as the run straight through."""
+
+    def callbacks():
+        return [
+            GradientNoiseScale(every=1, split_every=1, min_measurements=5, trust=0.5),
+            AdaptiveBatchSize(interval=10, max_batch=128),
+        ]
+
+    straight = Scheduled(lr=1e-2)
+    _fit(straight, callbacks(), max_steps=-1, max_epochs=2)
+    first = Scheduled(lr=1e-2)
+    trainer = _fit(first, callbacks(), max_steps=-1, max_epochs=1)
+    path = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = Scheduled(lr=1e-2)
+    trainer = pl.Trainer(precision="64-true", callbacks=callbacks(), max_epochs=2, **TRAINER_QUIET)
+    trainer.fit(resumed, quadratic_loader(4096, batch_size=16, steps=400, seed=1), ckpt_path=path)
+    torch.testing.assert_close(resumed.theta, straight.theta, rtol=1e-12, atol=1e-14)  # splits round alike
