@@ -141,6 +141,8 @@ def _auto_search(
     if prefer_traces(step_s, trace_s):
         search["base_bytes"] = measured.base_bytes
         chosen, note = start_search(trainer, module, space.make_batch, space.batch_idx, pending, **search)
+        if chosen.next_size() == actual:  # the timed step is the traced search's first step: kept, not rerun
+            chosen.record(measurement)
         return (
             chosen,
             note
