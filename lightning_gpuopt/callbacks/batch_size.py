@@ -133,6 +133,8 @@ class MemoryAwareBatchSize(Callback):
         self.batch_size: int | None = None
         #: The model's peak at ``micro_batch_size``, in bytes.
         self.predicted_peak_bytes: int | None = None
+        #: Wall time of the last search, in seconds (``None``: no search yet on this process).
+        self.search_seconds: float | None = None
         #: Real training steps the last search measured (0: none yet, or restored from a checkpoint); under FSDP2
         #: every rank runs as many, at the same sizes.
         self.trials = 0
@@ -356,6 +358,7 @@ class MemoryAwareBatchSize(Callback):
             run = self._find(trainer, module, probe, space)
             self._run, self.result = run, run.result
             self.prediction_note, self.budget_bytes = run.note, run.budget_bytes
+            self.search_seconds = run.elapsed
             local = self.result.size or 0
         except Exception as err:  # raised below, once every rank knows
             failure, local = err, -1
@@ -419,6 +422,7 @@ class MemoryAwareBatchSize(Callback):
             trials=self.trials,
             mode=self.mode,
             prediction=self.prediction_note,
+            search_seconds=self.search_seconds,
             compiled_frames=compiled,
         )
         if self.verbose:
