@@ -254,13 +254,26 @@ def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
         f"min..max {percent['min']:+.1f}..{percent['max']:+.1f} %)"
     )
     met = percent["median"] <= sizes["target_percent"] if device.current().kind == "cuda" else None
+    finder = MemoryAwareBatchSize(verbose=False)  # the default search: which start it took here, and its time
+    _fit(_gpt(sizes), loader(), 1, [finder], precision=sizes["precision"])
+    search = {"seconds": finder.search_seconds, "trials": finder.trials, "path": finder.prediction_note}
     details = {
+        "batch_size_search": search,
         "seconds_per_step": {k: spread(v) for k, v in per_fit.items()},
         "overhead_percent": percent,
         "model": {k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch")},
     }
     return {
-        "figures": [figure(name, percent["median"], "%", f"<= {sizes['target_percent']} %", met)],
+        "figures": [
+            figure(name, percent["median"], "%", f"<= {sizes['target_percent']} %", met),
+            figure(
+                f"MemoryAwareBatchSize() search wall time, {search['path'].split(',')[0]}",
+                search["seconds"],
+                "s",
+                None,
+                None,
+            ),
+        ],
         "details": details,
     }
 

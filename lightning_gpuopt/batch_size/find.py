@@ -18,13 +18,34 @@ import lightning.pytorch as pl
 from lightning_gpuopt.batch_size.modes import SearchSpace
 from lightning_gpuopt.batch_size.peak_model import memory_budget
 from lightning_gpuopt.batch_size.predicted import PredictedSearch
-from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch, run_trials
-from lightning_gpuopt.batch_size.trace import start_search
+from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch, StepMeasurement, run_trials
+from lightning_gpuopt.batch_size.trace import start_search, time_trace
 from lightning_gpuopt.batch_size.trial import TrialSteps, local_bytes
 from lightning_gpuopt.memory import MemoryProbe, format_bytes
 from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
 
-__all__ = ["STEP_SLACK_BYTES", "SearchRun", "choose_search", "find_largest_size", "no_fit_message"]
+__all__ = [
+    "STEP_SLACK_BYTES",
+    "TRACES_PER_SEARCH",
+    "SearchRun",
+    "choose_search",
+    "find_largest_size",
+    "no_fit_message",
+    "prefer_traces",
+]
+
+#: Traces a predicted start takes (it saves about one real step of the measured search's four).
+TRACES_PER_SEARCH = 5
+
+
+def prefer_traces(step_seconds: float, trace_seconds: float | None) -> bool:
+    """Whether the traced start saves wall time: its traces cost less than the one real step they save.
+
+    >>> prefer_traces(0.02, 0.3), prefer_traces(4.0, 0.3), prefer_traces(4.0, None)
+    (False, True, False)
+    """
+    return trace_seconds is not None and TRACES_PER_SEARCH * trace_seconds < step_seconds
+
 
 #: Small tensors a real step holds that a trial does not (the loop's loss copies, logged values,
 #: gradient-clipping norms): kept free under the budget.
@@ -62,7 +83,7 @@ def choose_search(
     space: SearchSpace,
     trials: TrialSteps,
     extra_bytes: int,
-    predict: bool,
+    predict: bool | None,
     sharded: bool,
     **search: Any,
 ) -> tuple[SizeSearch, str]:
@@ -71,6 +92,8 @@ def choose_search(
     ``extra_bytes``: bytes held through a real step that a trial does not hold; ``**search``:
     :class:`~lightning_gpuopt.batch_size.search.SizeSearch`'s arguments.
     """
+    if predict is None:
+        return _auto_search(trainer, module, space, trials, extra_bytes, sharded, **search)
     if predict and not sharded:  # the first real step at the size traced steps predict
         pending = extra_bytes + trials.missing_grad_bytes()
         return start_search(trainer, module, space.make_batch, space.batch_idx, pending, **search)
@@ -81,6 +104,57 @@ def choose_search(
     return SizeSearch(**search), "predict=False: the measured search"
 
 
+def _auto_search(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    space: SearchSpace,
+    trials: TrialSteps,
+    extra_bytes: int,
+    sharded: bool,
+    **search: Any,
+) -> tuple[SizeSearch, str]:
+    """``predict=None``: one real step at the first size, timed against one trace; the cheaper start wins.
+
+    The real step is kept as the measured search's first measurement, so the measured path loses nothing.
+    """
+    if sharded:
+        return SizeSearch(
+            **search
+        ), "under FSDP2 the step is not traced (its collectives run inside it): measured"
+    pending = extra_bytes + trials.missing_grad_bytes()
+    measured = SizeSearch(**search)
+    size = measured.next_size()
+    if size is None:
+        return measured, "measured search (nothing to try)"
+    batch, actual, nbytes, whole = space.make_batch(size)
+    started = time.perf_counter()
+    measurement = trials.measure(batch, actual, nbytes, whole)
+    step_s = time.perf_counter() - started
+    del batch
+    if measurement is None:
+        measurement = StepMeasurement(actual, None)
+    elif trials.held_bytes is not None:
+        measured.base_bytes = trials.held_bytes + extra_bytes
+    trace_s = time_trace(trainer, module, space.make_batch, space.batch_idx, actual)
+    trace = "none (the step cannot be traced)" if trace_s is None else f"{trace_s:.3f} s"
+    timing = f"a real step {step_s:.3f} s against a trace {trace}"
+    if prefer_traces(step_s, trace_s):
+        search["base_bytes"] = measured.base_bytes
+        chosen, note = start_search(trainer, module, space.make_batch, space.batch_idx, pending, **search)
+        if chosen.next_size() == actual:  # the timed step is the traced search's first step: kept, not rerun
+            chosen.record(measurement)
+        return (
+            chosen,
+            note
+            or f"auto: traced start, {timing} ({TRACES_PER_SEARCH} traces cost less than the step they save)",
+        )
+    measured.record(measurement)
+    return (
+        measured,
+        f"auto: measured steps, {timing} ({TRACES_PER_SEARCH} traces cost more than the step they save)",
+    )
+
+
 def find_largest_size(
     trainer: pl.Trainer,
     module: pl.LightningModule,
@@ -89,7 +163,7 @@ def find_largest_size(
     *,
     target_fraction: float,
     multiple_of: int,
-    predict: bool,
+    predict: bool | None,
     engine_bytes: int,
     exchange: FSDP2Exchange | None = None,
 ) -> SearchRun:
@@ -102,7 +176,8 @@ def find_largest_size(
         space: what the mode searches over (:mod:`~lightning_gpuopt.batch_size.modes`).
         target_fraction: the share of the memory this process may use that a step may take at its peak.
         multiple_of: answers at least this large are rounded down to a multiple of it.
-        predict: start from traced steps (not under FSDP2).
+        predict: start from traced steps (not under FSDP2); ``False``: measured steps; ``None``: whichever
+            is cheaper, from the first real step's time against one trace's time.
         engine_bytes: what the micro-batch engine holds through a real step (its per-step copies).
         exchange: under FSDP2, the engine's exchange: the ranks run their trials together; ``None``: alone.
     """
@@ -135,7 +210,7 @@ def find_largest_size(
         )
         result = run_trials(search, trials, space.make_batch, extra)
         if isinstance(search, PredictedSearch):
-            note = search.note
+            note = f"{note}; {search.note}" if note else search.note
     return SearchRun(
         result=result,
         budget_bytes=budget,

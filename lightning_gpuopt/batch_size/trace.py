@@ -13,6 +13,7 @@ making its samples.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from lightning_gpuopt.batch_size.search import SizeSearch, TrialBatch
 from lightning_gpuopt.memory import MemoryCategory, PredictionMethod, predict_peak, predict_peak_deep
 from lightning_gpuopt.memory.predict import Phase
 
-__all__ = ["CannotPredict", "start_search"]
+__all__ = ["CannotPredict", "start_search", "time_trace"]
 
 _GROWING = (Phase.FORWARD.value, Phase.BACKWARD.value)
 #: What forward and backward allocate and free again: the rest of a phase's peak is held (parameters, inputs, ...).
@@ -168,3 +169,24 @@ def start_search(
     except CannotPredict as err:
         return SizeSearch(**search), f"{err}: the measured search"
     return PredictedSearch(**search, curve=curve, tracer=trace), ""
+
+
+def time_trace(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    make_batch: Callable[[int], TrialBatch],
+    batch_idx: int,
+    size: int,
+) -> float | None:
+    """Seconds one trace of the training step at ``size`` samples takes (``None``: the step cannot be traced)."""
+    if not trainer.optimizers:
+        return None
+    template, samples, _, whole = make_batch(size)
+    trace = _tracer(trainer, module, template, samples, batch_idx, whole)
+    del template
+    started = time.perf_counter()
+    try:
+        trace(size)
+    except CannotPredict:
+        return None
+    return time.perf_counter() - started

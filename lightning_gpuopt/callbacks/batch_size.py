@@ -64,7 +64,9 @@ class MemoryAwareBatchSize(Callback):
         max_batch_size: the largest to consider; ``None``: the batch size (``"micro"``), the dataset's share per device.
         lr_scaling: ``mode="max"`` only: ``"linear"`` or ``"sqrt"`` scales the learning rate with the batch size.
         verbose: log the result once on rank zero.
-        predict: start from a traced prediction (:attr:`prediction_note` says how it served); ``False``: measure.
+        predict: ``None`` (auto): one real step timed against one trace, the traced start only where it saves
+            wall time; ``True``: start from a traced prediction; ``False``: measure only. :attr:`prediction_note`
+            says which path ran and why.
 
     Raises:
         ValueError: an argument is out of range.
@@ -81,8 +83,8 @@ class MemoryAwareBatchSize(Callback):
         ...     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
         >>> with SimulatedMemory(limit_bytes=64 * 2**20):  # a 64 MiB "GPU" on the CPU
         ...     trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 256), batch_size=64))
-        >>> finder.micro_batch_size, finder.k, finder.trials  # predicted to fit whole: the 2nd step verified it
-        (64, 1, 2)
+        >>> finder.micro_batch_size, finder.k, finder.trials  # a step is cheaper than a trace: measured
+        (64, 1, 4)
     """
 
     def __init__(
@@ -94,7 +96,7 @@ class MemoryAwareBatchSize(Callback):
         max_batch_size: int | None = None,
         lr_scaling: str | None = None,
         verbose: bool = True,
-        predict: bool = True,
+        predict: bool | None = None,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}")
@@ -124,8 +126,8 @@ class MemoryAwareBatchSize(Callback):
         self.max_batch_size = max_batch_size
         self.lr_scaling = lr_scaling
         self.verbose = verbose
-        if not isinstance(predict, bool):
-            raise ValueError(f"`predict` must be True or False, got {predict!r}")
+        if predict is not None and not isinstance(predict, bool):
+            raise ValueError(f"`predict` must be None (auto), True or False, got {predict!r}")
         self.predict = predict
         #: How the prediction served the last search, or why the search ran without it (``""``: no search yet).
         self.prediction_note = ""
@@ -135,6 +137,8 @@ class MemoryAwareBatchSize(Callback):
         self.batch_size: int | None = None
         #: The model's peak at ``micro_batch_size``, in bytes.
         self.predicted_peak_bytes: int | None = None
+        #: Wall time of the last search, in seconds (``None``: no search yet on this process).
+        self.search_seconds: float | None = None
         #: Real training steps the last search measured (0: none yet, or restored from a checkpoint); under FSDP2
         #: every rank runs as many, at the same sizes.
         self.trials = 0
@@ -384,6 +388,7 @@ class MemoryAwareBatchSize(Callback):
             run = self._find(trainer, module, probe, space)
             self._run, self.result = run, run.result
             self.prediction_note, self.budget_bytes = run.note, run.budget_bytes
+            self.search_seconds = run.elapsed
             local = self.result.size or 0
         except Exception as err:  # raised below, once every rank knows
             failure, local = err, -1
@@ -447,6 +452,7 @@ class MemoryAwareBatchSize(Callback):
             trials=self.trials,
             mode=self.mode,
             prediction=self.prediction_note,
+            search_seconds=self.search_seconds,
             compiled_frames=compiled,
         )
         if self.verbose:

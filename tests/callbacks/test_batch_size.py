@@ -59,7 +59,7 @@ def test_micro_batch_is_within_90_percent_of_the_true_maximum(family, batch_size
     limits = [int(peaks[lo] + f * (peaks[hi] - peaks[lo])) for f in (0.15, 0.5, 0.85)]
     chosen = {}
     for i, limit in enumerate(limits):
-        finder = MemoryAwareBatchSize(target_fraction=1.0)
+        finder = MemoryAwareBatchSize(target_fraction=1.0, predict=True)
         run = fit(
             family, [finder], limit=limit, steps=2, batch_size=batch_size
         )  # trains under the limit: no OOM
@@ -88,7 +88,7 @@ def test_resnet18_batch_size_is_within_90_percent_of_the_true_maximum(room):
     30 and 60 more samples); the reference run that never searched only at the middle one (time).
     """
     limit = batch_peak("resnet18", 64) + room
-    finder = MemoryAwareBatchSize(mode="max", target_fraction=1.0)
+    finder = MemoryAwareBatchSize(mode="max", target_fraction=1.0, predict=True)
     run = fit("resnet18", [finder], limit=limit, steps=2, batch_size=8, datamodule=True)
     size = finder.micro_batch_size
     assert run.trainer.datamodule.batch_size == size and run.trainer.global_step == 2  # trained at it, no OOM

@@ -8,6 +8,7 @@ MLP and a tiny Hugging Face GPT-2 (config built offline) and others, and the swi
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -153,7 +154,7 @@ def test_at_most_three_real_steps_reach_90_percent_of_the_true_maximum(family, c
     lo, hi = calibration
     peaks = peaks_at(family, [lo, hi], 64)
     limit = (peaks[lo] + peaks[hi]) // 2
-    finder = MemoryAwareBatchSize(target_fraction=1.0)
+    finder = MemoryAwareBatchSize(target_fraction=1.0, predict=True)
     run = fit(family, [finder], limit=limit, steps=1, batch_size=64)
     assert run.trainer.global_step == 1 and run.memory.num_ooms == 0  # trained at the answer
     assert finder.trials <= 3, finder.result.measurements
@@ -169,7 +170,7 @@ def test_predict_false_runs_the_measured_search():
     limit = (lambda p: (p[4] + p[28]) // 2)(peaks_at("mlp", [4, 28], 32))
     plain = MemoryAwareBatchSize(target_fraction=1.0, predict=False)
     fit("mlp", [plain], limit=limit, steps=1, batch_size=32)
-    predicted = MemoryAwareBatchSize(target_fraction=1.0)
+    predicted = MemoryAwareBatchSize(target_fraction=1.0, predict=True)
     fit("mlp", [predicted], limit=limit, steps=1, batch_size=32)
     assert plain.prediction_note == "predict=False: the measured search"
     first, second = (m.size for m in plain.result.measurements[:2])
@@ -177,7 +178,7 @@ def test_predict_false_runs_the_measured_search():
         second == 8 * first
     )  # the measured search's second step: 8x its first, where one point says it fits
     assert predicted.result.measurements[1].size != second and predicted.prediction_note.startswith("started")
-    with pytest.raises(ValueError, match="`predict` must be True or False"):
+    with pytest.raises(ValueError, match="`predict` must be None \\(auto\\), True or False"):
         MemoryAwareBatchSize(predict="yes")
 
 
@@ -198,10 +199,41 @@ class Filtered(pl.LightningModule):
 
 
 def test_a_step_that_cannot_be_traced_runs_the_measured_search_and_says_why():
-    finder = MemoryAwareBatchSize(target_fraction=1.0)
+    finder = MemoryAwareBatchSize(target_fraction=1.0, predict=True)
     trainer = pl.Trainer(max_steps=1, callbacks=[finder], **TRAINER_QUIET)
     dataset = Waves(length=256)
     with SimulatedMemory(limit_bytes=4 * 2**20):
         trainer.fit(Filtered(), DataLoader([(x, y) for _, x, y in dataset], batch_size=64))
     assert "could not be traced" in finder.prediction_note and "measured search" in finder.prediction_note
+    assert finder.micro_batch_size is not None
+
+
+class Traceable(Filtered):
+    """A step the traces can run; ``seconds``: how long a real step sleeps (a trace does not)."""
+
+    seconds = 0.0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.seconds and type(x).__name__ != "FakeTensor" and x.device.type != "meta":
+            time.sleep(self.seconds)
+        return F.mse_loss(self.net(x), y)
+
+
+class SlowStep(Traceable):
+    seconds = 0.5
+
+
+@pytest.mark.parametrize(
+    ("module", "path"), [(Traceable, "measured"), (SlowStep, "traced")], ids=["cheap", "slow"]
+)
+def test_auto_takes_the_traced_start_only_where_a_real_step_costs_more_than_the_traces(module, path):
+    """predict=None: a cheap CPU step is measured; a step dearer than five traces starts from them; the note says why."""
+    finder = MemoryAwareBatchSize(target_fraction=1.0)
+    trainer = pl.Trainer(max_steps=1, callbacks=[finder], **TRAINER_QUIET)
+    dataset = Waves(length=256)
+    with SimulatedMemory(limit_bytes=4 * 2**20):
+        trainer.fit(module(), DataLoader([(x, y) for _, x, y in dataset], batch_size=64))
+    assert finder.prediction_note.startswith(f"auto: {path}"), finder.prediction_note
+    assert "a real step" in finder.prediction_note and "a trace" in finder.prediction_note
     assert finder.micro_batch_size is not None
