@@ -23,6 +23,7 @@ import logging
 import math
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +46,14 @@ SPEEDUP_TARGET = 3.0
 BAND = (0.9, 1.0)
 START_BATCH_SIZE = 8
 TRAIN_STEPS = 8
-TRAINER = {**QUIET, "accelerator": "cpu", "precision": "32-true"}
+# BatchSizeFinder saves and restores the model through a `.scale_batch_size_*.ckpt` in the root directory: a
+# scratch folder, never the caller's working directory.
+TRAINER = {
+    **QUIET,
+    "accelerator": "cpu",
+    "precision": "32-true",
+    "default_root_dir": tempfile.mkdtemp("-bss"),
+}
 
 
 class Counted(Classifier):
