@@ -1,5 +1,5 @@
-"""What the benchmarks share: the quiet Trainer, the classifier module, whole-batch datasets, step clocks,
-statistics, the table printer, the common command-line options and the JSON result.
+"""What the benchmarks share: the quiet Trainer, patched settings, the classifier module, whole-batch datasets,
+step clocks, statistics, the table printer, the common command-line options and the JSON result.
 
 ``benchmarks/`` is the import root of the benchmark code: a script run as ``python benchmarks/X.py`` has it
 first on ``sys.path``, and ``gpu_check.sh`` puts it on ``PYTHONPATH`` (with the repository root, for the
@@ -10,6 +10,7 @@ check's modules as ``gpu.*``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -19,7 +20,7 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,25 @@ QUIET = {
     "enable_model_summary": False,
     "num_sanity_val_steps": 0,
 }
+
+
+def trainer(steps: int, callbacks: list, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
+    """A :data:`QUIET` Trainer of ``steps`` steps (``kwargs`` over the quiet settings)."""
+    return pl.Trainer(max_steps=steps, accelerator=accelerator, callbacks=callbacks, **{**QUIET, **kwargs})
+
+
+@contextlib.contextmanager
+def patched(*settings: tuple[Any, str, Any]) -> Iterator[None]:
+    """Each ``(object, name, value)`` set inside, the old values restored after (backend flags, a timed method)."""
+    saved = [getattr(obj, name) for obj, name, _ in settings]
+    for obj, name, value in settings:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for (obj, name, _), value in zip(settings, saved):
+            setattr(obj, name, value)
+
 
 _IGNORED = (
     ".*does not have many workers.*",

@@ -19,7 +19,6 @@ against OOMRecovery alone: interleaved pairs of fits, each fit's figure the mean
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import sys
@@ -27,7 +26,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from common import QUIET, arguments, environment, print_table, quiet, spread, write_json
+from common import QUIET, StepClock, arguments, environment, print_table, quiet, spread, write_json
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -110,14 +109,11 @@ class StopAtTarget(pl.Callback):
         paused = time.perf_counter()
         with torch.no_grad():
             loss = float(pl_module.loss(self.val))
-        self.final = loss
+        self.final, self.seconds = loss, self.seconds + paused - self._t0
         if loss <= self.target:
             self.reached_step, self.samples = step, self._seen
-            self.seconds += paused - self._t0
             trainer.should_stop = True
-        else:
-            self.seconds += paused - self._t0
-            self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
 
 
 def train(task: str, setting: str, max_steps: int) -> dict:
@@ -134,15 +130,11 @@ def train(task: str, setting: str, max_steps: int) -> dict:
     if setting == "large":
         model.lr = LR * math.sqrt(LARGE / SMALL)
     stop = StopAtTarget(val, target)
-    callbacks: list = [stop]
-    grow = None
-    if setting == "adaptive":
-        grow = AdaptiveBatchSize(max_batch=LARGE)
-        callbacks.insert(0, grow)
+    grow = AdaptiveBatchSize(max_batch=LARGE) if setting == "adaptive" else None
+    callbacks = [grow, stop] if grow else [stop]
     trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, callbacks=callbacks, accelerator="cpu", **QUIET)
-    trainer.fit(
-        model, DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
-    )
+    shuffle = torch.Generator().manual_seed(0)
+    trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=True, generator=shuffle))
     return {
         "task": task,
         "setting": setting,
@@ -162,23 +154,13 @@ def overhead(task: str, steps: int, pairs: int) -> dict:
     def fit(with_noise: bool) -> float:
         pl.seed_everything(0, verbose=False)
         model = TinyLM() if task == "lm" else TinyClassifier()
-        data = (
-            TensorDataset(markov_tokens(steps * 64)[0])
-            if task == "lm"
-            else TensorDataset(*prototypes(steps * 64))
-        )
-        ends: list[float] = []
-        mark = pl.Callback()
-        mark.on_train_batch_end = lambda *a: ends.append(time.perf_counter())
+        data = TensorDataset(*((markov_tokens(steps * 64)[0],) if task == "lm" else prototypes(steps * 64)))
+        clock = StepClock()
         noise = [GradientNoiseScale(min_measurements=1, trust=math.inf)] if with_noise else []
-        trainer = pl.Trainer(
-            max_steps=steps, callbacks=[OOMRecovery(verbose=False), *noise, mark], accelerator="cpu", **QUIET
-        )
+        callbacks = [OOMRecovery(verbose=False), *noise, clock]
+        trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, accelerator="cpu", **QUIET)
         trainer.fit(model, DataLoader(data, batch_size=64))
-        periods = [
-            b - a for a, b in itertools.pairwise(ends[110:])
-        ]  # steady: after the first split (step 100)
-        return statistics.fmean(periods)
+        return statistics.fmean(clock.periods()[110:])  # steady: after the first split (step 100)
 
     ratios = []
     for r in range(pairs):
@@ -195,39 +177,16 @@ def main() -> None:
     torch.set_num_threads(1)
     max_steps = 200 if args.quick else 6000
     runs = [train(task, s, max_steps) for task in ("lm", "image") for s in ("small", "large", "adaptive")]
-    rows = [
-        [
-            "task",
-            "setting",
-            "reached",
-            "steps",
-            "samples",
-            "wall s",
-            "steps/small",
-            "samples/small",
-            "wall/best fixed",
-            "changes",
-        ]
-    ]
-    summary = {}
+    header = "task|setting|reached|steps|samples|wall s|steps/small|samples/small|wall/best fixed|changes"
+    rows, summary = [header.split("|")], {}
     for task in ("lm", "image"):
         by = {r["setting"]: r for r in runs if r["task"] == task}
         small, best = by["small"], min(by["small"]["seconds"], by["large"]["seconds"])
         for r in by.values():
-            rows.append(
-                [
-                    task,
-                    r["setting"],
-                    r["reached"],
-                    r["steps"],
-                    r["samples"],
-                    f"{r['seconds']:.1f}",
-                    f"{r['steps'] / small['steps']:.2f}",
-                    f"{r['samples'] / small['samples']:.2f}",
-                    f"{r['seconds'] / best:.2f}",
-                    " ".join(f"{c[1]}->{c[2]}@{c[0]}" for c in r["changes"]),
-                ]
-            )
+            ratios = (r["steps"] / small["steps"], r["samples"] / small["samples"], r["seconds"] / best)
+            changes = " ".join(f"{c[1]}->{c[2]}@{c[0]}" for c in r["changes"])
+            cells = (task, r["setting"], r["reached"], r["steps"], r["samples"], f"{r['seconds']:.1f}")
+            rows.append([*cells, *(f"{x:.2f}" for x in ratios), changes])
         a = by["adaptive"]
         summary[task] = {
             "steps_ratio": a["steps"] / small["steps"],
@@ -245,11 +204,8 @@ def main() -> None:
             f"overhead {task}: GradientNoiseScale (steady: every 100th step split) vs OOMRecovery k=1: median {s['median']:+.2f} % "
             f"(IQR {s['q1']:+.2f}..{s['q3']:+.2f}, min..max {s['min']:+.2f}..{s['max']:+.2f}, {s['n']} pairs)"
         )
-    write_json(
-        args.out,
-        "goodput.json",
-        {"environment": environment(), "runs": runs, "summary": summary, "overhead_percent": cost},
-    )
+    result = {"environment": environment(), "runs": runs, "summary": summary, "overhead_percent": cost}
+    write_json(args.out, "goodput.json", result)
 
 
 if __name__ == "__main__":

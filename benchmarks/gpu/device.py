@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import common
 import lightning.pytorch as pl
 import torch
-from common import QUIET
 
 #: The most memory one section may use on a real device (``set_per_process_memory_fraction``).
 SECTION_CAP_BYTES = 16 * 2**30
@@ -188,7 +188,4 @@ class Deadline(pl.Callback):
 
 def trainer(steps: int, callbacks: list, **kwargs: Any) -> pl.Trainer:
     """A quiet Trainer of ``steps`` steps on the current device, with :class:`Deadline` first among its callbacks."""
-    callbacks = [Deadline(), *callbacks]
-    return pl.Trainer(
-        max_steps=steps, accelerator=current().accelerator, callbacks=callbacks, **QUIET, **kwargs
-    )
+    return common.trainer(steps, [Deadline(), *callbacks], current().accelerator, **kwargs)

@@ -13,6 +13,7 @@ In the dry run the OOM is SimulatedMemory's; the CUDA-only checks are skipped wi
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import statistics
 from pathlib import Path
@@ -20,32 +21,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import figure, spread
-from torch.utils.data import DataLoader
+from common import figure, patched, spread
 
 from gpu import device
-from gpu.speed import GPT, StepEvents, Tokens, interleaved_pairs
+from gpu.speed import MODEL_KEYS, StepEvents, gpt_fit, interleaved_pairs
 from lightning_gpuopt import GPUOptReport, OOMRecovery
 from lightning_gpuopt.memory import forensics
 
 CATEGORY_BAND = 0.01
 COST_TARGET_PERCENT = 3.0
-
-
-def _model(sizes: dict[str, Any]) -> GPT:
-    return GPT(sizes["layers"], sizes["width"], sizes["heads"], sizes["vocab"], sizes["seq"])
-
-
-def _loader(sizes: dict[str, Any], steps: int) -> DataLoader:
-    return DataLoader(Tokens(sizes["batch"] * steps, sizes["seq"], sizes["vocab"]), batch_size=sizes["batch"])
-
-
-def _fit(sizes: dict[str, Any], steps: int, callbacks: list) -> pl.Trainer:
-    device.check()
-    pl.seed_everything(0, verbose=False)
-    trainer = device.trainer(steps, callbacks, precision=sizes["precision"])
-    trainer.fit(_model(sizes), _loader(sizes, steps))
-    return trainer
 
 
 class HalfwayLimit(pl.Callback):
@@ -81,38 +65,26 @@ def _blocks() -> dict[int, int]:
     return out
 
 
-class AtTheOOM:
+def at_the_oom(moments: list[dict[str, int]]) -> contextlib.AbstractContextManager:
     """While entered, each breakdown the report takes at an OOM is also measured from the allocator's blocks."""
+    original = forensics.categories_now
 
-    def __init__(self) -> None:
-        self.moments: list[dict[str, int]] = []
-        self._original = forensics.categories_now
+    def measured(allocated, device_, parameters=(), gradients=(), optimizer_state=(), activations=True):
+        parameters, gradients, optimizer_state = list(parameters), list(gradients), list(optimizer_state)
+        if activations and device_.type == "cuda":
+            blocks, counted, moment = _blocks(), set(), {}
+            kinds = dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state)
+            for name, tensors in kinds.items():
+                keys = set(forensics.storages(tensors, device_)) - counted
+                counted |= keys
+                moment[name] = sum(blocks.get(key[2], 0) for key in keys)
+            saved = forensics.saved_activations(device_, counted)
+            moment["activations"] = sum(blocks.get(key[2], 0) for key in saved)
+            moment["allocated"] = torch.cuda.memory_allocated(device_)
+            moments.append(moment)
+        return original(allocated, device_, parameters, gradients, optimizer_state, activations)
 
-    def __enter__(self) -> AtTheOOM:
-        original = self._original
-
-        def measured(allocated, device_, parameters=(), gradients=(), optimizer_state=(), activations=True):
-            parameters, gradients, optimizer_state = list(parameters), list(gradients), list(optimizer_state)
-            if activations and device_.type == "cuda":
-                blocks = _blocks()
-                counted: set = set()
-                moment = {}
-                kinds = dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state)
-                for name, tensors in kinds.items():
-                    keys = set(forensics.storages(tensors, device_)) - counted
-                    counted |= keys
-                    moment[name] = sum(blocks.get(key[2], 0) for key in keys)
-                saved = forensics.saved_activations(device_, counted)
-                moment["activations"] = sum(blocks.get(key[2], 0) for key in saved)
-                moment["allocated"] = torch.cuda.memory_allocated(device_)
-                self.moments.append(moment)
-            return original(allocated, device_, parameters, gradients, optimizer_state, activations)
-
-        forensics.categories_now = measured
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        forensics.categories_now = self._original
+    return patched((forensics, "categories_now", measured))
 
 
 def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, Any], dict[str, str]]:
@@ -122,9 +94,10 @@ def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, A
     report = GPUOptReport(dirpath=str(folder), table=False, plot="auto", memory_history=True)
     limit = HalfwayLimit(warmup)
     ooms_before = torch.cuda.memory_stats().get("num_ooms", 0) if on_cuda else 0
-    with AtTheOOM() as at_the_oom:
+    moments: list[dict[str, int]] = []
+    with at_the_oom(moments):
         try:
-            _fit(sizes, steps, [limit, OOMRecovery(verbose=False), report])
+            gpt_fit(sizes, steps, [limit, OOMRecovery(verbose=False), report], precision=sizes["precision"])
         finally:
             device.current().set_limit(None)
     records = report.report.get("ooms", [])
@@ -138,7 +111,7 @@ def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, A
     details: dict[str, Any] = {"limit_bytes": limit.limit, "held_bytes": limit.held, "peak_bytes": limit.peak}
     if on_cuda:
         worst = {}
-        for record, moment in zip(records, at_the_oom.moments):
+        for record, moment in zip(records, moments):
             for name in ("parameters", "gradients", "optimizer_state", "activations"):
                 gap = abs(record["categories"][name] - moment[name]) / max(moment[name], 1)
                 worst[name] = max(worst.get(name, 0.0), gap)
@@ -150,7 +123,7 @@ def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, A
         events = sum(len(t) for t in loaded.get("device_traces", []))
         figures.append(figure("snapshot pickle written, with the ring buffer's events", events, "events", "> 0",
                               events > 0))  # fmt: skip
-        details["moments"] = at_the_oom.moments
+        details["moments"] = moments
         details["fragmentation"] = [r.get("fragmentation") for r in records]
         outside = [(r.get("outside_allocator_bytes"), r.get("outside_allocator_source")) for r in records]
         details["outside_allocator"] = outside
@@ -168,7 +141,7 @@ def _ring_buffer_cost(sizes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     def timed_fit(name: str) -> float:
         events = StepEvents()
         report = GPUOptReport(plot=False, table=False, memory_history=name == "on", dirpath=sizes["out"])
-        _fit(sizes, steps, [report, events])
+        gpt_fit(sizes, steps, [report, events], precision=sizes["precision"])
         return statistics.median(events.periods(warmup))
 
     per_fit = interleaved_pairs(("off", "on"), timed_fit, sizes["repeats"], sizes["min_repeats"])
@@ -192,7 +165,5 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
     cost, cost_details = _ring_buffer_cost(sizes)
     figures.append(cost)
     details["ring_buffer"] = cost_details
-    details["model"] = {
-        k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch", "precision")
-    }
+    details["model"] = {k: sizes[k] for k in (*MODEL_KEYS, "precision")}
     return {"figures": figures, "details": details, "skipped": skipped}

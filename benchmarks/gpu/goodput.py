@@ -14,7 +14,7 @@ from typing import Any
 from common import figure, spread
 
 from gpu import device
-from gpu.speed import StepEvents, _fit, _gpt, _tokens, interleaved_pairs
+from gpu.speed import StepEvents, gpt_fit, interleaved_pairs
 from lightning_gpuopt import GradientNoiseScale, OOMRecovery
 
 
@@ -24,28 +24,15 @@ def steady_noise_scale(every: int = 10) -> GradientNoiseScale:
 
 
 def section(sizes: dict[str, Any]) -> dict[str, Any]:
-    steps, warmup, every = sizes["steps"], sizes["warmup"], sizes["every"]
-    loader = lambda: _tokens(sizes, steps)  # noqa: E731
+    steps, warmup, every, precision = sizes["steps"], sizes["warmup"], sizes["every"], sizes["precision"]
     noise = GradientNoiseScale()
-    _fit(
-        _gpt(sizes),
-        _tokens(sizes, sizes["estimate_steps"]),
-        sizes["estimate_steps"],
-        [OOMRecovery(verbose=False), noise],
-        precision=sizes["precision"],
-    )
+    gpt_fit(sizes, sizes["estimate_steps"], [OOMRecovery(verbose=False), noise], precision=precision)
     value = noise.ema.value
 
     def timed_fit(name: str) -> float:
         events = StepEvents()
         extra = [steady_noise_scale(every)] if name == "noise scale" else []
-        _fit(
-            _gpt(sizes),
-            loader(),
-            steps,
-            [OOMRecovery(verbose=False), *extra, events],
-            precision=sizes["precision"],
-        )
+        gpt_fit(sizes, steps, [OOMRecovery(verbose=False), *extra, events], precision=precision)
         return statistics.fmean(events.periods(warmup))
 
     per_fit = interleaved_pairs(
@@ -58,25 +45,13 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
         f"interleaved pairs, each the mean of {steps - warmup} steps; IQR {percent['q1']:+.1f}..{percent['q3']:+.1f} %, "
         f"min..max {percent['min']:+.1f}..{percent['max']:+.1f} %)"
     )
-    return {
-        "figures": [
-            figure(
-                f"B_simple of the GPT-2-shaped model after {sizes['estimate_steps']} steps (samples; relative error "
-                f"{noise.relative_error:.2f})",
-                None if value is None else round(value, 1),
-            ),
-            figure(
-                name,
-                percent["median"],
-                "%",
-                f"<= {sizes['target_percent']} %",
-                percent["median"] <= sizes["target_percent"] if on_cuda else None,
-            ),
-        ],
-        "details": {
-            "noise_scale": value,
-            "measurements": noise.ema.count,
-            "seconds_per_step": {k: spread(v) for k, v in per_fit.items()},
-            "overhead_percent": percent,
-        },
-    }
+    b_simple = (
+        f"B_simple of the GPT-2-shaped model after {sizes['estimate_steps']} steps (samples; relative error "
+        f"{noise.relative_error:.2f})"
+    )
+    target, met = f"<= {sizes['target_percent']} %", percent["median"] <= sizes["target_percent"]
+    figures = [figure(b_simple, None if value is None else round(value, 1))]
+    figures.append(figure(name, percent["median"], "%", target, met if on_cuda else None))
+    details = {"noise_scale": value, "measurements": noise.ema.count}
+    details.update(seconds_per_step={k: spread(v) for k, v in per_fit.items()}, overhead_percent=percent)
+    return {"figures": figures, "details": details}

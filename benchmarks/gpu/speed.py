@@ -12,18 +12,20 @@ import contextlib
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import QUIET, figure, spread
+from common import figure, patched, spread
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from gpu import device
 from lightning_gpuopt import GPUOptReport, MemoryAwareBatchSize, OOMRecovery, PrecisionSwitch
+
+MODEL_KEYS = ("layers", "width", "heads", "vocab", "seq", "batch")
 
 
 class Block(nn.Module):
@@ -89,12 +91,18 @@ class Tokens(Dataset):
         )
 
 
-def _gpt(sizes: dict[str, Any]) -> GPT:
+def gpt(sizes: dict[str, Any]) -> GPT:
     return GPT(sizes["layers"], sizes["width"], sizes["heads"], sizes["vocab"], sizes["seq"])
 
 
-def _tokens(sizes: dict[str, Any], steps: int) -> DataLoader:
-    return DataLoader(Tokens(sizes["batch"] * steps, sizes["seq"], sizes["vocab"]), batch_size=sizes["batch"])
+def gpt_fit(sizes: dict, steps: int, callbacks: list, batches: int = 0, **trainer: Any) -> pl.Trainer:
+    """One seeded fit of the GPT of ``sizes`` over ``batches`` (default ``steps``) batches of its tokens."""
+    device.check()
+    pl.seed_everything(0, verbose=False)
+    fitted = device.trainer(steps, callbacks, **trainer)
+    tokens = Tokens(sizes["batch"] * (batches or steps), sizes["seq"], sizes["vocab"])
+    fitted.fit(gpt(sizes), DataLoader(tokens, batch_size=sizes["batch"]))
+    return fitted
 
 
 class StepTimer(pl.Callback):
@@ -139,19 +147,6 @@ class StepEvents(pl.Callback):
         return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
 
 
-def _fit(
-    model: pl.LightningModule, loader: DataLoader, steps: int, callbacks: list, **trainer: Any
-) -> pl.Trainer:
-    device.check()
-    pl.seed_everything(0, verbose=False)
-    callbacks = [device.Deadline(), *callbacks]
-    t = pl.Trainer(
-        max_steps=steps, accelerator=device.current().accelerator, callbacks=callbacks, **{**QUIET, **trainer}
-    )
-    t.fit(model, loader)
-    return t
-
-
 def interleaved_pairs(
     names: tuple[str, str], timed_fit: Callable[[str], float], repeats: int, min_repeats: int
 ) -> dict[str, list[float]]:
@@ -177,7 +172,7 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     peak_flops = None if on_cuda else sizes["nominal_peak_flops"]
     report = GPUOptReport(plot=False, table=False, peak_flops=peak_flops, dirpath=sizes["out"])
     timer = StepTimer(warmup)
-    _fit(_gpt(sizes), _tokens(sizes, steps), steps, [report, timer], precision="bf16-mixed")
+    gpt_fit(sizes, steps, [report, timer], precision="bf16-mixed")
     run, per_step = report.report["run"], timer.seconds_per_step
     flops, peak = run["flops_per_batch"], run["peak_flops"]
     mfu = flops / per_step / peak if flops and per_step and peak else None
@@ -190,10 +185,8 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     figures = [figure(f"{shape}, bf16-mixed: tokens/s", tokens, "tokens/s")]
     figures.append(figure(f"{shape}, bf16-mixed: MFU", mfu, "", target, met))
     mfus = [s["mfu"] for s in report.report["steps"] if s["mfu"] is not None and s["mfu"] == s["mfu"]]
-    details: dict[str, Any] = {
-        "model": {k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch")}
-    }
-    details.update(parameters=sum(p.numel() for p in _gpt(sizes).parameters()), flops_per_batch=flops)
+    details: dict[str, Any] = {"model": {k: sizes[k] for k in MODEL_KEYS}}
+    details.update(parameters=sum(p.numel() for p in gpt(sizes).parameters()), flops_per_batch=flops)
     details.update(peak_flops=peak, peak_flops_source=run["peak_flops_source"], mfu_note=run["mfu_note"])
     details.update(seconds_per_step=per_step, report_mfu_median=statistics.median(mfus) if mfus else None)
     device.check()
@@ -204,22 +197,14 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     sizes_ = {"val_size": job["batch"], "image_size": job["image_size"], "batch_size": job["batch"]}
     data = SyntheticImageDataModule(train_size=job["batch"] * job["steps"], **sizes_)
     pl.seed_everything(42, verbose=False)
-    callbacks = [device.Deadline(), PrecisionSwitch(), MemoryAwareBatchSize(), OOMRecovery(verbose=False)]
+    callbacks = [PrecisionSwitch(), MemoryAwareBatchSize(), OOMRecovery(verbose=False)]
     callbacks += [GPUOptReport(plot=False, table=False, dirpath=sizes["out"]), job_timer]
-    accelerator = device.current().accelerator
-    trainer = pl.Trainer(
-        max_steps=job["steps"], accelerator=accelerator, callbacks=callbacks, limit_val_batches=0, **QUIET
-    )
+    trainer = device.trainer(job["steps"], callbacks, limit_val_batches=0)
     trainer.fit(ImageClassifier(), datamodule=data)
     rate = job["batch"] / job_timer.seconds_per_step if job_timer.seconds_per_step else None
     size = f"{job['image_size']}x{job['image_size']}"
-    figures.append(
-        figure(
-            f"default job (ResNet-18, {size}, batch {job['batch']}, the CLI's callbacks): samples/s",
-            rate,
-            "samples/s",
-        )
-    )
+    what = f"default job (ResNet-18, {size}, batch {job['batch']}, the CLI's callbacks): samples/s"
+    figures.append(figure(what, rate, "samples/s"))
     details["default_job"] = {
         "precision": str(trainer.precision),
         "seconds_per_step": job_timer.seconds_per_step,
@@ -236,13 +221,13 @@ def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
     Pairs run while the slice has room for another (at least ``min_repeats``, at most ``repeats``).
     """
     steps, warmup = sizes["steps"], sizes["warmup"]
-    loader = lambda: _tokens(sizes, steps)  # noqa: E731
-    _fit(_gpt(sizes), loader(), warmup + 1, [], precision=sizes["precision"])  # untimed: first-use costs
+    precision = sizes["precision"]
+    gpt_fit(sizes, warmup + 1, [], steps, precision=precision)  # untimed: first-use costs
 
     def timed_fit(name: str) -> float:
         events = StepEvents()
         extra = [OOMRecovery(verbose=False)] if name == "OOMRecovery" else []
-        _fit(_gpt(sizes), loader(), steps, [*extra, events], precision=sizes["precision"])
+        gpt_fit(sizes, steps, [*extra, events], precision=precision)
         return statistics.median(events.periods(warmup))
 
     per_fit = interleaved_pairs(("plain", "OOMRecovery"), timed_fit, sizes["repeats"], sizes["min_repeats"])
@@ -255,45 +240,21 @@ def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
     )
     met = percent["median"] <= sizes["target_percent"] if device.current().kind == "cuda" else None
     finder = MemoryAwareBatchSize(verbose=False)  # the default search: which start it took here, and its time
-    _fit(_gpt(sizes), loader(), 1, [finder], precision=sizes["precision"])
+    gpt_fit(sizes, 1, [finder], steps, precision=precision)
     search = {"seconds": finder.search_seconds, "trials": finder.trials, "path": finder.prediction_note}
-    details = {
-        "batch_size_search": search,
-        "seconds_per_step": {k: spread(v) for k, v in per_fit.items()},
-        "overhead_percent": percent,
-        "model": {k: sizes[k] for k in ("layers", "width", "heads", "vocab", "seq", "batch")},
-    }
-    return {
-        "figures": [
-            figure(name, percent["median"], "%", f"<= {sizes['target_percent']} %", met),
-            figure(
-                f"MemoryAwareBatchSize() search wall time, {search['path'].split(',')[0]}",
-                search["seconds"],
-                "s",
-                None,
-                None,
-            ),
-        ],
-        "details": details,
-    }
+    details = {"batch_size_search": search, "seconds_per_step": {k: spread(v) for k, v in per_fit.items()}}
+    details.update(overhead_percent=percent, model={k: sizes[k] for k in MODEL_KEYS})
+    what = f"MemoryAwareBatchSize() search wall time, {search['path'].split(',')[0]}"
+    figures = [figure(name, percent["median"], "%", f"<= {sizes['target_percent']} %", met)]
+    return {"figures": [*figures, figure(what, search["seconds"], "s")], "details": details}
 
 
-@contextlib.contextmanager
-def tf32(enabled: bool) -> Iterator[None]:
+def tf32(enabled: bool) -> contextlib.AbstractContextManager:
     """TF32 matmuls and convolutions on or off (torch's ``fp32_precision`` API where it exists), restored after."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     if hasattr(matmul, "fp32_precision") and hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
-        objects, name, value = (matmul, cudnn.conv), "fp32_precision", "tf32" if enabled else "ieee"
-    else:
-        objects, name, value = (matmul, cudnn), "allow_tf32", enabled
-    saved = [getattr(o, name) for o in objects]
-    for o in objects:
-        setattr(o, name, value)
-    try:
-        yield
-    finally:
-        for o, v in zip(objects, saved):
-            setattr(o, name, v)
+        return patched(*((o, "fp32_precision", "tf32" if enabled else "ieee") for o in (matmul, cudnn.conv)))
+    return patched((matmul, "allow_tf32", enabled), (cudnn, "allow_tf32", enabled))
 
 
 def precision_section(sizes: dict[str, Any]) -> dict[str, Any]:
@@ -309,26 +270,22 @@ def precision_section(sizes: dict[str, Any]) -> dict[str, Any]:
     chosen, order = None, [*configs, "auto"]
     for r in range(sizes["repeats"]):
         for name in order if r % 2 == 0 else order[::-1]:
-            timer, loader = StepTimer(warmup), _tokens(sizes, steps)
+            timer = StepTimer(warmup)
             if name == "auto":
-                chosen = str(_fit(_gpt(sizes), loader, steps, [PrecisionSwitch(), timer]).precision)
+                chosen = str(gpt_fit(sizes, steps, [PrecisionSwitch(), timer]).precision)
             else:
                 with tf32(configs[name][1]):
-                    _fit(_gpt(sizes), loader, steps, [timer], precision=configs[name][0])
+                    gpt_fit(sizes, steps, [timer], precision=configs[name][0])
             if timer.seconds_per_step:
                 rates[name].append(sizes["batch"] / timer.seconds_per_step)
     medians = {name: statistics.median(v) for name, v in rates.items() if v}
-    fastest = max((n for n in medians if n != "auto"), key=medians.get)
-    ratio = medians["auto"] / medians[fastest]
-    figures = [
-        figure(f"samples/s in {name}", value, "samples/s")
-        for name, value in medians.items()
-        if name != "auto"
-    ]
+    fixed = {name: value for name, value in medians.items() if name != "auto"}
+    fastest = max(fixed, key=fixed.get)
+    ratio = medians["auto"] / fixed[fastest]
+    figures = [figure(f"samples/s in {name}", value, "samples/s") for name, value in fixed.items()]
     figures.append(figure("PrecisionSwitch auto: chosen precision", chosen))
+    what = f"PrecisionSwitch auto: samples/s over the fastest ({fastest})"
     met = ratio >= 0.95 if on_cuda else None
-    figures.append(
-        figure(f"PrecisionSwitch auto: samples/s over the fastest ({fastest})", ratio, "x", ">= 0.95", met)
-    )
+    figures.append(figure(what, ratio, "x", ">= 0.95", met))
     details = {"samples_per_s": {k: spread(v) for k, v in rates.items() if v}, "chosen": chosen}
     return {"figures": figures, "details": details, "skipped": skipped}
