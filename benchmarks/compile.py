@@ -21,19 +21,16 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import common
 import lightning.pytorch as pl
 import torch
-from common import Batches, figure, quiet
+from common import figure, quiet
 from gpu import device
-from gpu.oom import CausalLM, LimitAt, StepRecord, forced, image_batches, token_batches
-from gpu.oom import cnn as cnn_module
+from gpu.oom import LimitAt, StepRecord, Workload, cnn_workload, lm_workload, steady_step, train
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from lightning_gpuopt import OOMRecovery
 from lightning_gpuopt.decisions import decisions
@@ -41,18 +38,6 @@ from lightning_gpuopt.decisions import decisions
 FORMS = ("submodule", "module")
 VARIANTS = ("eager", "compiled")
 CALIBRATION_K = 4
-CALIBRATION_STEPS = 3
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    description: str
-    build: Callable[[], pl.LightningModule]
-    batches: Callable[[], list[tuple[Tensor, ...]]]
-    batch_size: int
-    #: The attribute holding the network that the ``submodule`` form compiles.
-    submodule: str
 
 
 @dataclass(frozen=True)
@@ -72,26 +57,12 @@ class Schedule:
         return self.split_at + 1 + self.after
 
 
-def cnn(image_size: int, batch_size: int, arch: str = "tiny", num_classes: int = 10) -> Workload:
-    name = "2-conv CNN with BatchNorm" if arch == "tiny" else f"torchvision {arch}"
-    what = f"{name} on 3x{image_size}x{image_size}, {num_classes} classes, SGD momentum"
-    batches = lambda: image_batches(batch_size, size=image_size, num_classes=num_classes)  # noqa: E731
-    return Workload("cnn", what, lambda: cnn_module(arch, num_classes), batches, batch_size, "net")
-
-
-def transformer(width: int, layers: int, heads: int, seq_len: int, vocab: int, batch_size: int) -> Workload:
-    what = f"causal LM: nn.TransformerEncoder {layers} x {width} wide, {heads} heads, {seq_len} tokens, vocab {vocab}"
-    build = lambda: CausalLM(vocab=vocab, width=width, heads=heads, layers=layers, seq_len=seq_len)  # noqa: E731
-    batches = lambda: token_batches(batch_size, seq_len=seq_len, vocab=vocab)  # noqa: E731
-    return Workload("transformer", f"{what}, AdamW", build, batches, batch_size, "encoder")
-
-
 def workloads(device_kind: str) -> dict[str, Workload]:
     """Small on a CPU (steps of tens of milliseconds); on CUDA big enough for compiled kernels to matter."""
     if device_kind == "cuda":
-        listed = [cnn(64, 128, "resnet18", 100), transformer(512, 4, 8, 256, 8192, 32)]
+        listed = [cnn_workload(64, 128, "resnet18", 100), lm_workload(512, 4, 8, 256, 8192, 32)]
     else:
-        listed = [cnn(32, 32), transformer(128, 2, 4, 64, 512, 16)]
+        listed = [cnn_workload(32, 32), lm_workload(128, 2, 4, 64, 512, 16)]
     return {w.name: w for w in listed}
 
 
@@ -157,58 +128,35 @@ class Refused(Exception):
     """OOMRecovery refused the compiled form at setup (its message is the reason)."""
 
 
-def _fit(
-    workload: Workload,
-    batches: list,
-    steps: int,
-    callbacks: list,
-    precision: str,
-    form=None,
-    backend="aot_eager",
-):
-    """One seeded fit, eager (``form=None``) or compiled in ``form``; raises :class:`Refused` on the refusal."""
-    device.current().set_limit(None)
-    torch._dynamo.reset()
-    pl.seed_everything(0, verbose=False)
-    model = workload.build()
-    if form == "submodule":
-        setattr(model, workload.submodule, torch.compile(getattr(model, workload.submodule), backend=backend))
-    fitted = torch.compile(model, backend=backend) if form == "module" else model
-    trainer = device.trainer(steps, callbacks, precision=precision)
+def _fit(workload: Workload, batches: list, steps: int, callbacks: list, precision: str, form, backend: str):
+    """One seeded fit, compiled in ``form`` (``None``: eager); raises :class:`Refused` on the refusal."""
+
+    def compiled(model: pl.LightningModule) -> pl.LightningModule:
+        torch._dynamo.reset()
+        if form == "submodule":
+            setattr(
+                model, workload.submodule, torch.compile(getattr(model, workload.submodule), backend=backend)
+            )
+        return torch.compile(model, backend=backend) if form == "module" else model
+
     try:
-        trainer.fit(fitted, DataLoader(Batches(batches, steps), batch_size=None))
+        return train(workload, batches, steps, callbacks, precision, compiled)
     except RuntimeError as err:
         if "torch.compile'd LightningModule" in str(err):
             raise Refused(str(err)) from err
         raise
-    finally:
-        device.current().set_limit(None)
-    return trainer
 
 
 def calibrate(workload: Workload, batches: list[tuple[Tensor, ...]], precision: str) -> dict[str, Any]:
     """Eager peaks at k = 1 and k = CALIBRATION_K, and where halfway between sits in a k = 1 step's activations."""
-    peaks, starts = {}, {}
-    for k in (1, CALIBRATION_K):
-        record = StepRecord(collect_at=(CALIBRATION_STEPS - 1,))
-        _fit(workload, batches, CALIBRATION_STEPS, [record, forced(k)], precision)
-        peaks[k], starts[k] = record.peaks[-1], record.starts[-1]
-    start, peak_1, peak_k = starts[1], peaks[1], peaks[CALIBRATION_K]
+    (start, peak_1), (_, peak_k) = (steady_step(workload, batches, k, precision) for k in (1, CALIBRATION_K))
     lowers = peak_k < 0.97 * peak_1
     fraction = ((peak_1 + peak_k) / 2 - start) / (peak_1 - start) if lowers else None
     result = {"start_bytes": start, "peak_k1_bytes": peak_1, f"peak_k{CALIBRATION_K}_bytes": peak_k}
     return {**result, "splitting_lowers_peak": lowers, "limit_fraction_of_activations": fraction}
 
 
-def run(
-    workload: Workload,
-    batches: list,
-    schedule: Schedule,
-    fraction,
-    precision: str,
-    form=None,
-    backend="aot_eager",
-):
+def run(workload: Workload, batches: list, schedule: Schedule, fraction, precision: str, form, backend: str):
     """One fit with OOMRecovery and its OOM at ``schedule.split_at`` (none when ``fraction`` is None)."""
     recovery = OOMRecovery(verbose=False)
     record, compiles = StepRecord(), CompileLog()
@@ -437,7 +385,7 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
     """The check's ``compile`` section: one workload, eager and compiled in each form, an OOM forced mid-run."""
     quiet()
     name, schedule = sizes["model"], Schedule(**sizes["schedule"])
-    workload = (cnn if name == "cnn" else transformer)(**sizes[name])
+    workload = (cnn_workload if name == "cnn" else lm_workload)(**sizes[name])
     result = measure(
         workload, sizes["forms"], sizes["backend"], sizes["repeats"], schedule, sizes["precision"]
     )

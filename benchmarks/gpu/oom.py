@@ -15,14 +15,14 @@ import dataclasses
 import gc
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torchvision
-from common import Batches, Classifier, figure
+from common import Batches, Classifier, figure, patched
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -112,42 +112,41 @@ class Workload:
     batch_size: int
     #: Why splitting changes the result (reported against the unsplit run); ``None``: it does not.
     split_changes: str | None = None
+    #: The attribute holding the network that compile.py's ``submodule`` form compiles.
+    submodule: str = "net"
 
 
-BATCHNORM = "BatchNorm statistics over micro-batches"
+def cnn_workload(image_size: int, batch_size: int, arch: str = "tiny", num_classes: int = 10) -> Workload:
+    name = "2-conv CNN with BatchNorm" if arch == "tiny" else f"torchvision {arch}"
+    what = f"{name} on 3x{image_size}x{image_size}, {num_classes} classes, SGD momentum"
+    batches = lambda: image_batches(batch_size, image_size, num_classes=num_classes)  # noqa: E731
+    build = lambda: cnn(arch, num_classes)  # noqa: E731
+    return Workload("cnn", what, build, batches, batch_size, "BatchNorm statistics over micro-batches")
+
+
+def lm_workload(width: int, layers: int, heads: int, seq_len: int, vocab: int, batch_size: int) -> Workload:
+    what = f"causal LM: nn.TransformerEncoder {layers} x {width} wide, {heads} heads, {seq_len} tokens, vocab {vocab}"
+    build = lambda: CausalLM(vocab=vocab, width=width, heads=heads, layers=layers, seq_len=seq_len)  # noqa: E731
+    batches = lambda: token_batches(batch_size, seq_len=seq_len, vocab=vocab)  # noqa: E731
+    return Workload("transformer", f"{what}, AdamW", build, batches, batch_size, submodule="encoder")
 
 
 def workload(name: str, batch_size: int, dry_run: bool = False) -> Workload:
     """The workload ``name`` at ``batch_size`` (check.py's table fits it under the section's cap); ``dry_run``:
     its stand-in on the CPU under SimulatedMemory (the same code paths, tiny sizes, its own batch size)."""
-    if name == "resnet50" and dry_run:
-        what = "dry run: 2-conv CNN with BatchNorm on 3x16x16, 10 classes, SGD momentum"
-        batches = lambda: image_batches(32, 16, 3, 10)  # noqa: E731
-        return Workload(name, what, lambda: cnn("tiny", 10), batches, 32, BATCHNORM)
     if name == "resnet50":
-        what = "torchvision resnet50(num_classes=1000), 3x224x224, SGD momentum"
-        return Workload(name, what, cnn, lambda: image_batches(batch_size), batch_size, BATCHNORM)
-    if dry_run:
-        what = "dry run: causal LM 2 x 64 wide, 4 heads, 32 tokens, vocab 256, AdamW"
-        build = lambda: CausalLM(vocab=256, width=64, heads=4, layers=2, seq_len=32)  # noqa: E731
-        return Workload(name, what, build, lambda: token_batches(16, seq_len=32, vocab=256), 16)
-    what = "causal LM: nn.TransformerEncoder 4 x 1024 wide, 16 heads, 512 tokens, vocab 16384, AdamW"
-    return Workload(name, what, CausalLM, lambda: token_batches(batch_size), batch_size)
+        made = cnn_workload(16, 32) if dry_run else cnn_workload(224, batch_size, "resnet50", 1000)
+    else:
+        made = lm_workload(*((64, 2, 4, 32, 256, 16) if dry_run else (1024, 4, 16, 512, 16384, batch_size)))
+    prefix = "dry run: " if dry_run else ""
+    return dataclasses.replace(made, name=name, description=prefix + made.description)
 
 
-@contextlib.contextmanager
-def exact_fp32() -> Iterator[None]:
+def exact_fp32() -> contextlib.AbstractContextManager:
     """fp32 without TF32 and with deterministic cuDNN, so two equal computations agree to rounding."""
-    flags = [(torch.backends.cuda.matmul, "allow_tf32", False), (torch.backends.cudnn, "allow_tf32", False)]
-    flags += [(torch.backends.cudnn, "deterministic", True), (torch.backends.cudnn, "benchmark", False)]
-    saved = [getattr(obj, name) for obj, name, _ in flags]
-    for obj, name, value in flags:
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for (obj, name, _), value in zip(flags, saved):
-            setattr(obj, name, value)
+    cudnn = torch.backends.cudnn
+    flags = [(torch.backends.cuda.matmul, "allow_tf32", False), (cudnn, "allow_tf32", False)]
+    return patched(*flags, (cudnn, "deterministic", True), (cudnn, "benchmark", False))
 
 
 class StepRecord(pl.Callback):
@@ -158,12 +157,8 @@ class StepRecord(pl.Callback):
     """
 
     def __init__(self, collect_at: tuple[int, ...] = ()) -> None:
-        self.collect_at = collect_at
-        self.starts: list[int] = []
-        self.peaks: list[int] = []
-        self.seconds: list[float] = []
-        self.ks: list[int] = []
-        self._started, self._changes = 0.0, 0
+        self.collect_at, self._started, self._changes = collect_at, 0.0, 0
+        self.starts, self.peaks, self.seconds, self.ks = [], [], [], []  # bytes, bytes, seconds, k per batch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx in self.collect_at:
@@ -215,26 +210,43 @@ def forced(k: int) -> OOMRecovery:
     return recovery
 
 
-def fit(workload: Workload, batches: list, steps: int, callbacks: list[pl.Callback]) -> pl.LightningModule:
-    """One seeded fit of ``steps`` batches; returns the trained module (on the CPU)."""
+def train(
+    workload: Workload,
+    batches: list,
+    steps: int,
+    callbacks: list,
+    precision: str = "32-true",
+    prepare: Any = None,
+) -> pl.Trainer:
+    """One seeded fit of ``steps`` batches (``prepare``: what makes the module that fits, e.g. compiles it)."""
     device.current().set_limit(None)  # also collects what earlier fits left to the garbage collector
     pl.seed_everything(0, verbose=False)
     model = workload.build()
-    trainer = device.trainer(steps, callbacks, precision="32-true")
+    trainer = device.trainer(steps, callbacks, precision=precision)
+    loader = DataLoader(Batches(batches, steps), batch_size=None)
     try:
-        trainer.fit(model, DataLoader(Batches(batches, steps), batch_size=None))
+        trainer.fit(prepare(model) if prepare else model, loader)
     finally:
         model.cpu()
         device.current().set_limit(None)
-    return model
+    return trainer
+
+
+def fit(workload: Workload, batches: list, steps: int, callbacks: list[pl.Callback]) -> pl.LightningModule:
+    """One seeded fit of ``steps`` batches; returns the trained module (on the CPU)."""
+    return train(workload, batches, steps, callbacks).lightning_module
+
+
+def steady_step(workload: Workload, batches: list, k: int, precision: str = "32-true") -> tuple[int, int]:
+    """The memory at the start of the last of ``CALIBRATION_STEPS`` unlimited steps at ``k``, and its peak."""
+    record = StepRecord(collect_at=(CALIBRATION_STEPS - 1,))
+    train(workload, batches, CALIBRATION_STEPS, [record, forced(k)], precision)
+    return record.starts[-1], record.peaks[-1]
 
 
 def calibrate(workload: Workload, batches: list) -> dict[str, Any]:
-    peaks = {}
-    for k in (1, CALIBRATION_K):
-        record = StepRecord(collect_at=(CALIBRATION_STEPS - 1,))
-        fit(workload, batches, CALIBRATION_STEPS, [record, forced(k)])
-        peaks[k] = record.peaks[-1]
+    """The limit halfway between the steady peaks at k = 1 and k = ``CALIBRATION_K``."""
+    peaks = {k: steady_step(workload, batches, k)[1] for k in (1, CALIBRATION_K)}
     limit = (peaks[1] + peaks[CALIBRATION_K]) // 2
     return {
         "peak_k1_bytes": peaks[1],
@@ -293,9 +305,8 @@ def check_workload(workload: Workload) -> dict[str, Any]:
         step_peak_bytes=record.peaks, step_ms=[1e3 * s for s in record.seconds], run_error=run_error
     )
     checks = {"calibration_found_a_limit": True, "completed": run_error is None and len(record.ks) == steps}
-    checks["real_oom_of_the_device"] = bool(failures) and all(
-        device.current().is_its_oom(f["message"]) for f in failures
-    )
+    real = [device.current().is_its_oom(f["message"]) for f in failures]
+    checks["real_oom_of_the_device"] = bool(failures) and all(real)
     first = (failures[0]["batch_idx"], failures[0]["k"]) if failures else None
     checks["limit_forced_the_oom_at_its_batch"] = first == (limit_at, 1)
     if checks["completed"]:
@@ -321,7 +332,7 @@ def check_workload(workload: Workload) -> dict[str, Any]:
 
 
 def compare_with_references(
-    workload: Workload, batches: list, steps: int, model: nn.Module, ks: list[int]
+    workload: Workload, batches: list, steps: int, model: nn.Module, ks: list
 ) -> dict:
     """The recovered run against two runs at its k per batch (no limit: the floor is their spread), and one at k=1."""
     start = {k: v.detach().clone() for k, v in workload.build().state_dict().items()}
