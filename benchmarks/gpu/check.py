@@ -76,13 +76,29 @@ def cuda_tests(sizes: dict[str, Any]) -> dict[str, Any]:
 
 _GPT2 = {"layers": 12, "width": 768, "heads": 12, "vocab": 50257, "seq": 1024}
 _GPT_TINY = {"layers": 2, "width": 32, "heads": 2, "vocab": 128, "seq": 16}
-_MFU = {"batch": 8, "steps": 25, "warmup": 5, "mfu_target": 0.30}
-_JOB = {"batch": 64, "steps": 40, "warmup": 10, "image_size": 32}
-_OVERHEAD = {"layers": 4, "seq": 512, "batch": 8, "steps": 30, "warmup": 5, "repeats": 10, "min_repeats": 3}
-_OVERHEAD_DRY = {"batch": 4, "steps": 3, "warmup": 1, "repeats": 2, "min_repeats": 2, "precision": "32-true"}
-_LM = {"width": 512, "layers": 1, "heads": 8, "seq_len": 256, "vocab": 8192, "batch_size": 32}
+_MFU = dict(_GPT2, batch=8, steps=25, warmup=5, mfu_target=0.30)
+_MFU_DRY = dict(_MFU, **_GPT_TINY, batch=4, steps=4, warmup=2, nominal_peak_flops=1e12)
+_MFU_DRY["default_job"] = {"batch": 8, "steps": 2, "warmup": 1, "image_size": 8}
+_MFU["default_job"] = {"batch": 64, "steps": 40, "warmup": 10, "image_size": 32}
+_OVERHEAD = dict(_GPT2, layers=4, seq=512, batch=8, steps=30, warmup=5, repeats=10, min_repeats=3)
+_OVERHEAD_DRY = dict(_GPT_TINY, batch=4, steps=3, warmup=1, repeats=2, min_repeats=2, precision="32-true")
+_GOODPUT = dict(_OVERHEAD, precision="bf16-mixed", steps=41, warmup=1, every=10, estimate_steps=60)
+_GOODPUT.update(repeats=4, min_repeats=2, target_percent=1.0)
+_GOODPUT_DRY = dict(_OVERHEAD_DRY, every=2, estimate_steps=6, target_percent=1.0, steps=5)
+_FORENSICS = dict(
+    min_repeats=1, layers=4, width=512, heads=8, vocab=8192, seq=256, batch=16, precision="bf16-mixed"
+)
+_FORENSICS.update(warmup=3, after=3, steps=20, repeats=4)
+_FORENSICS_DRY = dict(_GPT_TINY, min_repeats=1, layers=1, batch=4, precision="32-true", warmup=2, after=2)
+_FORENSICS_DRY.update(steps=4, repeats=1)
 _FORMS = {"forms": ["module", "submodule"], "repeats": 1}
-_FORENSICS = {"min_repeats": 1}
+_LM = {"width": 512, "layers": 1, "heads": 8, "seq_len": 256, "vocab": 8192, "batch_size": 32}
+# Inductor compiles for tens of seconds: one small transformer, one repeat. A form the slice has no time left
+# for is listed as skipped.
+_COMPILE = dict(model="transformer", transformer=_LM, **_FORMS, backend="inductor", precision="bf16-mixed")
+_COMPILE["schedule"] = {"warmup": 3, "steady": 5, "after": 5}
+_COMPILE_DRY = dict(model="cnn", cnn={"image_size": 16, "batch_size": 32}, **_FORMS, backend="aot_eager")
+_COMPILE_DRY.update(precision="32-true", schedule={"warmup": 2, "steady": 2, "after": 2})
 _NO_CUDA_TESTS = "pytest -m cuda skips every test on a machine without CUDA: nothing to prove on a CPU"
 _NO_CUDA_ALLOCATOR = (
     "max_memory_allocated is CUDA's caching allocator; on a CPU the prediction is checked against "
@@ -139,17 +155,16 @@ SECTIONS: dict[str, Section] = {
             "MFU and tokens/s of a GPT-2-124M-shaped model (bf16-mixed, seq 1024); the default job's samples/s",
             15,
             "gpu.speed:mfu_section",
-            {**_GPT2, **_MFU, "default_job": _JOB},
-            {**_GPT_TINY, **_MFU, "batch": 4, "steps": 4, "warmup": 2, "nominal_peak_flops": 1e12}
-            | {"default_job": {"batch": 8, "steps": 2, "warmup": 1, "image_size": 8}},
+            _MFU,
+            _MFU_DRY,
         ),
         Section(
             "overhead",
             "OOMRecovery at k = 1 against plain Lightning (steady state)",
             15,
             "gpu.speed:overhead_section",
-            {**_GPT2, **_OVERHEAD, "precision": "bf16-mixed", "target_percent": 2.0},
-            {**_GPT_TINY, **_OVERHEAD_DRY, "target_percent": 2.0},
+            {**_OVERHEAD, "precision": "bf16-mixed", "target_percent": 2.0},
+            {**_OVERHEAD_DRY, "target_percent": 2.0},
         ),
         Section(
             "goodput",
@@ -157,18 +172,8 @@ SECTIONS: dict[str, Section] = {
             "against OOMRecovery at k = 1",
             20,
             "gpu.goodput:section",
-            {
-                **_GPT2,
-                **_OVERHEAD,
-                "layers": 4,
-                "seq": 512,
-                "precision": "bf16-mixed",
-                "steps": 41,
-                "warmup": 1,
-            }
-            | {"every": 10, "estimate_steps": 60, "repeats": 4, "min_repeats": 2, "target_percent": 1.0},
-            {**_GPT_TINY, **_OVERHEAD_DRY, "every": 2, "estimate_steps": 6, "target_percent": 1.0}
-            | {"steps": 5, "warmup": 1},
+            _GOODPUT,
+            _GOODPUT_DRY,
         ),
         Section(
             "forensics",
@@ -176,18 +181,8 @@ SECTIONS: dict[str, Section] = {
             "buffer's step-time cost",
             15,
             "gpu.forensics:section",
-            {**_FORENSICS, "layers": 4, "width": 512, "heads": 8, "vocab": 8192, "seq": 256, "batch": 16}
-            | {"precision": "bf16-mixed", "warmup": 3, "after": 3, "steps": 20, "repeats": 4},
-            {
-                **_FORENSICS,
-                **_GPT_TINY,
-                "layers": 1,
-                "batch": 4,
-                "precision": "32-true",
-                "warmup": 2,
-                "after": 2,
-            }
-            | {"steps": 4, "repeats": 1},
+            _FORENSICS,
+            _FORENSICS_DRY,
         ),
         Section(
             "predict",
@@ -203,18 +198,8 @@ SECTIONS: dict[str, Section] = {
             "the recompilations the split caused and their seconds",
             80,
             "compile:section",
-            # Inductor compiles for tens of seconds: one small transformer, one repeat. A form the slice has no
-            # time left for is listed as skipped.
-            {
-                "model": "transformer",
-                "transformer": _LM,
-                **_FORMS,
-                "backend": "inductor",
-                "precision": "bf16-mixed",
-            }
-            | {"schedule": {"warmup": 3, "steady": 5, "after": 5}},
-            {"model": "cnn", "cnn": {"image_size": 16, "batch_size": 32}, **_FORMS, "backend": "aot_eager"}
-            | {"precision": "32-true", "schedule": {"warmup": 2, "steady": 2, "after": 2}},
+            _COMPILE,
+            _COMPILE_DRY,
         ),
     )
 }
@@ -324,9 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("out", type=Path, help="folder for gpu_check.json and gpu_check.md")
-    parser.add_argument(
-        "--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for all sections (default 300)"
-    )
+    budget = "seconds for all sections (default 300)"
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help=budget)
     parser.add_argument(
         "--only", default="", help=f"comma-separated sections to run (of: {', '.join(SECTIONS)})"
     )
@@ -370,10 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         "table": {n: {"slice_s": round(s.slice_s * scale, 1), "what": s.what} for n, s in SECTIONS.items()},
         "sections": [],
     }
-    for name in args.sections:
-        results["sections"].append(
-            run_section(SECTIONS[name], SECTIONS[name].slice_s * scale, args.dry_run, args.out)
-        )
+    for section in (SECTIONS[name] for name in args.sections):
+        results["sections"].append(run_section(section, section.slice_s * scale, args.dry_run, args.out))
     results["wall_s"] = round(time.perf_counter() - started, 2)
     results["every_section_ran"] = all(s["status"] in ("ran", "skipped") for s in results["sections"])
     write_json(args.out, "gpu_check.json", _plain(results))
