@@ -128,8 +128,7 @@ def fit(
     SimulatedMemory should count the batches it yields, not the whole dataset)."""
     pl.seed_everything(0, verbose=False)
     gc.collect()
-    trainer = pl.Trainer(max_steps=len(loader), callbacks=callbacks, **TRAINER)
-    model = Classifier(workload.build)
+    trainer, model = common.trainer(len(loader), callbacks, precision="32-true"), Classifier(workload.build)
     with memory if memory is not None else contextlib.nullcontext():
         trainer.fit(model, loader)
     return trainer
@@ -168,14 +167,12 @@ def measure_overhead(workload: Workload, repeats: int, warmup: int, steps: int) 
         "overhead_k1_ms": [a - b for a, b in zip(median_ms["k=1"], median_ms["plain"])],
     }
     k1 = summary(ratios["k=1"])["median"]
-    return {
-        **{"batch_size": workload.batch_size, "warmup_steps": warmup, "timed_steps": steps},
-        **dict(step_ms_median_per_fit=median_ms, step_ms_min_per_fit=min_ms, cpu_ms_median_per_fit=cpu_ms),
-        "step_ms": {v: statistics.median(median_ms[v]) for v in VARIANTS},
-        **series,
-        **{f"{name}_summary": summary(values) for name, values in series.items()},
-        "target": _target(f"median over repeats of step-time ratio {K1_OVER_PLAIN}", OVERHEAD_TARGET, k1),
-    }
+    result = dict(batch_size=workload.batch_size, warmup_steps=warmup, timed_steps=steps)
+    result.update(step_ms_median_per_fit=median_ms, step_ms_min_per_fit=min_ms, cpu_ms_median_per_fit=cpu_ms)
+    result.update(step_ms={v: statistics.median(median_ms[v]) for v in VARIANTS}, **series)
+    result.update({f"{name}_summary": summary(values) for name, values in series.items()})
+    metric = f"median over repeats of step-time ratio {K1_OVER_PLAIN}"
+    return {**result, "target": _target(metric, OVERHEAD_TARGET, k1)}
 
 
 class RankZeroTimes(StepClock):
@@ -203,21 +200,19 @@ def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: i
             path = folder / f"ddp_{repeat}_{variant}.json"
             pl.seed_everything(0, verbose=False)
             callbacks = [RankZeroTimes(path), *_recovery(FORCED_K[variant])]
-            ddp = {**TRAINER, "devices": 2, "strategy": DDPStrategy(start_method="spawn")}
-            trainer = pl.Trainer(max_steps=warmup + steps, callbacks=callbacks, **ddp)
-            trainer.fit(Classifier(workload.build), loader)
+            ddp = dict(devices=2, strategy=DDPStrategy(start_method="spawn"), precision="32-true")
+            common.trainer(warmup + steps, callbacks, **ddp).fit(Classifier(workload.build), loader)
             periods = json.loads(path.read_text())["periods"]
             median_ms[variant].append(1e3 * statistics.median(periods[warmup - 1 :]))
     ratios = _ratios(median_ms, variants)["k=1"]
-    s = summary(ratios)
     metric = "median over repeats of rank 0's step-time ratio DDP+OOMRecovery() k=1 / plain DDP"
-    return {
-        **dict(workload=workload.name, processes=2, backend="gloo", batch_size_per_rank=workload.batch_size),
-        **{"warmup_steps": warmup, "timed_steps": steps, "step_ms_median_per_fit": median_ms},
-        "step_ms": {v: statistics.median(median_ms[v]) for v in variants},
-        **{"ratio_k1": ratios, "ratio_k1_summary": s},
-        "target": _target(metric, DDP_OVERHEAD_TARGET, s["median"]),
-    }
+    result = dict(
+        workload=workload.name, processes=2, backend="gloo", batch_size_per_rank=workload.batch_size
+    )
+    result.update(warmup_steps=warmup, timed_steps=steps, step_ms_median_per_fit=median_ms)
+    result.update(step_ms={v: statistics.median(median_ms[v]) for v in variants}, ratio_k1=ratios)
+    result["ratio_k1_summary"] = summary(ratios)
+    return {**result, "target": _target(metric, DDP_OVERHEAD_TARGET, result["ratio_k1_summary"]["median"])}
 
 
 def calibrate(workload: Workload, batch_size: int, steps: int = 3) -> dict[str, Any]:
@@ -230,11 +225,9 @@ def calibrate(workload: Workload, batch_size: int, steps: int = 3) -> dict[str, 
         peaks[k], starts[k] = record.peaks[-1], record.starts[-1]
     # Room either side: the full batch must fail, a split into <= 8 micro-batches must fit.
     limit = (peaks[1] + peaks[CALIBRATION_K]) // 2 if peaks[CALIBRATION_K] < 0.97 * peaks[1] else None
-    return {
-        **{"batch_size": batch_size, "step_start_bytes": starts[1], "peak_k1_bytes": peaks[1]},
-        f"peak_k{CALIBRATION_K}_bytes": peaks[CALIBRATION_K],
-        **{"limit_bytes": limit, "limit_fraction_of_peak": limit / peaks[1] if limit else None},
-    }
+    result = {"batch_size": batch_size, "step_start_bytes": starts[1], "peak_k1_bytes": peaks[1]}
+    result[f"peak_k{CALIBRATION_K}_bytes"] = peaks[CALIBRATION_K]
+    return {**result, "limit_bytes": limit, "limit_fraction_of_peak": limit / peaks[1] if limit else None}
 
 
 def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[str, Any]:
@@ -243,8 +236,7 @@ def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[
     result: dict[str, Any] = {"batch_size": batch_size, "calibration": calibrate(workload, batch_size)}
     if batch_size != workload.batch_size:
         result["calibration_at_overhead_batch_size"] = calibrate(workload, workload.batch_size)
-    cal = result["calibration"]
-    limit = cal["limit_bytes"]
+    cal, limit = result["calibration"], result["calibration"]["limit_bytes"]
     if limit is None:
         peaks = (cal["peak_k1_bytes"] / 2**20, CALIBRATION_K, cal[f"peak_k{CALIBRATION_K}_bytes"] / 2**20)
         reason = "splitting does not lower the step's peak (k=1: {:.1f} MiB, k={}: {:.1f} MiB)".format(*peaks)
@@ -266,24 +258,17 @@ def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[
     periods = clock.periods()  # periods[i - 1] is batch i's
     steady, after, recovering = periods[1 : limit_at - 1], periods[limit_at + 1 :], periods[limit_at - 1]
     recovered = trainer.global_step == total_steps and bool(failures)
-    result.update(
-        status="recovered" if recovered else "failed",
-        recovered=recovered,
-        **{"limit_bytes": limit, "limit_at_batch": limit_at, "failures": failures, "retries": len(failures)},
-        oom_batches=sorted({f["batch_idx"] for f in failures}),
-        final_k=recovery.k,
-        final_micro_batch_size=-(-batch_size // recovery.k),
-        peak_after_limit_bytes=max(peaks.peaks[limit_at:]),
-        step_start_bytes_before_oom=peaks.starts[limit_at],
-        step_start_bytes_later=peaks.starts[-1],
-        steady_step_ms=[1e3 * t for t in steady],
-        after_step_ms=[1e3 * t for t in after],  # from the second step at the final k
-        recovering_step_ms=1e3 * recovering,
-        ratio_vs_steady_k1=recovering / statistics.median(steady),
-        ratio_vs_final_k_step=recovering / statistics.median(after),
-        gc_collect_ms=gc_ms,
-    )
-    return result
+    result.update(status="recovered" if recovered else "failed", recovered=recovered, limit_bytes=limit)
+    result.update(limit_at_batch=limit_at, failures=failures, retries=len(failures))
+    result.update(oom_batches=sorted({f["batch_idx"] for f in failures}), final_k=recovery.k)
+    result["final_micro_batch_size"] = -(-batch_size // recovery.k)
+    result["peak_after_limit_bytes"] = max(peaks.peaks[limit_at:])
+    result.update(step_start_bytes_before_oom=peaks.starts[limit_at], step_start_bytes_later=peaks.starts[-1])
+    # after_step_ms: from the second step at the final k
+    result.update(steady_step_ms=[1e3 * t for t in steady], after_step_ms=[1e3 * t for t in after])
+    result["recovering_step_ms"] = 1e3 * recovering
+    result["ratio_vs_steady_k1"] = recovering / statistics.median(steady)
+    return {**result, "ratio_vs_final_k_step": recovering / statistics.median(after), "gc_collect_ms": gc_ms}
 
 
 def _spread(s: dict[str, float]) -> str:
@@ -291,9 +276,8 @@ def _spread(s: dict[str, float]) -> str:
 
 
 def report(results: dict[str, Any]) -> None:
-    rows = [
-        "model|batch|plain ms|k=1 ms|k=1/plain median [min-max; IQR]|target|of min steps|of CPU time|k=1 extra ms|k=2/plain"
-    ]
+    header = "model|batch|plain ms|k=1 ms|k=1/plain median [min-max; IQR]|target|of min steps|of CPU time|k=1 extra ms|k=2/plain"
+    rows = [header.split("|")]
     for name, r in results["models"].items():
         o = r["overhead"]
         met = ("met" if o["target"]["met"] else "NOT met") if r["targeted"] else "(info)"
@@ -303,24 +287,22 @@ def report(results: dict[str, Any]) -> None:
         cells += [_spread(o["ratio_k1_summary"]), target, *(f"{m:.3f}" for m in medians)]
         extra, k2 = o["overhead_k1_ms_summary"]["median"], o["ratio_k2_summary"]["median"]
         rows.append([*cells, f"{extra:+.3f}", f"{k2:.3f}"])
-    common.print_table([rows[0].split("|"), *rows[1:]])
+    common.print_table(rows)
     print(
         "k=1/plain: median over repeats of the ratio of per-fit median step times; 'of min steps': of per-fit "
         "fastest steps; 'of CPU time': of per-fit median process CPU time per step (all medians over repeats)\n"
     )
     if results.get("ddp"):
-        rows = [
-            "DDP (2 processes, gloo)|batch per rank|plain DDP ms|DDP + OOMRecovery ms|ratio median [min-max; IQR]|target"
-        ]
+        header = "DDP (2 processes, gloo)|batch per rank|plain DDP ms|DDP + OOMRecovery ms|ratio median [min-max; IQR]|target"
+        rows = [header.split("|")]
         for d in results["ddp"].values():
             met, ms = "met" if d["target"]["met"] else "NOT met", d["step_ms"]
             rows.append([d["workload"], d["batch_size_per_rank"], f"{ms['plain']:.2f}", f"{ms['k=1']:.2f}"])
             rows[-1] += [_spread(d["ratio_k1_summary"]), f"<= {DDP_OVERHEAD_TARGET} {met}"]
-        common.print_table([rows[0].split("|"), *rows[1:]])
+        common.print_table(rows)
         print()
-    rows = [
-        "model|batch|limit (of k=1 peak)|status|retries|final k|steady ms|recovering ms|ratio|final-k step ms|ratio to it|gc.collect ms"
-    ]
+    header = "model|batch|limit (of k=1 peak)|status|retries|final k|steady ms|recovering ms|ratio|final-k step ms|ratio to it|gc.collect ms"
+    rows = [header.split("|")]
     notes = []
     for name, r in results["models"].items():
         c = r.get("recovery")
@@ -344,7 +326,7 @@ def report(results: dict[str, Any]) -> None:
                 f"{name}: at batch {other['batch_size']} the step peaks at {peak_1:.1f} MiB with k=1 and "
                 f"{peak_k:.1f} MiB with k={CALIBRATION_K}: {verdict}"
             )
-    common.print_table([rows[0].split("|"), *rows[1:]])
+    common.print_table(rows)
     for note in notes:
         print(note)
 
@@ -356,15 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process DDP overhead measurement")
     parser.add_argument("--ddp-only", action="store_true", help="only the 2-process DDP overhead measurement")
-    parser.add_argument(
-        "--ddp-workloads", default="mlp,squeezenet", help="comma-separated workloads of the DDP runs"
+    ddp = "comma-separated workloads of the DDP runs"
+    parser.add_argument("--ddp-workloads", default="mlp,squeezenet", help=ddp)
+    mlp_batch = (
+        "the MLP's batch in the recovery run (default 2048; at 256 parameters and optimizer state dominate)"
     )
-    parser.add_argument(
-        "--mlp-recovery-batch-size",
-        type=int,
-        default=2048,
-        help="the MLP's batch in the recovery run (default 2048; at 256 parameters and optimizer state dominate)",
-    )
+    parser.add_argument("--mlp-recovery-batch-size", type=int, default=2048, help=mlp_batch)
     args = parser.parse_args(argv)
     if args.mlp_recovery_batch_size < 2:
         parser.error(f"--mlp-recovery-batch-size must be >= 2, got {args.mlp_recovery_batch_size}")
