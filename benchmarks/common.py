@@ -190,6 +190,17 @@ def print_table(rows: Sequence[Sequence[Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def markdown_row(*cells: Any) -> None:
+    """One row of a markdown table, printed at once (rows of a long run appear as they are measured)."""
+    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+def markdown_header(header: str) -> None:
+    """A markdown table's header (``"a|b|c"``) and its rule."""
+    markdown_row(*header.split("|"))
+    print("|---" * (header.count("|") + 1) + "|")
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a positive int."""
     value = int(text)

@@ -21,7 +21,7 @@ import common
 import lightning.pytorch as pl
 import torch
 import torchvision
-from common import QUIET, Classifier, figure, spread
+from common import Classifier, figure, spread
 from torch import nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
@@ -103,9 +103,8 @@ class Throughput(pl.Callback):
             torch.cuda.synchronize(trainer.strategy.root_device)
         return time.perf_counter()
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        batch = args[2]
         self.samples += len(batch[1]) if self.start is not None else 0
         self.start = self.start or self._now(trainer)
 
@@ -136,20 +135,18 @@ def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: st
     pl.seed_everything(0, verbose=False)
     data = ImageData(dataset, batch_size=batch_size, **config.loader)
     monitor, throughput = DataStallMonitor(window=10_000), Throughput()  # window: never warn mid-benchmark
-    run = dict(accelerator=device, max_epochs=1, precision="32-true")
-    trainer = pl.Trainer(callbacks=[monitor, throughput], **run, **QUIET)
+    trainer = common.trainer(
+        -1, [monitor, throughput], device, max_epochs=1, precision="32-true"
+    )  # one epoch
     trainer.fit(Classifier(lambda: _network(standin_ms), lr=0.05), datamodule=data)
-    epoch = monitor.history[0]
-    return {
-        "samples_per_s": throughput.samples / (throughput.end - throughput.start),
-        "wait_fraction": epoch.fraction,
-        "steps_measured": epoch.steps,
-        "wait_ms_per_step": 1e3 * epoch.wait_s / max(1, epoch.steps),
-        "compute_ms_per_step": 1e3 * epoch.compute_s / max(1, epoch.steps),
-        "num_workers": data.resolved_num_workers(),
-        "pin_memory": data.resolved_pin_memory(),
-        "device_prefetch": data.resolved_device_prefetch(),
-    }
+    epoch, steps = monitor.history[0], max(1, monitor.history[0].steps)
+    result = {"samples_per_s": throughput.samples / (throughput.end - throughput.start)}
+    result.update(wait_fraction=epoch.fraction, steps_measured=epoch.steps)
+    result.update(
+        wait_ms_per_step=1e3 * epoch.wait_s / steps, compute_ms_per_step=1e3 * epoch.compute_s / steps
+    )
+    result.update(num_workers=data.resolved_num_workers(), pin_memory=data.resolved_pin_memory())
+    return {**result, "device_prefetch": data.resolved_device_prefetch()}
 
 
 def measure(device: str, repeats: int, steps: int, batch_size: int, standin_ms: float = 0.0) -> dict:
@@ -182,59 +179,47 @@ def gpu_section(sizes: dict[str, Any]) -> dict[str, Any]:
 
     on_cuda = device.current().kind == "cuda"
     runs = measure("cuda" if on_cuda else "cpu", sizes["repeats"], sizes["steps"], sizes["batch"])
-    figures = [
-        figure(f"data pipeline, {name}: samples/s", r["samples_per_s"]["median"], "samples/s")
-        for name, r in runs.items()
-    ]
+    skipped, rate = {}, {name: r["samples_per_s"]["median"] for name, r in runs.items()}
+    figures = [figure(f"data pipeline, {name}: samples/s", x, "samples/s") for name, x in rate.items()]
     speedup = runs["defaults"]["speedup_vs_naive"]["median"]
     met = speedup > 1 if on_cuda else None
     figures.append(figure("data pipeline: defaults over naive settings", speedup, "x", "> 1", met))
-    skipped, rate = {}, {name: r["samples_per_s"]["median"] for name, r in runs.items()}
     if "defaults, no device prefetch" in runs:
         gain = rate["defaults"] / rate["defaults, no device prefetch"]
         what = "data pipeline: device prefetch gain (defaults over defaults without it)"
         figures.append(figure(what, gain, "x", "reported"))
     else:
-        skipped["device prefetch"] = (
-            "device prefetch copies on a CUDA side stream; a CPU run has no device copy"
-        )
+        why = "device prefetch copies on a CUDA side stream; a CPU run has no device copy"
+        skipped["device prefetch"] = why
     for r in runs.values():
         r.pop("fits", None)
     return {"figures": figures, "details": runs, "skipped": skipped}
 
 
+def _span(s: dict[str, float], fmt: str, unit: str = "") -> str:
+    return f"{s['median']:{fmt}}{unit} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
 def report(results: dict[str, Any]) -> None:
-    header = (
-        "model|configuration|workers|pinned|dev. prefetch|samples/s (median, min-max)|data-wait fraction "
-    )
-    header += "(median, min-max)|wait / compute ms per step|speed-up vs naive (median, min-max)"
+    header = "model|configuration|workers|pinned|dev. prefetch|samples/s (median, min-max)|data-wait fraction (median, min-max)|wait / compute ms per step|speed-up vs naive (median, min-max)"
     rows = [header.split("|")]
     for model, configurations in results["models"].items():
         for name, r in configurations.items():
             s, w, x, settings = r["samples_per_s"], r["wait_fraction"], r["speedup_vs_naive"], r["settings"]
             loader = (settings["num_workers"], settings["pin_memory"], settings["device_prefetch"])
-            rows.append(
-                [
-                    *(model, name, *loader),
-                    f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
-                    f"{w['median']:.0%} ({w['min']:.0%}-{w['max']:.0%})",
-                    f"{r['wait_ms_per_step']['median']:.0f} / {r['compute_ms_per_step']['median']:.0f}",
-                    f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})",
-                ]
-            )
+            ms = f"{r['wait_ms_per_step']['median']:.0f} / {r['compute_ms_per_step']['median']:.0f}"
+            cells = [_span(s, ".1f"), _span(w, ".0%"), ms, _span(x, ".2f", "x")]
+            rows.append([model, name, *loader, *cells])
     common.print_table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = common.arguments(__doc__, "data_pipeline.json", quick="smoke mode: one repeat of a few steps")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
-    parser.add_argument(
-        "--repeats", type=common.positive_int, help="interleaved repeats (default 5; --quick: 1)"
-    )
+    repeats = "interleaved repeats (default 5; --quick: 1)"
+    parser.add_argument("--repeats", type=common.positive_int, help=repeats)
     parser.add_argument("--steps", type=common.positive_int, help="steps per fit (default 30; --quick: 8)")
-    parser.add_argument(
-        "--batch-size", type=common.positive_int, default=32, help="samples per step (default 32)"
-    )
+    parser.add_argument("--batch-size", type=common.positive_int, default=32, help="samples per step")
     standin = "device time per step of the stand-in model (CPU runs)"
     parser.add_argument("--standin-ms", type=float, default=60.0, help=standin)
     args = parser.parse_args(argv)
@@ -260,12 +245,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{model}:", flush=True)
         results["models"][model] = measure(args.device, repeats, steps, args.batch_size, standin_ms)
     metric = "samples/s with the defaults over naive settings (median of per-repeat ratios)"
-    results["targets"] = [
-        dict(model=model, metric=metric, threshold="> 1.0", value=x, met=x > 1.0)
-        for model, x in (
-            (m, r["defaults"]["speedup_vs_naive"]["median"]) for m, r in results["models"].items()
-        )
-    ]
+    speedups = {model: r["defaults"]["speedup_vs_naive"]["median"] for model, r in results["models"].items()}
+    target = dict(metric=metric, threshold="> 1.0")
+    results["targets"] = [dict(model=model, **target, value=x, met=x > 1.0) for model, x in speedups.items()]
     print()
     report(results)
     common.write_json(args.out, "data_pipeline.json", results, started)

@@ -148,16 +148,14 @@ def fit(
     window = Window(warmup, sync=device == "cuda")
     switch = config.switch() if config.switch else None
     callbacks = [window] + ([switch] if switch else [])
-    kwargs = {**common.QUIET, **config.trainer_kwargs(device)}
-    trainer = pl.Trainer(max_steps=warmup + steps, accelerator=device, callbacks=callbacks, **kwargs)
+    trainer = common.trainer(warmup + steps, callbacks, device, **config.trainer_kwargs(device))
     explicit = device == "cuda" and config.explicit_fp32_math
     with tf32(config.tf32) if explicit else contextlib.nullcontext():
         trainer.fit(workload.module(), DataLoader(Batches(batches, warmup + steps), batch_size=None))
     losses = [float(v) for v in window.losses]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale = float(scaler.get_scale()) if scaler is not None else None
-    tail = losses[-LOSS_TAIL:]
-    compared = losses[loss_at - LOSS_TAIL : loss_at]
+    tail, compared = losses[-LOSS_TAIL:], losses[loss_at - LOSS_TAIL : loss_at]
     return {
         "samples_per_s": workload.batch_size / window.step_seconds(1 if device == "cpu" else 0),
         "wall_samples_per_s": workload.batch_size / window.step_seconds(0),
@@ -220,14 +218,13 @@ def print_report(results: dict[str, Any]) -> None:
             f"\n{name}: {r['description']}, batch {r['batch_size']}, {r['timed_steps']} timed steps, "
             f"{results['repeats']} repeats; samples/s from {clock}"
         )
-        print(f"  {'configuration':<18}{'samples/s':>12}{'spread (min-max)':>22}{'final loss':>12}  stable")
+        rows = [["configuration", "samples/s", "spread (min-max)", "final loss", "stable"]]
         for config, v in r["configs"].items():
-            s = v["samples_per_s_summary"]
-            label = config if config != "auto" else f"auto ({v['precision']})"
-            print(
-                f"  {label:<18}{v['samples_per_s']:>12.1f}{s['min']:>11.1f} - {s['max']:<9.1f}"
-                f"{v['final_loss']:>12.4f}  {'yes' if v['stable'] else 'NO'}"
-            )
+            s, label = v["samples_per_s_summary"], config if config != "auto" else f"auto ({v['precision']})"
+            spread = f"{s['min']:.1f} - {s['max']:.1f}"
+            rate, stable = f"{v['samples_per_s']:.1f}", "yes" if v["stable"] else "NO"
+            rows.append([label, rate, spread, f"{v['final_loss']:.4f}", stable])
+        common.print_table(rows)
         for config, o in r["overhead"].items():
             print(
                 f"  {config} / plain: step-time ratio {o['ratio']:.3f} (IQR {o['ratio_summary']['q1']:.3f}-"
@@ -270,8 +267,8 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
 def main(argv: list[str] | None = None) -> int:
     quick = "smoke mode, few repeats and steps (CI, about a minute)"
     parser = common.arguments(__doc__, "precision.json", quick=quick)
-    repeats_help = "interleaved repeats (default 7; 2 with --quick)"
-    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
+    repeats = "interleaved repeats (default 7; 2 with --quick)"
+    parser.add_argument("--repeats", type=common.positive_int, help=repeats)
     where = "where to run (auto: CUDA when available)"
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=where)
     threads = (
@@ -288,8 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     common.quiet()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    results = run(cpu_workloads(), args.device, repeats, warmup, steps)
-    results["quick"] = args.quick
+    results = {**run(cpu_workloads(), args.device, repeats, warmup, steps), "quick": args.quick}
     print_report(results)
     common.write_json(args.out, "precision.json", results)
     return 0

@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "memory"))  # the models of the accuracy tests
 
-from common import arguments, write_json  # noqa: E402
+from common import arguments, markdown_header, markdown_row, write_json  # noqa: E402
 from predict_models import MODELS, OPTIMIZERS  # noqa: E402
 
 from lightning_gpuopt.memory import predict_peak, predict_peak_line  # noqa: E402
@@ -71,26 +71,15 @@ def accuracy() -> list[dict]:
                 start = time.perf_counter()
                 p = predict_peak(model, make_batch(n), OPTIMIZERS["adamw"], step=step, precision=precision)
                 seconds = time.perf_counter() - start
-                row = {
-                    "model": name,
-                    "precision": precision,
-                    "batch": n,
-                    "measured_allocator": truth,
-                    "measured_outputs": outputs,
-                    "predicted": p.peak_bytes,
-                    "error_allocator": p.peak_bytes / truth - 1,
-                    "error_outputs": p.peak_bytes / outputs - 1,
-                    "phase": f"{p.phase} of step {p.step}",
-                    "seconds": seconds,
-                    "kernel_scratch_bytes": p.categories.get("kernel scratch", 0),
-                }
+                row = dict(model=name, precision=precision, batch=n, measured_allocator=truth)
+                row.update(measured_outputs=outputs, predicted=p.peak_bytes)
+                row.update(error_allocator=p.peak_bytes / truth - 1, error_outputs=p.peak_bytes / outputs - 1)
+                row["phase"] = f"{p.phase} of step {p.step}"
+                row.update(seconds=seconds, kernel_scratch_bytes=p.categories.get("kernel scratch", 0))
                 rows.append(row)
-                print(
-                    f"| {name} | {precision} | {n} | {truth / 2**20:.1f} | {outputs / 2**20:.1f} | "
-                    f"{p.peak_bytes / 2**20:.1f} | {row['error_allocator']:+.1%} | {row['error_outputs']:+.1%} | "
-                    f"{row['phase']} | {seconds:.1f} |",
-                    flush=True,
-                )
+                mib = (f"{b / 2**20:.1f}" for b in (truth, outputs, p.peak_bytes))
+                errors = f"{row['error_allocator']:+.1%}", f"{row['error_outputs']:+.1%}"
+                markdown_row(name, precision, n, *mib, *errors, row["phase"], f"{seconds:.1f}")
     return rows
 
 
@@ -101,29 +90,17 @@ def size_error(names=("mlp", "resnet18", "gpt2"), small: int = 16, large: int = 
         true = {n: measured(name, n, "32-true", "allocator") for n in (small, large)}
         model, make_batch, step = MODELS[name]()
         line = predict_peak_line(model, make_batch, (small, large), optimizer=OPTIMIZERS["adamw"], step=step)
-        slope = (true[large] - true[small]) / (large - small)
-        fixed = true[large] - slope * large
-        budget = true[large]
-        alone = line.largest_fitting(budget)
-        shift = true[small] - line.peak(small)  # one real step at `small` samples, measured
-        calibrated = (
-            int((budget - line.fixed_bytes - shift) // line.per_sample_bytes) if line.per_sample_bytes else 0
-        )
-        row = {
-            "model": name,
-            "fixed_share": fixed / budget,
-            "peak_error": line.peak(large) / budget - 1,
-            "slope_error": line.per_sample_bytes / slope - 1,
-            "size_alone": alone,
-            "size_calibrated": calibrated,
-            "size_true": large,
-        }
+        budget, slope = true[large], (true[large] - true[small]) / (large - small)
+        alone, shift = line.largest_fitting(budget), true[small] - line.peak(small)  # one real step at small
+        per_sample = line.per_sample_bytes
+        calibrated = int((budget - line.fixed_bytes - shift) // per_sample) if per_sample else 0
+        row = dict(model=name, fixed_share=(budget - slope * large) / budget)
+        row.update(peak_error=line.peak(large) / budget - 1, slope_error=per_sample / slope - 1)
+        row.update(size_alone=alone, size_calibrated=calibrated, size_true=large)
         rows.append(row)
-        print(
-            f"| {name} | {row['fixed_share']:.0%} | {row['peak_error']:+.1%} | {row['slope_error']:+.1%} | "
-            f"{alone} ({alone / large - 1:+.0%}) | {calibrated} ({calibrated / large - 1:+.0%}) | {large} |",
-            flush=True,
-        )
+        errors = f"{row['fixed_share']:.0%}", f"{row['peak_error']:+.1%}", f"{row['slope_error']:+.1%}"
+        sizes = (f"{size} ({size / large - 1:+.0%})" for size in (alone, calibrated))
+        markdown_row(name, *errors, *sizes, large)
     return rows
 
 
@@ -134,11 +111,13 @@ def scale() -> dict:
         "from transformers import LlamaForCausalLM; "
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     )
-    base = int(
-        subprocess.run(
-            [sys.executable, "-c", imports], env=env, cwd=REPO, capture_output=True, text=True
+
+    def run(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", *args], env=env, cwd=REPO, capture_output=True, text=True
         ).stdout
-    )
+
+    base = int(run(imports))
     code = (
         "import resource, sys, time; t = time.perf_counter(); from lightning_gpuopt.cli import main\n"
         "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
@@ -146,23 +125,20 @@ def scale() -> dict:
     )
     args = ["plan", "--config", "examples/configs/llama7b_plan.yaml", "--trainer.devices", "8"]
     args += ["--gpuopt.device_memory", "80GB"]
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, cwd=REPO, capture_output=True, text=True
-    )
-    out = proc.stdout
+    out = run(code, *args)
     wall = float(out.split("WALL ")[1].split()[0])
     rss = int(out.split("RSS ")[1].split()[0])
     print(out[out.find("gpuopt plan:") : out.find("WALL")])
-    result = {
+    rss_mib, base_mib = rss / 1024, base / 1024
+    print(
+        f"7B plan: {wall:.1f} s (including the imports), peak RSS {rss_mib:.0f} MiB, imports alone {base_mib:.0f} MiB"
+    )
+    return {
         "wall_seconds": wall,
         "rss_kib": rss,
         "imports_rss_kib": base,
-        "rss_above_imports_mib": (rss - base) / 1024,
+        "rss_above_imports_mib": rss_mib - base_mib,
     }
-    print(
-        f"7B plan: {wall:.1f} s (including the imports), peak RSS {rss / 1024:.0f} MiB, imports alone {base / 1024:.0f} MiB"
-    )
-    return result
 
 
 def main() -> None:
@@ -171,18 +147,17 @@ def main() -> None:
     parser.add_argument("--size-error-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    header = "| model | fixed share of the peak | peak error | slope error | size, prediction alone | size, calibrated by one step | true size |"
+    header = "model|fixed share of the peak|peak error|slope error|size, prediction alone|size, calibrated by one step|true size"
     if args.size_error_only:
-        print(header + "\n|---|---|---|---|---|---|---|")
+        markdown_header(header)
         write_json(args.out, "predict_peak_size_error.json", size_error())
         return
-    print(
-        "| model | precision | batch | allocator MiB | operator outputs MiB | predicted MiB | vs allocator | vs outputs | peak at | predict s |"
+    markdown_header(
+        "model|precision|batch|allocator MiB|operator outputs MiB|predicted MiB|vs allocator|vs outputs|peak at|predict s"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
     result = {"torch": torch.__version__, "machine": platform.platform(), "threads": torch.get_num_threads()}
     result["accuracy"] = accuracy()
-    print(header + "\n|---|---|---|---|---|---|---|")
+    markdown_header(header)
     result["size_error"] = size_error()
     if not args.skip_scale:
         result["scale"] = scale()
