@@ -15,9 +15,10 @@ import logging
 import statistics
 import sys
 
+import common
 import lightning.pytorch as pl
 import torch
-from common import QUIET, StepClock, arguments, write_json
+from common import StepClock, arguments, patched, write_json
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import OOMRecovery
@@ -65,9 +66,8 @@ def _model(kind: str, width: int, layers: int, vocab: int, length: int) -> torch
         config = dict(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=4)
         return tf.GPT2LMHeadModel(tf.GPT2Config(**config))
     config = dict(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4)
-    return tf.BertForMaskedLM(
-        tf.BertConfig(**config, intermediate_size=4 * width, max_position_embeddings=length)
-    )
+    config.update(intermediate_size=4 * width, max_position_embeddings=length)
+    return tf.BertForMaskedLM(tf.BertConfig(**config))
 
 
 def measure(kind: str, device: str, quick: bool) -> dict:
@@ -87,25 +87,16 @@ def measure(kind: str, device: str, quick: bool) -> dict:
         finally:
             check_times.append(now() - start)
 
-    lw.LossWeighting._decide = timed
-    try:
-        oom = OOMRecovery(verbose=False)
-        oom.load_state_dict({"k": 2})
-        timer = StepClock(sync)
-        trainer = pl.Trainer(accelerator=device, max_steps=steps, callbacks=[oom, timer], **QUIET)
-        data = Padded(batch * steps, length, vocab, masked=kind != "gpt2-causal-lm")
+    oom, timer = OOMRecovery(verbose=False), StepClock(sync)
+    oom.load_state_dict({"k": 2})
+    data = Padded(batch * steps, length, vocab, masked=kind != "gpt2-causal-lm")
+    with patched((lw.LossWeighting, "_decide", timed)):
+        trainer = common.trainer(steps, [oom, timer], device)
         trainer.fit(Module(_model(kind, width, layers, vocab, length)), DataLoader(data, batch_size=batch))
-    finally:
-        lw.LossWeighting._decide = decide
-    step = statistics.median(timer.durations(0 if sync else 1)[1:])
+    step, check = statistics.median(timer.durations(0 if sync else 1)[1:]), check_times[0]
     result = dict(workload=kind, batch=batch, k=2, weighting=oom.loss_weighting.decided.description)
-    check = check_times[0]
-    return {
-        **result,
-        "check_ms": 1e3 * check,
-        "step_ms": 1e3 * step,
-        "check_percent_of_step": 100 * check / step,
-    }
+    result.update(check_ms=1e3 * check, step_ms=1e3 * step)
+    return {**result, "check_percent_of_step": 100 * check / step}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(1)
     rows = [measure(kind, args.device, args.quick) for kind in ("gpt2-causal-lm", "bert-masked-lm")]
-    print(f"{'workload':<16} {'weighting':<42} {'check ms':>9} {'step ms':>9} {'% of step':>10}")
+    table = [["workload", "weighting", "check ms", "step ms", "% of step"]]
     for r in rows:
-        print(
-            f"{r['workload']:<16} {r['weighting']:<42} {r['check_ms']:>9.1f} {r['step_ms']:>9.1f} "
-            f"{r['check_percent_of_step']:>9.1f}%"
-        )
+        figures = (f"{r['check_ms']:.1f}", f"{r['step_ms']:.1f}", f"{r['check_percent_of_step']:.1f}%")
+        table.append([r["workload"], r["weighting"], *figures])
+    common.print_table(table)
     meta = {"torch": torch.__version__, "device": args.device, "quick": args.quick}
     write_json(args.out, "loss_weighting.json", {"meta": meta, "rows": rows})
     return 0

@@ -14,9 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import lightning.pytorch as pl
 import torch
-from common import QUIET, StepClock, arguments, positive_int, write_json
+from common import StepClock, arguments, markdown_header, markdown_row, positive_int, write_json
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -51,10 +52,8 @@ class MLP(pl.LightningModule):
 def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=None):
     pl.seed_everything(0, verbose=False)
     clock = StepClock()
-    callbacks = [clock] + ([ExactResume()] if exact else [])
-    trainer = pl.Trainer(
-        accelerator=args.device, max_steps=steps, callbacks=callbacks, default_root_dir=root, **QUIET
-    )
+    callbacks = [clock, ExactResume()] if exact else [clock]
+    trainer = common.trainer(steps, callbacks, args.device, default_root_dir=root)
     loader = dict(batch_size=args.batch_size, num_workers=0, resumable=resumable)
     data = Data(args.dim, args.batch_size * (steps + 5), **loader)
     t0 = time.perf_counter()
@@ -85,29 +84,20 @@ def main() -> None:
     )
     resume = max(0.0, resumed_first - fresh_first)
     params = sum(p.numel() for p in MLP(args.dim, args.hidden).parameters())
-    result = {
-        "device": args.device,
-        "parameters": params,
-        "checkpoint_bytes": path.stat().st_size,
-        "step_s": plain_step,
-        "checkpoint_s": save,
-        "resume_s": resume,
-        "checkpoint_steps": save / plain_step,
-        "resume_steps": resume / plain_step,
-        "resumable_loader_overhead": resumable_step / plain_step - 1,
-        "exact_resume_overhead": exact_step / plain_step - 1,
-    }
-    print(f"| {params / 1e6:.1f} M parameters, AdamW, {args.device} | value |")
-    print("|---|---|")
-    print(f"| checkpoint file | {result['checkpoint_bytes'] / 2**20:.1f} MiB |")
-    print(f"| one training step (batch {args.batch_size}) | {plain_step * 1e3:.1f} ms |")
-    print(
-        f"| checkpoint (`save_checkpoint`) | {save * 1e3:.1f} ms = {result['checkpoint_steps']:.1f} steps |"
+    result = {"device": args.device, "parameters": params, "checkpoint_bytes": path.stat().st_size}
+    result.update(step_s=plain_step, checkpoint_s=save, resume_s=resume, checkpoint_steps=save / plain_step)
+    result.update(resume_steps=resume / plain_step, resumable_loader_overhead=resumable_step / plain_step - 1)
+    result["exact_resume_overhead"] = exact_step / plain_step - 1
+    markdown_header(f"{params / 1e6:.1f} M parameters, AdamW, {args.device}|value")
+    markdown_row("checkpoint file", f"{result['checkpoint_bytes'] / 2**20:.1f} MiB")
+    markdown_row(f"one training step (batch {args.batch_size})", f"{plain_step * 1e3:.1f} ms")
+    markdown_row(
+        "checkpoint (`save_checkpoint`)", f"{save * 1e3:.1f} ms = {result['checkpoint_steps']:.1f} steps"
     )
     steps = result["resume_steps"]
-    print(f"| resume (extra time to the first step) | {resume * 1e3:.1f} ms = {steps:.1f} steps |")
-    print(f"| step time, resumable loader vs plain | {result['resumable_loader_overhead']:+.1%} |")
-    print(f"| step time, + ExactResume | {result['exact_resume_overhead']:+.1%} |")
+    markdown_row("resume (extra time to the first step)", f"{resume * 1e3:.1f} ms = {steps:.1f} steps")
+    markdown_row("step time, resumable loader vs plain", f"{result['resumable_loader_overhead']:+.1%}")
+    markdown_row("step time, + ExactResume", f"{result['exact_resume_overhead']:+.1%}")
     write_json(args.out, "resume.json", result)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torchvision
-from common import arguments, positive_int, spread, write_json
+from common import arguments, positive_int, print_table, spread, write_json
 from torch import nn
 
 from lightning_gpuopt.memory._native import native_status
@@ -35,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per block")
     parser.add_argument("--backends", default="allocator,dispatch", help="comma-separated backends to time")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
-    parser.add_argument(
-        "--check", action="store_true", help=f"exit 1 if the allocator's median ratio > {TARGET}"
-    )
+    check = f"exit 1 if the allocator's median ratio > {TARGET}"
+    parser.add_argument("--check", action="store_true", help=check)
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in ("allocator", "dispatch")]
@@ -64,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def block(name: str) -> float:
         backend = name.split(":", 1)[1] if name.startswith("simulated:") else None
-        ctx = SimulatedMemory(backend=backend) if backend else contextlib.nullcontext()
-        with ctx as mem:
+        with SimulatedMemory(backend=backend) if backend else contextlib.nullcontext() as mem:
             step()  # untimed: counts what existed before entering, settles caches
             if mem is not None:
                 mem.reset_peak()
@@ -91,34 +89,26 @@ def main(argv: list[str] | None = None) -> int:
             samples[name].append(times[name])
     elapsed = time.perf_counter() - started
 
-    rows = []
+    rows, table = [], [["config", "step ms", "ratio", "min", "max", "IQR", "peak MiB"]]
     for name in configs:
         ratios = spread([t / p for t, p in zip(samples[name], samples["plain"])])
         row = {"config": name, "step_ms_median": 1e3 * statistics.median(samples[name])}
         row.update({f"ratio_{key}": ratios[key] for key in ("median", "min", "max", "q1", "q3")})
         rows.append({**row, "peak_bytes": peaks.get(name), "step_ms": [1e3 * t for t in samples[name]]})
-
+        peak = f"{peaks[name] / 2**20:.1f}" if peaks.get(name) else "-"
+        figures = [f"{ratios[key]:.3f}" for key in ("median", "min", "max")]
+        iqr = f"{ratios['q1']:.3f}-{ratios['q3']:.3f}"
+        table.append([name, f"{row['step_ms_median']:.1f}", *figures, iqr, peak])
     print(
         f"ResNet-18, 32x32, batch {args.batch_size}, Adam; {args.repeats} interleaved repeats x {args.steps} steps; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    header = f"{'config':<22}{'step ms':>9}{'ratio':>8}{'min':>8}{'max':>8}{'IQR':>16}{'peak MiB':>10}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        peak = f"{row['peak_bytes'] / 2**20:.1f}" if row["peak_bytes"] else "-"
-        iqr = f"{row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}"
-        print(
-            f"{row['config']:<22}{row['step_ms_median']:>9.1f}{row['ratio_median']:>8.3f}{row['ratio_min']:>8.3f}"
-            f"{row['ratio_max']:>8.3f}{iqr:>16}{peak:>10}"
-        )
+    print_table(table)
     allocator = next((r for r in rows if r["config"] == "simulated:allocator"), None)
     verdict = None if allocator is None else allocator["ratio_median"] <= TARGET
     if allocator is not None:
-        ratio = allocator["ratio_median"]
-        print(
-            f"allocator backend: median ratio {ratio:.3f} (target <= {TARGET}): {'ok' if verdict else 'OVER'}"
-        )
+        ratio, ok = allocator["ratio_median"], "ok" if verdict else "OVER"
+        print(f"allocator backend: median ratio {ratio:.3f} (target <= {TARGET}): {ok}")
 
     result = {
         "benchmark": "simulated_memory_overhead",
