@@ -174,46 +174,30 @@ def run(workload: Workload, batches: list, schedule: Schedule, fraction, precisi
         error = f"{type(err).__name__}: {err}"
     ms, split = [1e3 * s for s in record.seconds], schedule.split_at
     completed = error is None and len(ms) == schedule.steps
-    result: dict[str, Any] = {
-        "status": "ran" if completed else "failed",
-        "error": error,
-        "step_ms": ms,
-        "k_per_batch": record.ks,
-        "failures": len(recovery.failures),
-        "failure_batches": [f.batch_idx for f in recovery.failures],
-        "final_k": recovery.k,
-        "limit_bytes": limit[0].limit_bytes if limit else None,
-        "compilations_per_batch": compiles.per_batch,
-        # What the pack itself counted (its decisions, read from dynamo's counters), beside dynamo's records above.
-        "pack_recompilations": sum(int(d.data.get("frames", 1)) for d in recompiled),
-        "pack_decisions": [f"batch {d.step}: {d.message}" for d in recompiled],
-        "wall_s": time.perf_counter() - started,
-    }
+    failures = recovery.failures
+    result: dict[str, Any] = {"status": "ran" if completed else "failed", "error": error, "step_ms": ms}
+    result.update(k_per_batch=record.ks, failures=len(failures))
+    result["failure_batches"] = [f.batch_idx for f in failures]
+    result.update(final_k=recovery.k, limit_bytes=limit[0].limit_bytes if limit else None)
+    result["compilations_per_batch"] = compiles.per_batch
+    # What the pack itself counted (its decisions, read from dynamo's counters), beside dynamo's records above.
+    result["pack_recompilations"] = sum(int(d.data.get("frames", 1)) for d in recompiled)
+    result["pack_decisions"] = [f"batch {d.step}: {d.message}" for d in recompiled]
+    result["wall_s"] = time.perf_counter() - started
     if not completed:
         return result
-    result.update(
-        first_ms=ms[0],
-        steady_ms=statistics.median(ms[schedule.warmup : split]),
-        split_ms=ms[split],
-        after_ms=statistics.median(ms[split + 1 :]),
-        split_happened=bool(recovery.failures) and recovery.failures[0].batch_idx == split and recovery.k > 1,
-        splits=sum(f.batch_idx == split for f in recovery.failures),
-    )
-    phases = {
-        "first batch": compiles.per_batch[:1],
-        "warm-up after the first": compiles.per_batch[1 : schedule.warmup],
-        "steady": compiles.per_batch[schedule.warmup : split],
-        "split batch": compiles.per_batch[split : split + 1],
-        "after the split": compiles.per_batch[split + 1 :],
-    }
-    result["compilations"] = {
-        phase: {
-            # One frame compilation, whatever records dynamo keeps of it (forward, backward, aot): its compile id.
-            "frames": len({c["compile_id"] for batch in records for c in batch}),
-            "seconds": sum(c["seconds"] or 0.0 for batch in records for c in batch),
-        }
-        for phase, records in phases.items()
-    }
+    steady, after = statistics.median(ms[schedule.warmup : split]), statistics.median(ms[split + 1 :])
+    result.update(first_ms=ms[0], steady_ms=steady, split_ms=ms[split], after_ms=after)
+    result["split_happened"] = bool(failures) and failures[0].batch_idx == split and recovery.k > 1
+    result["splits"] = sum(f.batch_idx == split for f in failures)
+    per_batch, warmup = compiles.per_batch, schedule.warmup
+    phases = {"first batch": per_batch[:1], "warm-up after the first": per_batch[1:warmup]}
+    phases.update({"steady": per_batch[warmup:split], "split batch": per_batch[split : split + 1]})
+    phases["after the split"] = per_batch[split + 1 :]
+    # One frame compilation, whatever records dynamo keeps of it (forward, backward, aot): its compile id.
+    frames = lambda records: len({c["compile_id"] for batch in records for c in batch})  # noqa: E731
+    seconds = lambda records: sum(c["seconds"] or 0.0 for batch in records for c in batch)  # noqa: E731
+    result["compilations"] = {p: {"frames": frames(r), "seconds": seconds(r)} for p, r in phases.items()}
     return result
 
 
@@ -221,9 +205,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def measure(
-    workload: Workload, forms: list[str], backend: str, repeats: int, schedule: Schedule, precision: str
-):
+def measure(workload: Workload, forms: list, backend: str, repeats: int, schedule: Schedule, precision: str):
     """Eager and compiled fits of one workload, interleaved over repeats; ratios per repeat, medians over them."""
     started, batches = time.perf_counter(), workload.batches()
     calibration = calibrate(workload, batches, precision)
@@ -339,10 +321,8 @@ def report(results: dict[str, Any]) -> None:
         f"torch.compile ({results['backend']}) with OOMRecovery on {results['device']}, torch {results['torch']}, "
         f"Lightning {results['lightning']}; {results['repeats']} repeat(s), median [min-max]"
     )
-    rows = [
-        "model|form|eager k=1 ms|compiled/eager k=1|eager after split ms|compiled/eager after split|k|first compile s|"
-        "recompiles (split)|pack counted|s per recompile|split extra s (timing)".split("|")
-    ]
+    header = "model|form|eager k=1 ms|compiled/eager k=1|eager after split ms|compiled/eager after split|k|first compile s|recompiles (split)|pack counted|s per recompile|split extra s (timing)"
+    rows = [header.split("|")]
     notes: dict[str, list[str]] = {}
     messages = []
     for name, w in results["models"].items():
@@ -356,17 +336,12 @@ def report(results: dict[str, Any]) -> None:
                 rows.append([name, form, f["status"], *["-"] * 9])
                 continue
             r, ms = f["recompilations"], f["step_ms"]
-            rows.append(
-                [
-                    *(name, form, f"{ms['eager_k1']:.1f}", _spread(f["ratio_k1"])),
-                    *(f"{ms['eager_after_split']:.1f}", _spread(f["ratio_after_split"])),
-                    _slash(sorted(set(f["final_k"]["compiled"]))),
-                    _spread(f["first_compile_s"]["dynamo"]),
-                    _slash(a + b for a, b in zip(r["at_split"], r["after_split"])),
-                    _slash(r["counted_by_the_pack"]),
-                    *(_spread(r["seconds_per_recompilation"]), _spread(r["split_batch_by_timing_s"])),
-                ]
-            )
+            cells = [name, form, f"{ms['eager_k1']:.1f}", _spread(f["ratio_k1"])]
+            cells += [f"{ms['eager_after_split']:.1f}", _spread(f["ratio_after_split"])]
+            split = _slash(a + b for a, b in zip(r["at_split"], r["after_split"]))
+            cells += [_slash(sorted(set(f["final_k"]["compiled"]))), _spread(f["first_compile_s"]["dynamo"])]
+            cells += [split, _slash(r["counted_by_the_pack"]), _spread(r["seconds_per_recompilation"])]
+            rows.append([*cells, _spread(r["split_batch_by_timing_s"])])
             if not f["split_happened"]:
                 messages.append(f"{name}, {form}: {NO_SPLIT}")
             elif any(r["steady_before_split"]):
@@ -386,9 +361,8 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
     quiet()
     name, schedule = sizes["model"], Schedule(**sizes["schedule"])
     workload = (cnn_workload if name == "cnn" else lm_workload)(**sizes[name])
-    result = measure(
-        workload, sizes["forms"], sizes["backend"], sizes["repeats"], schedule, sizes["precision"]
-    )
+    forms, backend = sizes["forms"], sizes["backend"]
+    result = measure(workload, forms, backend, sizes["repeats"], schedule, sizes["precision"])
     figures, skipped = [], {}
     for form, f in result["forms"].items():
         label = f"{name}, {FORM_NAMES[form]} ({sizes['backend']})"
@@ -396,9 +370,8 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
             skipped[label] = f"{f['status']}: {f['reason']}"
             continue
         if f["status"] != "ran":
-            figures.append(
-                figure(f"{label}: eager and compiled fits", _slash(f["errors"]), "", "both run", False)
-            )
+            what = f"{label}: eager and compiled fits"
+            figures.append(figure(what, _slash(f["errors"]), "", "both run", False))
             continue
         r = f["recompilations"]
         per_split, by_timing = r["per_split_median"], r["split_batch_by_timing_s_median"]
@@ -433,14 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     on_cuda = torch.cuda.is_available()
     what = "cpu (SimulatedMemory forces the OOM) or cuda (a real OOM)"
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if on_cuda else "cpu", help=what)
-    parser.add_argument(
-        "--backend", help="torch.compile backend: aot_eager (default on a CPU), inductor (CUDA)"
-    )
+    backend_help = "torch.compile backend: aot_eager (default on a CPU), inductor (CUDA)"
+    parser.add_argument("--backend", help=backend_help)
     parser.add_argument("--models", default="cnn,transformer", help="comma-separated: cnn, transformer")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated: {', '.join(FORMS)}")
-    parser.add_argument(
-        "--repeats", type=common.positive_int, help="interleaved repeats (default 3; --quick: 1)"
-    )
+    repeats_help = "interleaved repeats (default 3; --quick: 1)"
+    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
     args = parser.parse_args(argv)
     models, forms = ([x.strip() for x in text.split(",") if x.strip()] for text in (args.models, args.forms))
     if not models or any(m not in ("cnn", "transformer") for m in models):
@@ -448,9 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     if not forms or any(f not in FORMS for f in forms):
         parser.error(f"--forms must name {' and/or '.join(FORMS)}, got {','.join(forms)}")
     if args.device == "cuda" and not on_cuda:
-        parser.error(
-            "--device cuda: no CUDA device visible (torch.cuda.is_available() is False); use --device cpu"
-        )
+        no_cuda = "no CUDA device visible (torch.cuda.is_available() is False); use --device cpu"
+        parser.error(f"--device cuda: {no_cuda}")
     on_cuda = args.device == "cuda"
     backend = args.backend or ("inductor" if on_cuda else "aot_eager")
     precision = "bf16-mixed" if on_cuda else "32-true"
