@@ -1,10 +1,6 @@
 """torch.compile with OOMRecovery: step time compiled over eager at k = 1 and after a split, and what a split costs in compilation.
 
-    python benchmarks/compile.py                        # CPU: a CNN and a small transformer, aot_eager, both forms
-    python benchmarks/compile.py --quick                # smoke run, one repeat, few steps
-    python benchmarks/compile.py --backend inductor     # inductor on a CPU (needs a C++ compiler; slower to compile)
-    python benchmarks/compile.py --device cuda          # the default where CUDA is available: inductor, real OOM
-    python benchmarks/compile.py --out DIR --repeats 5 --models transformer --forms module
+    python benchmarks/compile.py [--quick] [--backend inductor] [--device cuda] [--models M] [--forms F]
 
 Per workload (a small CNN with BatchNorm, a small causal transformer LM) and compiled form (``submodule``:
 the network compiled; ``module``: ``trainer.fit(torch.compile(model))``), an eager and a compiled fit with

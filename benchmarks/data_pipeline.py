@@ -1,8 +1,6 @@
 """The data pipeline: how long training waits for data with naive loader settings vs GPUOptDataModule's defaults.
 
-    python benchmarks/data_pipeline.py                  # CPU, about 3 minutes on 2 cores
-    python benchmarks/data_pipeline.py --quick          # smoke run, under a minute
-    python benchmarks/data_pipeline.py --device cuda    # adds "defaults without device prefetch" (GPU section `data`)
+    python benchmarks/data_pipeline.py [--quick] [--device cuda]  # CPU: about 3 minutes on 2 cores
 
 JPEG-encoded generated images, decoded and augmented per sample, feed a ResNet-18 and (on a CPU) a device
 stand-in that waits ``--standin-ms`` per step. Configurations, interleaved: **naive** (the DataLoader's
@@ -135,16 +133,14 @@ def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: st
     pl.seed_everything(0, verbose=False)
     data = ImageData(dataset, batch_size=batch_size, **config.loader)
     monitor, throughput = DataStallMonitor(window=10_000), Throughput()  # window: never warn mid-benchmark
-    trainer = common.trainer(
-        -1, [monitor, throughput], device, max_epochs=1, precision="32-true"
-    )  # one epoch
+    # One epoch: no step limit.
+    trainer = common.trainer(-1, [monitor, throughput], device, max_epochs=1, precision="32-true")
     trainer.fit(Classifier(lambda: _network(standin_ms), lr=0.05), datamodule=data)
     epoch, steps = monitor.history[0], max(1, monitor.history[0].steps)
     result = {"samples_per_s": throughput.samples / (throughput.end - throughput.start)}
     result.update(wait_fraction=epoch.fraction, steps_measured=epoch.steps)
-    result.update(
-        wait_ms_per_step=1e3 * epoch.wait_s / steps, compute_ms_per_step=1e3 * epoch.compute_s / steps
-    )
+    result["wait_ms_per_step"] = 1e3 * epoch.wait_s / steps
+    result["compute_ms_per_step"] = 1e3 * epoch.compute_s / steps
     result.update(num_workers=data.resolved_num_workers(), pin_memory=data.resolved_pin_memory())
     return {**result, "device_prefetch": data.resolved_device_prefetch()}
 

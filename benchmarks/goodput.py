@@ -1,8 +1,7 @@
 """Goodput: AdaptiveBatchSize against a fixed small and a fixed large batch, to a fixed validation loss; and what
 measuring the noise scale costs.
 
-    python benchmarks/goodput.py            # about 2 minutes on 2 shared CPU cores
-    python benchmarks/goodput.py --quick    # smoke run
+    python benchmarks/goodput.py [--quick]  # about 2 minutes on 2 shared CPU cores; --quick: a smoke run
 
 Two tiny CPU tasks with built-in synthetic data (nothing downloaded): a next-token language model on sequences
 from a fixed random Markov chain (its loss floor is the chain's entropy), and an image classifier on 8x8 Gaussian
@@ -135,17 +134,12 @@ def train(task: str, setting: str, max_steps: int) -> dict:
     trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, callbacks=callbacks, accelerator="cpu", **QUIET)
     shuffle = torch.Generator().manual_seed(0)
     trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=True, generator=shuffle))
-    return {
-        "task": task,
-        "setting": setting,
-        "target": target,
-        "reached": stop.reached_step is not None,
-        "steps": stop.reached_step if stop.reached_step is not None else trainer.global_step,
-        "samples": stop.samples if stop.samples is not None else stop._seen,
-        "seconds": stop.seconds,
-        "final_loss": stop.final,
-        "changes": grow.changes if grow is not None else [],
-    }
+    reached = stop.reached_step is not None
+    result = dict(task=task, setting=setting, target=target, reached=reached)
+    result["steps"] = stop.reached_step if reached else trainer.global_step
+    result["samples"] = stop.samples if stop.samples is not None else stop._seen
+    result.update(seconds=stop.seconds, final_loss=stop.final)
+    return {**result, "changes": grow.changes if grow else []}
 
 
 def overhead(task: str, steps: int, pairs: int) -> dict:

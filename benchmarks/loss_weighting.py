@@ -1,8 +1,6 @@
 """Loss weighting: the one-time cost of ``loss_reduction="auto"``'s check, in ms and in % of one step.
 
-    python benchmarks/loss_weighting.py            # about a minute on 2 shared CPU cores
-    python benchmarks/loss_weighting.py --quick    # smoke run for CI
-    python benchmarks/loss_weighting.py --device cuda --out DIR
+    python benchmarks/loss_weighting.py [--quick] [--device cuda]  # about a minute on 2 shared CPU cores
 
 A Hugging Face GPT-2 (right-padded batches, ``labels=-100`` on the padding) and a BERT masked LM, run by
 ``OOMRecovery()`` at k = 2 from the start: the check's own time against the median later step (CPU time on a

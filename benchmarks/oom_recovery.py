@@ -1,8 +1,6 @@
 """OOMRecovery on CPU: what it costs when healthy, with forced micro-batches, and when it recovers.
 
-    python benchmarks/oom_recovery.py                       # full run, 2-4 minutes on 2 cores (more when they are busy)
-    python benchmarks/oom_recovery.py --quick               # smoke run for CI, under a minute
-    python benchmarks/oom_recovery.py --out DIR --repeats 11
+    python benchmarks/oom_recovery.py [--quick] [--out DIR] [--repeats 11]  # 2-4 minutes on 2 cores
 
 Per model (SqueezeNet 1.1 on 32x32 images, a 4-layer MLP, a tiny MLP whose ~1 ms steps show the fixed cost):
 
@@ -206,9 +204,8 @@ def measure_ddp_overhead(workload: Workload, repeats: int, warmup: int, steps: i
             median_ms[variant].append(1e3 * statistics.median(periods[warmup - 1 :]))
     ratios = _ratios(median_ms, variants)["k=1"]
     metric = "median over repeats of rank 0's step-time ratio DDP+OOMRecovery() k=1 / plain DDP"
-    result = dict(
-        workload=workload.name, processes=2, backend="gloo", batch_size_per_rank=workload.batch_size
-    )
+    result = dict(workload=workload.name, processes=2, backend="gloo")
+    result["batch_size_per_rank"] = workload.batch_size
     result.update(warmup_steps=warmup, timed_steps=steps, step_ms_median_per_fit=median_ms)
     result.update(step_ms={v: statistics.median(median_ms[v]) for v in variants}, ratio_k1=ratios)
     result["ratio_k1_summary"] = summary(ratios)

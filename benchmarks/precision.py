@@ -1,9 +1,6 @@
 """Precision: speed and final loss per precision, PrecisionSwitch's cost when healthy, its automatic choice.
 
-    python benchmarks/precision.py                  # full run: 2-3 minutes on 2 shared CPU cores
-    python benchmarks/precision.py --quick          # smoke run for CI, under a minute
-    python benchmarks/precision.py --device cuda    # the same on a GPU, plus tf32 (the GPU check: gpu/speed.py)
-    python benchmarks/precision.py --out DIR --repeats 5
+    python benchmarks/precision.py [--quick] [--device cuda] [--repeats 5]  # 2-3 minutes on 2 CPU cores
 
 For a small MLP and a small causal transformer LM, at the same batch: samples/s and the final loss per
 precision (``32-true``, ``bf16-mixed``, ``16-mixed``, on CUDA ``tf32``); PrecisionSwitch's cost when healthy
@@ -156,15 +153,12 @@ def fit(
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale = float(scaler.get_scale()) if scaler is not None else None
     tail, compared = losses[-LOSS_TAIL:], losses[loss_at - LOSS_TAIL : loss_at]
-    return {
-        "samples_per_s": workload.batch_size / window.step_seconds(1 if device == "cpu" else 0),
-        "wall_samples_per_s": workload.batch_size / window.step_seconds(0),
-        "final_loss": statistics.fmean(compared),
-        "stable": all(math.isfinite(v) for v in tail + compared) and (scale is None or scale >= 1.0),
-        "precision": trainer.precision,
-        "scale": scale,
-        "switches": [] if switch is None else [[c.step, c.before, c.after] for c in switch.switches],
-    }
+    result = {"samples_per_s": workload.batch_size / window.step_seconds(1 if device == "cpu" else 0)}
+    result["wall_samples_per_s"] = workload.batch_size / window.step_seconds(0)
+    result["final_loss"] = statistics.fmean(compared)
+    result["stable"] = all(math.isfinite(v) for v in tail + compared) and (scale is None or scale >= 1.0)
+    switches = [] if switch is None else [[c.step, c.before, c.after] for c in switch.switches]
+    return {**result, "precision": trainer.precision, "scale": scale, "switches": switches}
 
 
 def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: int) -> dict[str, Any]:
@@ -178,19 +172,14 @@ def measure(workload: Workload, device: str, repeats: int, warmup: int, steps: i
             # every configuration's loss is compared at the same step
             runs[config.name].append(fit(workload, config, batches, device, warmup, timed, warmup + steps))
     rates = {name: [r["samples_per_s"] for r in rs] for name, rs in runs.items()}
-    per_config = {
-        name: {
-            "samples_per_s": statistics.median(rates[name]),
-            "samples_per_s_summary": summary(rates[name]),
-            "wall_samples_per_s": statistics.median(r["wall_samples_per_s"] for r in rs),
-            "final_loss": statistics.median(r["final_loss"] for r in rs),
-            "stable": all(r["stable"] for r in rs),
-            "precision": rs[-1]["precision"],
-            "scale": rs[-1]["scale"],
-            "switches": rs[-1]["switches"],
-        }
-        for name, rs in runs.items()
-    }
+    per_config = {}
+    for name, rs in runs.items():  # medians over the repeats; the precision, scale and switches of the last
+        rate = rates[name]
+        config = {"samples_per_s": statistics.median(rate), "samples_per_s_summary": summary(rate)}
+        for key in ("wall_samples_per_s", "final_loss"):
+            config[key] = statistics.median(r[key] for r in rs)
+        config["stable"] = all(r["stable"] for r in rs)
+        per_config[name] = {**config, **{key: rs[-1][key] for key in ("precision", "scale", "switches")}}
     overhead = {}
     for name, base in OVERHEAD_PAIRS.items():
         ratios = [b / a for a, b in zip(rates[name], rates[base])]  # time ratio = inverse rate ratio

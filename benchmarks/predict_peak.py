@@ -1,8 +1,6 @@
 """predict_peak against SimulatedMemory on six models, and `gpuopt plan` on a 7B Llama-shaped model.
 
-    python benchmarks/predict_peak.py                 # the full table (about 5 minutes on 2 busy cores)
-    python benchmarks/predict_peak.py --skip-scale    # without the 7B plan
-    python benchmarks/predict_peak.py --out DIR
+    python benchmarks/predict_peak.py [--skip-scale] [--out DIR]  # about 5 minutes on 2 busy cores
 
 Accuracy: per model (the six of tests/memory/predict_models.py), batch size (4, 16, 64) and precision
 (32-true, bf16-mixed), AdamW: the peak SimulatedMemory counts over two real training steps in Lightning's
@@ -113,9 +111,8 @@ def scale() -> dict:
     )
 
     def run(*args: str) -> str:
-        return subprocess.run(
-            [sys.executable, "-c", *args], env=env, cwd=REPO, capture_output=True, text=True
-        ).stdout
+        command = [sys.executable, "-c", *args]
+        return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True).stdout
 
     base = int(run(imports))
     code = (
@@ -130,15 +127,10 @@ def scale() -> dict:
     rss = int(out.split("RSS ")[1].split()[0])
     print(out[out.find("gpuopt plan:") : out.find("WALL")])
     rss_mib, base_mib = rss / 1024, base / 1024
-    print(
-        f"7B plan: {wall:.1f} s (including the imports), peak RSS {rss_mib:.0f} MiB, imports alone {base_mib:.0f} MiB"
-    )
-    return {
-        "wall_seconds": wall,
-        "rss_kib": rss,
-        "imports_rss_kib": base,
-        "rss_above_imports_mib": rss_mib - base_mib,
-    }
+    plan = f"7B plan: {wall:.1f} s (including the imports), peak RSS {rss_mib:.0f} MiB, imports alone {base_mib:.0f} MiB"
+    print(plan)
+    result = {"wall_seconds": wall, "rss_kib": rss, "imports_rss_kib": base}
+    return {**result, "rss_above_imports_mib": rss_mib - base_mib}
 
 
 def main() -> None:
@@ -152,9 +144,8 @@ def main() -> None:
         markdown_header(header)
         write_json(args.out, "predict_peak_size_error.json", size_error())
         return
-    markdown_header(
-        "model|precision|batch|allocator MiB|operator outputs MiB|predicted MiB|vs allocator|vs outputs|peak at|predict s"
-    )
+    accuracy_header = "model|precision|batch|allocator MiB|operator outputs MiB|predicted MiB|vs allocator|vs outputs|peak at|predict s"
+    markdown_header(accuracy_header)
     result = {"torch": torch.__version__, "machine": platform.platform(), "threads": torch.get_num_threads()}
     result["accuracy"] = accuracy()
     markdown_header(header)

@@ -79,9 +79,7 @@ def main() -> None:
         trainer.save_checkpoint(path)
         saves.append(time.perf_counter() - t)
     save = statistics.median(saves)
-    _, _, resumed_first = _fit(
-        args, root / "exact", args.steps + 3, resumable=True, exact=True, ckpt_path=path
-    )
+    _, _, resumed_first = _fit(args, root / "exact", args.steps + 3, True, True, ckpt_path=path)
     resume = max(0.0, resumed_first - fresh_first)
     params = sum(p.numel() for p in MLP(args.dim, args.hidden).parameters())
     result = {"device": args.device, "parameters": params, "checkpoint_bytes": path.stat().st_size}
@@ -91,9 +89,8 @@ def main() -> None:
     markdown_header(f"{params / 1e6:.1f} M parameters, AdamW, {args.device}|value")
     markdown_row("checkpoint file", f"{result['checkpoint_bytes'] / 2**20:.1f} MiB")
     markdown_row(f"one training step (batch {args.batch_size})", f"{plain_step * 1e3:.1f} ms")
-    markdown_row(
-        "checkpoint (`save_checkpoint`)", f"{save * 1e3:.1f} ms = {result['checkpoint_steps']:.1f} steps"
-    )
+    checkpoint = f"{save * 1e3:.1f} ms = {result['checkpoint_steps']:.1f} steps"
+    markdown_row("checkpoint (`save_checkpoint`)", checkpoint)
     steps = result["resume_steps"]
     markdown_row("resume (extra time to the first step)", f"{resume * 1e3:.1f} ms = {steps:.1f} steps")
     markdown_row("step time, resumable loader vs plain", f"{result['resumable_loader_overhead']:+.1%}")

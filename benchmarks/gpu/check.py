@@ -171,7 +171,7 @@ SECTIONS: dict[str, Section] = {
             "the gradient noise scale of the GPT-2-shaped model; GradientNoiseScale's steady-state step-time cost "
             "against OOMRecovery at k = 1",
             20,
-            "gpu.goodput:section",
+            "gpu.speed:goodput_section",
             _GOODPUT,
             _GOODPUT_DRY,
         ),
