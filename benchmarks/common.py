@@ -32,14 +32,8 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 #: A Trainer that prints nothing and writes nothing; callers add the accelerator, precision, steps, callbacks.
-QUIET = {
-    "devices": 1,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "num_sanity_val_steps": 0,
-}
+QUIET = dict(devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+QUIET.update(enable_model_summary=False, num_sanity_val_steps=0)
 
 
 def trainer(steps: int, callbacks: list, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:

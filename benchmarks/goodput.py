@@ -26,6 +26,7 @@ import time
 import lightning.pytorch as pl
 import torch
 from common import QUIET, StepClock, arguments, environment, print_table, quiet, spread, write_json
+from gpu.speed import interleaved_pairs
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -156,12 +157,8 @@ def overhead(task: str, steps: int, pairs: int) -> dict:
         trainer.fit(model, DataLoader(data, batch_size=64))
         return statistics.fmean(clock.periods()[110:])  # steady: after the first split (step 100)
 
-    ratios = []
-    for r in range(pairs):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        times = {flag: fit(flag) for flag in order}
-        ratios.append(100 * (times[True] / times[False] - 1))
-    return spread(ratios)
+    per_fit = interleaved_pairs((False, True), fit, pairs, pairs)
+    return spread([100 * (noise / alone - 1) for alone, noise in zip(per_fit[False], per_fit[True])])
 
 
 def main() -> None:

@@ -26,11 +26,8 @@ def _models() -> dict[str, Any]:
         return nn.functional.cross_entropy(m(b[0]), b[1])
 
     def mlp4096() -> tuple:
-        return (
-            mlp(1024, 4096, 4096, 10),
-            lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,))),
-            classify,
-        )
+        batch = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))  # noqa: E731
+        return mlp(1024, 4096, 4096, 10), batch, classify
 
     def resnet() -> tuple:
         batch = lambda n: (torch.randn(n, 3, 64, 64), torch.randint(0, 10, (n,)))  # noqa: E731
@@ -98,27 +95,19 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
                 p = predict_peak(model, make_batch(n), optimizer, **options)
                 row = dict(model=name, precision=precision, batch=n, predicted=p.peak_bytes)
                 row.update(max_memory_allocated=allocated, max_memory_reserved=reserved)
-                row.update(
-                    error_allocated=p.peak_bytes / allocated - 1, under_reserved=1 - p.peak_bytes / reserved
-                )
+                error, under = p.peak_bytes / allocated - 1, 1 - p.peak_bytes / reserved
+                row.update(error_allocated=error, under_reserved=under)
                 row.update(seconds=time.perf_counter() - start, peak_at=f"{p.phase} of step {p.step}")
-                ok = abs(row["error_allocated"]) <= ALLOCATED_BAND and row["under_reserved"] <= RESERVED_UNDER
-                row["ok"] = ok
-                rows.append(row)
-                print(
-                    f"{name:9s} {precision:10s} n={n:3d} predicted {p.peak_bytes / 2**20:8.1f} MiB  allocated "
-                    f"{allocated / 2**20:8.1f} ({row['error_allocated']:+.1%})  reserved {reserved / 2**20:8.1f} "
-                    f"(under by {row['under_reserved']:.1%})  {'ok' if row['ok'] else 'MISS'}",
-                    flush=True,
-                )
-    result = dict(
-        torch=torch.__version__, device=torch.cuda.get_device_name(), workspace_taken_before=workspace_taken
-    )
-    result.update(rows=rows, ok=all(r["ok"] for r in rows))
+                rows.append({**row, "ok": abs(error) <= ALLOCATED_BAND and under <= RESERVED_UNDER})
+                mib = [f"{b / 2**20:8.1f}" for b in (p.peak_bytes, allocated, reserved)]
+                line = f"{name:9s} {precision:10s} n={n:3d} predicted {mib[0]} MiB  allocated {mib[1]} ({error:+.1%})"
+                line += f"  reserved {mib[2]} (under by {under:.1%})  {'ok' if rows[-1]['ok'] else 'MISS'}"
+                print(line, flush=True)
+    result = dict(torch=torch.__version__, device=torch.cuda.get_device_name())
+    result.update(workspace_taken_before=workspace_taken, rows=rows, ok=all(r["ok"] for r in rows))
     write_json(sizes["out"], "predict/predict.json", result)
     target = f"within +-{ALLOCATED_BAND:.0%}, at most {RESERVED_UNDER:.0%} under reserved"
     what = "predicted peak vs max_memory_allocated, {model} {precision} batch {batch}"
-    figures = [
-        figure(what.format(**r), r["error_allocated"], "relative error", target, r["ok"]) for r in rows
-    ]
+    unit = "relative error"
+    figures = [figure(what.format(**r), r["error_allocated"], unit, target, r["ok"]) for r in rows]
     return {"figures": figures, "details": result, "skipped": {}}
