@@ -118,18 +118,13 @@ def check_workload(workload: Workload, multiple_of: int) -> dict[str, Any]:
     dataset = workload.data(workload.samples)
     low, high = (run(workload, dataset, n, [], None)["steady_peak"] for n in (workload.low, workload.high))
     limit = int(low + LIMIT_POSITION * (high - low))
-    result: dict[str, Any] = {
-        "description": workload.description,
-        "limit_bytes": limit,
-        "multiple_of": multiple_of,
-    }
-    result["calibration"] = {workload.low: low, workload.high: high}
+    result: dict[str, Any] = {"description": workload.description, "limit_bytes": limit}
+    result.update(multiple_of=multiple_of, calibration={workload.low: low, workload.high: high})
     finder = MemoryAwareBatchSize(mode="max", target_fraction=1.0, multiple_of=multiple_of)
     started = time.perf_counter()
     found = run(workload, dataset, 8, [finder], limit)
-    found.update(
-        found=finder.micro_batch_size, trials=finder.trials, predicted_peak=finder.predicted_peak_bytes
-    )
+    found.update(found=finder.micro_batch_size, trials=finder.trials)
+    found["predicted_peak"] = finder.predicted_peak_bytes
     sizes = [m.size for m in finder.result.measurements]
     result["max_mode"] = {**found, "wall_s": time.perf_counter() - started, "trial_sizes": sizes}
 
@@ -144,33 +139,28 @@ def check_workload(workload: Workload, multiple_of: int) -> dict[str, Any]:
         runs[mid] = run(workload, dataset, mid, [], limit)["fits"]
         fits, fails = (mid, fails) if runs[mid] else (fits, mid)
     answerable = fits - fits % multiple_of if fits >= multiple_of else fits
-    result.update(
-        true_max=fits, answerable_max=answerable, bisection_runs={str(k): runs[k] for k in sorted(runs)}
-    )
+    result.update(true_max=fits, answerable_max=answerable)
+    result["bisection_runs"] = {str(k): runs[k] for k in sorted(runs)}
 
     micro = MemoryAwareBatchSize(target_fraction=1.0, multiple_of=multiple_of)
     micro_run = run(workload, dataset, 2 * fits, [micro], limit)
     ran = math.ceil(2 * fits / micro.k)
     micro_run.update(found=micro.micro_batch_size, k=micro.k, micro_batch_run=ran, trials=micro.trials)
     model = micro.result.model if micro.result else None
-    predicted = dict(
-        predicted_peak_at_found=micro.predicted_peak_bytes, predicted_peak=model and model.peak(ran)
-    )
+    peak = model and model.peak(ran)
+    predicted = dict(predicted_peak_at_found=micro.predicted_peak_bytes, predicted_peak=peak)
     result["micro_mode"] = {**micro_run, **predicted}
     checks = {}
     for mode in ("max_mode", "micro_mode"):
         r = result[mode]
         error = abs(r["predicted_peak"] - r["steady_peak"]) / r["steady_peak"] if r["fits"] else None
-        r["peak_error"] = error
+        r["peak_error"], within = error, error is not None and error <= 0.05
         checks[f"{mode}: trains without OOM after the search"] = r["fits"]
-        within = error is not None and error <= 0.05
         checks[f"{mode}: predicted peak within {PEAK_TOLERANCE:.0%} of measured"] = within
     result["found_fraction"] = fraction = finder.micro_batch_size / answerable if answerable else 0.0
     checks[f"max_mode: {IN_BAND}"] = BAND[0] <= fraction <= BAND[1]
     checks["micro_mode: k > 1 (the batch had to be split)"] = micro.k > 1
-    result["checks"] = checks
-    result["passed"] = all(checks.values())
-    return result
+    return {**result, "checks": checks, "passed": all(checks.values())}
 
 
 def section(sizes: dict[str, Any]) -> dict[str, Any]:

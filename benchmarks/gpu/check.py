@@ -76,19 +76,28 @@ def cuda_tests(sizes: dict[str, Any]) -> dict[str, Any]:
 
 _GPT2 = {"layers": 12, "width": 768, "heads": 12, "vocab": 50257, "seq": 1024}
 _GPT_TINY = {"layers": 2, "width": 32, "heads": 2, "vocab": 128, "seq": 16}
+# Batches whose unlimited step fits well under the 16 GiB cap (ResNet-50 fp32 at 224: ~0.1 GB a sample); the
+# dry run's CNN would run the same code: one model is enough on a CPU.
+_OOM = {"models": ["resnet50", "transformer"], "batch": {"resnet50": 96, "transformer": 32}}
+_OOM_DRY = {"models": ["transformer"], "batch": {}}
+_BATCHSIZE, _BATCHSIZE_DRY = {"models": ["lm"], "multiple_of": 8}, {"models": ["lm"], "multiple_of": 1}
+_DATA, _DATA_DRY = {"repeats": 1, "steps": 20, "batch": 128}, {"repeats": 1, "steps": 2, "batch": 2}
+_PREDICT = {"batches": [16], "precisions": ["32-true", "bf16-mixed"]}
+_PRECISION = dict(_GPT2, layers=6, seq=512, batch=16, steps=12, warmup=4, repeats=2)
+_PRECISION_DRY = dict(_GPT_TINY, batch=4, steps=3, warmup=1, repeats=1)
 _MFU = dict(_GPT2, batch=8, steps=25, warmup=5, mfu_target=0.30)
 _MFU_DRY = dict(_MFU, **_GPT_TINY, batch=4, steps=4, warmup=2, nominal_peak_flops=1e12)
 _MFU_DRY["default_job"] = {"batch": 8, "steps": 2, "warmup": 1, "image_size": 8}
 _MFU["default_job"] = {"batch": 64, "steps": 40, "warmup": 10, "image_size": 32}
-_OVERHEAD = dict(_GPT2, layers=4, seq=512, batch=8, steps=30, warmup=5, repeats=10, min_repeats=3)
-_OVERHEAD_DRY = dict(_GPT_TINY, batch=4, steps=3, warmup=1, repeats=2, min_repeats=2, precision="32-true")
-_GOODPUT = dict(_OVERHEAD, precision="bf16-mixed", steps=41, warmup=1, every=10, estimate_steps=60)
+_PAIRS = dict(_GPT2, layers=4, seq=512, batch=8, steps=30, warmup=5, repeats=10, min_repeats=3)
+_PAIRS_DRY = dict(_GPT_TINY, batch=4, steps=3, warmup=1, repeats=2, min_repeats=2, precision="32-true")
+_OVERHEAD = dict(_PAIRS, precision="bf16-mixed", target_percent=2.0)
+_OVERHEAD_DRY = dict(_PAIRS_DRY, target_percent=2.0)
+_GOODPUT = dict(_PAIRS, precision="bf16-mixed", steps=41, warmup=1, every=10, estimate_steps=60)
 _GOODPUT.update(repeats=4, min_repeats=2, target_percent=1.0)
-_GOODPUT_DRY = dict(_OVERHEAD_DRY, every=2, estimate_steps=6, target_percent=1.0, steps=5)
-_FORENSICS = dict(
-    min_repeats=1, layers=4, width=512, heads=8, vocab=8192, seq=256, batch=16, precision="bf16-mixed"
-)
-_FORENSICS.update(warmup=3, after=3, steps=20, repeats=4)
+_GOODPUT_DRY = dict(_PAIRS_DRY, every=2, estimate_steps=6, target_percent=1.0, steps=5)
+_FORENSICS = dict(min_repeats=1, layers=4, width=512, heads=8, vocab=8192, seq=256, batch=16)
+_FORENSICS.update(precision="bf16-mixed", warmup=3, after=3, steps=20, repeats=4)
 _FORENSICS_DRY = dict(_GPT_TINY, min_repeats=1, layers=1, batch=4, precision="32-true", warmup=2, after=2)
 _FORENSICS_DRY.update(steps=4, repeats=1)
 _FORMS = {"forms": ["module", "submodule"], "repeats": 1}
@@ -104,105 +113,51 @@ _NO_CUDA_ALLOCATOR = (
     "max_memory_allocated is CUDA's caching allocator; on a CPU the prediction is checked against "
     "SimulatedMemory in tests/memory/test_predict.py"
 )
+#: What each section measures (a row's ``what``).
+_WHAT = {
+    "cuda_tests": "the cuda-marked tests (pytest -m cuda)",
+    "oom": "real OOM recovery: ResNet-50 and a causal transformer under a memory limit",
+    "batchsize": "MemoryAwareBatchSize against the bisected true maximum",
+    "precision": "PrecisionSwitch auto against 32-true, TF32, bf16-mixed",
+    "data": "data pipeline with and without device prefetch",
+    "mfu": "MFU and tokens/s of a GPT-2-124M-shaped model (bf16-mixed, seq 1024); the default job's samples/s",
+    "overhead": "OOMRecovery at k = 1 against plain Lightning (steady state)",
+    "goodput": (
+        "the gradient noise scale of the GPT-2-shaped model; GradientNoiseScale's steady-state step-time cost "
+        "against OOMRecovery at k = 1"
+    ),
+    "forensics": (
+        "the OOM record against a real CUDA OOM and memory_snapshot; the snapshot pickle; the history ring "
+        "buffer's step-time cost"
+    ),
+    "predict": "predict_peak against max_memory_allocated and max_memory_reserved (MLP, ResNet-18, tiny GPT-2)",
+    "compile": (
+        "torch.compile with OOMRecovery: compiled / eager step time at k = 1 and after a real OOM's split, "
+        "the recompilations the split caused and their seconds"
+    ),
+}
 
 #: The one table: section -> slice of the default 300 s budget, sizes on the GPU, sizes in the dry run.
 #: A later GPU figure adds a row here with its own slice, inside the same total. The slices follow the first
 #: H200 run (2026-12-04: 158 s of 300), with room for both compiled forms (inductor: ~25 s a form);
 #: ``forensics`` (15 s) took 5 s each from ``mfu`` (used 9 s), ``batchsize`` (used 20 s) and ``overhead`` (which
 #: runs pairs of fits while its slice has room); ``goodput`` (20 s) took 10 s from ``overhead`` (pairs while room) and
-#: 5 s each from ``batchsize`` (used 20 s) and ``precision``.
-SECTIONS: dict[str, Section] = {
-    s.name: s
-    for s in (
-        Section(
-            "cuda_tests", "the cuda-marked tests (pytest -m cuda)", 40, cuda_tests, cuda_only=_NO_CUDA_TESTS
-        ),
-        Section(
-            "oom",
-            "real OOM recovery: ResNet-50 and a causal transformer under a memory limit",
-            50,
-            "gpu.oom:section",
-            # Batches whose unlimited step fits well under the 16 GiB cap (ResNet-50 fp32 at 224: ~0.1 GB a sample).
-            {"models": ["resnet50", "transformer"], "batch": {"resnet50": 96, "transformer": 32}},
-            {"models": ["transformer"], "batch": {}},  # the CNN runs the same code: one is enough on a CPU
-        ),
-        Section(
-            "batchsize",
-            "MemoryAwareBatchSize against the bisected true maximum",
-            20,
-            "gpu.batchsize:section",
-            {"models": ["lm"], "multiple_of": 8},  # the pack's default on CUDA
-            {"models": ["lm"], "multiple_of": 1},
-        ),
-        Section(
-            "precision",
-            "PrecisionSwitch auto against 32-true, TF32, bf16-mixed",
-            20,
-            "gpu.speed:precision_section",
-            {**_GPT2, "layers": 6, "seq": 512, "batch": 16, "steps": 12, "warmup": 4, "repeats": 2},
-            {**_GPT_TINY, "batch": 4, "steps": 3, "warmup": 1, "repeats": 1},
-        ),
-        Section(
-            "data",
-            "data pipeline with and without device prefetch",
-            15,
-            "data_pipeline:gpu_section",
-            {"repeats": 1, "steps": 20, "batch": 128},
-            {"repeats": 1, "steps": 2, "batch": 2},
-        ),
-        Section(
-            "mfu",
-            "MFU and tokens/s of a GPT-2-124M-shaped model (bf16-mixed, seq 1024); the default job's samples/s",
-            15,
-            "gpu.speed:mfu_section",
-            _MFU,
-            _MFU_DRY,
-        ),
-        Section(
-            "overhead",
-            "OOMRecovery at k = 1 against plain Lightning (steady state)",
-            15,
-            "gpu.speed:overhead_section",
-            {**_OVERHEAD, "precision": "bf16-mixed", "target_percent": 2.0},
-            {**_OVERHEAD_DRY, "target_percent": 2.0},
-        ),
-        Section(
-            "goodput",
-            "the gradient noise scale of the GPT-2-shaped model; GradientNoiseScale's steady-state step-time cost "
-            "against OOMRecovery at k = 1",
-            20,
-            "gpu.speed:goodput_section",
-            _GOODPUT,
-            _GOODPUT_DRY,
-        ),
-        Section(
-            "forensics",
-            "the OOM record against a real CUDA OOM and memory_snapshot; the snapshot pickle; the history ring "
-            "buffer's step-time cost",
-            15,
-            "gpu.forensics:section",
-            _FORENSICS,
-            _FORENSICS_DRY,
-        ),
-        Section(
-            "predict",
-            "predict_peak against max_memory_allocated and max_memory_reserved (MLP, ResNet-18, tiny GPT-2)",
-            10,
-            "gpu.predict:section",
-            {"batches": [16], "precisions": ["32-true", "bf16-mixed"]},
-            cuda_only=_NO_CUDA_ALLOCATOR,
-        ),
-        Section(
-            "compile",
-            "torch.compile with OOMRecovery: compiled / eager step time at k = 1 and after a real OOM's split, "
-            "the recompilations the split caused and their seconds",
-            80,
-            "compile:section",
-            _COMPILE,
-            _COMPILE_DRY,
-        ),
-    )
-}
+#: 5 s each from ``batchsize`` (used 20 s) and ``precision``. ``batchsize`` holds sizes to the pack's default
+#: multiple on CUDA (8).
+_ROWS = (
+    Section("cuda_tests", _WHAT["cuda_tests"], 40, cuda_tests, cuda_only=_NO_CUDA_TESTS),
+    Section("oom", _WHAT["oom"], 50, "gpu.oom:section", _OOM, _OOM_DRY),
+    Section("batchsize", _WHAT["batchsize"], 20, "gpu.batchsize:section", _BATCHSIZE, _BATCHSIZE_DRY),
+    Section("precision", _WHAT["precision"], 20, "gpu.speed:precision_section", _PRECISION, _PRECISION_DRY),
+    Section("data", _WHAT["data"], 15, "data_pipeline:gpu_section", _DATA, _DATA_DRY),
+    Section("mfu", _WHAT["mfu"], 15, "gpu.speed:mfu_section", _MFU, _MFU_DRY),
+    Section("overhead", _WHAT["overhead"], 15, "gpu.speed:overhead_section", _OVERHEAD, _OVERHEAD_DRY),
+    Section("goodput", _WHAT["goodput"], 20, "gpu.speed:goodput_section", _GOODPUT, _GOODPUT_DRY),
+    Section("forensics", _WHAT["forensics"], 15, "gpu.forensics:section", _FORENSICS, _FORENSICS_DRY),
+    Section("predict", _WHAT["predict"], 10, "gpu.predict:section", _PREDICT, cuda_only=_NO_CUDA_ALLOCATOR),
+    Section("compile", _WHAT["compile"], 80, "compile:section", _COMPILE, _COMPILE_DRY),
+)
+SECTIONS: dict[str, Section] = {s.name: s for s in _ROWS}
 
 
 class Watchdog:
