@@ -216,16 +216,10 @@ def arguments(
 
 def environment(**extra: Any) -> dict[str, Any]:
     """Date and versions for a result's JSON."""
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        **extra,
-    }
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    result = dict(date=date, torch=torch.__version__, lightning=lightning.__version__)
+    result.update(python=platform.python_version(), platform=platform.platform(), cpu_count=os.cpu_count())
+    return {**result, "torch_threads": torch.get_num_threads(), **extra}
 
 
 def write_json(out: Path | str, name: str, result: Any, started: float | None = None) -> Path:

@@ -158,14 +158,11 @@ def measure(device: str, repeats: int, steps: int, batch_size: int, standin_ms: 
     for config in variants:
         fits = runs[config.name]
         speedup = [f["samples_per_s"] / n["samples_per_s"] for f, n in zip(fits, runs["naive"])]
-        results[config.name] = {
-            "description": config.description,
-            "settings": {k: fits[0][k] for k in ("num_workers", "pin_memory", "device_prefetch")},
-            **{key: spread([f[key] for f in fits]) for key in ("samples_per_s", "wait_fraction")},
-            **{key: spread([f[key] for f in fits]) for key in ("wait_ms_per_step", "compute_ms_per_step")},
-            "speedup_vs_naive": spread(speedup),
-            "fits": fits,
-        }
+        settings = {k: fits[0][k] for k in ("num_workers", "pin_memory", "device_prefetch")}
+        result = {"description": config.description, "settings": settings}
+        for key in ("samples_per_s", "wait_fraction", "wait_ms_per_step", "compute_ms_per_step"):
+            result[key] = spread([f[key] for f in fits])
+        results[config.name] = {**result, "speedup_vs_naive": spread(speedup), "fits": fits}
     return results
 
 

@@ -198,11 +198,8 @@ def run_section(section: Section, slice_s: float, dry_run: bool, out: Path) -> d
             record.update(status="ran", **section.function()(sizes))
     except device.SliceOver as err:
         record.update(status="over_slice", error=str(err))
-    except (
-        KeyboardInterrupt,
-        SystemExit,
-    ) as err:  # the watchdog (Lightning turns the interrupt into an exit)
-        if not watchdog.fired:
+    except (KeyboardInterrupt, SystemExit) as err:
+        if not watchdog.fired:  # the watchdog's interrupt (Lightning turns it into an exit) is an overrun
             record.update(status="interrupted", error=repr(err))
             raise
         record.update(status="over_slice", error=f"{type(err).__name__}: stopped by the watchdog")

@@ -41,16 +41,12 @@ class Block(nn.Module):
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width)
-        )
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU("tanh"), nn.Linear(4 * width, width))
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
-        q, k, v = (
-            z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-            for z in self.qkv(self.ln1(x)).split(c, 2)
-        )
+        qkv = self.qkv(self.ln1(x)).split(c, 2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in qkv)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(y)
         return x + self.mlp(self.ln2(x))
@@ -93,9 +89,8 @@ class Tokens(Dataset):
         return self.length
 
     def __getitem__(self, i: int) -> tuple[Tensor]:
-        return (
-            torch.randint(0, self.vocab, (self.seq + 1,), generator=torch.Generator().manual_seed(i % 16)),
-        )
+        generator = torch.Generator().manual_seed(i % 16)
+        return (torch.randint(0, self.vocab, (self.seq + 1,), generator=generator),)
 
 
 def gpt(sizes: dict[str, Any]) -> GPT:
@@ -183,9 +178,7 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     run, per_step = report.report["run"], timer.seconds_per_step
     flops, peak = run["flops_per_batch"], run["peak_flops"]
     mfu = flops / per_step / peak if flops and per_step and peak else None
-    shape = (
-        f"GPT ({sizes['layers']} layers, width {sizes['width']}, seq {sizes['seq']}, batch {sizes['batch']})"
-    )
+    shape = "GPT ({layers} layers, width {width}, seq {seq}, batch {batch})".format(**sizes)
     target = f">= {sizes['mfu_target']:.0%}" if on_cuda else "reported (CPU: nominal peak)"
     met = (mfu is not None and mfu >= sizes["mfu_target"]) if on_cuda else None
     tokens = sizes["batch"] * sizes["seq"] / per_step if per_step else None
@@ -208,14 +201,12 @@ def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     callbacks += [GPUOptReport(plot=False, table=False, dirpath=sizes["out"]), job_timer]
     trainer = device.trainer(job["steps"], callbacks, limit_val_batches=0)
     trainer.fit(ImageClassifier(), datamodule=data)
-    rate = job["batch"] / job_timer.seconds_per_step if job_timer.seconds_per_step else None
+    seconds = job_timer.seconds_per_step
+    rate = job["batch"] / seconds if seconds else None
     size = f"{job['image_size']}x{job['image_size']}"
     what = f"default job (ResNet-18, {size}, batch {job['batch']}, the CLI's callbacks): samples/s"
     figures.append(figure(what, rate, "samples/s"))
-    details["default_job"] = {
-        "precision": str(trainer.precision),
-        "seconds_per_step": job_timer.seconds_per_step,
-    }
+    details["default_job"] = {"precision": str(trainer.precision), "seconds_per_step": seconds}
     return {"figures": figures, "details": details}
 
 
@@ -277,9 +268,8 @@ def goodput_section(sizes: dict[str, Any]) -> dict[str, Any]:
         gpt_fit(sizes, steps, [OOMRecovery(verbose=False), *extra, events], precision=precision)
         return statistics.fmean(events.periods(warmup))
 
-    per_fit = interleaved_pairs(
-        ("OOMRecovery", "noise scale"), timed_fit, sizes["repeats"], sizes["min_repeats"]
-    )
+    repeats = sizes["repeats"], sizes["min_repeats"]
+    per_fit = interleaved_pairs(("OOMRecovery", "noise scale"), timed_fit, *repeats)
     percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["noise scale"], per_fit["OOMRecovery"])])
     on_cuda = device.current().kind == "cuda"
     name = (
