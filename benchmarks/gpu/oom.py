@@ -211,12 +211,7 @@ def forced(k: int) -> OOMRecovery:
 
 
 def train(
-    workload: Workload,
-    batches: list,
-    steps: int,
-    callbacks: list,
-    precision: str = "32-true",
-    prepare: Any = None,
+    workload: Workload, batches: list, steps: int, callbacks: list, precision: str = "32-true", prepare=None
 ) -> pl.Trainer:
     """One seeded fit of ``steps`` batches (``prepare``: what makes the module that fits, e.g. compiles it)."""
     device.current().set_limit(None)  # also collects what earlier fits left to the garbage collector
