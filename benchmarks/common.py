@@ -203,14 +203,35 @@ def positive_int(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Resolves ``--device auto`` (CUDA when available) and refuses ``--device cuda`` where there is none."""
+
+    def parse_args(self, *args: Any) -> argparse.Namespace:  # type: ignore[override]
+        parsed = super().parse_args(*args)
+        if getattr(parsed, "device", None) == "auto":
+            parsed.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if getattr(parsed, "device", None) == "cuda" and not torch.cuda.is_available():
+            self.error("--device cuda: no CUDA device visible (torch.cuda.is_available() is False); use cpu")
+        return parsed
+
+
 def arguments(
-    doc: str, result: str, out: str = "benchmarks/results", quick: str | None = None
+    doc: str, result: str, out: str = "benchmarks/results", quick: str | None = None, **options: Any
 ) -> argparse.ArgumentParser:
-    """A parser with the module's docstring as its help, ``--out`` (the folder for ``result``) and ``--quick``."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """A parser with the module's docstring as its help, ``--out`` (the folder for ``result``) and ``--quick``;
+    ``repeats=(7, 2)`` adds ``--repeats`` (its default, and with ``--quick``), ``device="cpu"`` (or ``"auto"``)
+    adds ``--device``."""
+    parser = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(out), help=f"directory for {result} (default {out})")
     if quick:
         parser.add_argument("--quick", action="store_true", help=quick)
+    if "repeats" in options:
+        repeats = "interleaved repeats (default {}; --quick: {})".format(*options["repeats"])
+        parser.add_argument("--repeats", type=positive_int, help=repeats)
+    if "device" in options:
+        device = options["device"]
+        where = f"where to run (default {device}; auto: CUDA when available)"
+        parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=device, help=where)
     return parser
 
 

@@ -398,25 +398,18 @@ def section(sizes: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.arguments(__doc__, "compile.json", quick="one repeat, few steps (a smoke run)")
-    on_cuda = torch.cuda.is_available()
-    what = "cpu (SimulatedMemory forces the OOM) or cuda (a real OOM)"
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if on_cuda else "cpu", help=what)
+    quick = "one repeat, few steps (a smoke run)"
+    parser = common.arguments(__doc__, "compile.json", quick=quick, repeats=(3, 1), device="auto")
     backend_help = "torch.compile backend: aot_eager (default on a CPU), inductor (CUDA)"
     parser.add_argument("--backend", help=backend_help)
     parser.add_argument("--models", default="cnn,transformer", help="comma-separated: cnn, transformer")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated: {', '.join(FORMS)}")
-    repeats_help = "interleaved repeats (default 3; --quick: 1)"
-    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
     args = parser.parse_args(argv)
     models, forms = ([x.strip() for x in text.split(",") if x.strip()] for text in (args.models, args.forms))
     if not models or any(m not in ("cnn", "transformer") for m in models):
         parser.error(f"--models must name cnn and/or transformer, got {','.join(models)}")
     if not forms or any(f not in FORMS for f in forms):
         parser.error(f"--forms must name {' and/or '.join(FORMS)}, got {','.join(forms)}")
-    if args.device == "cuda" and not on_cuda:
-        no_cuda = "no CUDA device visible (torch.cuda.is_available() is False); use --device cpu"
-        parser.error(f"--device cuda: {no_cuda}")
     on_cuda = args.device == "cuda"
     backend = args.backend or ("inductor" if on_cuda else "aot_eager")
     precision = "bf16-mixed" if on_cuda else "32-true"

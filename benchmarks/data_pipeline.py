@@ -207,17 +207,13 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = common.arguments(__doc__, "data_pipeline.json", quick="smoke mode: one repeat of a few steps")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
-    repeats = "interleaved repeats (default 5; --quick: 1)"
-    parser.add_argument("--repeats", type=common.positive_int, help=repeats)
+    quick = "smoke mode: one repeat of a few steps"
+    parser = common.arguments(__doc__, "data_pipeline.json", quick=quick, repeats=(5, 1), device="cpu")
     parser.add_argument("--steps", type=common.positive_int, help="steps per fit (default 30; --quick: 8)")
     parser.add_argument("--batch-size", type=common.positive_int, default=32, help="samples per step")
     standin = "device time per step of the stand-in model (CPU runs)"
     parser.add_argument("--standin-ms", type=float, default=60.0, help=standin)
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     batch = args.batch_size
     repeats, steps = args.repeats or (1 if args.quick else 5), args.steps or (8 if args.quick else 30)
     common.quiet()

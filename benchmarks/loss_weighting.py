@@ -98,8 +98,8 @@ def measure(kind: str, device: str, quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = arguments(__doc__, "loss_weighting.json", out="build/benchmarks", quick="smoke run (CI)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    quick = "smoke run (CI)"
+    parser = arguments(__doc__, "loss_weighting.json", out="build/benchmarks", quick=quick, device="cpu")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.device == "cpu":

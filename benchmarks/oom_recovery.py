@@ -330,9 +330,7 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quick = "smoke mode, few repeats and steps (CI, < 60 s)"
-    parser = common.arguments(__doc__, "oom_recovery.json", quick=quick)
-    repeats_help = "interleaved repeats (default 7; --quick: 2)"
-    parser.add_argument("--repeats", type=common.positive_int, help=repeats_help)
+    parser = common.arguments(__doc__, "oom_recovery.json", quick=quick, repeats=(7, 2))
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process DDP overhead measurement")
     parser.add_argument("--ddp-only", action="store_true", help="only the 2-process DDP overhead measurement")
     ddp = "comma-separated workloads of the DDP runs"

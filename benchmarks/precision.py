@@ -255,20 +255,12 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
 
 def main(argv: list[str] | None = None) -> int:
     quick = "smoke mode, few repeats and steps (CI, about a minute)"
-    parser = common.arguments(__doc__, "precision.json", quick=quick)
-    repeats = "interleaved repeats (default 7; 2 with --quick)"
-    parser.add_argument("--repeats", type=common.positive_int, help=repeats)
-    where = "where to run (auto: CUDA when available)"
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=where)
+    parser = common.arguments(__doc__, "precision.json", quick=quick, repeats=(7, 2), device="auto")
     threads = (
         "torch intra-op threads on a CPU (default 1: CPU time per step stays meaningful on shared cores)"
     )
     parser.add_argument("--threads", type=common.positive_int, default=1, help=threads)
     args = parser.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device visible (torch.cuda.is_available() is False)")
     repeats = args.repeats or (2 if args.quick else 7)
     warmup, steps = (2, 4) if args.quick else (3, 20)
     common.quiet()
