@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from common import Batches, Classifier, mlp
 from common import spread as summary
-from gpu.oom import CausalLM, token_batches
+from gpu.oom import Workload, lm_workload
 from gpu.speed import tf32
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
@@ -40,15 +40,6 @@ AUTO_TARGET = 0.95
 LOSS_TAIL = 3  # the final loss: mean of the last few steps' losses
 
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    description: str
-    module: Callable[[], pl.LightningModule]
-    batches: Callable[[], list[tuple[Tensor, ...]]]
-    batch_size: int
-
-
 def _feature_batches(n: int, count: int = 4) -> list[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(count)]
@@ -57,12 +48,9 @@ def _feature_batches(n: int, count: int = 4) -> list[tuple[Tensor, ...]]:
 def cpu_workloads() -> list[Workload]:
     """Small, because float16/bfloat16 autocast on a CPU without AVX512-BF16/AMX is about 10x slower than float32."""
     small = lambda: Classifier(lambda: mlp(256, 512, 512, 10))  # noqa: E731
-    lm = lambda: CausalLM(vocab=512, width=64, heads=2, layers=1, seq_len=32)  # noqa: E731
-    lm_name = "causal LM: nn.TransformerEncoder 1 x 64 wide, 2 heads, 32 tokens, vocab 512, AdamW"
-    return [
-        Workload("mlp", "MLP 256-512-512-10, ReLU, SGD momentum", small, lambda: _feature_batches(128), 128),
-        Workload("transformer", lm_name, lm, lambda: token_batches(16, seq_len=32, vocab=512, count=4), 16),
-    ]
+    batches = lambda: _feature_batches(128)  # noqa: E731
+    mlp_workload = Workload("mlp", "MLP 256-512-512-10, ReLU, SGD momentum", small, batches, 128)
+    return [mlp_workload, lm_workload(64, 1, 2, 32, 512, 16, count=4)]
 
 
 @dataclass(frozen=True)
@@ -148,7 +136,7 @@ def fit(
     trainer = common.trainer(warmup + steps, callbacks, device, **config.trainer_kwargs(device))
     explicit = device == "cuda" and config.explicit_fp32_math
     with tf32(config.tf32) if explicit else contextlib.nullcontext():
-        trainer.fit(workload.module(), DataLoader(Batches(batches, warmup + steps), batch_size=None))
+        trainer.fit(workload.build(), DataLoader(Batches(batches, warmup + steps), batch_size=None))
     losses = [float(v) for v in window.losses]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale = float(scaler.get_scale()) if scaler is not None else None

@@ -124,10 +124,12 @@ def cnn_workload(image_size: int, batch_size: int, arch: str = "tiny", num_class
     return Workload("cnn", what, build, batches, batch_size, "BatchNorm statistics over micro-batches")
 
 
-def lm_workload(width: int, layers: int, heads: int, seq_len: int, vocab: int, batch_size: int) -> Workload:
+def lm_workload(
+    width: int, layers: int, heads: int, seq_len: int, vocab: int, batch_size: int, count: int = 3
+) -> Workload:
     what = f"causal LM: nn.TransformerEncoder {layers} x {width} wide, {heads} heads, {seq_len} tokens, vocab {vocab}"
     build = lambda: CausalLM(vocab=vocab, width=width, heads=heads, layers=layers, seq_len=seq_len)  # noqa: E731
-    batches = lambda: token_batches(batch_size, seq_len=seq_len, vocab=vocab)  # noqa: E731
+    batches = lambda: token_batches(batch_size, seq_len, vocab, count)  # noqa: E731
     return Workload("transformer", f"{what}, AdamW", build, batches, batch_size, submodule="encoder")
 
 
