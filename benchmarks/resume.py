@@ -63,8 +63,7 @@ def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=N
 
 
 def main() -> None:
-    parser = arguments(__doc__, "resume.json")
-    parser.add_argument("--device", default="cpu")
+    parser = arguments(__doc__, "resume.json", device="cpu")
     for name, default in (("--hidden", 1024), ("--dim", 256), ("--batch-size", 64), ("--steps", 30)):
         parser.add_argument(name, type=positive_int, default=default)
     args = parser.parse_args()
