@@ -198,13 +198,7 @@ def predict_peak(
             )
     best = max(phases, key=lambda ph: ph.peak_bytes)
     return PeakPrediction(
-        peak_bytes=best.peak_bytes,
-        categories=best.categories,
-        modules=best.modules,
-        phase=best.phase,
-        step=best.step,
-        module=best.module,
-        host_bytes=best.host_bytes,
+        **best.at_peak(),
         phases=tuple(phases),
         batch_size=n,
         method=PredictionMethod.TRACED,
