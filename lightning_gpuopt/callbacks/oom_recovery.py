@@ -428,12 +428,7 @@ class OOMRecovery(Callback):
                 "OOMRecovery",
                 f"OOM in {failure.phase} with micro-batch {failure.micro_batch_size} (k {failure.k}) of a batch of "
                 f"{failure.batch_size}: the attempt is dropped and the batch retried",
-                phase=failure.phase,
-                k=failure.k,
-                micro_batch_size=failure.micro_batch_size,
-                batch_size=failure.batch_size,
-                allocated_bytes=failure.allocated_bytes,
-                limit_bytes=failure.limit_bytes,
+                **failure.decision_fields(),
             )
         if failure.phase in ("forward", "backward"):
             step = failure.step
