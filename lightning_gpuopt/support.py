@@ -77,6 +77,13 @@ class _Rule:
     min_torch: tuple[int, int] | None = None  # supported only from this torch on
 
 
+def _resets_fsdp2(reason: str) -> _Rule:
+    """Supported under FSDP2 where a step stopped mid-way (an OOM) can be undone: FSDPModule.reset_iter_state."""
+    return _Rule(
+        True, f"{reason}; needs FSDPModule.reset_iter_state (torch 2.14 or newer)", min_torch=(2, 14)
+    )
+
+
 _COLLECTIVES = (
     "runs collectives inside the step, which cannot be kept in step when one rank runs out of memory: "
     "use FSDP2Strategy (sharding) or strategy='ddp', or train without OOMRecovery"
@@ -92,11 +99,9 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     (Feature.OOM_RECOVERY, StrategyKind.DDP): _Rule(
         True, "micro-batches under no_sync; the pack averages gradients at the optimizer step"
     ),
-    (Feature.OOM_RECOVERY, StrategyKind.FSDP2): _Rule(
-        True,
+    (Feature.OOM_RECOVERY, StrategyKind.FSDP2): _resets_fsdp2(
         "the ranks vote before each FSDP collective (under HSDP all ranks in one group, also before the replicas' "
-        "all-reduce); needs FSDPModule.reset_iter_state (torch 2.14 or newer)",
-        min_torch=(2, 14),
+        "all-reduce)"
     ),
     (Feature.OOM_RECOVERY, StrategyKind.FSDP1): _Rule(False, f"FSDP1 (FSDPStrategy) {_COLLECTIVES}"),
     (Feature.OOM_RECOVERY, StrategyKind.DEEPSPEED): _Rule(False, f"DeepSpeed {_COLLECTIVES}"),
@@ -113,12 +118,9 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.DDP): _Rule(
         True, "measures each rank; the ranks agree on the size"
     ),
-    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2): _Rule(
-        True,
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2): _resets_fsdp2(
         "each rank measures real sharded steps (gathered units and reduce-scatter buffers included), the ranks "
-        "voting before each FSDP collective, and all use the smallest answer; needs FSDPModule.reset_iter_state "
-        "(torch 2.14 or newer)",
-        min_torch=(2, 14),
+        "voting before each FSDP collective, and all use the smallest answer"
     ),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP1): _Rule(False, _SHARDED_MEMORY),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.DEEPSPEED): _Rule(False, _SHARDED_MEMORY),
