@@ -20,6 +20,7 @@ from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.goodput.schedule import lr_factor, next_accumulation
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.support import Feature, refuse_unsupported
 
 __all__ = ["AdaptiveBatchSize", "LRScaling"]
 
@@ -117,6 +118,7 @@ class AdaptiveBatchSize(Callback):
                 "AdaptiveBatchSize needs automatic optimization (it changes accumulate_grad_batches); remove it "
                 "for a module with manual optimization."
             )
+        refuse_unsupported(Feature.ADAPTIVE_BATCH_SIZE, trainer, "AdaptiveBatchSize")
         noise = next((cb for cb in trainer.callbacks if isinstance(cb, GradientNoiseScale)), None)
         if noise is None:
             noise = GradientNoiseScale()

@@ -29,10 +29,9 @@ from lightning_gpuopt.microbatch import (
     EngineState,
     MicroBatchBackward,
     MicroBatchEngine,
-    unsupported_strategy,
 )
 from lightning_gpuopt.microbatch.replay import RandomDraws
-from lightning_gpuopt.support import Feature
+from lightning_gpuopt.support import Feature, refuse_unsupported
 
 __all__ = ["GradientNoiseScale"]
 
@@ -153,9 +152,7 @@ class GradientNoiseScale(Callback):
         EngineState.ensure(trainer)
         if stage != "fit":
             return
-        reason = unsupported_strategy(trainer.strategy, Feature.OOM_RECOVERY)
-        if reason is not None:
-            raise RuntimeError(f"GradientNoiseScale: {reason}")
+        refuse_unsupported(Feature.OOM_RECOVERY, trainer, "GradientNoiseScale")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:

@@ -59,8 +59,8 @@ from lightning_gpuopt.microbatch.errors import (
     RankOutOfMemoryError,
 )
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
-from lightning_gpuopt.microbatch.setup_checks import unsupported_strategy
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
+from lightning_gpuopt.support import unsupported_strategy
 
 __all__ = [
     "CHECKPOINTING",
