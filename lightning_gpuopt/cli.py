@@ -96,40 +96,14 @@ class GPUOptCLI(LightningCLI):
     """LightningCLI with the pack's defaults: ``fit``, ``validate``, ``test`` and ``predict``.
 
     Any LightningModule (``--model``) and LightningDataModule (``--data``) can be given by class
-    path, not only the pack's own. Options of the pack are under ``--gpuopt.*``:
+    path, not only the pack's own. Options of the pack are under ``--gpuopt.*``.
 
-    * ``--gpuopt.summary`` (default true): after ``fit``, print one summary line with the final
-      validation metrics, training samples/s and peak memory.
-    * ``--gpuopt.oom_recovery`` (default true): add :class:`~lightning_gpuopt.OOMRecovery` to ``fit``
-      on a single device, under DDP or under FSDP2, unless ``--trainer.callbacks`` already has one.
-    * ``--gpuopt.batch_size_search`` (default true): add :class:`~lightning_gpuopt.MemoryAwareBatchSize`
-      (``mode="micro"``: the micro-batch from measured memory; batch_size kept) to ``fit`` on a single
-      device, under DDP or under FSDP2, unless ``--trainer.callbacks`` already has one.
-    * ``--gpuopt.precision_switch`` (default true): add :class:`~lightning_gpuopt.PrecisionSwitch` to
-      ``fit``, unless ``--trainer.callbacks`` already has one: ``initial="auto"`` (the fastest precision
-      the hardware runs natively), or ``initial="keep"`` when ``--trainer.precision`` (or a precision
-      plugin in ``--trainer.plugins``) is given.
-    * ``--gpuopt.noise_scale`` (default false): add :class:`~lightning_gpuopt.GradientNoiseScale` to ``fit``;
-      ``--gpuopt.adaptive_batch`` (default false) adds :class:`~lightning_gpuopt.AdaptiveBatchSize` (and the
-      measurement it needs).
-    * ``--gpuopt.report`` (default true): add :class:`~lightning_gpuopt.GPUOptReport` to ``fit``
-      (table, ``gpuopt_report.json`` and ``.png`` in the run's log directory), unless
-      ``--trainer.callbacks`` already has one.
-    * ``--gpuopt.select_strategy`` (default true): on several devices with ``--trainer.strategy auto``,
-      the strategy comes from :func:`~lightning_gpuopt.select_strategy` (memory plan printed first);
-      ``--gpuopt.device_memory BYTES`` plans against another device size.
-    * ``--gpuopt.resume`` (default true): ``fit`` survives preemption. It adds
-      :class:`~lightning_gpuopt.ExactResume` (SIGTERM and SIGUSR1 stop every rank at the next
-      optimizer-step boundary with a checkpoint, exit status 0; RNG streams restored on resume) unless
-      ``--trainer.callbacks`` has one, and a
-      :class:`~lightning_gpuopt.callbacks.exact_resume.StepBoundaryCheckpoint` that keeps ``last.ckpt``
-      at least every ``--gpuopt.checkpoint_minutes`` (default 15) of training, beside any
-      ``ModelCheckpoint`` of the user's (``--trainer.enable_checkpointing false`` leaves it out). With
-      ``--ckpt_path auto`` (the default) ``fit`` then resumes from the newest ``last*.ckpt`` of its
-      checkpoint folders when it is this run's (:meth:`before_fit`; docs/resume.md).
-
-    ``fit`` writes a fingerprint of the run into its checkpoints
-    (:class:`~lightning_gpuopt._cli_resume.RunFingerprint`), whatever ``--gpuopt.resume`` says.
+    ``fit`` gets the pack's callbacks where the strategy runs them, unless ``--trainer.callbacks`` already
+    has one: OOMRecovery, MemoryAwareBatchSize (``mode="micro"``), PrecisionSwitch (``initial="keep"`` when a
+    precision is given), GPUOptReport, and ExactResume with a ``StepBoundaryCheckpoint`` (``--ckpt_path auto``
+    resumes this run's newest ``last*.ckpt``, :meth:`before_fit`); GradientNoiseScale and AdaptiveBatchSize on
+    request. On several devices with ``--trainer.strategy auto`` the strategy comes from
+    :func:`~lightning_gpuopt.select_strategy`. docs/cli.md lists every ``--gpuopt.*`` option and its default.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.cli.LightningCLI`.

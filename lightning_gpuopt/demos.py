@@ -7,6 +7,7 @@ machine, in every worker process and across runs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
@@ -22,6 +23,7 @@ from lightning_gpuopt.data import GPUOptDataModule
 __all__ = ["ImageClassifier", "SyntheticImageDataModule", "SyntheticImages"]
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as a Dataset
 class SyntheticImages(Dataset):
     """Deterministic, learnable images: class ``c`` is a striped pattern at angle ``c·π/num_classes``.
 
@@ -44,19 +46,18 @@ class SyntheticImages(Dataset):
         True
     """
 
-    def __init__(
-        self, length: int, num_classes: int = 10, image_size: int = 32, noise: float = 2.0, seed: int = 0
-    ) -> None:
-        for name, value in (("length", length), ("num_classes", num_classes), ("image_size", image_size)):
-            positive_int(name, value)
-        if noise < 0:
-            raise ValueError(f"`noise` must be >= 0, got {noise!r}")
-        self.length = length
-        self.num_classes = num_classes
-        self.image_size = image_size
-        self.noise = noise
-        self.seed = seed
-        coords = torch.linspace(-1.0, 1.0, image_size)
+    length: int
+    num_classes: int = 10
+    image_size: int = 32
+    noise: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("length", "num_classes", "image_size"):
+            positive_int(name, getattr(self, name))
+        if self.noise < 0:
+            raise ValueError(f"`noise` must be >= 0, got {self.noise!r}")
+        coords = torch.linspace(-1.0, 1.0, self.image_size)
         self._yy, self._xx = torch.meshgrid(coords, coords, indexing="ij")
 
     def __len__(self) -> int:

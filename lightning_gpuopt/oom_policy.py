@@ -104,6 +104,11 @@ class OOMFailure:
     gradient_bytes: int | None = None
     held_gradient_bytes: int | None = None
 
+    def decision_fields(self) -> dict[str, Any]:
+        """What the decision log keeps of the failure (the data of its ``"oom"`` record)."""
+        names = ("phase", "k", "micro_batch_size", "batch_size", "allocated_bytes", "limit_bytes")
+        return {name: getattr(self, name) for name in names}
+
     @property
     def demand_bytes(self) -> int | None:
         """A lower bound on what the failed micro-batch needed above the baseline."""

@@ -4,7 +4,8 @@ One table answers for everything that needs to know: the micro-batch engine, the
 (which callbacks it adds) and :func:`~lightning_gpuopt.select_strategy` (which strategies it plans).
 The docs table (``docs/support.md``) is rendered from it and a test holds the two equal. The setups the
 micro-batching callbacks refuse beyond the strategy (manual optimization, BatchSizeFinder beside them, a
-compiled module, CUDA graphs) are worded here too, once per feature (:func:`setup_refusal`).
+compiled module, CUDA graphs) are worded here too, once per feature (:func:`setup_refusal`), and
+:func:`refuse_unsupported` raises the callbacks' refusals in their ``setup``.
 
 Example:
     >>> from lightning_gpuopt.support import Feature, StrategyKind, supports
@@ -32,10 +33,12 @@ __all__ = [
     "StrategyKind",
     "manual_optimization_refusal",
     "markdown_table",
+    "refuse_unsupported",
     "setup_refusal",
     "strategy_kind",
     "supports",
     "torch_version",
+    "unsupported_strategy",
 ]
 
 
@@ -45,6 +48,7 @@ class Feature(str, enum.Enum):
     OOM_RECOVERY = "OOMRecovery"
     BATCH_SIZE_SEARCH = "MemoryAwareBatchSize"
     PRECISION_SWITCH = "PrecisionSwitch (runtime switch)"
+    ADAPTIVE_BATCH_SIZE = "AdaptiveBatchSize"
 
 
 class StrategyKind(str, enum.Enum):
@@ -77,6 +81,13 @@ class _Rule:
     min_torch: tuple[int, int] | None = None  # supported only from this torch on
 
 
+def _resets_fsdp2(reason: str) -> _Rule:
+    """Supported under FSDP2 where a step stopped mid-way (an OOM) can be undone: FSDPModule.reset_iter_state."""
+    return _Rule(
+        True, f"{reason}; needs FSDPModule.reset_iter_state (torch 2.14 or newer)", min_torch=(2, 14)
+    )
+
+
 _COLLECTIVES = (
     "runs collectives inside the step, which cannot be kept in step when one rank runs out of memory: "
     "use FSDP2Strategy (sharding) or strategy='ddp', or train without OOMRecovery"
@@ -85,6 +96,10 @@ _SHARDED_MEMORY = (
     "runs collectives inside the trial steps, which cannot be kept in step when one rank runs out of memory: use "
     "FSDP2Strategy (sharding), devices=1 or strategy='ddp', or remove MemoryAwareBatchSize"
 )
+_NOISE_ON_ENGINE = (
+    "measures the noise scale (GradientNoiseScale) on the micro-batch engine, which runs single-device, DDP and "
+    "FSDP2 training: use strategy='ddp' or FSDP2Strategy, or remove AdaptiveBatchSize"
+)
 _FIXED_PRECISION = "fixes the precision when it wraps the model, so only the setup-time choice applies"
 
 _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
@@ -92,11 +107,9 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     (Feature.OOM_RECOVERY, StrategyKind.DDP): _Rule(
         True, "micro-batches under no_sync; the pack averages gradients at the optimizer step"
     ),
-    (Feature.OOM_RECOVERY, StrategyKind.FSDP2): _Rule(
-        True,
+    (Feature.OOM_RECOVERY, StrategyKind.FSDP2): _resets_fsdp2(
         "the ranks vote before each FSDP collective (under HSDP all ranks in one group, also before the replicas' "
-        "all-reduce); needs FSDPModule.reset_iter_state (torch 2.14 or newer)",
-        min_torch=(2, 14),
+        "all-reduce)"
     ),
     (Feature.OOM_RECOVERY, StrategyKind.FSDP1): _Rule(False, f"FSDP1 (FSDPStrategy) {_COLLECTIVES}"),
     (Feature.OOM_RECOVERY, StrategyKind.DEEPSPEED): _Rule(False, f"DeepSpeed {_COLLECTIVES}"),
@@ -113,12 +126,9 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.DDP): _Rule(
         True, "measures each rank; the ranks agree on the size"
     ),
-    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2): _Rule(
-        True,
+    (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP2): _resets_fsdp2(
         "each rank measures real sharded steps (gathered units and reduce-scatter buffers included), the ranks "
-        "voting before each FSDP collective, and all use the smallest answer; needs FSDPModule.reset_iter_state "
-        "(torch 2.14 or newer)",
-        min_torch=(2, 14),
+        "voting before each FSDP collective, and all use the smallest answer"
     ),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.FSDP1): _Rule(False, _SHARDED_MEMORY),
     (Feature.BATCH_SIZE_SEARCH, StrategyKind.DEEPSPEED): _Rule(False, _SHARDED_MEMORY),
@@ -143,7 +153,23 @@ _RULES: dict[tuple[Feature, StrategyKind], _Rule] = {
     (Feature.PRECISION_SWITCH, StrategyKind.OTHER): _Rule(
         False, "runtime switching supports single-device, DDP and FSDP2 strategies"
     ),
+    (Feature.ADAPTIVE_BATCH_SIZE, StrategyKind.SINGLE_DEVICE): _Rule(
+        True, "the noise scale from accumulation windows, or from a measured step split in two"
+    ),
+    (Feature.ADAPTIVE_BATCH_SIZE, StrategyKind.DDP): _Rule(
+        True, "the noise scale across the ranks; the ranks agree on each change"
+    ),
+    (Feature.ADAPTIVE_BATCH_SIZE, StrategyKind.FSDP2): _resets_fsdp2(
+        "the noise scale from accumulation windows of several micro-batches, measured on the micro-batch engine"
+    ),
+    (Feature.ADAPTIVE_BATCH_SIZE, StrategyKind.FSDP1): _Rule(False, _NOISE_ON_ENGINE),
+    (Feature.ADAPTIVE_BATCH_SIZE, StrategyKind.DEEPSPEED): _Rule(False, _NOISE_ON_ENGINE),
+    (Feature.ADAPTIVE_BATCH_SIZE, StrategyKind.TENSOR_PARALLEL): _Rule(False, _NOISE_ON_ENGINE),
+    (Feature.ADAPTIVE_BATCH_SIZE, StrategyKind.OTHER): _Rule(False, _NOISE_ON_ENGINE),
 }
+
+#: The features that run on the micro-batch engine (AdaptiveBatchSize through its GradientNoiseScale).
+_ON_THE_ENGINE = (Feature.OOM_RECOVERY, Feature.BATCH_SIZE_SEARCH, Feature.ADAPTIVE_BATCH_SIZE)
 
 _LIGHTNING_REFUSES_COMPILED = _Rule(
     False,
@@ -313,6 +339,54 @@ def setup_refusal(feature: Feature, trainer: Any, module: Any) -> str | None:
     if not compiled.supported:
         return f"{feature.value} does not support a torch.compile'd LightningModule here: {compiled.reason}."
     return cuda_graphs_refusal(module, trainer.strategy.root_device, feature.value)
+
+
+def unsupported_strategy(strategy: Any, feature: Feature) -> str | None:
+    """Why the engine cannot run ``feature`` under ``strategy``, naming the alternative; ``None`` when it can.
+
+    For the features that run on the engine (``Feature.OOM_RECOVERY``, ``Feature.BATCH_SIZE_SEARCH``,
+    ``Feature.ADAPTIVE_BATCH_SIZE``): single device, DDP and FSDP2 without tensor parallelism, on a torch that
+    can reset FSDP2 after an interrupted step. Not under FSDP1 (``FSDPStrategy``) or DeepSpeed, whose
+    collectives inside the step cannot be kept in step when one rank runs out of memory.
+    """
+    feature = Feature(feature)
+    if feature not in _ON_THE_ENGINE:
+        raise ValueError(
+            "`feature` must be a micro-batching feature (OOMRecovery, MemoryAwareBatchSize, AdaptiveBatchSize), "
+            f"got {feature}"
+        )
+    answer = supports(feature, strategy)
+    if answer.supported:
+        return None
+    name = type(strategy).__name__
+    kind = strategy_kind(strategy)
+    if feature is Feature.OOM_RECOVERY and kind is StrategyKind.TENSOR_PARALLEL:
+        return (
+            f"micro-batching under {name} supports FSDP2 data parallelism only, got tensor_parallel_size="
+            f"{tensor_parallel_size(strategy)} (tensor-parallel collectives inside the forward cannot be kept in "
+            "step). Use tensor_parallel_size=1, or train without OOMRecovery here."
+        )
+    if kind is StrategyKind.FSDP2:
+        return f"{answer.reason}, or train without {feature.value} under {name}."
+    return (
+        f"micro-batching supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got {name} "
+        f"({answer.reason}). Use strategy='ddp' (or one device), or FSDP2Strategy for a sharded model, or train "
+        "without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
+    )
+
+
+def refuse_unsupported(feature: Feature, trainer: Any, who: str, module: Any = None) -> None:
+    """Raise the ``RuntimeError`` with which ``who`` (a callback) refuses this Trainer in ``setup``.
+
+    First the strategy (:func:`unsupported_strategy`, from the table), then, given the LightningModule,
+    the setups of :func:`setup_refusal`. Returns when ``feature`` can run.
+    """
+    reason = unsupported_strategy(trainer.strategy, feature)
+    if reason is not None:
+        raise RuntimeError(f"{who}: {reason}")
+    refusal = setup_refusal(feature, trainer, module) if module is not None else None
+    if refusal is not None:
+        raise RuntimeError(refusal)
 
 
 def markdown_table(reasons: bool = True) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from lightning_gpuopt.batch_size.peak_model import StepMeasurement
 from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch
@@ -289,18 +289,13 @@ class PredictedSearch(SizeSearch):
     def _hand_over(self, why: str) -> None:
         """Continue as the plain search: its first step is this search's first step, shared."""
         self.note = f"traced at {self._traced()} samples; {why}: handed over to the measured search"
-        self.fallback = SizeSearch(
-            measurements=[self.measurements[0]],
-            budget_bytes=self.budget_bytes,
-            base_bytes=self.base_bytes,
-            smallest=self.smallest,
-            largest=self.largest,
-            multiple_of=self.multiple_of,
-            held_bytes_per_sample=self.held_bytes_per_sample,
-            whole_largest=self.whole_largest,
-            grad_bytes=self.grad_bytes,
-            first_size=self.first_size,
-        )
+        # This search's settings, but the plain search's own step budget (max_trials).
+        kept = {
+            f.name: getattr(self, f.name)
+            for f in fields(SizeSearch)
+            if f.name not in ("max_trials", "measurements")
+        }
+        self.fallback = SizeSearch(**kept, measurements=[self.measurements[0]])
 
     def _measured_optimizer(self) -> int | None:
         done = [m.optimizer_bytes for m in self.measurements if m.optimizer_bytes is not None]

@@ -20,6 +20,7 @@ from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.goodput.schedule import lr_factor, next_accumulation
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.support import Feature, refuse_unsupported
 
 __all__ = ["AdaptiveBatchSize", "LRScaling"]
 
@@ -30,16 +31,11 @@ class AdaptiveBatchSize(Callback):
     """Grows the optimizer batch while the measured noise scale says a larger batch wastes no samples (opt-in).
 
     The target optimizer batch is ``target_fraction`` x B_simple (measured by :class:`GradientNoiseScale`, taken
-    cautiously as ``B_simple / (1 + 2 x its relative error)``),
-    clamped to ``[min_batch, max_batch]``; the batch moves towards it one integer ``factor`` at a time, at most
-    once every ``interval`` optimizer steps, from ``min_measurements`` measurements on. The micro-batch stays
-    whatever MemoryAwareBatchSize and OOMRecovery chose: the growth comes through ``accumulate_grad_batches``,
-    changed only at a window boundary (mid-epoch, where the batches done in the epoch are a multiple of the new
-    accumulation). The learning rate is scaled with the batch through the schedulers' ``base_lrs`` (so that a
-    schedule does not undo it), and a step-based schedule advances by samples: one scheduler step per batch of
-    the user's optimizer batch. Each change is a decision in the report and the loggers
-    (``gpuopt/optimizer_batch``), agreed by the ranks, and saved in checkpoints. It never shrinks the batch below
-    the user's unless ``min_batch`` asks for it.
+    cautiously), clamped to ``[min_batch, max_batch]``; the batch moves towards it one ``factor`` at a time, at
+    most once every ``interval`` optimizer steps. The micro-batch stays as chosen: the growth comes through
+    ``accumulate_grad_batches``, changed at a window boundary, with the learning rate scaled through the
+    schedulers' ``base_lrs``. Each change is a decision, agreed by the ranks and saved in checkpoints; the
+    batch never shrinks below the user's unless ``min_batch`` asks for it. Long form: docs/batch-size.md.
 
     Args:
         max_batch: the largest optimizer batch in samples (``None``: 64 times the user's).
@@ -117,6 +113,7 @@ class AdaptiveBatchSize(Callback):
                 "AdaptiveBatchSize needs automatic optimization (it changes accumulate_grad_batches); remove it "
                 "for a module with manual optimization."
             )
+        refuse_unsupported(Feature.ADAPTIVE_BATCH_SIZE, trainer, "AdaptiveBatchSize")
         noise = next((cb for cb in trainer.callbacks if isinstance(cb, GradientNoiseScale)), None)
         if noise is None:
             noise = GradientNoiseScale()

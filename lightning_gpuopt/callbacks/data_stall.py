@@ -78,28 +78,13 @@ class _CudaEventClock:
 class DataStallMonitor(Callback):
     """Measures how long each training step waits for data, logs it, advises once, and can tune ``num_workers``.
 
-    Per training step it measures the *wait* (from the end of one step to the start of the next: the
-    fetch from the loader and the copy to the device, plus the loop's own bookkeeping between steps,
-    about a millisecond; validation excluded) and the *compute* (from the start of the step to its
-    end). On CUDA both are read from CUDA events on the device's timeline, so they say how long the
-    GPU itself sat idle; on CPU from the wall clock. The first step of each epoch (worker start-up,
-    first-step effects) is not counted. A ``training_step`` that takes ``dataloader_iter`` fetches
-    inside the step: its waiting counts as compute.
-
-    ``gpuopt/data_wait_fraction`` (wait / (wait + compute) over the last ``window`` steps) goes to the
-    Trainer's loggers every ``log_every_n_steps`` steps (as a float, on rank zero; read it any time as
-    :attr:`wait_fraction`). Once ``window`` steps are measured and the fraction exceeds
-    ``threshold``, a :class:`~lightning_gpuopt.GPUOptWarning` names what to change and to which value
-    (``num_workers``, ``pin_memory``, ``device_prefetch``, ...), once per fit. Per-epoch figures are
-    kept in :attr:`history`.
-
-    With ``autotune=True`` and a :class:`~lightning_gpuopt.GPUOptDataModule`, ``num_workers`` is tuned
-    between epochs by measurement: while the loop stalls, the count doubles (up to ``max_workers``)
-    as long as each doubling makes steps at least 5 % faster; otherwise it goes back one step and
-    stays. The training loader is rebuilt for the next epoch with the new count, which is kept in
-    checkpoints and restored on resume; rank zero decides for every rank. Other datamodules and plain
-    DataLoaders build their own loaders, which the monitor cannot rebuild: there it measures and
-    advises only, and says so once.
+    Per training step it measures the *wait* (from the end of one step to the start of the next: the fetch
+    and the copy to the device) and the *compute* (the step), from CUDA events on CUDA, else the wall clock.
+    ``gpuopt/data_wait_fraction`` over the last ``window`` steps goes to the loggers (read it as
+    :attr:`wait_fraction`; per-epoch figures in :attr:`history`); above ``threshold`` a
+    :class:`~lightning_gpuopt.GPUOptWarning` names what to change, once per fit. With ``autotune=True`` and a
+    :class:`~lightning_gpuopt.GPUOptDataModule`, ``num_workers`` is tuned between epochs by measurement (kept in
+    checkpoints); other loaders are measured and advised only. The long form: docs/data.md.
 
     Args:
         threshold: the wait fraction above which the loop counts as stalled, in (0, 1).

@@ -107,21 +107,11 @@ class ExactResume(Callback):
     the epoch once, in the uninterrupted order, and draws the same random numbers (dropout, random
     augmentation), so its parameters equal the uninterrupted run's.
 
-    * **RNG.** Each checkpoint holds every rank's torch, Python, NumPy (and CUDA) RNG states, gathered
-      from all ranks (only rank 0 writes the file); on resume each rank restores its own just before its
-      first training batch. The datamodule seeds sample loading per sample, so the workers' streams need
-      no saving.
-    * **Signals.** ``signals`` (default ``SIGTERM`` and ``SIGUSR1``) ask for a stop. The ranks decide
-      together at the next optimizer-step boundary (one all-reduce per optimizer step under DDP, none on
-      one device), so a signal to one rank stops every rank at the same step: each writes its part of
-      ``last.ckpt`` in the first ``ModelCheckpoint``'s folder and the run ends normally (exit status 0).
-      Lightning's own SIGTERM handler, which broadcasts inside the handler, is replaced while training.
-      Under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the default there), the
-      requeue signal (SIGUSR1 unless set otherwise) also stops at the boundary, and rank 0 then requeues
-      the job (``scontrol requeue``) in place of Lightning's handler, which saves mid-step.
-    * **Clean checkpoints only.** A checkpoint is marked with whether it was written at an optimizer-step
-      boundary of a run without an exception. Resuming from one that was not (a ``ModelCheckpoint`` with
-      ``save_on_exception=True``, a time trigger inside an accumulation window) raises a clear error.
+    Each checkpoint holds every rank's torch, Python, NumPy (and CUDA) RNG states, restored just before the
+    first training batch. ``signals`` (default ``SIGTERM`` and ``SIGUSR1``, also SLURM's requeue signal) stop
+    every rank together at the next optimizer-step boundary with ``last.ckpt`` written (exit status 0).
+    Resuming from a checkpoint not written at such a boundary of a run without an exception raises a clear
+    error. The long form: docs/resume.md.
 
     Args:
         signals: names of the signals that ask for a stop (``"SIGTERM"``, ``"SIGUSR1"``, ...); ``()``: none.

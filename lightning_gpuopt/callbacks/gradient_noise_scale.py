@@ -29,10 +29,9 @@ from lightning_gpuopt.microbatch import (
     EngineState,
     MicroBatchBackward,
     MicroBatchEngine,
-    unsupported_strategy,
 )
 from lightning_gpuopt.microbatch.replay import RandomDraws
-from lightning_gpuopt.support import Feature
+from lightning_gpuopt.support import Feature, refuse_unsupported
 
 __all__ = ["GradientNoiseScale"]
 
@@ -51,20 +50,12 @@ class GradientNoiseScale(Callback):
 
     ``B_simple`` predicts the critical batch size (McCandlish et al. 2018): well below it a larger batch trains
     in proportionally fewer steps; above it, extra samples per step buy little. It is measured from gradients
-    the run computes anyway (see docs/batch-size.md, "Worth it? The noise scale"): within an accumulation
-    window, across DDP ranks, or, at k = 1 on one device, by running a measured step as 2 micro-batches, which
-    leaves the update unchanged (only for models without BatchNorm, dropout or random draws in the step: for
-    the others it says so once and measures only where a window has several micro-batches or ranks). Under
-    FSDP2 it measures at k >= 2 only. Gradients are read in ``on_before_optimizer_step``: before clipping, with
-    the AMP loss scale divided out; a step with non-finite gradients is skipped.
-
-    The per-measurement estimates of ``|G|^2`` and ``tr(Sigma)`` are averaged separately (exponential moving
-    averages with decay ``beta`` per measurement, bias-corrected like Adam's by ``1 - beta**count``) and their
-    ratio taken. Until the estimate is trusted (or for at most ``3 / (1 - beta)`` measurements: where B_simple is
-    far above the batch, one measurement is so noisy that the error never falls below ``trust``) it measures every
-    optimizer step; then every ``every``-th where
-    the measurement is free (two gradient norms), every ``split_every``-th where it needs the k = 1 split (a measured
-    step then costs up to one more step on small, launch-bound models: 100 keeps that within 1 %).
+    the run computes anyway: within an accumulation window, across DDP ranks, or, at k = 1 on one device, by
+    running a measured step as 2 micro-batches where that leaves the update unchanged (no BatchNorm, dropout
+    or random draws in the step). Under FSDP2 it measures at k >= 2 only. The two terms are averaged
+    separately (bias-corrected moving averages) and their ratio given once trusted; it measures every step
+    until then, every ``every``-th step after. docs/batch-size.md ("Worth it? The noise scale") has the long
+    form.
 
     Args:
         every: once trusted, measure every ``every``-th optimizer step (default 10).
@@ -153,9 +144,7 @@ class GradientNoiseScale(Callback):
         EngineState.ensure(trainer)
         if stage != "fit":
             return
-        reason = unsupported_strategy(trainer.strategy, Feature.OOM_RECOVERY)
-        if reason is not None:
-            raise RuntimeError(f"GradientNoiseScale: {reason}")
+        refuse_unsupported(Feature.OOM_RECOVERY, trainer, "GradientNoiseScale")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:

@@ -23,7 +23,6 @@ from lightning_gpuopt.microbatch import (
     MicroBatchEngine,
     MicroBatchOOMError,
     WeightFn,
-    unsupported_strategy,
 )
 from lightning_gpuopt.microbatch.loss_weighting import LossReduction, LossWeighting, OnMismatch
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
@@ -40,7 +39,7 @@ from lightning_gpuopt.oom_policy import (
     smaller_micro_batch_count,
     smallest_split_cannot_fit,
 )
-from lightning_gpuopt.support import Feature, setup_refusal
+from lightning_gpuopt.support import Feature, refuse_unsupported
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
 
@@ -287,12 +286,7 @@ class OOMRecovery(Callback):
         EngineState.ensure(trainer)
         if stage != "fit":
             return
-        reason = unsupported_strategy(trainer.strategy, Feature.OOM_RECOVERY)
-        if reason is not None:
-            raise RuntimeError(f"OOMRecovery: {reason}")
-        refusal = setup_refusal(Feature.OOM_RECOVERY, trainer, pl_module)
-        if refusal is not None:
-            raise RuntimeError(refusal)
+        refuse_unsupported(Feature.OOM_RECOVERY, trainer, "OOMRecovery", pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, training=True)
@@ -428,12 +422,7 @@ class OOMRecovery(Callback):
                 "OOMRecovery",
                 f"OOM in {failure.phase} with micro-batch {failure.micro_batch_size} (k {failure.k}) of a batch of "
                 f"{failure.batch_size}: the attempt is dropped and the batch retried",
-                phase=failure.phase,
-                k=failure.k,
-                micro_batch_size=failure.micro_batch_size,
-                batch_size=failure.batch_size,
-                allocated_bytes=failure.allocated_bytes,
-                limit_bytes=failure.limit_bytes,
+                **failure.decision_fields(),
             )
         if failure.phase in ("forward", "backward"):
             step = failure.step

@@ -46,36 +46,13 @@ forensics.mark_stage(TrialSteps.measure, "trial")
 class GPUOptReport(Callback):
     """Records every training step and every decision of the pack; at the end of ``fit``, a table, a JSON and a picture.
 
-    Per recorded step (``step``: the global step the batch belongs to, as decisions record it):
-    memory allocated after the step and the step's peak (from the memory probe:
-    the CUDA caching allocator, SimulatedMemory, or the host's RSS on CPU), the memory limit, k and the
-    micro-batch size (from the micro-batch engine when OOMRecovery or MemoryAwareBatchSize run), the
-    Trainer's precision, the data-wait fraction (DataStallMonitor's when it runs, else the host's
-    wait before each step), samples and wall time per step, and on CUDA the model FLOPs utilisation
-    (FLOPs of one training step counted once with ``torch.utils.flop_counter``, over the device's
-    dense peak FLOP/s for the step's compute dtype from :mod:`lightning_gpuopt.peak_flops`, or
-    ``peak_flops``; on a CUDA device the table does not know, the report says
-    ``MFU unknown for NAME (pass peak_flops=)``). Every decision the pack's callbacks record
-    (:mod:`lightning_gpuopt.decisions`: OOM retries, changes of k, growing back, precision switches,
-    batch-size searches, worker changes) is kept with its step and reason.
-
-    Every out-of-memory error the pack handles (training, evaluation, the optimizer step, the trial steps
-    of MemoryAwareBatchSize's search) gets a record in the JSON's ``"ooms"``, the one source of every OOM
-    count the report prints: its step, rank, stage and phase, the bytes requested, allocated, reserved and
-    allowed, the bytes in use by category (parameters, gradients, optimizer state, activations, other)
-    summing to what was allocated, the modules owning the most activations, and what the pack did next;
-    on CUDA also the fragmentation, the memory outside PyTorch's allocator and a memory snapshot pickle
-    (pytorch.org/memory_viz opens it). Each rank draws ``oom_<step>_rank<r>.png`` for its own OOMs.
-
-    At the end of ``fit``, rank zero prints a summary table (rich when installed), writes
-    ``gpuopt_report.json`` and ``gpuopt_report.png`` (memory, k, precision and the decisions over steps,
-    throughput and data wait below) into ``dirpath`` (default: the run's log directory,
-    ``trainer.log_dir``), and :attr:`report` holds the record. ``gpuopt report DIR`` draws the table and
-    the picture again from the JSON. The Trainer's loggers get, every ``log_every_n_steps``,
-    ``gpuopt/memory_allocated``, ``gpuopt/memory_peak``, ``gpuopt/samples_per_s``, ``gpuopt/k``,
-    ``gpuopt/micro_batch_size``, ``gpuopt/precision`` (the significand bits of the compute dtype: 53
-    float64, 24 float32, 11 float16, 8 bfloat16, 4 FP8), ``gpuopt/data_wait`` (the fraction of the step
-    spent waiting for data) and ``gpuopt/mfu`` on CUDA.
+    Per recorded step: memory allocated and peak (the memory probe), k and the micro-batch size, the
+    precision, the data-wait fraction, samples and wall time, and on CUDA the model FLOPs utilisation. Every
+    decision of the pack's callbacks (:mod:`lightning_gpuopt.decisions`) and every out-of-memory error the pack
+    handles (the JSON's ``"ooms"``, with the bytes by category and, on CUDA, a snapshot pickle) is kept with
+    its step. At the end of ``fit`` rank zero prints a summary table, writes ``gpuopt_report.json`` and
+    ``gpuopt_report.png`` into ``dirpath``, and :attr:`report` holds the record; the loggers get
+    ``gpuopt/*`` metrics every ``log_every_n_steps``. docs/report.md lists every field and metric.
 
     Args:
         dirpath: folder for the JSON and the PNG; ``None``: ``trainer.log_dir``.

@@ -133,21 +133,15 @@ class GPUOptDataModule(pl.LightningDataModule):
     Stages without a dataset are reported to Lightning as absent (no validation loop runs).
     Each dataset method is called once; the dataset is reused for later loaders.
 
-    Every sample of a map-style dataset is delivered exactly once per epoch in a single process
-    (``drop_last=False`` by default; shuffled for training). Under DDP, Lightning's distributed
-    sampler pads the last round so each rank gets as many samples.
-
-    On CUDA the loaders also prefetch to the device: the next batch is copied on a side CUDA stream
-    while the current step computes, and handed out already on the device (whole: the micro-batch
-    engine splits it inside the training step). :attr:`device_prefetch_bytes` is the device memory
-    this holds, for memory budgets. Every ``"auto"`` is logged once with its value and reason.
+    On CUDA the loaders also copy the next batch to the device while the current step computes
+    (:attr:`device_prefetch_bytes` is the memory this holds). Every ``"auto"`` is logged once with its
+    value and reason. docs/data.md has the long form.
 
     Args:
         batch_size: samples per device per step (what the DataLoader yields).
         eval_batch_size: batch size of validation/test/predict loaders; defaults to ``batch_size``.
-        num_workers: loader worker processes per device, or ``"auto"``: the CPUs this process may use
-            (its affinity, capped by a cgroup CPU quota) divided by the local devices, minus one for the
-            main process, at most 8.
+        num_workers: loader worker processes per device, or ``"auto"``: from the CPUs this process may use
+            and the local devices, at most 8.
         pin_memory: page-locked host batches for fast, asynchronous copies to the GPU, or ``"auto"``: on
             when training runs on CUDA.
         persistent_workers: keep workers alive between epochs (only with ``num_workers > 0``).
@@ -155,16 +149,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         shuffle: shuffle the training data each epoch.
         drop_last: drop the last, smaller training batch.
         device_prefetch: copy the next batch to the device while the current step computes, or
-            ``"auto"``: on when training runs on CUDA, unless the LightningModule or this datamodule
-            overrides ``on_before_batch_transfer``/``transfer_batch_to_device`` (those hooks would get
-            device batches). Has no effect off CUDA.
-        resumable: the training loader of a map-style dataset resumes exactly mid-epoch: the datamodule's
-            checkpoint state holds the epoch and the batches the training loop consumed, and a resumed run
-            starts after them, in the order the uninterrupted run used (per rank under DDP). Its sampler is a
-            :class:`~lightning_gpuopt.data.resume.ResumableSampler` (a ``DistributedSampler``; the order is
-            drawn from ``PL_GLOBAL_SEED`` + epoch, set by ``seed_everything``), and each sample is loaded
-            under RNG seeds drawn from (seed, epoch, sample index), so random augmentation resumes exactly
-            and does not depend on ``num_workers``. ``False``: PyTorch's own samplers and worker seeds.
+            ``"auto"``: on when training runs on CUDA, unless a batch-transfer hook is overridden.
+        resumable: the training loader of a map-style dataset resumes exactly mid-epoch, in the order the
+            uninterrupted run used, random augmentation included (docs/resume.md). ``False``: PyTorch's own
+            samplers and worker seeds.
 
     Raises:
         ValueError: an argument is out of range.

@@ -197,6 +197,14 @@ class Candidate:
     cost: int = 0
 
 
+#: What every full-shard candidate (FSDP full shard, HSDP, ZeRO-3) shards, and its all-gathers per unit.
+_FULL_SHARD: dict[str, Any] = {
+    "shard_params": True,
+    "shard_grads": True,
+    "shard_optimizer": True,
+    "gathers_units": True,
+}
+
 #: The candidates, cheapest communication first. HSDP (several nodes only) comes before every candidate
 #: that shards across nodes: its all-gathers and reduce-scatters stay within a node, and only its
 #: sharded gradients (1/devices of them) are all-reduced across nodes.
@@ -204,46 +212,14 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("single device", multi_device=False, cost=0),
     Candidate("ddp", grad_copies=2, cost=1),
     Candidate("deepspeed zero-1", shard_optimizer=True, master_copy=True, deepspeed=True, cost=2),
-    Candidate(
-        "hsdp: full shard in node",
-        shard_params=True,
-        shard_grads=True,
-        shard_optimizer=True,
-        gathers_units=True,
-        hybrid=True,
-        cost=3,
-    ),
+    Candidate("hsdp: full shard in node", **_FULL_SHARD, hybrid=True, cost=3),
     Candidate("fsdp: shard grads+optimizer", shard_grads=True, shard_optimizer=True, cost=4),
     Candidate(
         "deepspeed zero-2", shard_grads=True, shard_optimizer=True, master_copy=True, deepspeed=True, cost=4
     ),
-    Candidate(
-        "fsdp: full shard",
-        shard_params=True,
-        shard_grads=True,
-        shard_optimizer=True,
-        gathers_units=True,
-        cost=5,
-    ),
-    Candidate(
-        "deepspeed zero-3",
-        shard_params=True,
-        shard_grads=True,
-        shard_optimizer=True,
-        gathers_units=True,
-        master_copy=True,
-        deepspeed=True,
-        cost=5,
-    ),
-    Candidate(
-        "fsdp: full shard + cpu offload",
-        shard_params=True,
-        shard_grads=True,
-        shard_optimizer=True,
-        offload=True,
-        gathers_units=True,
-        cost=7,
-    ),
+    Candidate("fsdp: full shard", **_FULL_SHARD, cost=5),
+    Candidate("deepspeed zero-3", **_FULL_SHARD, master_copy=True, deepspeed=True, cost=5),
+    Candidate("fsdp: full shard + cpu offload", **_FULL_SHARD, offload=True, cost=7),
 )
 
 

@@ -151,13 +151,7 @@ def predict_peak_deep(model: nn.Module, batch: Any, *args: Any, **kwargs: Any) -
     note = f"{depth} blocks of {name or 'the model'} extrapolated from traces of 1 and 2"
     return dataclasses.replace(
         two,
-        peak_bytes=best.peak_bytes,
-        categories=best.categories,
-        modules={k: v for k, v in best.modules.items() if v},
-        phase=best.phase,
-        step=best.step,
-        module=best.module,
-        host_bytes=best.host_bytes,
+        **{**best.at_peak(), "modules": {k: v for k, v in best.modules.items() if v}},
         phases=phases,
         decision="; ".join(filter(None, [note, two.decision])),
     )

@@ -1,20 +1,10 @@
 """Predict a training step's peak device memory without allocating it: :func:`predict_peak`.
 
-The user's own training step -- forward (a LightningModule's ``training_step``, found by duck typing:
-this module imports torch only), ``zero_grad``, backward and the optimizer step, state creation
-included -- runs twice (the first step creates the optimizer state; the second is the steady state,
-where the previous step's gradients are alive during the forward) on *fake tensors*
-(``torch._subclasses.fake_tensor.FakeTensorMode``): every operator computes its output's shape,
-dtype and device, and nothing of the step is allocated (on the CPU, each distinct operator call
-runs once on zeros to measure what its kernel allocates inside itself: :mod:`.scratch`). A ``TorchDispatchMode`` above the fake mode sees every
-new storage, counts its bytes until its last reference dies (a weakref finalizer), sorts it into a
-category (parameters, buffers, gradients, optimizer state, activations, temporaries, inputs, gathered
-parameters) and the module that made it, and keeps the breakdown at the highest total.
-
-The precision is applied as Lightning applies it (autocast around the forward for ``*-mixed``,
-converted weights and inputs for ``*-true``). Distribution is emulated per device: DDP's gradient
-buckets (:class:`ParallelLayout`), FSDP2's sharded parameters, gradients and optimizer state plus the
-unit gathered while it computes, and CPU offload (sharded state in host memory, reported apart).
+The user's own training step runs twice (the first creates the optimizer state, the second is the steady
+state) on *fake tensors*: nothing of the step is allocated. A ``TorchDispatchMode`` above the fake mode
+counts every new storage until it dies, by category and by the module that made it, and keeps the
+breakdown at the highest total. The precision is applied as Lightning applies it; DDP, FSDP2 and CPU
+offload are emulated per device (:class:`ParallelLayout`).
 
 torch's own ``torch.distributed._tools.mem_tracker.MemTracker`` does the same counting (it works
 under ``FakeTensorMode``); it is not used here because it counts each storage at its own size (the
@@ -198,13 +188,7 @@ def predict_peak(
             )
     best = max(phases, key=lambda ph: ph.peak_bytes)
     return PeakPrediction(
-        peak_bytes=best.peak_bytes,
-        categories=best.categories,
-        modules=best.modules,
-        phase=best.phase,
-        step=best.step,
-        module=best.module,
-        host_bytes=best.host_bytes,
+        **best.at_peak(),
         phases=tuple(phases),
         batch_size=n,
         method=PredictionMethod.TRACED,

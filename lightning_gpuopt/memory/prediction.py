@@ -5,7 +5,8 @@ parallel layout to emulate, the peak of each phase and of the step.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.memory.units import format_bytes
@@ -129,6 +130,11 @@ class PhasePeak:
     module: str
     host_bytes: int
     transient_bytes: int = 0
+
+    def at_peak(self) -> dict[str, Any]:
+        """The fields a :class:`PeakPrediction` whose peak this phase holds takes from it (all but
+        ``transient_bytes``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "transient_bytes"}
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,7 @@
 """The micro-batch engine: the one owner of k (micro-batches per training batch) for a Trainer.
 
-A package, one job a module: ``engine.py`` the engine (k, its state, what callbacks read and change),
-``attempt_loop.py`` the one attempt loop and the patches that lead the Trainer's steps into it,
-``batches.py`` what a training and an evaluation batch do differently in it, ``attempt.py`` an attempt's
-side effects, ``exchange.py`` how the ranks vote and reduce, ``setup_checks.py`` where the engine runs,
-``loss_weighting.py`` (and its rules, ``loss_weighting_rules.py``) the micro-batches' loss weights,
-``replay.py`` the random draws the loss-weighting check records on a piece of a batch and replays on its parts,
-``compile_watch.py`` what torch.compile changes, ``step.py`` the optimizer step, ``rungs.py`` the recovery
-rungs, ``errors.py`` the errors it ends a run with.
+One job a module (the file table and the engine's contract, what callbacks may call and read:
+docs/architecture.md, "The engine's contract").
 
 Installed by the first callback that needs it, it wraps ``trainer.strategy.training_step`` so that
 each training batch runs as k micro-batches inside Lightning's own step: every micro-batch goes
@@ -35,13 +29,6 @@ the others at their next one. On a single device the vote is local and costs not
 
 Evaluation steps (validation, test, predict) are wrapped too: an OOM there splits that batch into
 chunks, runs them, and puts their outputs back together in order.
-
-Callbacks talk to the engine through :meth:`MicroBatchEngine.attach`, :meth:`~MicroBatchEngine.propose`,
-``next_proposal``, ``oom_handler``, ``attempt_checks``, ``backward_listeners``, ``measure_split``, the recovery rungs (:meth:`~MicroBatchEngine.add_rung`,
-:meth:`~MicroBatchEngine.turn_on`, ``rung_listeners``), ``loss_weighting``, ``compile_cause`` and
-``listeners``, and read it through :meth:`~MicroBatchEngine.effective_k`,
-:meth:`~MicroBatchEngine.micro_batch_size`, :meth:`~MicroBatchEngine.batch_size` and
-:meth:`~MicroBatchEngine.installed`; the rest is private, and no component of the pack reads it.
 """
 
 from lightning_gpuopt.microbatch.engine import (
@@ -59,8 +46,8 @@ from lightning_gpuopt.microbatch.errors import (
     RankOutOfMemoryError,
 )
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
-from lightning_gpuopt.microbatch.setup_checks import unsupported_strategy
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
+from lightning_gpuopt.support import unsupported_strategy
 
 __all__ = [
     "CHECKPOINTING",

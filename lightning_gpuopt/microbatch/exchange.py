@@ -1,38 +1,16 @@
 """What the micro-batch engine exchanges between ranks: one vote per batch, gradients at the optimizer step.
 
-Under DDP the engine runs every micro-batch under ``no_sync`` (DDP's own bucket all-reduce, launched
-from inside the backward, cannot survive an OOM that stops one rank mid-backward: the other ranks'
-collectives then mismatch and gloo/NCCL abort). Instead, once per batch, after every rank has
-finished its attempt (successfully or with an OOM):
+Under DDP every micro-batch runs under ``no_sync`` (DDP's bucket all-reduce inside the backward cannot
+survive an OOM that stops one rank mid-backward). Once per batch, after every rank finished its attempt,
+:meth:`DDPExchange.vote` (one small ``int64`` all-reduce of each rank's status and proposed k) gives every
+rank the same decision; at the optimizer-step boundary :meth:`DDPExchange.reduce` averages the gradients
+and broadcasts rank 0's buffers, in buckets through one reusable staging buffer per dtype.
+:class:`LocalExchange` is the same interface for a single device.
 
-1. :meth:`DDPExchange.vote`: one small ``int64`` all-reduce carries each rank's status (ok, OOM,
-   fatal, ...) and the k it proposes, in a slot of its own, plus which parameters have a gradient.
-   Every rank reads the same votes, so every rank takes the same decision (retry the batch with the
-   largest proposed k, stop together, or go on).
-2. At the optimizer-step boundary only, when every rank succeeded, :meth:`DDPExchange.reduce` averages
-   the gradients and gives every rank rank 0's module buffers (BatchNorm statistics, as DDP's
-   ``broadcast_buffers`` does), in buckets of ``bucket_bytes`` through one reusable staging buffer
-   per dtype: a few all-reduces per step, no allocation during the exchange.
-
-:class:`LocalExchange` is the same interface for a single device: no communication.
-
-Under FSDP2 (``fully_shard``) the collectives cannot be moved out of the step: every unit all-gathers
-its parameters in the forward and the backward and reduce-scatters its gradients in the backward. A
-rank that runs out of memory between two of them would leave the others waiting in the next one.
-:class:`FSDP2Exchange` therefore votes before *each* of FSDP's collectives, after FSDP allocated its
-buffers for it (the all-reduce of the same vote tensor as the per-batch vote): a rank that ran out of
-memory casts its per-batch vote, which meets the other ranks at their next collective's vote; they
-see the OOM there, stop their attempt (:class:`PeerFailure`) and take the same decision from the same
-votes. The ranks' sequences of collectives stay identical, so nothing hangs. Each vote reads its
-result on the host: the price of recovering under FSDP2 is one small all-reduce and one device sync
-per FSDP collective.
-
-Under HSDP (a 2-D ``(replicate, shard)`` mesh) FSDP all-gathers and reduce-scatters within a shard
-group, then all-reduces each reduce-scattered gradient across the replicas. Every rank votes in one
-global group (the default process group), before each all-gather and reduce-scatter and once more
-right after each reduce-scatter: FSDP calls the replicas' all-reduce straight after the
-reduce-scatter returns, so that vote stands before it, and a rank out of memory between the two
-stops its replicas before they enter the all-reduce.
+Under FSDP2 the collectives stay inside the step, so :class:`FSDP2Exchange` votes before *each* of FSDP's
+collectives (under HSDP in one global group, and once more before the replicas' all-reduce): a rank out of
+memory casts its vote, the others meet it at their next collective and stop (:class:`PeerFailure`), and
+the ranks' sequences of collectives stay identical. The long form: docs/oom-recovery.md.
 """
 
 from __future__ import annotations

@@ -15,15 +15,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStra
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt.microbatch.errors import Refused
-from lightning_gpuopt.support import (
-    Feature,
-    StrategyKind,
-    manual_optimization_refusal,
-    strategy_kind,
-    supports,
-)
+from lightning_gpuopt.support import Feature, manual_optimization_refusal, unsupported_strategy
 
-__all__ = ["check_strategy", "check_supported", "unsupported_strategy"]
+__all__ = ["check_strategy", "check_supported"]
 
 
 def check_supported(trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -44,39 +38,6 @@ def check_supported(trainer: pl.Trainer, module: pl.LightningModule) -> None:
             "several times per step). Use a first-order optimizer such as SGD or AdamW."
         )
     check_strategy(trainer.strategy, module)
-
-
-def unsupported_strategy(strategy: Any, feature: Feature) -> str | None:
-    """Why the engine cannot run ``feature`` under ``strategy``, naming the alternative; ``None`` when it can.
-
-    The answer comes from :mod:`lightning_gpuopt.support`, for ``Feature.OOM_RECOVERY`` or
-    ``Feature.BATCH_SIZE_SEARCH``: single device, DDP and FSDP2 without tensor parallelism, on a torch that
-    can reset FSDP2 after an interrupted step. Not under FSDP1 (``FSDPStrategy``) or DeepSpeed, whose
-    collectives inside the step cannot be kept in step when one rank runs out of memory.
-    """
-    feature = Feature(feature)
-    if feature not in (Feature.OOM_RECOVERY, Feature.BATCH_SIZE_SEARCH):
-        raise ValueError(
-            f"`feature` must be a micro-batching feature (OOMRecovery, MemoryAwareBatchSize), got {feature}"
-        )
-    answer = supports(feature, strategy)
-    if answer.supported:
-        return None
-    name = type(strategy).__name__
-    kind = strategy_kind(strategy)
-    if feature is Feature.OOM_RECOVERY and kind is StrategyKind.TENSOR_PARALLEL:
-        return (
-            f"micro-batching under {name} supports FSDP2 data parallelism only, got tensor_parallel_size="
-            f"{_compat.tensor_parallel_size(strategy)} (tensor-parallel collectives inside the forward cannot be kept in "
-            "step). Use tensor_parallel_size=1, or train without OOMRecovery here."
-        )
-    if kind is StrategyKind.FSDP2:
-        return f"{answer.reason}, or train without {feature.value} under {name}."
-    return (
-        f"micro-batching supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got {name} "
-        f"({answer.reason}). Use strategy='ddp' (or one device), or FSDP2Strategy for a sharded model, or train "
-        "without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
-    )
 
 
 def check_strategy(strategy: Any, module: pl.LightningModule) -> None:

@@ -72,14 +72,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     all processes. A module with its own ``configure_model`` is left to it. Runs on CUDA (NCCL) and on
     CPU (gloo).
 
-    With ``hsdp=True`` (hybrid sharding, HSDP) the units are sharded over a two-dimensional
-    ``(replicate, shard)`` mesh built with torch's ``init_device_mesh`` (:attr:`shard_mesh`): each
-    group of ``world_size / replicate_size`` consecutive ranks (by default the processes of one node)
-    shards the model, and the ``replicate_size`` groups (by default one per node) hold replicas that
-    all-reduce their sharded gradients. The parameters' all-gathers and the gradients'
-    reduce-scatters stay within a node; only 1/shard-size of the gradients crosses nodes. Lightning's
-    own ``(data_parallel, tensor_parallel)`` mesh (:attr:`device_mesh`) stays as it is: it spreads the
-    data over every rank.
+    With ``hsdp=True`` (hybrid sharding, HSDP) the units are sharded over a ``(replicate, shard)`` mesh
+    (:attr:`shard_mesh`): the ranks of a node shard the model, the nodes hold replicas, and only the sharded
+    gradients cross nodes (docs/multi-gpu.md, "HSDP").
 
     Args:
         shard_modules: module types to shard as units; ``None``: the repeated blocks.

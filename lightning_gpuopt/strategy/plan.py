@@ -259,18 +259,12 @@ def select_strategy(
 ) -> StrategyPlan:
     """Pick single device / DDP / FSDP (sharding, offload) / DeepSpeed from a per-device memory estimate.
 
-    The estimate per device: parameters, gradients (DDP's bucket copy included), optimizer state (by
-    optimizer type and precision, DeepSpeed's fp32 master weights), the largest unit gathered whole
-    under full sharding (twice: prefetch), buffers, and activations for ``micro_batch_size`` samples
-    (``activation_bytes`` when measured, e.g. by MemoryAwareBatchSize; else estimated from
-    ``sample_batch`` with autograd's saved-tensor hooks; else 0, said in the plan). Among the
-    candidates whose total stays under ``headroom`` × the device memory, the one with the least
-    communication is picked: single device < DDP < HSDP < sharding gradients and optimizer state <
-    full sharding < full sharding with CPU offload. HSDP (``num_nodes`` > 1, several devices per node:
-    full sharding within each node, the nodes replicate) holds 1/``devices`` of the state per device
-    plus the gathered units; it is picked whenever it fits and DDP does not, else sharding across all
-    ranks. DeepSpeed candidates are estimated always but picked only when deepspeed is installed. The
-    model may live on the ``meta`` device: nothing is read.
+    The estimate per device: parameters, gradients, optimizer state, the largest unit gathered under full
+    sharding (twice: prefetch), buffers, and activations for ``micro_batch_size`` samples (measured, estimated
+    from ``sample_batch``, else 0, said in the plan). Among the candidates under ``headroom`` × the device
+    memory, the one with the least communication is picked: single device < DDP < HSDP < sharding gradients
+    and optimizer state < full sharding < full sharding with CPU offload (DeepSpeed only when installed). The
+    model may live on the ``meta`` device. docs/multi-gpu.md has the long form.
 
     Args:
         model: the model (a LightningModule or any ``nn.Module``).

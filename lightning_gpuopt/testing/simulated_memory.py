@@ -1,31 +1,11 @@
 """SimulatedMemory: the CPU as a GPU-like memory device, for testing memory logic on real training code.
 
-How bytes are counted (see docs/memory.md for the full list of what is and is not modelled):
-
-* **New allocations** while entered. The ``"allocator"`` backend installs a counting c10 CPU
-  allocator (a small C++ library built on first use, see ``lightning_gpuopt/memory/_native.py``): it
-  sees every CPU tensor allocation of every thread, including kernel-internal temporaries, and raises at allocation time.
-  The ``"dispatch"`` backend (pure Python, used where no C++ compiler exists) counts op outputs on
-  the entering thread; it misses kernel-internal temporaries.
-* **Tensors that existed before entering**, counted the first time the training touches them, as if
-  they had just been moved to the device: parameters and buffers of a module and of all its
-  submodules when it is first called eagerly (hooks do nothing inside code dynamo compiles),
-  parameters, gradients and state of an optimizer when it steps (their whole storage, until it
-  dies), and inputs -- every tensor of a batch a DataLoader yields, the tensors passed to a module,
-  whatever is passed to :meth:`SimulatedMemory.track` -- as a copy to the device would: a view into a
-  bigger host storage (a slice of a dataset) counts its own bytes until the view dies.
-* **Collectives** (``torch.distributed`` calls such as ``all_reduce`` or ``all_gather_single``): what
-  they allocate while they run is counted but never raises. On a GPU, NCCL writes into output buffers
-  allocated before the call (those are limit-checked like any allocation); the temporaries gloo makes
-  on the CPU have no counterpart there, and an OOM inside a collective would stop one rank after the
-  others entered it, which no GPU run would do.
-* **DataLoader batches** are moved to the simulated device on arrival, as Lightning moves them to a
-  GPU: a batch tensor that is not already counted -- it came from a worker process (in shared
-  memory, which no allocator of this process made) or is the dataset's own tensor -- is replaced by
-  a copy made under the counter (limit-checked like any allocation), which dies with the batch. A
-  batch collated in this process is counted already and passes through unchanged.
-* **Under torch.compile** nothing of the simulation is traced and the same graphs compile; the
-  allocator backend counts inductor's generated code like any other (see docs/memory.md).
+It counts new allocations while entered (the ``"allocator"`` backend: a counting c10 CPU allocator built on
+first use, which sees kernel-internal temporaries and raises at allocation time; the ``"dispatch"``
+backend, pure Python, counts op outputs on the entering thread), tensors that existed before entering the
+first time training touches them (module parameters and buffers, optimizer state, inputs), what
+collectives allocate (counted, never raising), and DataLoader batches moved to the simulated device as
+Lightning moves them to a GPU. docs/memory.md lists what is and is not modelled.
 
 The instance is the active :class:`~lightning_gpuopt.memory.MemoryProbe` while entered, so
 ``get_probe()`` returns it and everything built on the probe runs unchanged on CPU.

@@ -127,3 +127,21 @@ def test_resume_continues_the_schedule_exactly(tmp_path):
     trainer = pl.Trainer(precision="64-true", callbacks=callbacks(), max_epochs=2, **TRAINER_QUIET)
     trainer.fit(resumed, quadratic_loader(4096, batch_size=16, steps=400, seed=1), ckpt_path=path)
     torch.testing.assert_close(resumed.theta, straight.theta, rtol=1e-12, atol=1e-14)  # splits round alike
+
+
+@pytest.mark.parametrize(
+    ("callback", "who"),
+    [(AdaptiveBatchSize, "AdaptiveBatchSize"), (GradientNoiseScale, "GradientNoiseScale")],
+)
+def test_an_unsupported_strategy_is_refused_in_setup_naming_the_callback(callback, who):
+    """The refusal comes from the support table (AdaptiveBatchSize has its own row), before anything runs."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[])  # FSDP1 needs a GPU to build a Trainer
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^{who}: micro-batching supports single-device, DDP and FSDP2 .*got FSDPStrategy",
+    ):
+        callback().setup(trainer, Quadratic(), "fit")
