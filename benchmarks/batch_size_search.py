@@ -15,7 +15,7 @@ interleaved (the order rotates each repeat; the default first in the first), in 
 medians, and ``first s`` is the method's first call (the default's: cold caches). Reported: the size found
 (the smallest over repeats) against the true maximum, whether 8 real training steps then run under the
 limit (``survives``), the search's training steps and wall time. The true maximum (computed once, not
-timed) bisects the steady-state peak (second step) of unlimited fits. Targets: the default within
+timed) bisects 3 real training steps under the limit. Targets: the default within
 90-100 % of the true maximum, binsearch's time / the default's >= 3, the default's time at most 1.1x the
 faster of ``traced`` and ``measured``. Writes ``batch_size_search.json``; exit 1 when a target is missed.
 """
@@ -136,19 +136,12 @@ class StepPeaks(pl.Callback):
 
     def __init__(self) -> None:
         self.peaks: list[int] = []
-        self.trial_steps = 0
-        self._started = False
-        self._calls_at_start = Counted.calls
+        self.trial_steps, self.started, self._calls_at_start = 0, False, Counted.calls
 
-    @property
-    def started(self) -> bool:
-        return self._started
-
-    @started.setter
-    def started(self, value: bool) -> None:
-        if value and not self._started:  # every training_step so far was a trial
-            self.trial_steps = Counted.calls - self._calls_at_start
-        self._started = value
+    def start(self) -> None:
+        """The search is over: every training_step so far was a trial."""
+        if not self.started:
+            self.trial_steps, self.started = Counted.calls - self._calls_at_start, True
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.started:
@@ -169,7 +162,8 @@ class TimedFinder(BatchSizeFinder):
     def scale_batch_size(self, *args: Any) -> None:
         started = time.perf_counter()
         super().scale_batch_size(*args)
-        self.search_s, self.peaks.started = time.perf_counter() - started, True
+        self.search_s = time.perf_counter() - started
+        self.peaks.start()
 
 
 class TimedOurs(MemoryAwareBatchSize):
@@ -182,18 +176,8 @@ class TimedOurs(MemoryAwareBatchSize):
     def on_fit_start(self, *args: Any) -> None:
         started = time.perf_counter()
         super().on_fit_start(*args)
-        self.search_s, self.peaks.started = time.perf_counter() - started, True
-
-
-def _fit(
-    workload: Workload, dataset: Dataset, batch_size: int, steps: int, callbacks: list, limit: int | None
-):
-    pl.seed_everything(0, verbose=False)
-    data = Data(dataset, batch_size)
-    trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, **TRAINER)
-    with SimulatedMemory(limit):
-        trainer.fit(Counted(workload.build, workload.optimizer), datamodule=data)
-    return data
+        self.search_s = time.perf_counter() - started
+        self.peaks.start()
 
 
 def _fit(
@@ -208,29 +192,41 @@ def _fit(
 
 
 class TruePeaks:
-    """Steady-state peak of real training at each batch size (the second step of an unlimited fit), cached."""
+    """Steady-state peak of real training at each batch size (the second step of an unlimited fit), and whether
+    training runs under a limit, cached."""
 
     def __init__(self, workload: Workload, dataset: Dataset) -> None:
         self.workload, self.dataset = workload, dataset
         self.peaks: dict[int, int] = {}
+        self.fits: dict[tuple[int, int], bool] = {}
 
     def __call__(self, batch_size: int) -> int:
         if batch_size not in self.peaks:
             recorder = StepPeaks()
-            recorder.started = True
+            recorder.start()
             _fit(self.workload, self.dataset, batch_size, 2, [recorder], None)
             self.peaks[batch_size] = recorder.peaks[-1]
         return self.peaks[batch_size]
 
+    def trains(self, batch_size: int, limit: int) -> bool:
+        """Whether 3 real training steps at ``batch_size`` run under ``limit`` (cached)."""
+        if (batch_size, limit) not in self.fits:
+            try:
+                _fit(self.workload, self.dataset, batch_size, 3, [], limit)
+                self.fits[batch_size, limit] = True
+            except torch.OutOfMemoryError:
+                self.fits[batch_size, limit] = False
+        return self.fits[batch_size, limit]
+
     def largest_within(self, limit: int, low: int, high: int) -> int:
-        """Bisection: the largest batch size whose steady peak is within ``limit`` (``low`` fits, ``high`` does not)."""
-        if self(low) > limit or self(high) <= limit:
+        """Bisection of real steps under ``limit``: the largest batch size that trains (``low`` does, ``high`` not)."""
+        if not self.trains(low, limit) or self.trains(high, limit):
             raise RuntimeError(
                 f"{self.workload.name}: the true maximum for {limit} B is not in [{low}, {high})"
             )
         while high - low > 1:
             mid = (low + high) // 2
-            low, high = (mid, high) if self(mid) <= limit else (low, mid)
+            low, high = (mid, high) if self.trains(mid, limit) else (low, mid)
         return low
 
 

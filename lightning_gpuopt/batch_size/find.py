@@ -19,7 +19,7 @@ from lightning_gpuopt.batch_size.modes import SearchSpace
 from lightning_gpuopt.batch_size.peak_model import memory_budget
 from lightning_gpuopt.batch_size.predicted import PredictedSearch
 from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch, StepMeasurement, run_trials
-from lightning_gpuopt.batch_size.trace import start_search, time_trace
+from lightning_gpuopt.batch_size.trace import Tracer, make_tracer, start_search
 from lightning_gpuopt.batch_size.trial import TrialSteps, local_bytes
 from lightning_gpuopt.memory import MemoryProbe, format_bytes
 from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
@@ -116,6 +116,9 @@ def _auto_search(
     """``predict=None``: one real step at the first size, timed against one trace; the cheaper start wins.
 
     The real step is kept as the measured search's first measurement, so the measured path loses nothing.
+    The trace is stopped once it has cost a :data:`TRACES_PER_SEARCH`-th of the real step (the traced start
+    has lost by then), so that finding out costs the measured path at most that; it is kept as the traced
+    start's first trace. A later search of the same step reuses the time (and the trace) instead of timing again.
     """
     if sharded:
         return SizeSearch(
@@ -135,12 +138,29 @@ def _auto_search(
         measurement = StepMeasurement(actual, None)
     elif trials.held_bytes is not None:
         measured.base_bytes = trials.held_bytes + extra_bytes
-    trace_s = time_trace(trainer, module, space.make_batch, space.batch_idx, actual)
-    trace = "none (the step cannot be traced)" if trace_s is None else f"{trace_s:.3f} s"
+    tracer = (
+        make_tracer(trainer, module, space.make_batch, space.batch_idx, actual)
+        if trainer.optimizers
+        else None
+    )
+    limit_s = step_s / TRACES_PER_SEARCH
+    known = tracer.seconds if tracer is not None else None
+    if tracer is None:
+        trace_s, trace = None, "none (no optimizer to trace)"
+    elif known is not None and (known[1] or known[0] >= limit_s):  # timed in an earlier search of this step
+        trace_s = known[0] if known[1] else None
+        trace = f"{'' if known[1] else 'over '}{known[0]:.3f} s (timed in an earlier search)"
+    else:
+        trace_s = tracer.timed(actual, limit_s)
+        trace = f"{trace_s:.3f} s" if trace_s is not None else f"stopped after {limit_s:.3f} s"
+        if trace_s is None and tracer.seconds is None:
+            trace = "none (the step cannot be traced)"
     timing = f"a real step {step_s:.3f} s against a trace {trace}"
     if prefer_traces(step_s, trace_s):
         search["base_bytes"] = measured.base_bytes
-        chosen, note = start_search(trainer, module, space.make_batch, space.batch_idx, pending, **search)
+        chosen, note = start_search(
+            trainer, module, space.make_batch, space.batch_idx, pending, tracer=tracer, first=actual, **search
+        )
         if chosen.next_size() == actual:  # the timed step is the traced search's first step: kept, not rerun
             chosen.record(measurement)
         return (
@@ -211,6 +231,9 @@ def find_largest_size(
         result = run_trials(search, trials, space.make_batch, extra)
         if isinstance(search, PredictedSearch):
             note = f"{note}; {search.note}" if note else search.note
+            tracer = search.tracer
+            if isinstance(tracer, Tracer) and tracer.reused:
+                note += f" ({tracer.traced} trace(s) run, {tracer.reused} reused from before)"
     return SearchRun(
         result=result,
         budget_bytes=budget,

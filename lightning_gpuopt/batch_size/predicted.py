@@ -63,9 +63,8 @@ _MAX_SCALE = 4.0
 #: After a calibrated step did not fit, the next aims at this share of it: if it fits, it is within 10 %
 #: of the largest that fits (which lies below the size that did not).
 _RETREAT = 0.9
-#: Traces at most before the first real step (each costs about as much as a real step's wall time, and allocates
-#: none of the step: on the CPU, single operator calls measure their kernels' scratch). Each completed real
-#: step that a calibrated one follows is traced too.
+#: Traces at most before the first real step (each costs its fake operators, and allocates none of the step).
+#: Each completed real step that a calibrated one follows is traced too.
 MAX_TRACES = 3
 #: A third trace is skipped when the size it would trace is this close to a traced one (relative).
 _CLOSE = 0.05
@@ -158,6 +157,7 @@ def plan_traces(
     smallest: int,
     largest: int,
     max_traces: int = MAX_TRACES,
+    first: int | None = None,
 ) -> TransientCurve:
     """Trace at a small size, then toward the size predicted to fit, and return the curve through the traces.
 
@@ -174,6 +174,8 @@ def plan_traces(
         smallest: the smallest size allowed.
         largest: the largest size worth trying.
         max_traces: the most traces.
+        first: the first size traced (``None``: 2 samples): a size traced already (a trace timed against a
+            real step of that size) is reused.
 
     Example:
         >>> step = lambda n: TracedStep(n, 100 + 10 * n + n * n)  # memory growing faster than linearly
@@ -183,7 +185,7 @@ def plan_traces(
         >>> max(n for n in range(1, 100) if 1000 + curve(n) <= 3000)  # the truth: 38 (39 needs 2011 bytes)
         38
     """
-    first = min(largest, max(smallest, 2))
+    first = min(largest, max(smallest, 2 if first is None else first))
     traces = [trace(first)]
     while len(traces) < max_traces:
         curve = TransientCurve(tuple(traces))

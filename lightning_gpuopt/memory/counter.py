@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +20,33 @@ from lightning_gpuopt.memory.walk import tensors
 
 __all__ = [
     "StorageCounter",
+    "TraceTimeout",
     "storage_key",
+    "time_limit",
 ]
+
+
+class TraceTimeout(Exception):
+    """A trace ran past its :func:`time_limit`: it was stopped at the next operator."""
+
+
+#: ``time.perf_counter()`` after which a counter started now stops its trace (``None``: no limit).
+_deadline: float | None = None
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Traces started inside stop with :class:`TraceTimeout` once ``seconds`` have passed (checked per operator).
+
+    A trace costs what its operators cost; this bounds what finding out costs where only "is a trace cheaper
+    than X?" matters.
+    """
+    global _deadline
+    previous, _deadline = _deadline, time.perf_counter() + seconds
+    try:
+        yield
+    finally:
+        _deadline = previous
 
 
 _DATA_DEPENDENT = {
@@ -83,6 +110,7 @@ class StorageCounter(TorchDispatchMode):
         self.scale: int = 1  # sharded optimizer steps: every allocation is a shard
         self.host_phase = False  # offloaded optimizer steps: allocations live on the host
         self.guessed: set[str] = set()  # data-dependent operators answered with a guess
+        self.deadline = _deadline  # time.perf_counter() past which the trace stops (time_limit)
 
     # --- accounting --------------------------------------------------------------------------------
     def default_category(self) -> MemoryCategory:
@@ -230,6 +258,8 @@ class StorageCounter(TorchDispatchMode):
 
     # --- the mode ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise TraceTimeout("the trace ran past its time limit")
         if func in _DATA_DEPENDENT:
             # A value fake tensors do not have (``.item()``, ``torch.equal``): guess the common case (a
             # mask is what it is checked to be, a count is 1) and say so in the prediction.
