@@ -27,7 +27,7 @@ __all__ = [
 
 
 class TraceTimeout(Exception):
-    """A trace ran past its :func:`time_limit`: it was stopped at the next operator."""
+    """A trace ran past its :func:`time_limit`: it was stopped at the next phase or module."""
 
 
 #: ``time.perf_counter()`` after which a counter started now stops its trace (``None``: no limit).
@@ -36,7 +36,10 @@ _deadline: float | None = None
 
 @contextlib.contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
-    """Traces started inside stop with :class:`TraceTimeout` once ``seconds`` have passed (checked per operator).
+    """Traces started inside stop with :class:`TraceTimeout` once ``seconds`` have passed.
+
+    Checked at each phase and each module's forward (:meth:`StorageCounter.check_deadline`), so a trace
+    stops within one module's forward (or one backward) of the limit.
 
     A trace costs what its operators cost; this bounds what finding out costs where only "is a trace cheaper
     than X?" matters.
@@ -221,8 +224,18 @@ class StorageCounter(TorchDispatchMode):
         if self._peak_pending:
             self._snapshot()
 
+    def check_deadline(self) -> None:
+        """Raise :class:`TraceTimeout` past the :func:`time_limit` this counter started under.
+
+        Called where Python runs between operators (a phase starting, a module's forward starting): an
+        exception raised from inside an operator's dispatch can cross C++ that does not pass it on.
+        """
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise TraceTimeout("the trace ran past its time limit")
+
     def start_phase(self, phase: Phase) -> None:
         """Close the running phase (its peak is kept) and start ``phase`` with a fresh peak."""
+        self.check_deadline()
         self.finish()
         if self.peak_state[1]:  # a step's phase: keep its peak
             self.phase_peaks.append((self.peak, self.peak_state, self.transient_peak))
@@ -258,8 +271,6 @@ class StorageCounter(TorchDispatchMode):
 
     # --- the mode ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            raise TraceTimeout("the trace ran past its time limit")
         if func in _DATA_DEPENDENT:
             # A value fake tensors do not have (``.item()``, ``torch.equal``): guess the common case (a
             # mask is what it is checked to be, a count is 1) and say so in the prediction.
