@@ -309,8 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--models", nargs="+", choices=names, default=names)
     parser.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (default 3)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=1, help="torch threads (default 1: shared cores)"
+    )
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
+    torch.set_num_threads(args.threads)  # 2 threads on 2 cores shared with other jobs: waits swing 10x
     quiet(logging.ERROR, every_warning=True)
     started = time.perf_counter()
     setup = {

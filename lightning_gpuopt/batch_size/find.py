@@ -145,16 +145,15 @@ def _auto_search(
     )
     limit_s = step_s / TRACES_PER_SEARCH
     known = tracer.seconds if tracer is not None else None
-    if tracer is None:
-        trace_s, trace = None, "none (no optimizer to trace)"
-    elif known is not None and (known[1] or known[0] >= limit_s):  # timed in an earlier search of this step
-        trace_s = known[0] if known[1] else None
-        trace = f"{'' if known[1] else 'over '}{known[0]:.3f} s (timed in an earlier search)"
+    # Timed in an earlier search of this step: that time serves (a trace stopped sooner says nothing).
+    earlier = known is not None and (known[1] or known[0] >= limit_s)
+    timed = known if earlier else tracer.timed(actual, limit_s) if tracer is not None else None
+    if timed is None:
+        trace_s, trace = None, "none (the step cannot be traced)"
     else:
-        trace_s = tracer.timed(actual, limit_s)
-        trace = f"{trace_s:.3f} s" if trace_s is not None else f"stopped after {limit_s:.3f} s"
-        if trace_s is None and tracer.seconds is None:
-            trace = "none (the step cannot be traced)"
+        trace_s = timed[0] if timed[1] else None
+        trace = f"{timed[0]:.3f} s" if timed[1] else f"stopped after {timed[0]:.3f} s"
+        trace += " (timed in an earlier search)" if earlier else ""
     timing = f"a real step {step_s:.3f} s against a trace {trace}"
     if prefer_traces(step_s, trace_s):
         search["base_bytes"] = measured.base_bytes

@@ -204,21 +204,20 @@ class Tracer:
         self.traces[n] = traced = traced_step(prediction, self.whole)
         return traced
 
-    def timed(self, n: int, limit_s: float) -> float | None:
-        """Seconds a trace at ``n`` samples takes, stopped after ``limit_s`` (then ``None``; also ``None``
-        when the step cannot be traced). Kept for the next search of this step; the trace is kept too."""
+    def timed(self, n: int, limit_s: float) -> tuple[float, bool] | None:
+        """Seconds a trace at ``n`` samples takes, stopped once past ``limit_s``, and whether it finished
+        (``None``: the step cannot be traced). Kept for the next search of this step; the trace is kept too."""
         started = time.perf_counter()
         try:
             with time_limit(limit_s):
                 self(n)
+            finished = True
         except TraceTimeout:
-            _TRACE_SECONDS[self.key] = (time.perf_counter() - started, False)
-            return None
+            finished = False
         except CannotPredict:
             return None
-        seconds = time.perf_counter() - started
-        _TRACE_SECONDS[self.key] = (seconds, True)
-        return seconds
+        _TRACE_SECONDS[self.key] = timing = (time.perf_counter() - started, finished)
+        return timing
 
 
 def make_tracer(

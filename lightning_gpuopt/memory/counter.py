@@ -21,9 +21,17 @@ from lightning_gpuopt.memory.walk import tensors
 __all__ = [
     "StorageCounter",
     "TraceTimeout",
+    "check_deadline",
     "storage_key",
     "time_limit",
 ]
+
+
+def check_deadline(deadline: float | None = None) -> None:
+    """Raise :class:`TraceTimeout` past ``deadline`` (``None``: the :func:`time_limit` in force now)."""
+    deadline = _deadline if deadline is None else deadline
+    if deadline is not None and time.perf_counter() > deadline:
+        raise TraceTimeout("the trace ran past its time limit")
 
 
 class TraceTimeout(Exception):
@@ -38,8 +46,9 @@ _deadline: float | None = None
 def time_limit(seconds: float) -> Iterator[None]:
     """Traces started inside stop with :class:`TraceTimeout` once ``seconds`` have passed.
 
-    Checked at each phase and each module's forward (:meth:`StorageCounter.check_deadline`), so a trace
-    stops within one module's forward (or one backward) of the limit.
+    Checked while the parameters are swapped for fakes (per module), at each phase and at each module's
+    forward (:meth:`StorageCounter.check_deadline`), so a trace stops within one module's forward (or one
+    backward) of the limit.
 
     A trace costs what its operators cost; this bounds what finding out costs where only "is a trace cheaper
     than X?" matters.
@@ -230,8 +239,7 @@ class StorageCounter(TorchDispatchMode):
         Called where Python runs between operators (a phase starting, a module's forward starting): an
         exception raised from inside an operator's dispatch can cross C++ that does not pass it on.
         """
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            raise TraceTimeout("the trace ran past its time limit")
+        check_deadline(self.deadline)
 
     def start_phase(self, phase: Phase) -> None:
         """Close the running phase (its peak is kept) and start ``phase`` with a fresh peak."""
