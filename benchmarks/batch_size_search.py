@@ -1,23 +1,19 @@
 """MemoryAwareBatchSize(mode="max") against Lightning's BatchSizeFinder(mode="binsearch") on CPU, one limit per model.
 
-    python benchmarks/batch_size_search.py                    # 3 interleaved repeats, ~5 minutes on 2 busy cores
-    python benchmarks/batch_size_search.py --quick            # one repeat
-    python benchmarks/batch_size_search.py --repeats 5 --models squeezenet --out DIR
+    python benchmarks/batch_size_search.py [--repeats 3] [--quick] [--models squeezenet] [--threads 1] [--out DIR]
 
-Per model -- torchvision SqueezeNet 1.1 on 3x32x32 images and Lightning's demo Transformer
-(``lightning.pytorch.demos.Transformer``, 2+2 layers, 32 wide, 16 tokens), both SGD with momentum -- one
-:class:`~lightning_gpuopt.testing.SimulatedMemory` limit, 60 % of the steady peak at a batch of 256. Each
-method looks for the largest ``batch_size`` that trains, from 8: ``default`` is
-``MemoryAwareBatchSize(mode="max", target_fraction=1.0)`` (``predict=None``: traced or measured start,
-chosen from timed costs), ``traced`` and ``measured`` the same with ``predict=True`` / ``predict=False``,
-``binsearch`` is ``BatchSizeFinder(mode="binsearch")`` with Lightning's defaults. The methods run
-interleaved (the order rotates each repeat; the default first in the first), in one process; times are
-medians, and ``first s`` is the method's first call (the default's: cold caches). Reported: the size found
-(the smallest over repeats) against the true maximum, whether 8 real training steps then run under the
-limit (``survives``), the search's training steps and wall time. The true maximum (computed once, not
-timed) bisects 3 real training steps under the limit. Targets: the default within
-90-100 % of the true maximum, binsearch's time / the default's >= 3, the default's time at most 1.1x the
-faster of ``traced`` and ``measured``. Writes ``batch_size_search.json``; exit 1 when a target is missed.
+Models: torchvision SqueezeNet 1.1 on 3x32x32 images and Lightning's demo Transformer (2+2 layers, 32 wide,
+16 tokens), SGD momentum; the SimulatedMemory limit is 60 % of the steady peak at a batch of 256. From
+``batch_size=8``: ``default`` is ``MemoryAwareBatchSize(mode="max", target_fraction=1.0)`` (``predict=None``),
+``traced`` / ``measured`` the same with ``predict=True`` / ``False``, ``binsearch`` Lightning's defaults. The
+methods run interleaved (the order rotates each repeat, the default first in the first) in one process:
+times are medians, ``first s`` a method's first call (the default's: cold caches). The size found (the
+smallest over repeats) is set against the true maximum (computed once, untimed): the largest size at which
+3 real steps train under the limit, by bisection, in the loop each answer trains in (ours: held to the size
+by ``min_batch_size=max_batch_size=n``, its whole batch zeroing gradients before the forward; binsearch:
+plain Lightning's). ``survives``: 8 real steps then train. Targets: the default within 90-100 % of the true
+maximum, binsearch's time / the default's >= 3, the default at most 1.1x the faster of ``traced`` and
+``measured``. Writes ``batch_size_search.json``; exit 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -192,13 +188,12 @@ def _fit(
 
 
 class TruePeaks:
-    """Steady-state peak of real training at each batch size (the second step of an unlimited fit), and whether
-    training runs under a limit, cached."""
+    """Steady-state peak at a batch size (the second step of an unlimited fit), and the true maxima under ``limit``."""
 
     def __init__(self, workload: Workload, dataset: Dataset) -> None:
-        self.workload, self.dataset = workload, dataset
+        self.workload, self.dataset, self.limit = workload, dataset, None
         self.peaks: dict[int, int] = {}
-        self.fits: dict[tuple[int, int], bool] = {}
+        self.fits: dict[tuple[int, bool], bool] = {}
 
     def __call__(self, batch_size: int) -> int:
         if batch_size not in self.peaks:
@@ -208,25 +203,30 @@ class TruePeaks:
             self.peaks[batch_size] = recorder.peaks[-1]
         return self.peaks[batch_size]
 
-    def trains(self, batch_size: int, limit: int) -> bool:
-        """Whether 3 real training steps at ``batch_size`` run under ``limit`` (cached)."""
-        if (batch_size, limit) not in self.fits:
+    def trains(self, n: int, pack: bool) -> bool:
+        """Whether 3 real training steps at ``n`` run under the limit; ``pack``: in the pack's loop."""
+        if (n, pack) not in self.fits:
+            held = dict(min_batch_size=n, max_batch_size=n, predict=False, verbose=False)
             try:
-                _fit(self.workload, self.dataset, batch_size, 3, [], limit)
-                self.fits[batch_size, limit] = True
+                _fit(
+                    self.workload,
+                    self.dataset,
+                    n,
+                    3,
+                    [MemoryAwareBatchSize("max", 1.0, **held)] * pack,
+                    self.limit,
+                )
+                self.fits[n, pack] = True
             except torch.OutOfMemoryError:
-                self.fits[batch_size, limit] = False
-        return self.fits[batch_size, limit]
+                self.fits[n, pack] = False
+        return self.fits[n, pack]
 
-    def largest_within(self, limit: int, low: int, high: int) -> int:
-        """Bisection of real steps under ``limit``: the largest batch size that trains (``low`` does, ``high`` not)."""
-        if not self.trains(low, limit) or self.trains(high, limit):
-            raise RuntimeError(
-                f"{self.workload.name}: the true maximum for {limit} B is not in [{low}, {high})"
-            )
+    def largest(self, low: int, high: int, pack: bool) -> int:
+        """Bisection: the largest batch size that trains (``low`` does, ``high`` does not)."""
+        assert self.trains(low, pack) and not self.trains(high, pack), "the true maximum is out of range"
         while high - low > 1:
             mid = (low + high) // 2
-            low, high = (mid, high) if self.trains(mid, limit) else (low, mid)
+            low, high = (mid, high) if self.trains(mid, pack) else (low, mid)
         return low
 
 
@@ -268,13 +268,19 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
 
 
 def _summary(repeats: list[dict[str, Any]], true_max: int) -> dict[str, Any]:
-    """One method's repeats: the smallest size found, the median search time, the first call's time."""
+    """One method's repeats: the smallest size found (of ``true_max``, kept), the median search time, the first's."""
     worst = min(repeats, key=lambda r: r["found"] or 0)
     times = [r["search_s"] for r in repeats]
     fraction = worst["found"] / true_max if worst["found"] else None
     summary = {**worst, "fraction": fraction, "survives": all(r["survives"] for r in repeats)}
     summary["path"] = worst["note"].split(",")[0].split(";")[0].split(" (")[0][:40]
-    return {**summary, "search_s": statistics.median(times), "first_s": times[0], "repeats_s": times}
+    return {
+        **summary,
+        "true_max": true_max,
+        "search_s": statistics.median(times),
+        "first_s": times[0],
+        "repeats_s": times,
+    }
 
 
 def report(results: dict[str, Any]) -> None:
@@ -287,7 +293,7 @@ def report(results: dict[str, Any]) -> None:
                 fraction = f"{run['fraction']:.1%}" if run["fraction"] is not None else "-"
                 limit = f"{case['limit_bytes'] / 2**20:.1f} MiB"
                 survives = "yes" if run["survives"] else "NO"
-                cells = (name, limit, case["true_max"], method, run["found"], fraction, survives)
+                cells = (name, limit, run["true_max"], method, run["found"], fraction, survives)
                 times = (f"{run['search_s']:.2f}", f"{run['first_s']:.2f}", run["path"])
                 rows.append((*cells, run["trial_steps"], *times))
     print_table(rows)
@@ -319,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     setup = {
         "repeats": repeats,
+        "threads": args.threads,
         "start_batch_size": START_BATCH_SIZE,
         "train_steps_after_search": TRAIN_STEPS,
     }
@@ -327,23 +334,32 @@ def main(argv: list[str] | None = None) -> int:
         # Host data, made before any SimulatedMemory.
         dataset = workload.data(4096, torch.Generator().manual_seed(0))
         truth = TruePeaks(workload, dataset)
-        limit = int(LIMIT_SHARE * truth(LIMIT_AT))
-        true_max = truth.largest_within(limit, START_BATCH_SIZE, LIMIT_AT)
-        print(f"{workload.name}: limit {limit / 2**20:.1f} MiB, true maximum {true_max} ...", flush=True)
+        limit = truth.limit = int(LIMIT_SHARE * truth(LIMIT_AT))
+        plain, true_max = (truth.largest(START_BATCH_SIZE, LIMIT_AT, pack) for pack in (False, True))
+        print(
+            f"{workload.name}: limit {limit / 2**20:.1f} MiB, true maximum {true_max} (plain {plain})",
+            flush=True,
+        )
         done: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         for r in range(repeats):
             for method in METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]:
                 run = _run(method, workload, dataset, limit)
                 done[method].append(run)
                 print(f"  {method}: {run['found']}, {run['search_s']:.2f} s {run['note'][:80]}", flush=True)
-        runs = {m: _summary(done[m], true_max) for m in METHODS}
+        runs = {m: _summary(done[m], true_max if m in OURS else plain) for m in METHODS}
         best = min(("traced", "measured"), key=lambda m: runs[m]["search_s"])
         speedups = {
             "binsearch_over_default": runs["binsearch"]["search_s"] / runs["default"]["search_s"],
             "default_over_best_path": runs["default"]["search_s"] / runs[best]["search_s"],
             "best_path": best,
         }
-        case = {"fraction": LIMIT_SHARE, "limit_bytes": limit, "true_max": true_max, "runs": runs}
+        case = {
+            "fraction": LIMIT_SHARE,
+            "limit_bytes": limit,
+            "true_max": true_max,
+            "plain_max": plain,
+            "runs": runs,
+        }
         entry = {"description": workload.description, "limits": [case], "speedups": speedups}
         entry["true_peaks"] = {str(k): v for k, v in sorted(truth.peaks.items())}
         results["models"][workload.name] = entry

@@ -117,8 +117,10 @@ def _auto_search(
 
     The real step is kept as the measured search's first measurement, so the measured path loses nothing.
     The trace is stopped once it has cost a :data:`TRACES_PER_SEARCH`-th of the real step (the traced start
-    has lost by then), so that finding out costs the measured path at most that; it is kept as the traced
-    start's first trace. A later search of the same step reuses the time (and the trace) instead of timing again.
+    has lost by then), so that finding out costs the measured path at most that; a finished trace is kept
+    (the traced start traces the first step's size too). A later search of the same step reuses the time
+    instead of timing again, and takes the traced start where every trace it plans is kept (they cost
+    nothing, and it saves a real step).
     """
     if sharded:
         return SizeSearch(
@@ -155,23 +157,39 @@ def _auto_search(
         trace = f"{timed[0]:.3f} s" if timed[1] else f"stopped after {timed[0]:.3f} s"
         trace += " (timed in an earlier search)" if earlier else ""
     timing = f"a real step {step_s:.3f} s against a trace {trace}"
-    if prefer_traces(step_s, trace_s):
-        search["base_bytes"] = measured.base_bytes
-        chosen, note = start_search(
-            trainer, module, space.make_batch, space.batch_idx, pending, tracer=tracer, first=actual, **search
-        )
+    # The traced start plans as predict=True does (the same traces: each reuses the other's), from the memory
+    # held before the first step; its search then goes on from the first step's measurement.
+    plan = (trainer, module, space.make_batch, space.batch_idx, pending)
+    kept = tracer is not None and _kept(tracer, plan, search)
+    if kept or prefer_traces(step_s, trace_s):
+        chosen, note = start_search(*plan, tracer=tracer, **search)
+        chosen.base_bytes = measured.base_bytes
         if chosen.next_size() == actual:  # the timed step is the traced search's first step: kept, not rerun
             chosen.record(measurement)
-        return (
-            chosen,
-            note
-            or f"auto: traced start, {timing} ({TRACES_PER_SEARCH} traces cost less than the step they save)",
+        why = (
+            "every trace it needs kept from an earlier search: they cost nothing"
+            if kept
+            else f"{TRACES_PER_SEARCH} traces cost less than the step they save"
         )
+        return chosen, note or f"auto: traced start, {timing} ({why})"
     measured.record(measurement)
     return (
         measured,
         f"auto: measured steps, {timing} ({TRACES_PER_SEARCH} traces cost more than the step they save)",
     )
+
+
+def _kept(tracer: Tracer, plan: tuple, search: dict[str, Any]) -> bool:
+    """Whether every trace the traced start would plan is kept from an earlier search (a dry run of the plan)."""
+
+    def lookup(n: int) -> Any:
+        return tracer.traces[n]  # KeyError: not kept
+
+    try:
+        start_search(*plan, tracer=lookup, **search)
+    except KeyError:
+        return False
+    return bool(tracer.traces)
 
 
 def find_largest_size(

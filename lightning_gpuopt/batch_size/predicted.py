@@ -157,7 +157,6 @@ def plan_traces(
     smallest: int,
     largest: int,
     max_traces: int = MAX_TRACES,
-    first: int | None = None,
 ) -> TransientCurve:
     """Trace at a small size, then toward the size predicted to fit, and return the curve through the traces.
 
@@ -174,8 +173,6 @@ def plan_traces(
         smallest: the smallest size allowed.
         largest: the largest size worth trying.
         max_traces: the most traces.
-        first: the first size traced (``None``: 2 samples): a size traced already (a trace timed against a
-            real step of that size) is reused.
 
     Example:
         >>> step = lambda n: TracedStep(n, 100 + 10 * n + n * n)  # memory growing faster than linearly
@@ -185,7 +182,7 @@ def plan_traces(
         >>> max(n for n in range(1, 100) if 1000 + curve(n) <= 3000)  # the truth: 38 (39 needs 2011 bytes)
         38
     """
-    first = min(largest, max(smallest, 2 if first is None else first))
+    first = min(largest, max(smallest, 2))
     traces = [trace(first)]
     while len(traces) < max_traces:
         curve = TransientCurve(tuple(traces))

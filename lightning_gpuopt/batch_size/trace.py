@@ -238,8 +238,7 @@ def start_search(
     make_batch: Callable[[int], TrialBatch],
     batch_idx: int,
     pending_bytes: int,
-    tracer: Tracer | None = None,
-    first: int | None = None,
+    tracer: Callable[[int], TracedStep] | None = None,
     **search: Any,
 ) -> tuple[SizeSearch, str]:
     """The search to run and how it starts: from traced steps (:class:`PredictedSearch`), else plain, with the reason.
@@ -252,8 +251,7 @@ def start_search(
         batch_idx: passed to ``training_step``.
         pending_bytes: what the first real step adds to the held memory besides the optimizer state
             (gradients it allocates, the engine's copies): where the traces aim.
-        tracer: the :class:`Tracer` to use (``None``: a new one).
-        first: the first size traced (``None``: 2 samples).
+        tracer: the :class:`Tracer` (or a stand-in with its call) to use; ``None``: a new one.
         **search: :class:`SizeSearch`'s arguments.
     """
     if not trainer.optimizers:
@@ -271,9 +269,7 @@ def start_search(
         return base + curve.state_bytes + held * n + max(curve(n), curve.optimizer_bytes)
 
     try:
-        curve = plan_traces(
-            trace, peak, search["budget_bytes"], search["smallest"], search["largest"], first=first
-        )
+        curve = plan_traces(trace, peak, search["budget_bytes"], search["smallest"], search["largest"])
     except CannotPredict as err:
         return SizeSearch(**search), f"{err}: the measured search"
     return PredictedSearch(**search, curve=curve, tracer=trace), ""

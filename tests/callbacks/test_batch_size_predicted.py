@@ -281,15 +281,22 @@ def test_a_second_search_of_the_same_step_reuses_the_traces_of_the_first(counted
 
 def test_auto_stops_the_timed_trace_of_a_cheap_step_and_times_it_once_per_step(counted_traces):
     """predict=None on a cheap step: the trace is stopped after a fifth of the step, and the next search of the
-    same step takes the time from the first instead of tracing again; a step dearer than five traces reuses
-    the timed trace as the traced start's first."""
+    same step takes the time from the first instead of tracing again; once every trace the traced start plans
+    is kept (a predict=True search ran), it takes that start, one real step fewer, no trace; a step dearer
+    than five traces reuses the timed trace where the traced start traces that size."""
     first = _search(None)
     assert "measured steps" in first.prediction_note and "a trace stopped after" in first.prediction_note
     assert len(counted_traces) == 1
     second = _search(None)
     assert len(counted_traces) == 1, counted_traces  # no trace: the time is known
     assert "(timed in an earlier search)" in second.prediction_note, second.prediction_note
+    forced = _search(True)  # traces the step's plan (kept)
+    traced = len(counted_traces)
+    third = _search(None)
+    assert third.prediction_note.startswith("auto: traced start"), third.prediction_note
+    assert "kept from an earlier search" in third.prediction_note and len(counted_traces) == traced
+    assert third.micro_batch_size == forced.micro_batch_size and third.trials < first.trials
     slow = _search(None, SlowStep)
     assert slow.prediction_note.startswith("auto: traced"), slow.prediction_note
-    timed, *planned = counted_traces[1:]
+    timed, *planned = counted_traces[traced:]
     assert timed == slow.result.measurements[0].size and timed not in planned  # traced once, used twice
