@@ -35,7 +35,6 @@ from common import QUIET, Classifier, arguments, environment, positive_int, prin
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.demos import Transformer
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize
@@ -53,12 +52,7 @@ OURS = {"default": None, "traced": True, "measured": False}
 METHODS = (*OURS, "binsearch")
 # BatchSizeFinder saves and restores the model through a `.scale_batch_size_*.ckpt` in the root directory: a
 # scratch folder, never the caller's working directory.
-TRAINER = {
-    **QUIET,
-    "accelerator": "cpu",
-    "precision": "32-true",
-    "default_root_dir": tempfile.mkdtemp("-bss"),
-}
+TRAINER = {**QUIET, "accelerator": "cpu", "precision": "32-true", "default_root_dir": tempfile.mkdtemp("-bss")}  # fmt: skip
 
 
 class Counted(Classifier):
@@ -71,13 +65,15 @@ class Counted(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-class CountedLM(Counted):
-    """The demo Transformer's step: its forward takes the targets too and returns log-probabilities."""
+class DemoLM(nn.Module):
+    """Lightning's demo Transformer on tokens; its decoder reads the targets (the tokens shifted by one)."""
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        Counted.calls += 1
-        tokens, targets = batch
-        return F.nll_loss(self.net(tokens, targets), targets.reshape(-1))
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Transformer(vocab_size=256, ninp=32, nhead=2, nhid=64, nlayers=2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # log-probabilities: cross-entropy is their NLL
+        return self.net(tokens, torch.roll(tokens, 1, dims=1))
 
 
 def _images(n: int, g: torch.Generator) -> Dataset:
@@ -94,26 +90,15 @@ class Workload:
     name: str
     description: str
     build: Callable[[], nn.Module]
-    module: type[Counted]
     data: Callable[[int, torch.Generator], Dataset]
 
 
 WORKLOADS = [
-    Workload(
-        "squeezenet",
-        "torchvision squeezenet1_1(num_classes=10) on 3x32x32 images, SGD momentum",
-        lambda: torchvision.models.squeezenet1_1(num_classes=10),
-        Counted,
-        _images,
-    ),
-    Workload(
-        "transformer",
-        "lightning.pytorch.demos.Transformer(vocab 256, ninp 32, 2 heads, nhid 64, 2+2 layers), 16 tokens, SGD momentum",
-        lambda: Transformer(vocab_size=256, ninp=32, nhead=2, nhid=64, nlayers=2),
-        CountedLM,
-        _tokens,
-    ),
-]
+    Workload("squeezenet", "torchvision squeezenet1_1(num_classes=10), 3x32x32 images, SGD momentum",
+             lambda: torchvision.models.squeezenet1_1(num_classes=10), _images),
+    Workload("transformer", "lightning.pytorch.demos.Transformer(vocab 256, ninp 32, 2 heads, nhid 64, 2+2 layers), "
+             "16 tokens, SGD momentum", DemoLM, _tokens),
+]  # fmt: skip
 
 
 class Data(GPUOptDataModule):
@@ -183,7 +168,7 @@ def _fit(
     data = Data(dataset, batch_size)
     trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, **TRAINER)
     with SimulatedMemory(limit):
-        trainer.fit(workload.module(workload.build, "sgd"), datamodule=data)
+        trainer.fit(Counted(workload.build, "sgd"), datamodule=data)
     return data
 
 
@@ -259,8 +244,9 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
     result = {"found": finder.micro_batch_size if ours else finder.optimal_batch_size}
     result.update(trained_at=data.batch_size if data is not None else None, error=error)
     result["survives"] = error is None and len(peaks.peaks) == TRAIN_STEPS
-    # BatchSizeFinder's trials run the fit loop without callbacks: training_step calls count them
-    result["trial_steps"] = peaks.trial_steps
+    # BatchSizeFinder's trials run the fit loop without callbacks: training_step calls count them (ours'
+    # traces call training_step on fake tensors: its own count of real trial steps)
+    result["trial_steps"] = finder.trials if ours else peaks.trial_steps
     sizes = [m.size for m in finder.result.measurements] if ours and finder.result else [s for s, _ in trials]
     result.update(trial_sizes=sizes, trial_ooms=sum(1 for _, status in trials if status == "OOM"))
     result["note"] = finder.prediction_note if ours else ""
@@ -268,19 +254,20 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
 
 
 def _summary(repeats: list[dict[str, Any]], true_max: int) -> dict[str, Any]:
-    """One method's repeats: the smallest size found (of ``true_max``, kept), the median search time, the first's."""
+    """One method's repeats: the smallest size found (of ``true_max``), the median search time, the first call's,
+    the path each repeat took."""
     worst = min(repeats, key=lambda r: r["found"] or 0)
     times = [r["search_s"] for r in repeats]
     fraction = worst["found"] / true_max if worst["found"] else None
     summary = {**worst, "fraction": fraction, "survives": all(r["survives"] for r in repeats)}
-    summary["path"] = worst["note"].split(",")[0].split(";")[0].split(" (")[0][:40]
-    return {
-        **summary,
-        "true_max": true_max,
-        "search_s": statistics.median(times),
-        "first_s": times[0],
-        "repeats_s": times,
-    }
+    summary["path"] = "/".join(_path(r["note"]) for r in repeats)
+    return {**summary, "true_max": true_max, "search_s": statistics.median(times), "first_s": times[0], "repeats_s": times}  # fmt: skip
+
+
+def _path(note: str) -> str:
+    """How a search of ours started, from its note, per repeat ("" for BatchSizeFinder)."""
+    traced = ("traced start" in note or note.startswith("started")) and "handed over" not in note
+    return "traced" if traced else "measured" if note else ""
 
 
 def report(results: dict[str, Any]) -> None:

@@ -147,8 +147,9 @@ def _auto_search(
     )
     limit_s = step_s / TRACES_PER_SEARCH
     known = tracer.seconds if tracer is not None else None
-    # Timed in an earlier search of this step: that time serves (a trace stopped sooner says nothing).
-    earlier = known is not None and (known[1] or known[0] >= limit_s)
+    # Timed in an earlier search of this step: that time serves where the trace finished, was stopped at the
+    # same size (the same step: the same choice), or was stopped later than this limit.
+    earlier = known is not None and (known[1] or known[2] == actual or known[0] >= limit_s)
     timed = known if earlier else tracer.timed(actual, limit_s) if tracer is not None else None
     if timed is None:
         trace_s, trace = None, "none (the step cannot be traced)"

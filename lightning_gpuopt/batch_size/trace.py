@@ -106,8 +106,8 @@ def traced_step(prediction: Any, whole: bool = False) -> TracedStep:
 _KEPT = 8
 #: Traced steps of earlier searches, by the step's structure (:func:`_structure`): ``{size: TracedStep}``.
 _TRACES: OrderedDict[tuple, dict[int, TracedStep]] = OrderedDict()
-#: Seconds one trace of the step took, and whether it finished (else it was stopped after that long).
-_TRACE_SECONDS: dict[tuple, tuple[float, bool]] = {}
+#: Seconds one trace of the step took, whether it finished (else it was stopped after that long), at what size.
+_TRACE_SECONDS: dict[tuple, tuple[float, bool, int]] = {}
 #: Optimizer settings that change no memory (a schedule moves them between searches).
 _UNSIZED = frozenset({"params", "lr", "initial_lr"})
 
@@ -173,14 +173,21 @@ class Tracer:
         self.traced = self.reused = 0
 
     @property
-    def seconds(self) -> tuple[float, bool] | None:
-        """How long one trace of this step took in an earlier search, and whether it finished then."""
+    def seconds(self) -> tuple[float, bool, int] | None:
+        """How long one trace of this step took in an earlier search, whether it finished, at what size."""
         return _TRACE_SECONDS.get(self.key)
 
     def __call__(self, n: int) -> TracedStep:
         if n in self.traces:
             self.reused += 1
             return self.traces[n]
+        started = time.perf_counter()
+        self.traces[n] = traced = self._trace(n)
+        # Any finished trace times the step's trace for the next search's choice (predict=None).
+        _TRACE_SECONDS[self.key] = (time.perf_counter() - started, True, n)
+        return traced
+
+    def _trace(self, n: int) -> TracedStep:
         args = (self.module, _resized(self.batch, self.samples, n), self.optimizer)
         kwargs = dict(step=self.step, precision=self.precision, device=self.device, fallback=False)
         kwargs["kernel_scratch"] = False  # the first real step calibrates it (see the class)
@@ -201,22 +208,23 @@ class Tracer:
             ) from None
         if prediction.method is not PredictionMethod.TRACED:
             raise CannotPredict(f"the training step could not be traced ({prediction.decision})")
-        self.traces[n] = traced = traced_step(prediction, self.whole)
-        return traced
+        return traced_step(prediction, self.whole)
 
-    def timed(self, n: int, limit_s: float) -> tuple[float, bool] | None:
+    def timed(self, n: int, limit_s: float) -> tuple[float, bool, int] | None:
         """Seconds a trace at ``n`` samples takes, stopped once past ``limit_s``, and whether it finished
-        (``None``: the step cannot be traced). Kept for the next search of this step; the trace is kept too."""
+        (``None``: the step cannot be traced). Traced even where ``n`` is kept (a kept trace has no time);
+        the time, and a finished trace, are kept for the next search of this step."""
         started = time.perf_counter()
         try:
             with time_limit(limit_s):
-                self(n)
+                traced = self._trace(n)
+            self.traces.setdefault(n, traced)
             finished = True
         except TraceTimeout:
             finished = False
         except CannotPredict:
             return None
-        _TRACE_SECONDS[self.key] = timing = (time.perf_counter() - started, finished)
+        _TRACE_SECONDS[self.key] = timing = (time.perf_counter() - started, finished, n)
         return timing
 
 
