@@ -260,7 +260,7 @@ def _summary(repeats: list[dict[str, Any]], true_max: int) -> dict[str, Any]:
     times = [r["search_s"] for r in repeats]
     fraction = worst["found"] / true_max if worst["found"] else None
     summary = {**worst, "fraction": fraction, "survives": all(r["survives"] for r in repeats)}
-    summary["path"] = "/".join(_path(r["note"]) for r in repeats)
+    summary["path"] = "/".join(_path(r["note"]) for r in repeats) if worst["note"] else "-"
     return {**summary, "true_max": true_max, "search_s": statistics.median(times), "first_s": times[0], "repeats_s": times}  # fmt: skip
 
 

@@ -31,7 +31,7 @@ from lightning_gpuopt.memory import MemoryCategory, PredictionMethod, predict_pe
 from lightning_gpuopt.memory.counter import TraceTimeout, time_limit
 from lightning_gpuopt.memory.predict import Phase
 
-__all__ = ["CannotPredict", "Tracer", "make_tracer", "start_search"]
+__all__ = ["CannotPredict", "Tracer", "forget_traces", "make_tracer", "start_search"]
 
 _GROWING = (Phase.FORWARD.value, Phase.BACKWARD.value)
 #: What forward and backward allocate and free again: the rest of a phase's peak is held (parameters, inputs, ...).
@@ -110,6 +110,12 @@ _TRACES: OrderedDict[tuple, dict[int, TracedStep]] = OrderedDict()
 _TRACE_SECONDS: dict[tuple, tuple[float, bool, int]] = {}
 #: Optimizer settings that change no memory (a schedule moves them between searches).
 _UNSIZED = frozenset({"params", "lr", "initial_lr"})
+
+
+def forget_traces() -> None:
+    """Drop every trace and trace time kept for the process: the next search starts as in a fresh process."""
+    _TRACES.clear()
+    _TRACE_SECONDS.clear()
 
 
 def _structure(module: pl.LightningModule, optimizer: Any, batch: Any, samples: int, *rest: Any) -> tuple:

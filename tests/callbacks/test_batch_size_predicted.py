@@ -241,13 +241,9 @@ def test_auto_takes_the_traced_start_only_where_a_real_step_costs_more_than_the_
 
 @pytest.fixture
 def counted_traces(monkeypatch):
-    """Fresh trace caches, and the traces run (calls of the tracer's predict_peak_deep) counted in a list."""
-    from collections import OrderedDict
-
+    """The traces run (calls of the tracer's predict_peak_deep; none kept: conftest) counted in a list."""
     from lightning_gpuopt.batch_size import trace
 
-    monkeypatch.setattr(trace, "_TRACES", OrderedDict())
-    monkeypatch.setattr(trace, "_TRACE_SECONDS", {})
     calls: list[int] = []
     deep = trace.predict_peak_deep
 
