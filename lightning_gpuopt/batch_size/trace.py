@@ -162,6 +162,8 @@ class Tracer:
         batch_idx: int,
         whole: bool,
     ) -> None:
+        # The template on `meta`: a tracer that a search keeps holds none of the device's memory.
+        batch = _resized(batch, samples, samples)
         self.module, self.batch, self.samples, self.whole = module, batch, samples, whole
         self.optimizer = trainer.optimizers[0]
         self.precision = str(trainer.precision)  # Lightning's precision string: "32-true", "bf16-mixed", ...
