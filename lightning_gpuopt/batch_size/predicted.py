@@ -63,8 +63,9 @@ _MAX_SCALE = 4.0
 #: After a calibrated step did not fit, the next aims at this share of it: if it fits, it is within 10 %
 #: of the largest that fits (which lies below the size that did not).
 _RETREAT = 0.9
-#: Traces at most before the first real step (each costs its fake operators, and allocates none of the step).
-#: Each completed real step that a calibrated one follows is traced too.
+#: Traces at most before the first real step (each costs about as much as a real step's wall time, and allocates
+#: none of the step: on the CPU, single operator calls measure their kernels' scratch). Each completed real
+#: step that a calibrated one follows is traced too.
 MAX_TRACES = 3
 #: A third trace is skipped when the size it would trace is this close to a traced one (relative).
 _CLOSE = 0.05

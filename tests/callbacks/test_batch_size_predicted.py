@@ -221,7 +221,7 @@ class Traceable(Filtered):
 
 
 class SlowStep(Traceable):
-    seconds = 0.5
+    seconds = 1.0  # a fifth of it, 0.2 s, lets a cold trace of this small step (with kernel scratch) finish
 
 
 @pytest.mark.parametrize(
