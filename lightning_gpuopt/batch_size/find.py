@@ -161,15 +161,15 @@ def _auto_search(
     # The traced start plans as predict=True does (the same traces: each reuses the other's), from the memory
     # held before the first step; its search then goes on from the first step's measurement.
     plan = (trainer, module, space.make_batch, space.batch_idx, pending)
-    kept = tracer is not None and _kept(tracer, plan, search)
-    if kept or prefer_traces(step_s, trace_s):
-        chosen, note = start_search(*plan, tracer=tracer, **search)
+    kept = _kept(tracer, plan, search) if tracer is not None else None
+    if kept is not None or prefer_traces(step_s, trace_s):
+        chosen, note = kept or start_search(*plan, tracer=tracer, **search)
         chosen.base_bytes = measured.base_bytes
         if chosen.next_size() == actual:  # the timed step is the traced search's first step: kept, not rerun
             chosen.record(measurement)
         why = (
             "every trace it needs kept from an earlier search: they cost nothing"
-            if kept
+            if kept is not None
             else f"{TRACES_PER_SEARCH} traces cost less than the step they save"
         )
         return chosen, note or f"auto: traced start, {timing} ({why})"
@@ -180,17 +180,22 @@ def _auto_search(
     )
 
 
-def _kept(tracer: Tracer, plan: tuple, search: dict[str, Any]) -> bool:
-    """Whether every trace the traced start would plan is kept from an earlier search (a dry run of the plan)."""
+def _kept(tracer: Tracer, plan: tuple, search: dict[str, Any]) -> tuple[SizeSearch, str] | None:
+    """The traced start planned from kept traces alone, where every trace it plans is kept from an earlier
+    search (else ``None``: planning it would trace)."""
 
     def lookup(n: int) -> Any:
         return tracer.traces[n]  # KeyError: not kept
 
+    if not tracer.traces:
+        return None
     try:
-        start_search(*plan, tracer=lookup, **search)
+        chosen, note = start_search(*plan, tracer=lookup, **search)
     except KeyError:
-        return False
-    return bool(tracer.traces)
+        return None
+    if isinstance(chosen, PredictedSearch):
+        chosen.tracer = tracer  # the sizes its real steps reach are traced (or reused) as usual
+    return chosen, note
 
 
 def find_largest_size(
