@@ -18,6 +18,7 @@ maximum, binsearch's time / the default's >= 3, the default at most 1.1x the fas
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import sys
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         done: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         for r in range(repeats):
             for method in METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]:
+                gc.collect()  # untimed: the previous method's garbage is not collected in this one's time
                 run = _run(method, workload, dataset, limit)
                 done[method].append(run)
                 print(f"  {method}: {run['found']}, {run['search_s']:.2f} s {run['note'][:80]}", flush=True)
