@@ -19,7 +19,7 @@ from lightning_gpuopt.batch_size.modes import SearchSpace
 from lightning_gpuopt.batch_size.peak_model import memory_budget
 from lightning_gpuopt.batch_size.predicted import PredictedSearch
 from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch, StepMeasurement, run_trials
-from lightning_gpuopt.batch_size.trace import start_search, time_trace
+from lightning_gpuopt.batch_size.trace import Tracer, make_tracer, start_search
 from lightning_gpuopt.batch_size.trial import TrialSteps, local_bytes
 from lightning_gpuopt.memory import MemoryProbe, format_bytes
 from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
@@ -116,6 +116,11 @@ def _auto_search(
     """``predict=None``: one real step at the first size, timed against one trace; the cheaper start wins.
 
     The real step is kept as the measured search's first measurement, so the measured path loses nothing.
+    The trace is stopped once it has cost a :data:`TRACES_PER_SEARCH`-th of the real step (the traced start
+    has lost by then), so that finding out costs the measured path at most that; a finished trace is kept
+    (the traced start traces the first step's size too). A later search of the same step reuses the time
+    instead of timing again, and takes the traced start where every trace it plans is kept (they cost
+    nothing, and it saves a real step).
     """
     if sharded:
         return SizeSearch(
@@ -135,24 +140,62 @@ def _auto_search(
         measurement = StepMeasurement(actual, None)
     elif trials.held_bytes is not None:
         measured.base_bytes = trials.held_bytes + extra_bytes
-    trace_s = time_trace(trainer, module, space.make_batch, space.batch_idx, actual)
-    trace = "none (the step cannot be traced)" if trace_s is None else f"{trace_s:.3f} s"
+    tracer = (
+        make_tracer(trainer, module, space.make_batch, space.batch_idx, actual)
+        if trainer.optimizers
+        else None
+    )
+    limit_s = step_s / TRACES_PER_SEARCH
+    known = tracer.seconds if tracer is not None else None
+    # Timed in an earlier search of this step: that time serves where the trace finished, was stopped at the
+    # same size (the same step: the same choice), or was stopped later than this limit.
+    earlier = known is not None and (known[1] or known[2] == actual or known[0] >= limit_s)
+    timed = known if earlier else tracer.timed(actual, limit_s) if tracer is not None else None
+    if timed is None:
+        trace_s, trace = None, "none (the step cannot be traced)"
+    else:
+        trace_s = timed[0] if timed[1] else None
+        trace = f"{timed[0]:.3f} s" if timed[1] else f"stopped after {timed[0]:.3f} s"
+        trace += " (timed in an earlier search)" if earlier else ""
     timing = f"a real step {step_s:.3f} s against a trace {trace}"
-    if prefer_traces(step_s, trace_s):
-        search["base_bytes"] = measured.base_bytes
-        chosen, note = start_search(trainer, module, space.make_batch, space.batch_idx, pending, **search)
+    # The traced start plans as predict=True does (the same traces: each reuses the other's), from the memory
+    # held before the first step; its search then goes on from the first step's measurement.
+    plan = (trainer, module, space.make_batch, space.batch_idx, pending)
+    kept = _kept(tracer, plan, search) if tracer is not None else None
+    if kept is not None or prefer_traces(step_s, trace_s):
+        chosen, note = kept or start_search(*plan, tracer=tracer, **search)
+        chosen.base_bytes = measured.base_bytes
         if chosen.next_size() == actual:  # the timed step is the traced search's first step: kept, not rerun
             chosen.record(measurement)
-        return (
-            chosen,
-            note
-            or f"auto: traced start, {timing} ({TRACES_PER_SEARCH} traces cost less than the step they save)",
+        why = (
+            "every trace it needs kept from an earlier search: they cost nothing"
+            if kept is not None
+            else f"{TRACES_PER_SEARCH} traces cost less than the step they save"
         )
+        return chosen, note or f"auto: traced start, {timing} ({why})"
     measured.record(measurement)
     return (
         measured,
         f"auto: measured steps, {timing} ({TRACES_PER_SEARCH} traces cost more than the step they save)",
     )
+
+
+def _kept(tracer: Tracer, plan: tuple, search: dict[str, Any]) -> tuple[SizeSearch, str] | None:
+    """The traced start planned from kept traces alone, where every trace it plans is kept from an earlier
+    search (else ``None``: planning it would trace)."""
+
+    def lookup(n: int) -> Any:
+        return tracer.traces[n]  # KeyError: not kept
+
+    if not tracer.traces:
+        return None
+    try:
+        chosen, note = start_search(*plan, tracer=lookup, **search)
+    except KeyError:
+        return None
+    if isinstance(chosen, PredictedSearch):
+        chosen.tracer = tracer  # the sizes its real steps reach are traced (or reused) as usual
+    return chosen, note
 
 
 def find_largest_size(
@@ -211,6 +254,9 @@ def find_largest_size(
         result = run_trials(search, trials, space.make_batch, extra)
         if isinstance(search, PredictedSearch):
             note = f"{note}; {search.note}" if note else search.note
+            tracer = search.tracer
+            if isinstance(tracer, Tracer) and tracer.reused:
+                note += f" ({tracer.traced} trace(s) run, {tracer.reused} reused from before)"
     return SearchRun(
         result=result,
         budget_bytes=budget,

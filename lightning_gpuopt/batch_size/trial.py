@@ -334,7 +334,9 @@ class TrialSteps:
         if self._state is not None:
             self._state.restore()
             self._state = None
-        free_memory()
+        # The trials' own cycles are young (a trial that ran out of memory collected in full already): a
+        # full collection here cost 0.17 s of a 0.28 s search in a process with a large heap.
+        free_memory(generation=1)
 
     def _step_kwargs(self, batch: Any) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"batch": batch}

@@ -111,18 +111,19 @@ def is_maybe_size_error(exc: BaseException) -> bool:
     return any(text in message for text in MAYBE_SIZE_MESSAGES)
 
 
-def free_memory() -> None:
+def free_memory(generation: int = 2) -> None:
     """Give memory back after an OOM: collect garbage, empty the CUDA cache, drop cuBLAS workspaces.
 
     Call it after leaving the ``except`` block (see the module docstring): inside it the traceback
     still pins the failed step's tensors. It does not initialise CUDA when it is not in use, so it
-    costs only a ``gc.collect()`` on CPU. It frees nothing that is still referenced: drop your own
-    references (outputs, loss, partial gradients) first.
+    costs only a ``gc.collect(generation)`` on CPU. It frees nothing that is still referenced: drop your own
+    references (outputs, loss, partial gradients) first. ``generation``: 2 collects every object; 1
+    only the young ones (cycles made lately), a small part of the cost in a process with a large heap.
 
     Example:
         >>> free_memory()
     """
-    gc.collect()
+    gc.collect(generation)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # cuBLAS keeps a workspace per (handle, stream) as a live allocation of the caching allocator,
         # so empty_cache alone cannot return it: release it first, then empty the cache.

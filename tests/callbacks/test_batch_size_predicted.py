@@ -221,7 +221,7 @@ class Traceable(Filtered):
 
 
 class SlowStep(Traceable):
-    seconds = 0.5
+    seconds = 1.0  # a fifth of it, 0.2 s, lets a cold trace of this small step (with kernel scratch) finish
 
 
 @pytest.mark.parametrize(
@@ -237,3 +237,62 @@ def test_auto_takes_the_traced_start_only_where_a_real_step_costs_more_than_the_
     assert finder.prediction_note.startswith(f"auto: {path}"), finder.prediction_note
     assert "a real step" in finder.prediction_note and "a trace" in finder.prediction_note
     assert finder.micro_batch_size is not None
+
+
+@pytest.fixture
+def counted_traces(monkeypatch):
+    """The traces run (calls of the tracer's predict_peak_deep; none kept: conftest) counted in a list."""
+    from lightning_gpuopt.batch_size import trace
+
+    calls: list[int] = []
+    deep = trace.predict_peak_deep
+
+    def counting(module, batch, *args, **kwargs):
+        calls.append(batch[0].shape[0])
+        return deep(module, batch, *args, **kwargs)
+
+    monkeypatch.setattr(trace, "predict_peak_deep", counting)
+    return calls
+
+
+def _search(predict: bool | None, module: type[pl.LightningModule] = Traceable) -> MemoryAwareBatchSize:
+    finder = MemoryAwareBatchSize(target_fraction=1.0, predict=predict)
+    trainer = pl.Trainer(max_steps=1, callbacks=[finder], **TRAINER_QUIET)
+    dataset = Waves(length=256)
+    with SimulatedMemory(limit_bytes=4 * 2**20):
+        trainer.fit(module(), DataLoader([(x, y) for _, x, y in dataset], batch_size=64))
+    return finder
+
+
+def test_a_second_search_of_the_same_step_reuses_the_traces_of_the_first(counted_traces):
+    """predict=True twice on the same step: the second search runs no trace, finds the same size, and says so."""
+    first = _search(True)
+    traced = len(counted_traces)
+    assert traced >= 2 and len(set(counted_traces)) == traced  # no size traced twice within a search
+    second = _search(True)
+    assert len(counted_traces) == traced, counted_traces  # nothing traced again
+    assert second.micro_batch_size == first.micro_batch_size
+    assert f"0 trace(s) run, {traced} reused from before" in second.prediction_note, second.prediction_note
+
+
+def test_auto_stops_the_timed_trace_of_a_cheap_step_and_times_it_once_per_step(counted_traces):
+    """predict=None on a cheap step: the trace is stopped after a fifth of the step, and the next search of the
+    same step takes the time from the first instead of tracing again; once every trace the traced start plans
+    is kept (a predict=True search ran), it takes that start, one real step fewer, no trace; a step dearer
+    than five traces reuses the timed trace where the traced start traces that size."""
+    first = _search(None)
+    assert "measured steps" in first.prediction_note and "a trace stopped after" in first.prediction_note
+    assert len(counted_traces) == 1
+    second = _search(None)
+    assert len(counted_traces) == 1, counted_traces  # no trace: the time is known
+    assert "(timed in an earlier search)" in second.prediction_note, second.prediction_note
+    forced = _search(True)  # traces the step's plan (kept)
+    traced = len(counted_traces)
+    third = _search(None)
+    assert third.prediction_note.startswith("auto: traced start"), third.prediction_note
+    assert "kept from an earlier search" in third.prediction_note and len(counted_traces) == traced
+    assert third.micro_batch_size == forced.micro_batch_size and third.trials < first.trials
+    slow = _search(None, SlowStep)
+    assert slow.prediction_note.startswith("auto: traced"), slow.prediction_note
+    timed, *planned = counted_traces[traced:]
+    assert timed == slow.result.measurements[0].size and timed not in planned  # traced once, used twice
