@@ -48,6 +48,7 @@ STARTUP = {c: c for c in (PLAIN, "import lightning_gpuopt")} | {"gpuopt --help":
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "default.yaml"
 SHORT = "--trainer.max_epochs 1 --data.init_args.train_size 1024 --data.init_args.val_size 256".split()
 WORKERS = auto_num_workers(available_cpus(), local_devices=1)  # what the pack's DataModule picks here
+LOADER = {"num_workers": WORKERS, "persistent_workers": WORKERS > 0}
 REASONS = {  # why a one-time cost above 2 % of the job stays
     "import lightning_gpuopt": "once per process, and its modules only",
     "strategy plan, 2 devices": "only on several devices: four traces of one step on fake tensors",
@@ -59,15 +60,16 @@ REASONS = {  # why a one-time cost above 2 % of the job stays
 class PlainImages(pl.LightningDataModule):
     """The default job's data through plain DataLoaders (no resumable sampler, no loader tuning)."""
 
-    def __init__(self, train_size=4096, val_size=1024, batch_size=64, **images) -> None:
-        super().__init__()  # images: SyntheticImages' num_classes, image_size, noise
-        self.sizes, self.images, self.batch_size = (train_size, val_size), images, batch_size
+    def __init__(
+        self, train_size: int, val_size: int, num_classes: int, image_size: int, noise: float, batch_size: int
+    ):
+        super().__init__()
+        self.sizes, self.batch_size = (train_size, val_size), batch_size
+        self.images = dict(num_classes=num_classes, image_size=image_size, noise=noise)
 
     def _loader(self, split: int) -> DataLoader:
         data = SyntheticImages(self.sizes[split], seed=split + 1, **self.images)
-        return DataLoader(
-            data, self.batch_size, split == 0, num_workers=WORKERS, persistent_workers=WORKERS > 0
-        )
+        return DataLoader(data, self.batch_size, split == 0, **LOADER)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(0)
@@ -101,13 +103,13 @@ def job(pack: bool, folder: Path, extra: list[str]) -> tuple[float, float, Light
 def resume(pack: bool, path: Path, epochs: int) -> tuple[float, float, object]:
     """``fit(ckpt_path=path)`` of a finished run: set-up and restore, nothing left to train."""
     callbacks = [MemoryAwareBatchSize(), OOMRecovery(), PrecisionSwitch(), ExactResume()] if pack else []
-    data = SyntheticImageDataModule(batch_size=64) if pack else PlainImages()
+    data = SyntheticImageDataModule(batch_size=64) if pack else PlainImages(4096, 1024, 10, 32, 2.0, 64)
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, **{**QUIET, "enable_checkpointing": True})
     return clocked(trainer.fit, ImageClassifier(), datamodule=data, ckpt_path=path)
 
 
 def engine_step(repeats: int, steps: int = 100) -> tuple[float, float]:
-    """Median step periods, plain and with OOMRecovery at k = 1: interleaved fits of a tiny MLP, one thread."""
+    """Median step periods with OOMRecovery at k = 1 and plain: interleaved fits of a tiny MLP, one thread."""
     batches = Batches([(torch.randn(64, 64), torch.randint(0, 10, (64,)))], length=steps)
     periods: dict[bool, list[float]] = {False: [], True: []}
     threads = torch.get_num_threads()
@@ -119,7 +121,7 @@ def engine_step(repeats: int, steps: int = 100) -> tuple[float, float]:
             trainer.fit(Classifier(lambda: common.mlp(64, 64, 10)), DataLoader(batches, batch_size=None))
             periods[pack].append(statistics.median(clock.periods()[10:]))
     torch.set_num_threads(threads)
-    return statistics.median(periods[False]), statistics.median(periods[True])
+    return statistics.median(periods[True]), statistics.median(periods[False])
 
 
 def default_fit(callbacks: list, steps: int, limit: int | None = None) -> None:
@@ -164,17 +166,15 @@ def main() -> int:
         for pack in (False, True)[:: 1 - 2 * (r % 2)]:
             *spent, clis[pack] = job(pack, scratch / f"{'pack' if pack else 'plain'}{r}", extra)
             times["job"].append((pack, *spent))
-    epochs = clis[True].trainer.current_epoch
     for r in range(args.repeats):
         for pack in (False, True)[:: 1 - 2 * (r % 2)]:
             path = scratch / f"{int(pack)}{r}.ckpt"
             times["checkpoint"].append((pack, *clocked(clis[pack].trainer.save_checkpoint, path)[:2]))
-            times["resume"].append((pack, *resume(pack, path, epochs)[:2]))
+            times["resume"].append((pack, *resume(pack, path, clis[True].trainer.current_epoch)[:2]))
     report = load_report(next(scratch.glob("pack*/**/gpuopt_report.json")))
     steps = [dict(report["steps"][i % len(report["steps"])], step=i) for i in range(10_000)]
     drawing = clocked(render_png, {**report, "steps": steps}, scratch / "10000.png")[0]
     plan = clocked(clis[True].strategy_plan, {"devices": 2})[0]
-    plain_step, pack_step = engine_step(args.repeats)
     check, search = loss_weighting_check(), MemoryAwareBatchSize(verbose=False)
     default_fit([search], steps=2, limit=4 << 30)
     med = lambda values, i=0: statistics.median(v[i] for v in values)  # noqa: E731
@@ -188,7 +188,7 @@ def main() -> int:
         ("strategy plan, 2 devices", "lightning_gpuopt/strategy/plan.py", plan, 0, "one-time"),
         ("loss-weighting check", "lightning_gpuopt/microbatch/loss_weighting.py", check, 0, "one-time"),
         ("batch-size search", "lightning_gpuopt/callbacks/batch_size.py", search.search_seconds or 0, 0, "one-time"),
-        ("engine per step, k = 1", "lightning_gpuopt/microbatch/engine.py", pack_step, plain_step, "per step"),
+        ("engine per step, k = 1", "lightning_gpuopt/microbatch/engine.py", *engine_step(args.repeats), "per step"),
         ("checkpoint save", "lightning_gpuopt/callbacks/exact_resume.py", *pair("checkpoint", 0), "one-time"),
         ("resume (set-up, restore)", "lightning_gpuopt/callbacks/exact_resume.py", *pair("resume", 0), "one-time"),
         ("report picture, 10,000 steps", "lightning_gpuopt/report_plot.py", drawing, 0, "one-time"),
