@@ -54,6 +54,7 @@ REASONS = {  # why a one-time cost above 2 % of the job stays
     "strategy plan, 2 devices": "only on several devices: four traces of one step on fake tensors",
     "loss-weighting check": "only at a run's first split (an OOM, or k > 1): three forwards without gradients",
     "batch-size search": "only on a GPU (here SimulatedMemory's slower steps): a few real steps",
+    "report picture, 10,000 steps": "once, at the end of fit; 10,000 steps (a short job draws fewer)",
 }
 
 
@@ -138,8 +139,7 @@ def loss_weighting_check() -> float:
         spent.append(clocked(decide, self, *args, **kwargs))
         return spent[-1][2]
 
-    oom = OOMRecovery(verbose=False)
-    oom.load_state_dict({"k": 2})
+    (oom := OOMRecovery(verbose=False)).load_state_dict({"k": 2})
     lw.LossWeighting._decide = timed
     try:
         default_fit([oom], steps=1)
