@@ -5,6 +5,8 @@ The public names of the design's API table are re-exported here; see docs/index.
 
 __version__ = "0.1.0.dev0"
 
+from typing import Any
+
 from lightning_gpuopt._warnings import GPUOptWarning
 from lightning_gpuopt.callbacks import (
     AdaptiveBatchSize,
@@ -18,7 +20,6 @@ from lightning_gpuopt.callbacks import (
     PrecisionSwitch,
     TokenCount,
 )
-from lightning_gpuopt.cli import GPUOptCLI
 from lightning_gpuopt.data import GPUOptDataModule, MemmapDataset
 from lightning_gpuopt.microbatch import OptimizerStepOOMError, Rung
 from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlan, StrategyPlanError, select_strategy
@@ -46,3 +47,16 @@ __all__ = [
     "__version__",
     "select_strategy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``GPUOptCLI`` loads on first use: the command line's parser (jsonargparse) is not needed by the Python API."""
+    if name == "GPUOptCLI":
+        from lightning_gpuopt.cli import GPUOptCLI
+
+        return GPUOptCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -32,3 +32,24 @@ def test_import_without_jsonargparse_and_torchdata_and_the_cli_names_the_missing
     assert done.returncode == 0, done.stderr[-3000:]
     assert "CLI: The gpuopt command line (GPUOptCLI) needs 'jsonargparse[signatures]" in done.stdout
     assert "use the Python API" in done.stdout
+
+
+LAZY = """
+import sys
+import lightning.pytorch
+before = set(sys.modules)
+import lightning_gpuopt
+from lightning_gpuopt import GPUOptReport, MemoryAwareBatchSize, OOMRecovery
+added = sorted({m.split(".")[0] for m in set(sys.modules) - before} | {m for m in sys.modules if "report_plot" in m})
+print("added:", added)
+lightning_gpuopt.GPUOptCLI
+print("after GPUOptCLI:", "jsonargparse" in sys.modules)
+"""
+
+
+def test_import_adds_to_lightning_only_the_pack_itself():
+    """What only some commands need (the picture, the CLI's parser) loads when first used, not on import."""
+    done = subprocess.run([sys.executable, "-c", LAZY], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "added: ['lightning_gpuopt']" in done.stdout
+    assert "after GPUOptCLI: True" in done.stdout
