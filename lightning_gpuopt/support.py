@@ -371,7 +371,7 @@ def unsupported_strategy(strategy: Any, feature: Feature) -> str | None:
     return (
         f"micro-batching supports single-device, DDP and FSDP2 (ModelParallelStrategy) training, got {name} "
         f"({answer.reason}). Use strategy='ddp' (or one device), or FSDP2Strategy for a sharded model, or train "
-        "without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize) here."
+        "without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize, AdaptiveBatchSize) here."
     )
 
 
