@@ -1,5 +1,6 @@
 """What the benchmarks share: the quiet Trainer, patched settings, the classifier module, whole-batch datasets,
-step clocks, statistics, the table printer, the common command-line options and the JSON result.
+a DataModule over a ready dataset, step clocks and peaks, statistics, the table printer, the common
+command-line options and the JSON result.
 
 ``benchmarks/`` is the import root of the benchmark code: a script run as ``python benchmarks/X.py`` has it
 first on ``sys.path``, and ``gpu_check.sh`` puts it on ``PYTHONPATH`` (with the repository root, for the
@@ -30,6 +31,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+
+from lightning_gpuopt import GPUOptDataModule
+from lightning_gpuopt.memory import get_probe
 
 #: A Trainer that prints nothing and writes nothing; callers add the accelerator, precision, steps, callbacks.
 QUIET = dict(devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
@@ -129,6 +133,17 @@ class Batches(Dataset):
         return tuple(t.clone() for t in batch) if self.copy else batch
 
 
+class Data(GPUOptDataModule):
+    """A GPUOptDataModule over a ready-made ``dataset``; ``kwargs``: its loader settings (batch size, workers...)."""
+
+    def __init__(self, dataset: Dataset, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dataset = dataset
+
+    def train_dataset(self) -> Dataset:
+        return self.dataset
+
+
 class StepClock(pl.Callback):
     """Per training batch: wall clock and this process's CPU time at its start and at its end.
 
@@ -159,6 +174,23 @@ class StepClock(pl.Callback):
     def durations(self, clock: int = 0) -> list[float]:
         """From each batch's start to its end; ``clock`` 1: CPU time."""
         return [b[clock] - a[clock] for a, b in zip(self.starts, self.ends)]
+
+
+class StepPeaks(pl.Callback):
+    """The peak allocated memory of each training step, from the memory probe (the entered SimulatedMemory's,
+    else CUDA's); nothing while ``recording`` is False."""
+
+    def __init__(self, recording: bool = True) -> None:
+        self.peaks: list[int] = []
+        self.recording = recording
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.recording:
+            get_probe().reset_peak()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.recording:
+            self.peaks.append(get_probe().peak)
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:

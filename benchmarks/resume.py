@@ -17,22 +17,12 @@ from pathlib import Path
 import common
 import lightning.pytorch as pl
 import torch
-from common import StepClock, arguments, markdown_header, markdown_row, positive_int, write_json
+from common import Data, StepClock, arguments, markdown_header, markdown_row, positive_int, write_json
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_gpuopt import ExactResume, GPUOptDataModule
-
-
-class Data(GPUOptDataModule):
-    def __init__(self, dim: int, n: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.dim, self.n = dim, n
-
-    def train_dataset(self):
-        g = torch.Generator().manual_seed(0)
-        return TensorDataset(torch.randn(self.n, self.dim, generator=g), torch.randn(self.n, 1, generator=g))
+from lightning_gpuopt import ExactResume
 
 
 class MLP(pl.LightningModule):
@@ -54,8 +44,9 @@ def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=N
     clock = StepClock()
     callbacks = [clock, ExactResume()] if exact else [clock]
     trainer = common.trainer(steps, callbacks, args.device, default_root_dir=root)
-    loader = dict(batch_size=args.batch_size, num_workers=0, resumable=resumable)
-    data = Data(args.dim, args.batch_size * (steps + 5), **loader)
+    g, n = torch.Generator().manual_seed(0), args.batch_size * (steps + 5)
+    dataset = TensorDataset(torch.randn(n, args.dim, generator=g), torch.randn(n, 1, generator=g))
+    data = Data(dataset, batch_size=args.batch_size, num_workers=0, resumable=resumable)
     t0 = time.perf_counter()
     trainer.fit(MLP(args.dim, args.hidden), data, ckpt_path=ckpt_path)
     step_times = clock.periods()[1:]
