@@ -30,7 +30,8 @@ import common
 import lightning.pytorch as pl
 import torch
 import yaml
-from common import QUIET, Batches, Classifier, StepClock, arguments, environment, print_table, quiet
+from common import QUIET, Batches, Classifier, StepClock, arguments, environment, patched, print_table, quiet
+from gpu.speed import interleaved_pairs
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 
@@ -112,15 +113,16 @@ def resume(pack: bool, path: Path, epochs: int) -> tuple[float, float, object]:
 def engine_step(repeats: int, steps: int = 100) -> tuple[float, float]:
     """Median step periods with OOMRecovery at k = 1 and plain: interleaved fits of a tiny MLP, one thread."""
     batches = Batches([(torch.randn(64, 64), torch.randint(0, 10, (64,)))], length=steps)
-    periods: dict[bool, list[float]] = {False: [], True: []}
+
+    def period(pack: bool) -> float:
+        clock = StepClock()
+        trainer = common.trainer(steps, [clock] + [OOMRecovery()] * pack, "auto")
+        trainer.fit(Classifier(lambda: common.mlp(64, 64, 10)), DataLoader(batches, batch_size=None))
+        return statistics.median(clock.periods()[10:])
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two threads on busy shared cores wait for each other: ms of noise per step
-    for r in range(4 * repeats):
-        for pack in (False, True)[:: 1 - 2 * (r % 2)]:
-            clock = StepClock()
-            trainer = pl.Trainer(max_steps=steps, callbacks=[clock] + [OOMRecovery()] * pack, **QUIET)
-            trainer.fit(Classifier(lambda: common.mlp(64, 64, 10)), DataLoader(batches, batch_size=None))
-            periods[pack].append(statistics.median(clock.periods()[10:]))
+    periods = interleaved_pairs((False, True), period, 4 * repeats, 4 * repeats)
     torch.set_num_threads(threads)
     return statistics.median(periods[True]), statistics.median(periods[False])
 
@@ -140,11 +142,8 @@ def loss_weighting_check() -> float:
         return spent[-1][2]
 
     (oom := OOMRecovery(verbose=False)).load_state_dict({"k": 2})
-    lw.LossWeighting._decide = timed
-    try:
+    with patched((lw.LossWeighting, "_decide", timed)):
         default_fit([oom], steps=1)
-    finally:
-        lw.LossWeighting._decide = decide
     return spent[0][0]
 
 
