@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 import lightning.pytorch.tuner.batch_size_scaling as bss
 import torch
 import torchvision
-from common import Classifier, Data, StepPeaks, arguments, environment, print_table, quiet, write_json
+from common import Classifier, Data, StepPeaks, clocked, labelled, patched, print_table, quiet, write_json
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.demos import Transformer
 from torch import nn
@@ -77,10 +77,6 @@ class DemoLM(nn.Module):
         return self.net(tokens, torch.roll(tokens, 1, dims=1))
 
 
-def _images(n: int, g: torch.Generator) -> Dataset:
-    return TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
-
-
 def _tokens(n: int, g: torch.Generator) -> Dataset:
     tokens = torch.randint(0, 256, (n, 16), generator=g)
     return TensorDataset(tokens, torch.roll(tokens, 1, dims=1))
@@ -96,7 +92,7 @@ class Workload:
 
 WORKLOADS = [
     Workload("squeezenet", "torchvision squeezenet1_1(num_classes=10), 3x32x32 images, SGD momentum",
-             lambda: torchvision.models.squeezenet1_1(num_classes=10), _images),
+             lambda: torchvision.models.squeezenet1_1(num_classes=10), lambda n, g: TensorDataset(*labelled(n, 3, 32, 32, generator=g))),
     Workload("transformer", "lightning.pytorch.demos.Transformer(vocab 256, ninp 32, 2 heads, nhid 64, 2+2 layers), "
              "16 tokens, SGD momentum", DemoLM, _tokens),
 ]  # fmt: skip
@@ -112,9 +108,7 @@ class Timed:
         self._calls_at_start = Counted.calls
 
     def timed(self, search: Callable[..., None], *args: Any) -> None:
-        started = time.perf_counter()
-        search(*args)
-        self.search_s = time.perf_counter() - started
+        self.search_s = clocked(search, *args)[0]
         if not self.peaks.recording:  # the search is over: every training_step so far was a trial
             self.trial_steps, self.peaks.recording = Counted.calls - self._calls_at_start, True
 
@@ -196,15 +190,13 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
             raise
         trials.append((size, "ok"))
 
-    bss._try_loop_run = counting
     started = time.perf_counter()
     try:
-        data = _fit(workload, dataset, START_BATCH_SIZE, TRAIN_STEPS, [finder, finder.peaks], limit)
+        with patched((bss, "_try_loop_run", counting)):
+            data = _fit(workload, dataset, START_BATCH_SIZE, TRAIN_STEPS, [finder, finder.peaks], limit)
         error = None
     except Exception as err:  # an OOM in the real steps after the search: the found size does not survive
         data, error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    finally:
-        bss._try_loop_run = original
     result = {"found": finder.micro_batch_size if ours else finder.optimal_batch_size}
     result.update(trained_at=data.batch_size if data is not None else None, error=error)
     result["survives"] = error is None and len(finder.peaks.peaks) == TRAIN_STEPS
@@ -262,7 +254,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = arguments(__doc__, "batch_size_search.json", quick="one repeat")
+    parser = common.arguments(__doc__, "batch_size_search.json", quick="one repeat")
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--models", nargs="+", choices=names, default=names)
     parser.add_argument(
@@ -282,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "start_batch_size": START_BATCH_SIZE,
         "train_steps_after_search": TRAIN_STEPS,
     }
-    results: dict[str, Any] = {"benchmark": "batch_size_search", **environment(**setup), "models": {}}
+    results: dict[str, Any] = {"benchmark": "batch_size_search", **common.environment(**setup), "models": {}}
     for workload in (w for w in WORKLOADS if w.name in args.models):
         # Host data, made before any SimulatedMemory.
         dataset = workload.data(4096, torch.Generator().manual_seed(0))

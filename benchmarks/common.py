@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import statistics
 import time
 import warnings
@@ -43,6 +44,14 @@ QUIET.update(enable_model_summary=False, num_sanity_val_steps=0)
 def trainer(steps: int, callbacks: list, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
     """A :data:`QUIET` Trainer of ``steps`` steps (``kwargs`` over the quiet settings)."""
     return pl.Trainer(max_steps=steps, accelerator=accelerator, callbacks=callbacks, **{**QUIET, **kwargs})
+
+
+def clocked(work: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, float, Any]:
+    """Wall and CPU seconds of ``work(*args, **kwargs)`` (this process's and its finished children's), its result."""
+    cpu = lambda: time.process_time() + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])  # noqa: E731
+    used, wall = cpu(), time.perf_counter()
+    result = work(*args, **kwargs)
+    return time.perf_counter() - wall, cpu() - used, result
 
 
 @contextlib.contextmanager
@@ -111,6 +120,11 @@ def mlp(*widths: int) -> nn.Module:
     """Linear layers through ``widths`` with a ReLU between each two."""
     layers = [m for a, b in itertools.pairwise(widths[:-1]) for m in (nn.Linear(a, b), nn.ReLU())]
     return nn.Sequential(*layers, nn.Linear(widths[-2], widths[-1]))
+
+
+def labelled(n: int, *shape: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """``n`` standard-normal inputs of ``shape`` and their labels of 10 classes (drawn in that order)."""
+    return torch.randn(n, *shape, generator=generator), torch.randint(0, 10, (n,), generator=generator)
 
 
 class Batches(Dataset):

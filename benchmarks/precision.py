@@ -23,7 +23,7 @@ from typing import Any
 import common
 import lightning.pytorch as pl
 import torch
-from common import Batches, Classifier, StepClock, mlp
+from common import Batches, Classifier, StepClock, labelled, mlp
 from common import spread as summary
 from gpu.oom import Workload, lm_workload
 from gpu.speed import tf32
@@ -41,7 +41,7 @@ LOSS_TAIL = 3  # the final loss: mean of the last few steps' losses
 
 def _feature_batches(n: int, count: int = 4) -> list[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(count)]
+    return [labelled(n, 256, generator=g) for _ in range(count)]
 
 
 def cpu_workloads() -> list[Workload]:
