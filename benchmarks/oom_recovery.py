@@ -47,9 +47,6 @@ K1_OVER_PLAIN = "OOMRecovery() k=1 / plain"
 CALIBRATION_K = 8
 VARIANTS = ("plain", "k=1", "k=2")
 FORCED_K = {"plain": None, "k=1": 1, "k=2": 2}
-TRAINER = {**common.QUIET, "accelerator": "cpu", "precision": "32-true"}
-
-MakeBatch = Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ class Workload:
     name: str
     description: str
     build: Callable[[], nn.Module]
-    make_batch: MakeBatch
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     batch_size: int
     #: Batch size of the recovery run (activations must dominate memory for a split to help); ``None``: none.
     recovery_batch_size: int | None
