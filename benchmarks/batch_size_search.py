@@ -254,17 +254,13 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.arguments(__doc__, "batch_size_search.json", quick="one repeat")
+    parser = common.arguments(
+        __doc__, "batch_size_search.json", quick="one repeat", repeats=(3, 1), threads=1
+    )
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--models", nargs="+", choices=names, default=names)
-    parser.add_argument(
-        "--repeats", type=common.positive_int, default=3, help="interleaved repeats (default 3)"
-    )
-    parser.add_argument(
-        "--threads", type=common.positive_int, default=1, help="torch threads (default 1: shared cores)"
-    )
     args = parser.parse_args(argv)
-    repeats = 1 if args.quick else args.repeats
+    repeats = 1 if args.quick else args.repeats or 3
     torch.set_num_threads(args.threads)  # 2 threads on 2 cores shared with other jobs: waits swing 10x
     quiet(logging.ERROR, every_warning=True)
     started = time.perf_counter()

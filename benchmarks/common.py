@@ -266,7 +266,7 @@ def arguments(
 ) -> argparse.ArgumentParser:
     """A parser with the module's docstring as its help, ``--out`` (the folder for ``result``) and ``--quick``;
     ``repeats=(7, 2)`` adds ``--repeats`` (its default, and with ``--quick``), ``device="cpu"`` (or ``"auto"``)
-    adds ``--device``."""
+    adds ``--device``, ``threads=1`` adds ``--threads`` (torch's intra-op threads, set by the script)."""
     parser = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(out), help=f"directory for {result} (default {out})")
     if quick:
@@ -278,6 +278,10 @@ def arguments(
         device = options["device"]
         where = f"where to run (default {device}; auto: CUDA when available)"
         parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=device, help=where)
+    if "threads" in options:
+        threads = options["threads"]
+        help_ = f"torch intra-op threads (default {threads}: threads on shared cores wait for each other)"
+        parser.add_argument("--threads", type=positive_int, default=threads, help=help_)
     return parser
 
 

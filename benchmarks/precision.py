@@ -240,11 +240,9 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
 
 def main(argv: list[str] | None = None) -> int:
     quick = "smoke mode, few repeats and steps (CI, about a minute)"
-    parser = common.arguments(__doc__, "precision.json", quick=quick, repeats=(7, 2), device="auto")
-    threads = (
-        "torch intra-op threads on a CPU (default 1: CPU time per step stays meaningful on shared cores)"
+    parser = common.arguments(
+        __doc__, "precision.json", quick=quick, repeats=(7, 2), device="auto", threads=1
     )
-    parser.add_argument("--threads", type=common.positive_int, default=1, help=threads)
     args = parser.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 7)
     warmup, steps = (2, 4) if args.quick else (3, 20)
