@@ -1,6 +1,6 @@
-"""What the benchmarks share: the quiet Trainer, patched settings, the classifier module, whole-batch datasets,
-a DataModule over a ready dataset, step clocks and peaks, statistics, the table printer, the common
-command-line options and the JSON result.
+"""What the benchmarks share: the quiet Trainer, a timed call, patched settings, the classifier module, random
+batches, whole-batch datasets, a DataModule over a ready dataset, step clocks and peaks, statistics, the table
+printer, the common command-line options and the JSON result.
 
 ``benchmarks/`` is the import root of the benchmark code: a script run as ``python benchmarks/X.py`` has it
 first on ``sys.path``, and ``gpu_check.sh`` puts it on ``PYTHONPATH`` (with the repository root, for the
