@@ -28,18 +28,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import common
 import lightning.pytorch as pl
 import lightning.pytorch.tuner.batch_size_scaling as bss
 import torch
 import torchvision
-from common import QUIET, Classifier, arguments, environment, positive_int, print_table, quiet, write_json
+from common import Classifier, Data, StepPeaks, clocked, labelled, patched, print_table, quiet, write_json
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.demos import Transformer
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize
-from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt import MemoryAwareBatchSize
 from lightning_gpuopt.testing import SimulatedMemory
 
 SPEEDUP_TARGET = 3.0
@@ -53,7 +53,7 @@ OURS = {"default": None, "traced": True, "measured": False}
 METHODS = (*OURS, "binsearch")
 # BatchSizeFinder saves and restores the model through a `.scale_batch_size_*.ckpt` in the root directory: a
 # scratch folder, never the caller's working directory.
-TRAINER = {**QUIET, "accelerator": "cpu", "precision": "32-true", "default_root_dir": tempfile.mkdtemp("-bss")}  # fmt: skip
+ROOT = tempfile.mkdtemp("-bss")
 
 
 class Counted(Classifier):
@@ -77,10 +77,6 @@ class DemoLM(nn.Module):
         return self.net(tokens, torch.roll(tokens, 1, dims=1))
 
 
-def _images(n: int, g: torch.Generator) -> Dataset:
-    return TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
-
-
 def _tokens(n: int, g: torch.Generator) -> Dataset:
     tokens = torch.randint(0, 256, (n, 16), generator=g)
     return TensorDataset(tokens, torch.roll(tokens, 1, dims=1))
@@ -96,78 +92,47 @@ class Workload:
 
 WORKLOADS = [
     Workload("squeezenet", "torchvision squeezenet1_1(num_classes=10), 3x32x32 images, SGD momentum",
-             lambda: torchvision.models.squeezenet1_1(num_classes=10), _images),
+             lambda: torchvision.models.squeezenet1_1(num_classes=10), lambda n, g: TensorDataset(*labelled(n, 3, 32, 32, generator=g))),
     Workload("transformer", "lightning.pytorch.demos.Transformer(vocab 256, ninp 32, 2 heads, nhid 64, 2+2 layers), "
              "16 tokens, SGD momentum", DemoLM, _tokens),
 ]  # fmt: skip
 
 
-class Data(GPUOptDataModule):
-    """Whole batches only, so every step of a run has ``batch_size`` samples."""
+class Timed:
+    """A batch-size search, timed (``search_s``); from its end on, ``peaks`` records the fit's own steps and
+    ``trial_steps`` holds the training steps the search ran."""
 
-    def __init__(self, dataset: Dataset, batch_size: int) -> None:
-        super().__init__(batch_size=batch_size, num_workers=0, drop_last=True)
-        self.dataset = dataset
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.peaks, self.search_s, self.trial_steps = StepPeaks(recording=False), 0.0, 0
+        self._calls_at_start = Counted.calls
 
-    def train_dataset(self) -> Dataset:
-        return self.dataset
-
-
-class StepPeaks(pl.Callback):
-    """Peaks of the training steps of the fit itself, after the search; the search's training steps."""
-
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-        self.trial_steps, self.started, self._calls_at_start = 0, False, Counted.calls
-
-    def start(self) -> None:
-        """The search is over: every training_step so far was a trial."""
-        if not self.started:
-            self.trial_steps, self.started = Counted.calls - self._calls_at_start, True
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.started:
-            get_probe().reset_peak()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.started:
-            self.peaks.append(get_probe().peak)
+    def timed(self, search: Callable[..., None], *args: Any) -> None:
+        self.search_s = clocked(search, *args)[0]
+        if not self.peaks.recording:  # the search is over: every training_step so far was a trial
+            self.trial_steps, self.peaks.recording = Counted.calls - self._calls_at_start, True
 
 
-class TimedFinder(BatchSizeFinder):
+class TimedFinder(Timed, BatchSizeFinder):
     """Lightning's finder, its search timed (``scale_batch_size``); the fit's own steps follow it."""
 
-    def __init__(self, peaks: StepPeaks, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.peaks, self.search_s = peaks, 0.0
-
     def scale_batch_size(self, *args: Any) -> None:
-        started = time.perf_counter()
-        super().scale_batch_size(*args)
-        self.search_s = time.perf_counter() - started
-        self.peaks.start()
+        self.timed(super().scale_batch_size, *args)
 
 
-class TimedOurs(MemoryAwareBatchSize):
+class TimedOurs(Timed, MemoryAwareBatchSize):
     """Ours, its search timed (the fit-start search); the fit's own steps follow it."""
 
-    def __init__(self, peaks: StepPeaks, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.peaks, self.search_s = peaks, 0.0
-
     def on_fit_start(self, *args: Any) -> None:
-        started = time.perf_counter()
-        super().on_fit_start(*args)
-        self.search_s = time.perf_counter() - started
-        self.peaks.start()
+        self.timed(super().on_fit_start, *args)
 
 
 def _fit(
     workload: Workload, dataset: Dataset, batch_size: int, steps: int, callbacks: list, limit: int | None
 ):
     pl.seed_everything(0, verbose=False)
-    data = Data(dataset, batch_size)
-    trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, **TRAINER)
+    data = Data(dataset, batch_size=batch_size, num_workers=0, drop_last=True)  # every step a whole batch
+    trainer = common.trainer(steps, callbacks, precision="32-true", default_root_dir=ROOT)
     with SimulatedMemory(limit):
         trainer.fit(Counted(workload.build, "sgd"), datamodule=data)
     return data
@@ -184,7 +149,6 @@ class TruePeaks:
     def __call__(self, batch_size: int) -> int:
         if batch_size not in self.peaks:
             recorder = StepPeaks()
-            recorder.start()
             _fit(self.workload, self.dataset, batch_size, 2, [recorder], None)
             self.peaks[batch_size] = recorder.peaks[-1]
         return self.peaks[batch_size]
@@ -193,15 +157,9 @@ class TruePeaks:
         """Whether 3 real training steps at ``n`` run under the limit; ``pack``: in the pack's loop."""
         if (n, pack) not in self.fits:
             held = dict(min_batch_size=n, max_batch_size=n, predict=False, verbose=False)
+            callbacks = [MemoryAwareBatchSize("max", 1.0, **held)] * pack
             try:
-                _fit(
-                    self.workload,
-                    self.dataset,
-                    n,
-                    3,
-                    [MemoryAwareBatchSize("max", 1.0, **held)] * pack,
-                    self.limit,
-                )
+                _fit(self.workload, self.dataset, n, 3, callbacks, self.limit)
                 self.fits[n, pack] = True
             except torch.OutOfMemoryError:
                 self.fits[n, pack] = False
@@ -217,10 +175,9 @@ class TruePeaks:
 
 
 def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[str, Any]:
-    peaks = StepPeaks()
     ours = method in OURS
     kwargs = {"mode": "max", "target_fraction": 1.0, "predict": OURS.get(method), "verbose": False}
-    finder = TimedOurs(peaks, **kwargs) if ours else TimedFinder(peaks, mode=method)
+    finder = TimedOurs(**kwargs) if ours else TimedFinder(mode=method)
     trials: list[tuple[int, str]] = []
     original = bss._try_loop_run
 
@@ -233,21 +190,19 @@ def _run(method: str, workload: Workload, dataset: Dataset, limit: int) -> dict[
             raise
         trials.append((size, "ok"))
 
-    bss._try_loop_run = counting
     started = time.perf_counter()
     try:
-        data = _fit(workload, dataset, START_BATCH_SIZE, TRAIN_STEPS, [finder, peaks], limit)
+        with patched((bss, "_try_loop_run", counting)):
+            data = _fit(workload, dataset, START_BATCH_SIZE, TRAIN_STEPS, [finder, finder.peaks], limit)
         error = None
     except Exception as err:  # an OOM in the real steps after the search: the found size does not survive
         data, error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    finally:
-        bss._try_loop_run = original
     result = {"found": finder.micro_batch_size if ours else finder.optimal_batch_size}
     result.update(trained_at=data.batch_size if data is not None else None, error=error)
-    result["survives"] = error is None and len(peaks.peaks) == TRAIN_STEPS
+    result["survives"] = error is None and len(finder.peaks.peaks) == TRAIN_STEPS
     # BatchSizeFinder's trials run the fit loop without callbacks: training_step calls count them (ours'
     # traces call training_step on fake tensors: its own count of real trial steps)
-    result["trial_steps"] = finder.trials if ours else peaks.trial_steps
+    result["trial_steps"] = finder.trials if ours else finder.trial_steps
     sizes = [m.size for m in finder.result.measurements] if ours and finder.result else [s for s, _ in trials]
     result.update(trial_sizes=sizes, trial_ooms=sum(1 for _, status in trials if status == "OOM"))
     result["note"] = finder.prediction_note if ours else ""
@@ -299,15 +254,13 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = arguments(__doc__, "batch_size_search.json", quick="one repeat")
+    parser = common.arguments(
+        __doc__, "batch_size_search.json", quick="one repeat", repeats=(3, 1), threads=1
+    )
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--models", nargs="+", choices=names, default=names)
-    parser.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (default 3)")
-    parser.add_argument(
-        "--threads", type=positive_int, default=1, help="torch threads (default 1: shared cores)"
-    )
     args = parser.parse_args(argv)
-    repeats = 1 if args.quick else args.repeats
+    repeats = 1 if args.quick else args.repeats or 3
     torch.set_num_threads(args.threads)  # 2 threads on 2 cores shared with other jobs: waits swing 10x
     quiet(logging.ERROR, every_warning=True)
     started = time.perf_counter()
@@ -317,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "start_batch_size": START_BATCH_SIZE,
         "train_steps_after_search": TRAIN_STEPS,
     }
-    results: dict[str, Any] = {"benchmark": "batch_size_search", **environment(**setup), "models": {}}
+    results: dict[str, Any] = {"benchmark": "batch_size_search", **common.environment(**setup), "models": {}}
     for workload in (w for w in WORKLOADS if w.name in args.models):
         # Host data, made before any SimulatedMemory.
         dataset = workload.data(4096, torch.Generator().manual_seed(0))

@@ -1,5 +1,6 @@
-"""What the benchmarks share: the quiet Trainer, patched settings, the classifier module, whole-batch datasets,
-step clocks, statistics, the table printer, the common command-line options and the JSON result.
+"""What the benchmarks share: the quiet Trainer, a timed call, patched settings, the classifier module, random
+batches, whole-batch datasets, a DataModule over a ready dataset, step clocks and peaks, statistics, the table
+printer, the common command-line options and the JSON result.
 
 ``benchmarks/`` is the import root of the benchmark code: a script run as ``python benchmarks/X.py`` has it
 first on ``sys.path``, and ``gpu_check.sh`` puts it on ``PYTHONPATH`` (with the repository root, for the
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import statistics
 import time
 import warnings
@@ -31,6 +33,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from lightning_gpuopt import GPUOptDataModule
+from lightning_gpuopt.memory import get_probe
+
 #: A Trainer that prints nothing and writes nothing; callers add the accelerator, precision, steps, callbacks.
 QUIET = dict(devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
 QUIET.update(enable_model_summary=False, num_sanity_val_steps=0)
@@ -39,6 +44,14 @@ QUIET.update(enable_model_summary=False, num_sanity_val_steps=0)
 def trainer(steps: int, callbacks: list, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
     """A :data:`QUIET` Trainer of ``steps`` steps (``kwargs`` over the quiet settings)."""
     return pl.Trainer(max_steps=steps, accelerator=accelerator, callbacks=callbacks, **{**QUIET, **kwargs})
+
+
+def clocked(work: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, float, Any]:
+    """Wall and CPU seconds of ``work(*args, **kwargs)`` (this process's and its finished children's), its result."""
+    cpu = lambda: time.process_time() + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])  # noqa: E731
+    used, wall = cpu(), time.perf_counter()
+    result = work(*args, **kwargs)
+    return time.perf_counter() - wall, cpu() - used, result
 
 
 @contextlib.contextmanager
@@ -109,6 +122,11 @@ def mlp(*widths: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(widths[-2], widths[-1]))
 
 
+def labelled(n: int, *shape: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """``n`` standard-normal inputs of ``shape`` and their labels of 10 classes (drawn in that order)."""
+    return torch.randn(n, *shape, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+
+
 class Batches(Dataset):
     """``length`` whole batches (load with ``batch_size=None``), cycling over ready-made ``batches``.
 
@@ -127,6 +145,17 @@ class Batches(Dataset):
     def __getitem__(self, i: int) -> tuple[Tensor, ...]:
         batch = self.batches[i % len(self.batches)]
         return tuple(t.clone() for t in batch) if self.copy else batch
+
+
+class Data(GPUOptDataModule):
+    """A GPUOptDataModule over a ready-made ``dataset``; ``kwargs``: its loader settings (batch size, workers...)."""
+
+    def __init__(self, dataset: Dataset, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dataset = dataset
+
+    def train_dataset(self) -> Dataset:
+        return self.dataset
 
 
 class StepClock(pl.Callback):
@@ -159,6 +188,23 @@ class StepClock(pl.Callback):
     def durations(self, clock: int = 0) -> list[float]:
         """From each batch's start to its end; ``clock`` 1: CPU time."""
         return [b[clock] - a[clock] for a, b in zip(self.starts, self.ends)]
+
+
+class StepPeaks(pl.Callback):
+    """The peak allocated memory of each training step, from the memory probe (the entered SimulatedMemory's,
+    else CUDA's); nothing while ``recording`` is False."""
+
+    def __init__(self, recording: bool = True) -> None:
+        self.peaks: list[int] = []
+        self.recording = recording
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.recording:
+            get_probe().reset_peak()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.recording:
+            self.peaks.append(get_probe().peak)
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -220,7 +266,7 @@ def arguments(
 ) -> argparse.ArgumentParser:
     """A parser with the module's docstring as its help, ``--out`` (the folder for ``result``) and ``--quick``;
     ``repeats=(7, 2)`` adds ``--repeats`` (its default, and with ``--quick``), ``device="cpu"`` (or ``"auto"``)
-    adds ``--device``."""
+    adds ``--device``, ``threads=1`` adds ``--threads`` (torch's intra-op threads, set by the script)."""
     parser = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(out), help=f"directory for {result} (default {out})")
     if quick:
@@ -232,6 +278,10 @@ def arguments(
         device = options["device"]
         where = f"where to run (default {device}; auto: CUDA when available)"
         parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=device, help=where)
+    if "threads" in options:
+        threads = options["threads"]
+        help_ = f"torch intra-op threads (default {threads}: threads on shared cores wait for each other)"
+        parser.add_argument("--threads", type=positive_int, default=threads, help=help_)
     return parser
 
 

@@ -120,29 +120,6 @@ class LimitAtFraction(LimitAt):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
 
-class Refused(Exception):
-    """OOMRecovery refused the compiled form at setup (its message is the reason)."""
-
-
-def _fit(workload: Workload, batches: list, steps: int, callbacks: list, precision: str, form, backend: str):
-    """One seeded fit, compiled in ``form`` (``None``: eager); raises :class:`Refused` on the refusal."""
-
-    def compiled(model: pl.LightningModule) -> pl.LightningModule:
-        torch._dynamo.reset()
-        if form == "submodule":
-            setattr(
-                model, workload.submodule, torch.compile(getattr(model, workload.submodule), backend=backend)
-            )
-        return torch.compile(model, backend=backend) if form == "module" else model
-
-    try:
-        return train(workload, batches, steps, callbacks, precision, compiled)
-    except RuntimeError as err:
-        if "torch.compile'd LightningModule" in str(err):
-            raise Refused(str(err)) from err
-        raise
-
-
 def calibrate(workload: Workload, batches: list[tuple[Tensor, ...]], precision: str) -> dict[str, Any]:
     """Eager peaks at k = 1 and k = CALIBRATION_K, and where halfway between sits in a k = 1 step's activations."""
     (start, peak_1), (_, peak_k) = (steady_step(workload, batches, k, precision) for k in (1, CALIBRATION_K))
@@ -153,7 +130,16 @@ def calibrate(workload: Workload, batches: list[tuple[Tensor, ...]], precision: 
 
 
 def run(workload: Workload, batches: list, schedule: Schedule, fraction, precision: str, form, backend: str):
-    """One fit with OOMRecovery and its OOM at ``schedule.split_at`` (none when ``fraction`` is None)."""
+    """One seeded fit with OOMRecovery and its OOM at ``schedule.split_at`` (none when ``fraction`` is None),
+    compiled in ``form`` (``None``: eager)."""
+
+    def compiled(model: pl.LightningModule) -> pl.LightningModule:
+        torch._dynamo.reset()
+        if form == "submodule":
+            net = getattr(model, workload.submodule)
+            setattr(model, workload.submodule, torch.compile(net, backend=backend))
+        return torch.compile(model, backend=backend) if form == "module" else model
+
     recovery = OOMRecovery(verbose=False)
     record, compiles = StepRecord(), CompileLog()
     limit = [LimitAtFraction(record, schedule.split_at, fraction, schedule.warmup)] if fraction else []
@@ -161,11 +147,11 @@ def run(workload: Workload, batches: list, schedule: Schedule, fraction, precisi
     error, recompiled = None, []
     try:  # the limit first: its gc and empty_cache are not part of the failing batch's time
         callbacks = [*limit, record, compiles, recovery]
-        trainer = _fit(workload, batches, schedule.steps, callbacks, precision, form, backend)
+        trainer = train(workload, batches, schedule.steps, callbacks, precision, compiled)
         recompiled = [d for d in decisions(trainer) if d.kind == "recompilation"]
-    except Refused as err:
-        return {"status": "refused", "reason": str(err)}
     except Exception as err:  # a failed fit is a result: report it, keep the other fits
+        if isinstance(err, RuntimeError) and "torch.compile'd LightningModule" in str(err):
+            return {"status": "refused", "reason": str(err)}  # OOMRecovery refused the form at setup
         traceback.print_exc()
         error = f"{type(err).__name__}: {err}"
     ms, split = [1e3 * s for s in record.seconds], schedule.split_at

@@ -19,12 +19,12 @@ import common
 import lightning.pytorch as pl
 import torch
 import torchvision
-from common import Classifier, figure, spread
+from common import Classifier, Data, figure, spread
 from torch import nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from lightning_gpuopt import DataStallMonitor, GPUOptDataModule
+from lightning_gpuopt import DataStallMonitor
 from lightning_gpuopt.data import available_cpus
 
 IMAGE_SIZE = 96  # stored (encoded) images
@@ -60,17 +60,6 @@ class EncodedImages(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.augment(torchvision.io.decode_jpeg(self.encoded[i])), self.labels[i]
-
-
-class ImageData(GPUOptDataModule):
-    """The benchmark's datamodule: a GPUOptDataModule over :class:`EncodedImages`."""
-
-    def __init__(self, dataset: EncodedImages, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._train = dataset
-
-    def train_dataset(self) -> Dataset:
-        return self._train
 
 
 class DeviceStandIn(nn.Module):
@@ -131,7 +120,7 @@ def configs(device: str) -> list[Config]:
 
 def fit_once(config: Config, dataset: EncodedImages, batch_size: int, device: str, standin_ms: float) -> dict:
     pl.seed_everything(0, verbose=False)
-    data = ImageData(dataset, batch_size=batch_size, **config.loader)
+    data = Data(dataset, batch_size=batch_size, **config.loader)
     monitor, throughput = DataStallMonitor(window=10_000), Throughput()  # window: never warn mid-benchmark
     # One epoch: no step limit.
     trainer = common.trainer(-1, [monitor, throughput], device, max_epochs=1, precision="32-true")

@@ -23,12 +23,12 @@ import statistics
 import sys
 import time
 
+import common
 import lightning.pytorch as pl
 import torch
-from common import QUIET, StepClock, arguments, environment, print_table, quiet, spread, write_json
+from common import Classifier, StepClock, arguments, environment, print_table, quiet, spread, write_json
 from gpu.speed import interleaved_pairs
-from torch import nn
-from torch.nn import functional as F
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale, OOMRecovery
@@ -36,8 +36,11 @@ from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale, OOMRecovery
 SMALL, LARGE, LR, EVAL_EVERY = 16, 256, 3e-3, 10
 
 
-def markov_tokens(n: int, seq: int = 16, vocab: int = 64, seed: int = 0) -> tuple[torch.Tensor, float]:
-    """``n`` sequences of a fixed random Markov chain, and the chain's entropy rate (the loss floor, nats)."""
+def markov_tokens(
+    n: int, seq: int = 16, vocab: int = 64, seed: int = 0
+) -> tuple[tuple[Tensor, Tensor], float]:
+    """``n`` sequences of a fixed random Markov chain as (tokens, next tokens), and the chain's entropy rate (the
+    loss floor, nats)."""
     g = torch.Generator().manual_seed(123)
     logits = torch.randn(vocab, vocab, generator=g) * 2.0
     probs = logits.softmax(-1)
@@ -47,26 +50,7 @@ def markov_tokens(n: int, seq: int = 16, vocab: int = 64, seed: int = 0) -> tupl
     x[:, 0] = torch.randint(0, vocab, (n,), generator=g)
     for t in range(1, seq):
         x[:, t] = torch.multinomial(probs[x[:, t - 1]], 1, generator=g).squeeze(1)
-    return x, entropy
-
-
-class TinyLM(pl.LightningModule):
-    def __init__(self, vocab: int = 64, width: int = 128, lr: float = LR) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Embedding(vocab, width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, vocab)
-        )
-        self.lr = lr
-
-    def loss(self, batch):
-        (x,) = batch
-        return F.cross_entropy(self.net(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
+    return (x[:, :-1], x[:, 1:]), entropy
 
 
 def prototypes(n: int, dim: int = 64, classes: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,15 +61,11 @@ def prototypes(n: int, dim: int = 64, classes: int = 10, seed: int = 0) -> tuple
     return centers[y] + 2.2 * torch.randn(n, dim, generator=g), y
 
 
-class TinyClassifier(TinyLM):
-    def __init__(self, dim: int = 64, classes: int = 10, lr: float = LR) -> None:
-        pl.LightningModule.__init__(self)
-        self.net = nn.Sequential(nn.Linear(dim, 128), nn.GELU(), nn.Linear(128, classes))
-        self.lr = lr
-
-    def loss(self, batch):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
+#: Each task's network (the shared Classifier trains it with Adam): a next-token MLP on embeddings, a 2-layer MLP.
+NETS = {
+    "lm": lambda: nn.Sequential(nn.Embedding(64, 128), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 64)),
+    "image": lambda: nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10)),
+}
 
 
 class StopAtTarget(pl.Callback):
@@ -108,7 +88,7 @@ class StopAtTarget(pl.Callback):
         self._last = step
         paused = time.perf_counter()
         with torch.no_grad():
-            loss = float(pl_module.loss(self.val))
+            loss = float(pl_module.training_step(self.val, 0))
         self.final, self.seconds = loss, self.seconds + paused - self._t0
         if loss <= self.target:
             self.reached_step, self.samples = step, self._seen
@@ -119,20 +99,18 @@ class StopAtTarget(pl.Callback):
 def train(task: str, setting: str, max_steps: int) -> dict:
     pl.seed_everything(0, verbose=False)
     if task == "lm":
-        x, entropy = markov_tokens(40_000)
-        val = (markov_tokens(2_000, seed=1)[0],)
-        model, data, target = TinyLM(), TensorDataset(x), entropy + 0.09
+        (pairs, entropy), val = markov_tokens(40_000), markov_tokens(2_000, seed=1)[0]
+        data, target = TensorDataset(*pairs), entropy + 0.09
     else:
-        x, y = prototypes(60_000)
-        val = prototypes(4_000, seed=1)
-        model, data, target = TinyClassifier(), TensorDataset(x, y), 0.30
+        data, val, target = TensorDataset(*prototypes(60_000)), prototypes(4_000, seed=1), 0.30
+    model = Classifier(NETS[task], "adam", LR)
     batch = LARGE if setting == "large" else SMALL
     if setting == "large":
         model.lr = LR * math.sqrt(LARGE / SMALL)
     stop = StopAtTarget(val, target)
     grow = AdaptiveBatchSize(max_batch=LARGE) if setting == "adaptive" else None
     callbacks = [grow, stop] if grow else [stop]
-    trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, callbacks=callbacks, accelerator="cpu", **QUIET)
+    trainer = common.trainer(max_steps, callbacks, max_epochs=-1)
     shuffle = torch.Generator().manual_seed(0)
     trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=True, generator=shuffle))
     reached = stop.reached_step is not None
@@ -148,12 +126,12 @@ def overhead(task: str, steps: int, pairs: int) -> dict:
 
     def fit(with_noise: bool) -> float:
         pl.seed_everything(0, verbose=False)
-        model = TinyLM() if task == "lm" else TinyClassifier()
-        data = TensorDataset(*((markov_tokens(steps * 64)[0],) if task == "lm" else prototypes(steps * 64)))
+        model = Classifier(NETS[task], "adam", LR)
+        data = TensorDataset(*(markov_tokens(steps * 64)[0] if task == "lm" else prototypes(steps * 64)))
         clock = StepClock()
         noise = [GradientNoiseScale(min_measurements=1, trust=math.inf)] if with_noise else []
         callbacks = [OOMRecovery(verbose=False), *noise, clock]
-        trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, accelerator="cpu", **QUIET)
+        trainer = common.trainer(steps, callbacks)
         trainer.fit(model, DataLoader(data, batch_size=64))
         return statistics.fmean(clock.periods()[110:])  # steady: after the first split (step 100)
 

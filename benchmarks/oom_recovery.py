@@ -33,8 +33,9 @@ import common
 import lightning.pytorch as pl
 import torch
 import torchvision
-from common import Batches, Classifier, StepClock, mlp
+from common import Batches, Classifier, StepClock, StepPeaks, clocked, labelled, mlp
 from common import spread as summary
+from gpu.oom import forced
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -46,9 +47,6 @@ K1_OVER_PLAIN = "OOMRecovery() k=1 / plain"
 CALIBRATION_K = 8
 VARIANTS = ("plain", "k=1", "k=2")
 FORCED_K = {"plain": None, "k=1": 1, "k=2": 2}
-TRAINER = {**common.QUIET, "accelerator": "cpu", "precision": "32-true"}
-
-MakeBatch = Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class Workload:
     name: str
     description: str
     build: Callable[[], nn.Module]
-    make_batch: MakeBatch
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     batch_size: int
     #: Batch size of the recovery run (activations must dominate memory for a split to help); ``None``: none.
     recovery_batch_size: int | None
@@ -72,51 +70,37 @@ class Workload:
         return DataLoader(Batches(batches, copy=True), batch_size=None, shuffle=False)
 
 
-def _images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
-def _features(width: int) -> MakeBatch:
-    return lambda n, g: (torch.randn(n, width, generator=g), torch.randint(0, 10, (n,), generator=g))
-
-
 def workloads(mlp_recovery_batch_size: int) -> list[Workload]:
     squeezenet = lambda: torchvision.models.squeezenet1_1(num_classes=10)  # noqa: E731
     mlp4 = lambda: mlp(512, 1024, 1024, 1024, 10)  # noqa: E731
-    squeezenet_name, recovery_batch = "squeezenet1_1(num_classes=10)", mlp_recovery_batch_size
+    squeezenet_name = "torchvision squeezenet1_1(num_classes=10) on 3x32x32"
+    inputs = lambda *shape: lambda n, g: labelled(n, *shape, generator=g)  # noqa: E731
     tiny = "MLP 32-64-10 (steps of ~1 ms: the callback's fixed cost per step)"
     return [
-        Workload("squeezenet", f"torchvision {squeezenet_name} on 3x32x32", squeezenet, _images, 32, 32),
-        Workload("mlp", "MLP 512-1024-1024-1024-10, ReLU", mlp4, _features(512), 256, recovery_batch),
-        Workload("tiny", tiny, lambda: mlp(32, 64, 10), _features(32), 32, None, 4, targeted=False),
+        Workload("squeezenet", squeezenet_name, squeezenet, inputs(3, 32, 32), 32, 32),
+        Workload("mlp", "MLP 512-1024-1024-1024-10, ReLU", mlp4, inputs(512), 256, mlp_recovery_batch_size),
+        Workload("tiny", tiny, lambda: mlp(32, 64, 10), inputs(32), 32, None, 4, targeted=False),
     ]
 
 
-class StepPeaks(pl.Callback):
-    """Per batch, under SimulatedMemory: bytes allocated at its start and the peak of its whole step."""
+class LimitedPeaks(StepPeaks):
+    """Per batch, under SimulatedMemory: bytes allocated at its start and the peak of its whole step; the limit
+    from batch ``limit_at`` on."""
 
     def __init__(self, memory: SimulatedMemory, limit_at: int | None = None, limit_bytes: int = 0) -> None:
-        self.memory, self.starts, self.peaks = memory, [], []
-        self.limit_at, self.limit_bytes = limit_at, limit_bytes
+        super().__init__()
+        self.memory, self.starts, self.limit_at, self.limit_bytes = memory, [], limit_at, limit_bytes
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.starts.append(self.memory.allocated_bytes)
-        self.memory.reset_peak()
+        super().on_train_batch_start()
         if batch_idx == self.limit_at:  # the limit from this batch on, after the unlimited warm-up
             self.memory.limit_bytes = self.limit_bytes
 
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.peaks.append(self.memory.peak_bytes)
-
 
 def _recovery(k: int | None) -> list[pl.Callback]:
-    """``[]`` for plain Lightning, else ``[OOMRecovery()]`` with k forced (no OOM needed) when k > 1."""
-    if k is None:
-        return []
-    callback = OOMRecovery()
-    if k > 1:
-        callback.load_state_dict({"k": k})
-    return [callback]
+    """``[]`` for plain Lightning, else ``[OOMRecovery]`` at k micro-batches from the start (no OOM needed)."""
+    return [forced(k)] if k else []
 
 
 def fit(
@@ -217,7 +201,7 @@ def calibrate(workload: Workload, batch_size: int, steps: int = 3) -> dict[str, 
     peaks, starts = {}, {}
     for k in (1, CALIBRATION_K):  # the last step of an unlimited run at k: its peak and what it starts with
         memory = SimulatedMemory()
-        record = StepPeaks(memory)
+        record = LimitedPeaks(memory)
         fit(workload, [record, *_recovery(k)], workload.loader(batch_size, steps), memory)
         peaks[k], starts[k] = record.peaks[-1], record.starts[-1]
     # Room either side: the full batch must fail, a split into <= 8 micro-batches must fit.
@@ -241,16 +225,15 @@ def measure_recovery(workload: Workload, warmup: int, steps_after: int) -> dict[
     limit_at = warmup + 1  # batches 0..warmup run unlimited; from batch 2 on they are steady steps
     total_steps = limit_at + 1 + steps_after
     memory, clock, recovery = SimulatedMemory(), StepClock(), OOMRecovery()
-    peaks = StepPeaks(memory, limit_at, limit)
+    peaks = LimitedPeaks(memory, limit_at, limit)
     try:
         trainer = fit(workload, [clock, peaks, recovery], workload.loader(batch_size, total_steps), memory)
     except Exception as err:  # a failed recovery is a result: report it with what was measured
         error = f"{type(err).__name__}: {err}"
         result.update(status="failed", recovered=False, limit_bytes=limit, error=error)
         return {**result, "failures": [dataclasses.asdict(f) for f in recovery.failures]}
-    gc_started = time.perf_counter()
-    gc.collect()  # what free_memory() pays per failed attempt on CPU, on a heap like the run's
-    gc_ms = 1e3 * (time.perf_counter() - gc_started)
+    # What free_memory() pays per failed attempt on CPU, on a heap like the run's.
+    gc_ms = 1e3 * clocked(gc.collect)[0]
     failures = [dataclasses.asdict(f) for f in recovery.failures]
     periods = clock.periods()  # periods[i - 1] is batch i's
     steady, after, recovering = periods[1 : limit_at - 1], periods[limit_at + 1 :], periods[limit_at - 1]

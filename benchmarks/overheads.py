@@ -18,7 +18,6 @@ the job, or its reason listed. Writes ``overheads.json``; exits 1 when a target 
 
 from __future__ import annotations
 
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,8 @@ import common
 import lightning.pytorch as pl
 import torch
 import yaml
-from common import QUIET, Batches, Classifier, StepClock, arguments, environment, print_table, quiet
+from common import QUIET, Batches, Classifier, StepClock, clocked, labelled, patched, print_table, quiet
+from gpu.speed import interleaved_pairs
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 
@@ -79,14 +79,6 @@ class PlainImages(pl.LightningDataModule):
         return self._loader(1)
 
 
-def clocked(work, *args, **kwargs) -> tuple[float, float, object]:
-    """Wall and CPU seconds of ``work(*args, **kwargs)`` (this process's and its finished children's), its result."""
-    cpu = lambda: time.process_time() + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])  # noqa: E731
-    wall, used = time.perf_counter(), cpu()
-    result = work(*args, **kwargs)
-    return time.perf_counter() - wall, cpu() - used, result
-
-
 def job(pack: bool, folder: Path, extra: list[str]) -> tuple[float, float, LightningCLI]:
     """The default job (``pack``) or plain Lightning's, in this process: wall and CPU seconds, and its CLI."""
     args = ["--trainer.logger.init_args.save_dir", str(folder), "--trainer.enable_progress_bar", "false"]
@@ -111,16 +103,17 @@ def resume(pack: bool, path: Path, epochs: int) -> tuple[float, float, object]:
 
 def engine_step(repeats: int, steps: int = 100) -> tuple[float, float]:
     """Median step periods with OOMRecovery at k = 1 and plain: interleaved fits of a tiny MLP, one thread."""
-    batches = Batches([(torch.randn(64, 64), torch.randint(0, 10, (64,)))], length=steps)
-    periods: dict[bool, list[float]] = {False: [], True: []}
+    batches = Batches([labelled(64, 64)], length=steps)
+
+    def period(pack: bool) -> float:
+        clock = StepClock()
+        trainer = common.trainer(steps, [clock] + [OOMRecovery()] * pack, "auto")
+        trainer.fit(Classifier(lambda: common.mlp(64, 64, 10)), DataLoader(batches, batch_size=None))
+        return statistics.median(clock.periods()[10:])
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two threads on busy shared cores wait for each other: ms of noise per step
-    for r in range(4 * repeats):
-        for pack in (False, True)[:: 1 - 2 * (r % 2)]:
-            clock = StepClock()
-            trainer = pl.Trainer(max_steps=steps, callbacks=[clock] + [OOMRecovery()] * pack, **QUIET)
-            trainer.fit(Classifier(lambda: common.mlp(64, 64, 10)), DataLoader(batches, batch_size=None))
-            periods[pack].append(statistics.median(clock.periods()[10:]))
+    periods = interleaved_pairs((False, True), period, 4 * repeats, 4 * repeats)
     torch.set_num_threads(threads)
     return statistics.median(periods[True]), statistics.median(periods[False])
 
@@ -140,16 +133,13 @@ def loss_weighting_check() -> float:
         return spent[-1][2]
 
     (oom := OOMRecovery(verbose=False)).load_state_dict({"k": 2})
-    lw.LossWeighting._decide = timed
-    try:
+    with patched((lw.LossWeighting, "_decide", timed)):
         default_fit([oom], steps=1)
-    finally:
-        lw.LossWeighting._decide = decide
     return spent[0][0]
 
 
 def main() -> int:
-    parser = arguments(__doc__, "overheads.json")
+    parser = common.arguments(__doc__, "overheads.json")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="the full default job (3 epochs)")
     args = parser.parse_args()
@@ -219,7 +209,7 @@ def main() -> int:
     print_table(table)
     print(f"\nstart-up CPU s (pack, plain): { {n: round(c, 2) for n, (_, c) in start.items()} }")
     print(f"search: micro-batch {search.micro_batch_size}, {search.trials} trials; {search.prediction_note}")
-    env = environment(job="full" if args.full else "short", repeats=args.repeats, workers=WORKERS)
+    env = common.environment(job="full" if args.full else "short", repeats=args.repeats, workers=WORKERS)
     extra = {"search": {"trials": search.trials, "path": search.prediction_note}, "start_cpu": start}
     result = {"environment": env, "costs": costs, "times": times, **extra}
     common.write_json(args.out, "overheads.json", result, started)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import math
 import statistics
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 import common
 import lightning.pytorch as pl
 import torch
-from common import Batches, Classifier, mlp
+from common import Batches, Classifier, StepClock, labelled, mlp
 from common import spread as summary
 from gpu.oom import Workload, lm_workload
 from gpu.speed import tf32
@@ -42,7 +41,7 @@ LOSS_TAIL = 3  # the final loss: mean of the last few steps' losses
 
 def _feature_batches(n: int, count: int = 4) -> list[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(count)]
+    return [labelled(n, 256, generator=g) for _ in range(count)]
 
 
 def cpu_workloads() -> list[Workload]:
@@ -94,7 +93,7 @@ PRECISIONS = ("32-true", "tf32", "bf16-mixed", "16-mixed")
 OVERHEAD_PAIRS = {"switch 32-true": "32-true", "switch 16-mixed": "16-mixed"}
 
 
-class Window(pl.Callback):
+class Window(StepClock):
     """Step time after ``warmup`` batches, and the loss of every step.
 
     On CUDA: the wall time from the end of batch ``warmup - 1`` to the end of the last batch, synchronised
@@ -104,24 +103,22 @@ class Window(pl.Callback):
     """
 
     def __init__(self, warmup: int, sync: bool) -> None:
-        self.warmup, self.sync = warmup, sync
+        super().__init__()
+        self.warmup, self.cuda = warmup, sync
         self.losses: list[Tensor] = []  # kept on the device: read after the fit, no sync per step
-        self.ends: list[tuple[float, float]] = []
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(outputs["loss"].detach())
-        if self.sync and batch_idx in (self.warmup - 1, trainer.max_steps - 1):
+        if self.cuda and batch_idx in (self.warmup - 1, trainer.max_steps - 1):
             torch.cuda.synchronize()
-        self.ends.append((time.perf_counter(), time.process_time()))
+        super().on_train_batch_end()
 
     def step_seconds(self, clock: int = 0) -> float:
         """Seconds per step: ``clock`` 0 wall time, 1 this process's CPU time."""
-        timed = [end[clock] for end in self.ends[self.warmup - 1 :]]
-        if self.sync:
-            return (timed[-1] - timed[0]) / (len(timed) - 1)
-        return statistics.median(b - a for a, b in itertools.pairwise(timed))
+        periods = self.periods(clock)[self.warmup - 1 :]
+        return statistics.fmean(periods) if self.cuda else statistics.median(periods)
 
 
 def fit(
@@ -243,11 +240,9 @@ def run(workloads: list[Workload], device: str, repeats: int, warmup: int, steps
 
 def main(argv: list[str] | None = None) -> int:
     quick = "smoke mode, few repeats and steps (CI, about a minute)"
-    parser = common.arguments(__doc__, "precision.json", quick=quick, repeats=(7, 2), device="auto")
-    threads = (
-        "torch intra-op threads on a CPU (default 1: CPU time per step stays meaningful on shared cores)"
+    parser = common.arguments(
+        __doc__, "precision.json", quick=quick, repeats=(7, 2), device="auto", threads=1
     )
-    parser.add_argument("--threads", type=common.positive_int, default=1, help=threads)
     args = parser.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 7)
     warmup, steps = (2, 4) if args.quick else (3, 20)

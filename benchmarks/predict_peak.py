@@ -46,10 +46,7 @@ def measured(name: str, n: int, precision: str, backend: str) -> int:
         for _ in range(2):
             batch = make_batch(n)
             mem.track(batch)
-            if precision == "bf16-mixed":
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = step(model, batch)
-            else:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
                 loss = step(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -17,22 +17,12 @@ from pathlib import Path
 import common
 import lightning.pytorch as pl
 import torch
-from common import StepClock, arguments, markdown_header, markdown_row, positive_int, write_json
+from common import Data, StepClock, clocked, markdown_header, markdown_row, positive_int, write_json
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_gpuopt import ExactResume, GPUOptDataModule
-
-
-class Data(GPUOptDataModule):
-    def __init__(self, dim: int, n: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.dim, self.n = dim, n
-
-    def train_dataset(self):
-        g = torch.Generator().manual_seed(0)
-        return TensorDataset(torch.randn(self.n, self.dim, generator=g), torch.randn(self.n, 1, generator=g))
+from lightning_gpuopt import ExactResume
 
 
 class MLP(pl.LightningModule):
@@ -54,8 +44,9 @@ def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=N
     clock = StepClock()
     callbacks = [clock, ExactResume()] if exact else [clock]
     trainer = common.trainer(steps, callbacks, args.device, default_root_dir=root)
-    loader = dict(batch_size=args.batch_size, num_workers=0, resumable=resumable)
-    data = Data(args.dim, args.batch_size * (steps + 5), **loader)
+    g, n = torch.Generator().manual_seed(0), args.batch_size * (steps + 5)
+    dataset = TensorDataset(torch.randn(n, args.dim, generator=g), torch.randn(n, 1, generator=g))
+    data = Data(dataset, batch_size=args.batch_size, num_workers=0, resumable=resumable)
     t0 = time.perf_counter()
     trainer.fit(MLP(args.dim, args.hidden), data, ckpt_path=ckpt_path)
     step_times = clock.periods()[1:]
@@ -63,7 +54,7 @@ def _fit(args, root: Path, steps: int, resumable: bool, exact: bool, ckpt_path=N
 
 
 def main() -> None:
-    parser = arguments(__doc__, "resume.json", device="cpu")
+    parser = common.arguments(__doc__, "resume.json", device="cpu")
     for name, default in (("--hidden", 1024), ("--dim", 256), ("--batch-size", 64), ("--steps", 30)):
         parser.add_argument(name, type=positive_int, default=default)
     args = parser.parse_args()
@@ -72,12 +63,7 @@ def main() -> None:
     _, resumable_step, _ = _fit(args, root / "resumable", args.steps, resumable=True, exact=False)
     trainer, exact_step, fresh_first = _fit(args, root / "exact", args.steps, resumable=True, exact=True)
     path = root / "exact" / "step.ckpt"
-    saves = []
-    for _ in range(5):
-        t = time.perf_counter()
-        trainer.save_checkpoint(path)
-        saves.append(time.perf_counter() - t)
-    save = statistics.median(saves)
+    save = statistics.median(clocked(trainer.save_checkpoint, path)[0] for _ in range(5))
     _, _, resumed_first = _fit(args, root / "exact", args.steps + 3, True, True, ckpt_path=path)
     resume = max(0.0, resumed_first - fresh_first)
     params = sum(p.numel() for p in MLP(args.dim, args.hidden).parameters())

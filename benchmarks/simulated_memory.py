@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torchvision
-from common import arguments, positive_int, print_table, spread, write_json
+from common import arguments, clocked, labelled, positive_int, print_table, spread, write_json
 from torch import nn
 
 from lightning_gpuopt.memory._native import native_status
@@ -51,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(args.batch_size, 3, 32, 32)
-    y = torch.randint(0, 10, (args.batch_size,))
+    x, y = labelled(args.batch_size, 3, 32, 32)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -67,11 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             step()  # untimed: counts what existed before entering, settles caches
             if mem is not None:
                 mem.reset_peak()
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
+            times = [clocked(step)[0] for _ in range(args.steps)]
         if mem is not None:
             peaks[name] = mem.peak_bytes
         return statistics.median(times)

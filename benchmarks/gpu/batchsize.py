@@ -15,14 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from common import Classifier, figure
+from common import Classifier, Data, StepPeaks, figure
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from gpu import device
-from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize
+from lightning_gpuopt import MemoryAwareBatchSize
 from lightning_gpuopt.memory import is_oom_error
 
 PEAK_TOLERANCE = 0.05
@@ -71,34 +70,12 @@ _dry_lm = lambda: CausalLM(vocab=256, d_model=32, layers=2, seq=32)  # noqa: E73
 DRY_WORKLOADS = {"lm": Workload("lm", _DRY_LM, _dry_lm, lambda n: _tokens(n, vocab=256, seq=32), 512, 4, 24)}
 
 
-class Data(GPUOptDataModule):
-    def __init__(self, dataset: Dataset, batch_size: int) -> None:
-        # DataLoader workers on CUDA; none in the dry run (each fit would start its own processes).
-        workers = 2 if device.current().kind == "cuda" else 0
-        super().__init__(batch_size=batch_size, num_workers=workers, drop_last=True)
-        self.dataset = dataset
-
-    def train_dataset(self) -> Dataset:
-        return self.dataset
-
-
-class SteadyPeak(pl.Callback):
-    """The largest ``max_memory_allocated`` over the training steps after the first."""
-
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        device.current().reset_peak()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.peaks.append(device.current().peak())
-
-
 def run(workload: Workload, dataset: Dataset, batch_size: int, callbacks: list, limit: int | None) -> dict:
     """Train ``STEPS`` steps; returns the steady peak, or the OOM when it ran out of memory."""
     device.current().set_limit(limit)
-    recorder, data = SteadyPeak(), Data(dataset, batch_size)
+    # DataLoader workers on CUDA; none in the dry run (each fit would start its own processes).
+    workers = 2 if device.current().kind == "cuda" else 0
+    recorder, data = StepPeaks(), Data(dataset, batch_size=batch_size, num_workers=workers, drop_last=True)
     trainer = device.trainer(STEPS, [*callbacks, recorder])
     failed = None
     try:

@@ -14,8 +14,8 @@ section ran (targets met or not: the table says), 1 when one did not, 2 on bad u
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
+import pkgutil
 import signal
 import subprocess
 import sys
@@ -51,10 +51,7 @@ class Section:
     cuda_only: str | None = None
 
     def function(self) -> Any:
-        if callable(self.run):
-            return self.run
-        module, _, name = self.run.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return self.run if callable(self.run) else pkgutil.resolve_name(self.run)
 
 
 def cuda_tests(sizes: dict[str, Any]) -> dict[str, Any]:

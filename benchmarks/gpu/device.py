@@ -17,6 +17,8 @@ import common
 import lightning.pytorch as pl
 import torch
 
+from lightning_gpuopt.memory import get_probe
+
 #: The most memory one section may use on a real device (``set_per_process_memory_fraction``).
 SECTION_CAP_BYTES = 16 * 2**30
 
@@ -37,6 +39,16 @@ class Device:
 
     def _limit(self, limit_bytes: int | None) -> int:
         return self.cap_bytes if limit_bytes is None else min(limit_bytes, self.cap_bytes)
+
+    # The pack's memory probe reads the device: SimulatedMemory's while the dry run's is entered, else CUDA's.
+    def allocated(self) -> int:
+        return get_probe().allocated
+
+    def peak(self) -> int:
+        return get_probe().peak
+
+    def reset_peak(self) -> None:
+        get_probe().reset_peak()
 
     def synchronize(self) -> None:
         pass
@@ -59,15 +71,6 @@ class CudaDevice(Device):
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(self._limit(limit_bytes) / self.device_bytes, 0)
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(0)
-
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(0)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(0)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(0)
@@ -102,15 +105,6 @@ class SimulatedDevice(Device):
     def set_limit(self, limit_bytes: int | None) -> None:
         gc.collect()
         self.memory.limit_bytes = self._limit(limit_bytes)
-
-    def allocated(self) -> int:
-        return self.memory.allocated
-
-    def peak(self) -> int:
-        return self.memory.peak
-
-    def reset_peak(self) -> None:
-        self.memory.reset_peak()
 
     def is_its_oom(self, message: str) -> bool:
         return "out of memory (simulated)" in message

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 from common import figure, patched, spread
 
 from gpu import device
-from gpu.speed import MODEL_KEYS, StepEvents, gpt_fit, interleaved_pairs
+from gpu.speed import MODEL_KEYS, gpt_fit, paired_fits
 from lightning_gpuopt import GPUOptReport, OOMRecovery
 from lightning_gpuopt.memory import forensics
 
@@ -136,16 +135,10 @@ def _real_oom(sizes: dict[str, Any], out: Path) -> tuple[list[dict], dict[str, A
 
 
 def _ring_buffer_cost(sizes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    steps, warmup = sizes["steps"], sizes["warmup"]  # first-use costs were paid by the OOM run
+    def report(name: str) -> list:  # first-use costs were paid by the OOM run
+        return [GPUOptReport(plot=False, table=False, memory_history=name == "on", dirpath=sizes["out"])]
 
-    def timed_fit(name: str) -> float:
-        events = StepEvents()
-        report = GPUOptReport(plot=False, table=False, memory_history=name == "on", dirpath=sizes["out"])
-        gpt_fit(sizes, steps, [report, events], precision=sizes["precision"])
-        return statistics.median(events.periods(warmup))
-
-    per_fit = interleaved_pairs(("off", "on"), timed_fit, sizes["repeats"], sizes["min_repeats"])
-    percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["on"], per_fit["off"])])
+    per_fit, percent = paired_fits(sizes, ("off", "on"), report)
     on_cuda = device.current().kind == "cuda"
     name = (
         f"memory_history=True step-time cost (median of {percent['n']} interleaved pairs of fits; IQR "

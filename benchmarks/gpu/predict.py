@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import torch
-from common import figure, mlp, write_json
+from common import figure, labelled, mlp, write_json
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
@@ -26,12 +26,10 @@ def _models() -> dict[str, Any]:
         return nn.functional.cross_entropy(m(b[0]), b[1])
 
     def mlp4096() -> tuple:
-        batch = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))  # noqa: E731
-        return mlp(1024, 4096, 4096, 10), batch, classify
+        return mlp(1024, 4096, 4096, 10), lambda n: labelled(n, 1024), classify
 
     def resnet() -> tuple:
-        batch = lambda n: (torch.randn(n, 3, 64, 64), torch.randint(0, 10, (n,)))  # noqa: E731
-        return torchvision.models.resnet18(num_classes=10), batch, classify
+        return torchvision.models.resnet18(num_classes=10), lambda n: labelled(n, 3, 64, 64), classify
 
     models = {"mlp": mlp4096, "resnet18": resnet}
     try:

@@ -167,6 +167,22 @@ def interleaved_pairs(
     return per_fit
 
 
+def paired_fits(
+    sizes: dict[str, Any], names: tuple[str, str], callbacks: Callable[[str], list], average=statistics.median
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Interleaved pairs of GPT fits, ``callbacks(name)`` in each, a fit's figure the ``average`` of its step
+    periods after ``sizes["warmup"]``: each name's figures, and what the second costs over the first in % per
+    pair (its :func:`spread`)."""
+
+    def timed_fit(name: str) -> float:
+        events = StepEvents()
+        gpt_fit(sizes, sizes["steps"], [*callbacks(name), events], precision=sizes["precision"])
+        return average(events.periods(sizes["warmup"]))
+
+    per_fit = interleaved_pairs(names, timed_fit, sizes["repeats"], sizes["min_repeats"])
+    return per_fit, spread([100 * (a / b - 1) for a, b in zip(per_fit[names[1]], per_fit[names[0]])])
+
+
 def mfu_section(sizes: dict[str, Any]) -> dict[str, Any]:
     """MFU and tokens/s of the GPT-2-shaped model (bf16-mixed), measured by GPUOptReport; the default job's samples/s."""
     on_cuda = device.current().kind == "cuda"
@@ -218,18 +234,10 @@ def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
     median over pairs (robust to a pair disturbed by something else on the machine), with its spread.
     Pairs run while the slice has room for another (at least ``min_repeats``, at most ``repeats``).
     """
-    steps, warmup = sizes["steps"], sizes["warmup"]
-    precision = sizes["precision"]
+    steps, warmup, precision = sizes["steps"], sizes["warmup"], sizes["precision"]
     gpt_fit(sizes, warmup + 1, [], steps, precision=precision)  # untimed: first-use costs
-
-    def timed_fit(name: str) -> float:
-        events = StepEvents()
-        extra = [OOMRecovery(verbose=False)] if name == "OOMRecovery" else []
-        gpt_fit(sizes, steps, [*extra, events], precision=precision)
-        return statistics.median(events.periods(warmup))
-
-    per_fit = interleaved_pairs(("plain", "OOMRecovery"), timed_fit, sizes["repeats"], sizes["min_repeats"])
-    percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["OOMRecovery"], per_fit["plain"])])
+    recovery = lambda name: [OOMRecovery(verbose=False)] if name == "OOMRecovery" else []  # noqa: E731
+    per_fit, percent = paired_fits(sizes, ("plain", "OOMRecovery"), recovery)
     clock = "CUDA events" if device.current().kind == "cuda" else "the wall clock"
     name = (
         f"OOMRecovery k=1 overhead vs plain Lightning (median of {percent['n']} interleaved pairs of fits, each the "
@@ -261,16 +269,9 @@ def goodput_section(sizes: dict[str, Any]) -> dict[str, Any]:
     noise = GradientNoiseScale()
     gpt_fit(sizes, sizes["estimate_steps"], [OOMRecovery(verbose=False), noise], precision=precision)
     value = noise.ema.value
-
-    def timed_fit(name: str) -> float:
-        events = StepEvents()
-        extra = [steady_noise_scale(every)] if name == "noise scale" else []
-        gpt_fit(sizes, steps, [OOMRecovery(verbose=False), *extra, events], precision=precision)
-        return statistics.fmean(events.periods(warmup))
-
-    repeats = sizes["repeats"], sizes["min_repeats"]
-    per_fit = interleaved_pairs(("OOMRecovery", "noise scale"), timed_fit, *repeats)
-    percent = spread([100 * (a / b - 1) for a, b in zip(per_fit["noise scale"], per_fit["OOMRecovery"])])
+    noise_scale = lambda name: [steady_noise_scale(every)] if name == "noise scale" else []  # noqa: E731
+    callbacks = lambda name: [OOMRecovery(verbose=False), *noise_scale(name)]  # noqa: E731
+    per_fit, percent = paired_fits(sizes, ("OOMRecovery", "noise scale"), callbacks, statistics.fmean)
     on_cuda = device.current().kind == "cuda"
     name = (
         f"GradientNoiseScale overhead vs OOMRecovery k=1 (every {every}th step measured; median of {percent['n']} "
