@@ -1,6 +1,6 @@
 """MemoryAwareBatchSize(mode="max") against Lightning's BatchSizeFinder(mode="binsearch") on CPU, one limit per model.
 
-    python benchmarks/batch_size_search.py [--repeats 3] [--quick] [--models squeezenet] [--threads 1] [--out DIR]
+    python benchmarks/batch_size_search.py [--repeats 5] [--quick] [--models squeezenet] [--threads 1] [--out DIR]
 
 Models: torchvision SqueezeNet 1.1 on 3x32x32 images and Lightning's demo Transformer (2+2 layers, 32 wide,
 16 tokens), SGD momentum; the SimulatedMemory limit is 60 % of the steady peak at a batch of 256. From
@@ -255,12 +255,12 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.arguments(
-        __doc__, "batch_size_search.json", quick="one repeat", repeats=(3, 1), threads=1
+        __doc__, "batch_size_search.json", quick="one repeat", repeats=(5, 1), threads=1
     )
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--models", nargs="+", choices=names, default=names)
     args = parser.parse_args(argv)
-    repeats = 1 if args.quick else args.repeats or 3
+    repeats = 1 if args.quick else args.repeats or 5
     torch.set_num_threads(args.threads)  # 2 threads on 2 cores shared with other jobs: waits swing 10x
     quiet(logging.ERROR, every_warning=True)
     started = time.perf_counter()
@@ -309,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     entries = results["models"].values()
     ours = [e["limits"][0]["runs"]["default"] for e in entries]
     fractions = [round(r["fraction"] or 0, 3) for r in ours]
-    speedup = round(min(e["speedups"]["binsearch_over_default"] for e in entries), 2)
-    slower = round(max(e["speedups"]["default_over_best_path"] for e in entries), 2)
+    speedup = min(e["speedups"]["binsearch_over_default"] for e in entries)  # judged unrounded, shown rounded
+    slower = max(e["speedups"]["default_over_best_path"] for e in entries)
     survive = all(r["survives"] for r in ours)
     targets = [
-        ("default: found / true maximum, every model", "90-100 %", fractions, all(BAND[0] <= f <= BAND[1] for f in fractions)),
+        ("default: found / true maximum, every model", "90-100 %", fractions, all(BAND[0] <= (r["fraction"] or 0) <= BAND[1] for r in ours)),
         ("default: trains 8 steps at the size found, every model", "yes", survive, survive),
-        ("binsearch search time / default, every model", f">= {SPEEDUP_TARGET}", speedup, speedup >= SPEEDUP_TARGET),
-        ("default / the faster of traced and measured, every model", f"<= {PATH_SLACK}", slower, slower <= PATH_SLACK),
+        ("binsearch search time / default, every model", f">= {SPEEDUP_TARGET}", round(speedup, 3), speedup >= SPEEDUP_TARGET),
+        ("default / the faster of traced and measured, every model", f"<= {PATH_SLACK}", round(slower, 3), slower <= PATH_SLACK),
     ]  # fmt: skip
     results["targets"] = [dict(zip(("metric", "threshold", "value", "met"), target)) for target in targets]
     print()
