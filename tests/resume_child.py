@@ -3,9 +3,13 @@
 64-true, an MLP with dropout, random augmentation (torch, Python and NumPy draws), AdamW, a
 GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt`` every optimizer step.
 
-    python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--kill-batch N]
-        [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H] [--batch-size B] [--onecycle]
-        [--adaptive] [--resume]
+    python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--persistent] [--kill-batch N]
+        [--crash-batch N] [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H]
+        [--batch-size B] [--length L] [--epochs E] [--val] [--val-every N] [--onecycle] [--adaptive] [--resume]
+
+``--kill-batch N`` SIGKILLs the process at the end of training batch N (counted over the whole run, before
+that batch's checkpoint); ``--crash-batch N`` raises :class:`Crash` there instead, which an in-process caller
+catches (the same place in the run, without a process to kill); ``--term-batch N`` sends SIGTERM at its start.
 
 Each rank appends ``epoch batch_idx id,id,...`` per training batch to ``ROOT/ids_rank{r}.txt`` (flushed,
 so a killed run keeps its lines); at the end of fit rank 0 saves the parameters to ``ROOT/params.pt`` and
@@ -32,18 +36,19 @@ from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
 from lightning_gpuopt.decisions import decisions
 
 LENGTH, DIM, BATCH = 64, 8, 4
+VAL_LENGTH = 12
 
 
 class Augmented(Dataset):
     """Sample i is (i, x_i + noise, y_i); the noise draws from torch, Python and NumPy."""
 
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(LENGTH, DIM, generator=g, dtype=torch.float64)
+    def __init__(self, length: int = LENGTH, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(length, DIM, generator=g, dtype=torch.float64)
         self.y = self.x @ torch.randn(DIM, 1, generator=g, dtype=torch.float64)
 
     def __len__(self) -> int:
-        return LENGTH
+        return len(self.x)
 
     def __getitem__(self, i: int):
         noise = (
@@ -56,8 +61,17 @@ class Augmented(Dataset):
 
 
 class Data(GPUOptDataModule):
+    def __init__(self, length: int = LENGTH, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.length = length
+
     def train_dataset(self):
-        return Augmented()
+        return Augmented(self.length)
+
+
+class DataWithValidation(Data):
+    def val_dataset(self):
+        return Augmented(VAL_LENGTH, seed=1)
 
 
 class DropoutRegressor(pl.LightningModule):
@@ -84,6 +98,12 @@ class DropoutRegressor(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class ValidatedRegressor(DropoutRegressor):
+    def validation_step(self, batch, batch_idx):
+        _, x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
+
 class Recorder(pl.Callback):
     def __init__(self, root: str) -> None:
         self.root = root
@@ -94,13 +114,22 @@ class Recorder(pl.Callback):
             f.write(f"{trainer.current_epoch} {batch_idx} {ids}\n")
 
 
+class Crash(Exception):
+    """What ``--crash-batch`` raises: the run dies where ``--kill-batch`` would SIGKILL it."""
+
+
 class Fault(pl.Callback):
-    """SIGKILL at the end of a batch (before its checkpoint), or SIGTERM at the start of one."""
+    """SIGKILL (or :class:`Crash`) at the end of a batch, before its checkpoint, or SIGTERM at the start of one."""
 
     def __init__(
-        self, kill_batch: int | None = None, term_batch: int | None = None, term_ranks: str = "all"
+        self,
+        kill_batch: int | None = None,
+        term_batch: int | None = None,
+        term_ranks: str = "all",
+        crash_batch: int | None = None,
     ) -> None:
         self.kill_batch, self.term_batch, self.term_ranks = kill_batch, term_batch, term_ranks
+        self.crash_batch = crash_batch
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.fit_loop.total_batch_idx == self.term_batch and (
@@ -111,6 +140,8 @@ class Fault(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.fit_loop.total_batch_idx == self.kill_batch:
             os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.fit_loop.total_batch_idx == self.crash_batch:
+            raise Crash(f"crash at batch {self.crash_batch}")
 
 
 class MemoryLimit(pl.Callback):
@@ -150,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--persistent", action="store_true")
+    parser.add_argument("--crash-batch", type=int, default=None)
+    parser.add_argument("--length", type=int, default=LENGTH)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--val", action="store_true")
+    parser.add_argument("--val-every", type=int, default=None)
     parser.add_argument("--kill-batch", type=int, default=None)
     parser.add_argument("--term-batch", type=int, default=None)
     parser.add_argument("--term-ranks", default="all")
@@ -166,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     callbacks = [
         ExactResume(),
         Recorder(args.root),
-        Fault(args.kill_batch, args.term_batch, args.term_ranks),
+        Fault(args.kill_batch, args.term_batch, args.term_ranks, args.crash_batch),
         StepBoundaryCheckpoint(
             dirpath=os.path.join(args.root, "ckpt"), every_n_train_steps=1, save_top_k=0, save_last=True
         ),
@@ -183,16 +220,23 @@ def main(argv: list[str] | None = None) -> None:
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         precision="64-true",
-        max_epochs=1,
+        max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
+        val_check_interval=args.val_every,
         callbacks=callbacks,
         default_root_dir=args.root,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = DropoutRegressor(args.hidden, args.onecycle)
-    data = Data(batch_size=args.batch_size, num_workers=args.workers, persistent_workers=False)
+    validation = args.val or args.val_every is not None
+    model = (ValidatedRegressor if validation else DropoutRegressor)(args.hidden, args.onecycle)
+    data = (DataWithValidation if validation else Data)(
+        length=args.length,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        persistent_workers=args.persistent,
+    )
     trainer.fit(model, data, ckpt_path="last" if args.resume else None)
     rank = trainer.global_rank
     with open(os.path.join(args.root, f"decisions_rank{rank}.json"), "w") as f:

@@ -20,7 +20,12 @@ from lightning_gpuopt.data.prefetch import (
     DevicePrefetchLoader,
     PrefetchStats,
 )
-from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples, declare_resumable
+from lightning_gpuopt.data.resume import (
+    EVALUATION_EPOCH,
+    ResumableSampler,
+    SeededSamples,
+    declare_resumable,
+)
 
 __all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
 
@@ -122,6 +127,11 @@ def auto_num_workers(cpus: int, local_devices: int, cap: int = _MAX_AUTO_WORKERS
     """
     per_device = cpus // max(1, local_devices)
     return max(0, min(cap, per_device - 1))
+
+
+def _run_seed() -> int:
+    """The run's global seed (``seed_everything``'s), 0 without one."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 class GPUOptDataModule(pl.LightningDataModule):
@@ -368,6 +378,8 @@ class GPUOptDataModule(pl.LightningDataModule):
         )
         if train and self.resumable and not isinstance(dataset, IterableDataset):
             dataset, kwargs = self._resumable_train(dataset, kwargs)
+        elif not train and self.resumable and not isinstance(dataset, IterableDataset):
+            dataset, kwargs = self._seeded_evaluation(dataset, kwargs)
         transfer = self._batch_transfer(stage)
         if transfer is None:
             # Lightning moves each batch when it is used, non-blocking on CUDA (its `move_data_to_device`).
@@ -394,11 +406,15 @@ class GPUOptDataModule(pl.LightningDataModule):
             return {}
         trainer = self.trainer
         loop = getattr(trainer, "fit_loop", None)
-        consumed = 0 if loop is None else loop.epoch_loop.batch_progress.current.processed
+        epoch, consumed = int(sampler.epoch), 0
+        if loop is not None:
+            consumed = int(loop.epoch_loop.batch_progress.current.processed)
+            if consumed >= trainer.num_training_batches:  # the epoch is over: a resume starts the next one
+                epoch, consumed = epoch + 1, 0
         return {
             "train_loader": {
-                "epoch": int(sampler.epoch),
-                "batches": int(consumed),
+                "epoch": epoch,
+                "batches": consumed,
                 "batch_size": int(self._loader_batch_size),
                 "seed": int(sampler.seed),
                 "world_size": int(sampler.num_replicas),
@@ -417,18 +433,39 @@ class GPUOptDataModule(pl.LightningDataModule):
         world = int(getattr(trainer, "world_size", 1) or 1)
         rank = int(getattr(trainer, "global_rank", 0) or 0)
         resume = self._resume_from or {}
-        seed = int(resume.get("seed", os.environ.get("PL_GLOBAL_SEED", 0)))
+        seed = int(resume.get("seed", _run_seed()))
         sampler = ResumableSampler(
             dataset, num_replicas=world, rank=rank, shuffle=bool(kwargs.pop("shuffle")), seed=seed
         )
         self._train_sampler = sampler
         self._loader_batch_size = kwargs["batch_size"]
+        # Lightning builds the loader's first iterator before it sets the sampler's epoch, and a loader with
+        # workers draws its indices then: the sampler must already be at the epoch the fit loop runs next
+        # (on a resume past epoch 0 it would otherwise deal epoch 0's order from the resumed offset). On a
+        # resume that epoch is the checkpoint's: a schedule reading `estimated_stepping_batches` builds this
+        # loader before Lightning restores its loops' progress.
+        loop = getattr(trainer, "fit_loop", None)
         if resume:
             self._apply_resume(sampler)
+        elif loop is not None:
+            sampler.set_epoch(int(loop.epoch_progress.current.processed))
         # The loader's own generator draws the workers' base seed, so building an iterator leaves the
         # global RNG (dropout's stream) where it was.
         generator = torch.Generator().manual_seed(seed)
         return SeededSamples(dataset, seed=seed), {**kwargs, "sampler": sampler, "generator": generator}
+
+    def _seeded_evaluation(self, dataset: Dataset, kwargs: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
+        """An evaluation loader that leaves training's random streams alone, whatever its workers.
+
+        Loading in the main process would draw from the streams dropout uses, and each new iterator draws its
+        workers' base seed from the global generator unless the loader has one: the training step would then
+        draw other numbers with other worker settings (count, persistence) or after a resume. Samples load
+        under seeds from (seed, index), so random evaluation transforms also repeat from one validation to the
+        next and do not depend on the workers.
+        """
+        seed = _run_seed()
+        generator = torch.Generator().manual_seed(seed)
+        return SeededSamples(dataset, seed=seed, epoch=EVALUATION_EPOCH), {**kwargs, "generator": generator}
 
     def _apply_resume(self, sampler: ResumableSampler) -> None:
         resume = self._resume_from or {}
@@ -438,9 +475,14 @@ class GPUOptDataModule(pl.LightningDataModule):
                 f"GPUOptDataModule: the checkpoint was written by {world} rank(s), this run has {sampler.num_replicas}; "
                 "the interrupted epoch restarts from its beginning on every rank (shards differ)."
             )
+            sampler.set_epoch(int(resume.get("epoch", 0)))
             return
+        epoch = int(resume.get("epoch", 0))
         samples = int(resume.get("batches", 0)) * int(resume.get("batch_size", self.batch_size))
-        sampler.skip(epoch=int(resume.get("epoch", 0)), samples=samples)
+        if samples >= len(sampler):  # an epoch-end checkpoint whose state does not say the epoch is over
+            epoch, samples = epoch + 1, 0
+        sampler.set_epoch(epoch)
+        sampler.skip(epoch=epoch, samples=samples)
 
     def _batch_transfer(self, stage: str) -> BatchTransfer | None:
         """How batches of ``stage`` reach the device ahead of use; ``None``: Lightning moves each when used."""

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 __all__ = [
+    "EVALUATION_EPOCH",
     "ResumableSampler",
     "SeededSamples",
     "capture_rng",
@@ -164,12 +165,21 @@ def declare_resumable(loader: Any) -> bool:
     return True
 
 
+#: The epoch an evaluation loader's samples are seeded under (the same draws at every validation).
+EVALUATION_EPOCH = -1
+
+
 class SeededSamples(Dataset):
     """A dataset view whose item ``(epoch, index)`` is ``dataset[index]`` loaded under :func:`sample_seed`.
+
+    In the main process (a loader without workers) the RNG states are put back after each batch, so loading
+    does not move the training step's streams.
 
     Args:
         dataset: the map-style dataset.
         seed: the run's seed.
+        epoch: the epoch a plain index is loaded under (an evaluation loader's, :data:`EVALUATION_EPOCH`);
+            ``None``: a plain index (from a sampler of the user's own) is loaded unseeded.
 
     Example:
         >>> view = SeededSamples([10, 11, 12], seed=0)
@@ -177,16 +187,15 @@ class SeededSamples(Dataset):
         (12, 3)
     """
 
-    def __init__(self, dataset: Any, seed: int = 0) -> None:
+    def __init__(self, dataset: Any, seed: int = 0, epoch: int | None = None) -> None:
         self.dataset = dataset
         self.seed = seed
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: Any) -> Any:
-        if not isinstance(key, tuple):
-            return self.dataset[key]  # an index from elsewhere (a user's own sampler): no seeding
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
@@ -195,12 +204,10 @@ class SeededSamples(Dataset):
         try:
             items = []
             for key in keys:
-                if isinstance(key, tuple):
-                    epoch, index = key
+                epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
+                if epoch is not None:
                     _seed_all(sample_seed(self.seed, epoch, index))
-                    items.append(self.dataset[index])
-                else:
-                    items.append(self.dataset[key])
+                items.append(self.dataset[index])
             return items
         finally:
             if saved is not None:
@@ -208,7 +215,7 @@ class SeededSamples(Dataset):
 
     def __getattr__(self, name: str) -> Any:
         # Attributes of the user's dataset stay reachable through the loader's `dataset`.
-        if name in ("dataset", "seed"):
+        if name in ("dataset", "seed", "epoch"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_gpuopt import GPUOptDataModule
 from lightning_gpuopt.data import BatchTransfer, InFlight
 from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
 from tests.helpers import TRAINER_QUIET, IndexedData40, RecordingRegressor
@@ -119,3 +120,65 @@ def test_random_augmentation_is_a_function_of_sample_and_epoch():
     assert torch.equal(torch.get_rng_state(), before)  # loading leaves the training step's stream alone
     assert view.__getitems__([(0, 2)]) == a[1:]
     assert view.__getitems__([(1, 2)]) != a[1:]
+
+
+class NoisyIndexed(torch.utils.data.Dataset):
+    """Sample i is (i, noise): the noise draws from torch's, Python's and NumPy's global RNGs, as augmentation does."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        return i, float(torch.rand(())) + random.random() + float(np.random.rand())
+
+
+class NoisyData(GPUOptDataModule):
+    def train_dataset(self):
+        return NoisyIndexed()
+
+    def val_dataset(self):
+        return NoisyIndexed()
+
+
+def _epochs(seed: int, workers: int, stage: str = "train", epochs: int = 2) -> list[list[tuple[int, float]]]:
+    pl.seed_everything(seed, verbose=False)
+    dm = NoisyData(batch_size=4, num_workers=workers, persistent_workers=False)
+    loader = dm.train_dataloader() if stage == "train" else dm.val_dataloader()
+    out = []
+    for epoch in range(epochs):
+        if stage == "train":
+            loader.sampler.set_epoch(epoch)
+        out.append([(int(i), float(x)) for ids, xs in loader for i, x in zip(ids, xs)])
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_seed_decides_order_and_augmentation_and_the_workers_do_not(workers):
+    runs = {seed: _epochs(seed, workers) for seed in (0, 1, 2)}
+    assert runs[0] == _epochs(0, 0)  # the same seed: the same order and draws, with or without workers
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        for epoch in range(2):
+            order_a, order_b = ([i for i, _ in runs[s][epoch]] for s in (a, b))
+            assert order_a != order_b, f"seeds {a} and {b} gave epoch {epoch} the same order"
+            noise_a, noise_b = (dict(runs[s][epoch]) for s in (a, b))
+            assert all(noise_a[i] != noise_b[i] for i in noise_a), (
+                f"seeds {a} and {b} drew the same augmentation"
+            )
+    epoch0, epoch1 = (dict(e) for e in runs[0])
+    assert all(epoch0[i] != epoch1[i] for i in epoch0)  # each epoch draws anew
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_evaluation_loading_leaves_the_training_streams_alone_and_repeats(workers):
+    pl.seed_everything(3, verbose=False)
+    dm = NoisyData(batch_size=4, num_workers=workers, persistent_workers=False)
+    loader = dm.val_dataloader()
+    before = torch.get_rng_state()
+    validations = [[(int(i), float(x)) for ids, xs in loader for i, x in zip(ids, xs)] for _ in range(2)]
+    # Neither building iterators nor loading in this process drew from the stream dropout uses.
+    assert torch.equal(torch.get_rng_state(), before)
+    assert validations[0] == validations[1] == _epochs(3, 0, stage="val", epochs=1)[0]
