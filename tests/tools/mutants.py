@@ -1,0 +1,494 @@
+"""Plant one-line bugs in the pack's core semantics, one at a time, and count those the suite catches.
+
+    python -m tests.tools.mutants [--target NAME ...] [--jobs 2] [--out mutants.json] [--list] [--limit N]
+
+Each target is a module (or some of its functions) and the test selection that claims to guard it. A mutant
+changes one expression of that code in a way a hand-planted bug would (an operator, a comparison, a boolean, a
+constant off by one, ``and``/``or``, ``min``/``max``, a dropped ``not``, an augmented assignment); the
+selection runs against it in a copy of the repository (``pytest -x -m "not slow"``, stopped at the first
+failure) and the mutant is *caught* when the selection fails or times out. Mutants in docstrings, messages,
+annotations and ``__all__`` are not made. The figure for docs/testing.md is caught / made, per target and in all.
+It takes about an hour on 2 cores; CI does not run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A module, the functions of it to mutate (``()``: all), and the tests that guard it."""
+
+    name: str
+    path: str
+    tests: tuple[str, ...]
+    functions: tuple[str, ...] = ()
+
+    def selection(self) -> tuple[str, ...]:
+        """The module's docstring examples (part of the suite), then the tests."""
+        module = self.path.removesuffix(".py").replace("/", ".")
+        return (f"tests/test_docstring_examples.py::test_docstring_examples[{module}]", *self.tests)
+
+
+TARGETS = (
+    Target(
+        "resume",
+        "lightning_gpuopt/data/resume.py",
+        (
+            "tests/data/test_resume.py",
+            "tests/data/test_resume_matrix.py",
+            "tests/callbacks/test_exact_resume.py",
+        ),
+    ),
+    Target(
+        "weighting",
+        "lightning_gpuopt/microbatch/loss_weighting.py",
+        (
+            "tests/microbatch/test_loss_weighting_rules.py",
+            "tests/microbatch/test_loss_weighting.py",
+            "tests/callbacks/test_oom_recovery.py",
+        ),
+    ),
+    Target(
+        "weighting-rules",
+        "lightning_gpuopt/microbatch/loss_weighting_rules.py",
+        ("tests/microbatch/test_loss_weighting_rules.py", "tests/microbatch/test_loss_weighting.py"),
+    ),
+    Target(
+        "skip",
+        "lightning_gpuopt/microbatch/batches.py",
+        ("tests/microbatch/test_skipped_batches.py", "tests/callbacks/test_oom_recovery.py"),
+        functions=("TrainingBatch._run", "TrainingBatch.keep", "TrainingBatch.skip"),
+    ),
+    Target("cli-resume", "lightning_gpuopt/_cli_resume.py", ("tests/test_cli_resume.py",)),
+    Target(
+        "oom-policy",
+        "lightning_gpuopt/oom_policy.py",
+        ("tests/test_oom_policy.py", "tests/callbacks/test_oom_recovery.py"),
+    ),
+    Target(
+        "noise-scale",
+        "lightning_gpuopt/goodput/estimator.py",
+        ("tests/callbacks/test_gradient_noise_scale.py", "tests/callbacks/test_adaptive_batch_size.py"),
+    ),
+)
+
+_SWAPS: dict[type, type] = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Div,
+    ast.Mod: ast.FloorDiv,
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.And: ast.Or,
+    ast.Or: ast.And,
+}
+
+
+@dataclass
+class Mutant:
+    target: str
+    line: int
+    before: str
+    after: str
+    status: str = "pending"  # caught, survived, timeout (caught), error
+    seconds: float = 0.0
+    failing: str = field(default="")
+
+    def label(self) -> str:
+        return f"{self.target}:{self.line}: {self.before.strip()}  ->  {self.after.strip()}"
+
+
+def _skipped_nodes(tree: ast.Module) -> set[int]:
+    """Nodes not to mutate: docstrings, f-strings and messages, annotations, ``__all__``."""
+    skip: set[int] = set()
+
+    def mark(node: ast.AST | None) -> None:
+        if node is not None:
+            skip.update(id(n) for n in ast.walk(node))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                mark(body[0])
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            mark(node.returns)
+            for default in [*node.args.defaults, *node.args.kw_defaults]:
+                mark(default)  # a signature's default: the API, not the semantics under test
+            for arg in [*node.args.args, *node.args.kwonlyargs, *node.args.posonlyargs]:
+                mark(arg.annotation)
+        if isinstance(node, ast.AnnAssign):
+            mark(node.annotation)
+        if isinstance(node, ast.JoinedStr):
+            mark(node)
+        if isinstance(node, ast.Raise):
+            mark(node.exc)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+            "rank_zero_info",
+            "rank_zero_warn",
+            "warn",
+            "record_decision",
+            "info",
+            "debug",
+        ):
+            mark(node)
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            mark(node)
+    return skip
+
+
+def _functions(tree: ast.Module, names: tuple[str, ...]) -> list[ast.AST]:
+    if not names:
+        return [tree]
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qualname = f"{prefix}{child.name}"
+                if qualname in names:
+                    found.append(child)
+                visit(child, qualname + ".")
+
+    visit(tree, "")
+    missing = set(names) - {getattr(f, "name", "") for f in found} - {n.split(".")[-1] for n in names}
+    if len(found) != len(names):
+        raise SystemExit(
+            f"mutants: functions not found in the target: {sorted(names)} (found {len(found)}){missing}"
+        )
+    return found
+
+
+def _replace(source_lines: list[str], node: ast.AST, text: str) -> list[str] | None:
+    """The source with ``node``'s text replaced by ``text`` (single-line nodes only)."""
+    if node.lineno != node.end_lineno:
+        return None
+    line = source_lines[node.lineno - 1]
+    encoded = line.encode()
+    new = encoded[: node.col_offset].decode() + text + encoded[node.end_col_offset :].decode()
+    return [*source_lines[: node.lineno - 1], new, *source_lines[node.lineno :]]
+
+
+_COMPOUND = (ast.BinOp, ast.BoolOp, ast.Compare, ast.UnaryOp, ast.IfExp, ast.Lambda, ast.NamedExpr)
+
+
+def _operand(source: str, node: ast.AST) -> str | None:
+    text = ast.get_source_segment(source, node)
+    return None if text is None else f"({text})" if isinstance(node, _COMPOUND) else text
+
+
+def _operator_text(line: str, start: int, end: int, old: str, new: str) -> str | None:
+    segment = line[start:end]
+    if segment.count(old) != 1:
+        return None
+    return segment.replace(old, new)
+
+
+_SYMBOLS = {
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Is: " is ",
+    ast.IsNot: " is not ",
+    ast.In: " in ",
+    ast.NotIn: " not in ",
+    ast.And: " and ",
+    ast.Or: " or ",
+}
+
+
+def make_mutants(target: Target) -> tuple[list[str], list[tuple[Mutant, list[str]]]]:
+    """The target's source lines and each mutant with its mutated source lines."""
+    source = (REPO / target.path).read_text()
+    lines = source.splitlines(keepends=True)
+    tree = ast.parse(source)
+    skip = _skipped_nodes(tree)
+    out: list[tuple[Mutant, list[str]]] = []
+    seen: set[tuple[int, str]] = set()
+
+    def add(node: ast.AST, text: str | None) -> None:
+        if text is None:
+            return
+        new = _replace(lines, node, text)
+        if new is None or (node.lineno, new[node.lineno - 1]) in seen:
+            return
+        seen.add((node.lineno, new[node.lineno - 1]))
+        out.append((Mutant(target.name, node.lineno, lines[node.lineno - 1], new[node.lineno - 1]), new))
+
+    for scope in _functions(tree, target.functions):
+        for node in ast.walk(scope):
+            if (
+                id(node) in skip
+                or not hasattr(node, "lineno")
+                or node.lineno != getattr(node, "end_lineno", -1)
+            ):
+                continue
+            segment = ast.get_source_segment(source, node)
+            if segment is None:
+                continue
+            if isinstance(node, ast.BinOp) and type(node.op) in _SWAPS:
+                left, right = _operand(source, node.left), _operand(source, node.right)
+                if left is not None and right is not None:
+                    add(node, f"({left} {_SYMBOLS[_SWAPS[type(node.op)]].strip()} {right})")
+            elif isinstance(node, ast.AugAssign) and type(node.op) in _SWAPS:
+                add(
+                    node,
+                    _operator_text(
+                        segment,
+                        0,
+                        len(segment),
+                        _SYMBOLS[type(node.op)].strip() + "=",
+                        _SYMBOLS[_SWAPS[type(node.op)]].strip() + "=",
+                    ),
+                )
+            elif isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _SWAPS:
+                left, right = _operand(source, node.left), _operand(source, node.comparators[0])
+                if left is not None and right is not None:
+                    symbol = _SYMBOLS[_SWAPS[type(node.ops[0])]].strip()
+                    add(node, f"({left} {symbol} {right})")
+            elif isinstance(node, ast.BoolOp) and len(node.values) == 2:
+                parts = [_operand(source, v) for v in node.values]
+                if None not in parts:
+                    add(node, f"({parts[0]}{_SYMBOLS[_SWAPS[type(node.op)]]}{parts[1]})")
+            elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+                operand = ast.get_source_segment(source, node.operand)
+                if operand is not None:
+                    add(node, f"({operand})")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
+                add(node, str(not node.value))
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, int)
+                and not isinstance(node.value, bool)
+            ):
+                add(node, str(node.value + 1))
+            elif (
+                isinstance(node, ast.Constant) and isinstance(node.value, float) and node.value not in (0.0,)
+            ):
+                add(node, repr(node.value * 2))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("min", "max")
+            ):
+                other = "max" if node.func.id == "min" else "min"
+                add(node, other + segment[len(node.func.id) :])
+    return lines, out
+
+
+#: Imported once by the runner before it forks a child per mutant: each child then starts in well under a
+#: second instead of ~10 s. The pack itself and the tests are imported by each child, from its copy.
+_PRELOAD = ("torch", "numpy", "lightning.pytorch", "pytest", "hypothesis", "jsonargparse", "torchmetrics")
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in _PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def _child(tests: tuple[str, ...], root: Path, log: Path) -> None:
+    """In a forked child: run the selection on ``root`` with pytest, exit with its status."""
+    os.setsid()  # its own process group: a timeout kills the test's own subprocesses too
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(root)
+    os.environ["PYTHONPATH"] = str(root)
+    os.environ["LIGHTNING_DISABLE_TIPS"] = "1"
+    # This runner was imported from the repository itself (`python -m tests.tools.mutants`): forget that copy.
+    sys.path[:] = [str(root)] + [p for p in sys.path if p not in ("", str(REPO))]
+    for name in [n for n in sys.modules if n == "tests" or n.startswith(("tests.", "lightning_gpuopt"))]:
+        del sys.modules[name]
+    code = 4
+    try:
+        import pytest
+
+        code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@dataclass
+class _Running:
+    mutant: Mutant | None
+    root: Path
+    original: str
+    path: Path
+    log: Path
+    start: float
+    timeout: float
+
+
+def _start(
+    mutant: Mutant | None, lines: list[str] | None, target: Target, root: Path, timeout: float
+) -> tuple[int, _Running]:
+    path = root / target.path
+    original = path.read_text()
+    if lines is not None:
+        path.write_text("".join(lines))
+    log = root / "mutant.log"
+    pid = os.fork()
+    if pid == 0:
+        _child(target.selection(), root, log)
+    return pid, _Running(mutant, root, original, path, log, time.perf_counter(), timeout)
+
+
+def _finish(run: _Running, status: int | None) -> None:
+    """Record what the child's ``status`` (a wait status; ``None``: timed out) says, and restore the file."""
+    run.path.write_text(run.original)
+    mutant = run.mutant
+    if mutant is None:
+        return
+    mutant.seconds = time.perf_counter() - run.start
+    text = run.log.read_text(errors="replace") if run.log.exists() else ""
+    if status is None:
+        mutant.status = "timeout"
+        return
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        mutant.status = "survived"
+    elif code in (1, 2, 3):  # tests failed, collection failed (a broken import), or pytest's internal error
+        mutant.status = "caught"
+        failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        mutant.failing = failed[0] if failed else (text.strip().splitlines() or [""])[-1]
+    else:
+        mutant.status, mutant.failing = "error", text[-500:]
+
+
+def _run_all(
+    items: list[tuple[Target, Mutant | None, list[str] | None]],
+    roots: list[Path],
+    timeouts: dict[str, float],
+    show: bool,
+) -> None:
+    """Run each item's selection in a forked child, at most one per copy of the repository at a time."""
+    queue, free = list(items), list(roots)
+    running: dict[int, _Running] = {}
+    while queue or running:
+        while queue and free:
+            target, mutant, lines = queue.pop(0)
+            pid, run = _start(mutant, lines, target, free.pop(), timeouts.get(target.name, 3600))
+            running[pid] = run
+        time.sleep(0.2)
+        for pid, run in list(running.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done and time.perf_counter() - run.start <= run.timeout:
+                continue
+            if not done:
+                try:
+                    os.killpg(pid, 9)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+                status = None
+            _finish(run, status)
+            del running[pid]
+            free.append(run.root)
+            if show and run.mutant is not None:
+                m = run.mutant
+                print(f"{m.status:>8} {m.seconds:5.0f} s  {m.label()}", flush=True)
+
+
+def _copy(destination: Path) -> Path:
+    ignore = shutil.ignore_patterns(".venv*", ".git", "lightning_logs", "build", "__pycache__", "*.egg-info")
+    shutil.copytree(REPO, destination, ignore=ignore)
+    return destination
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", action="append", choices=[t.name for t in TARGETS])
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default="mutants.json")
+    parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="at most this many mutants per target (a trial)"
+    )
+    args = parser.parse_args(argv)
+    targets = [t for t in TARGETS if not args.target or t.name in args.target]
+    work = [(t, m, lines) for t in targets for m, lines in make_mutants(t)[1][: args.limit]]
+    if args.list:
+        for _, mutant, _ in work:
+            print(mutant.label())
+        print(f"{len(work)} mutants")
+        return 0
+    _preload()
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        roots = [_copy(Path(tmp) / f"copy{n}") for n in range(args.jobs)]
+        baseline = {t.name: Mutant(t.name, 0, "", "") for t in targets}
+        start = time.perf_counter()
+        _run_all([(t, baseline[t.name], None) for t in targets], roots, {}, show=False)
+        broken = [m for m in baseline.values() if m.status != "survived"]
+        if broken:
+            raise SystemExit(
+                f"mutants: the selection of {broken[0].target} fails without any mutant: {broken[0].failing}"
+            )
+        timeouts = {name: 3 * m.seconds + 30 for name, m in baseline.items()}
+        print(
+            f"{len(work)} mutants; selections without a mutant ran in "
+            + ", ".join(f"{name} {m.seconds:.0f} s" for name, m in baseline.items())
+            + f" ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+        _run_all(work, roots, timeouts, show=True)
+    results = [m for _, m, _ in work]
+    rows = []
+    for target in targets:
+        mine = [m for m in results if m.target == target.name]
+        caught = sum(m.status in ("caught", "timeout") for m in mine)
+        rows.append((target.name, len(mine), caught))
+    total, caught = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    print("\n| target | mutants | caught | share |\n|---|---|---|---|")
+    for name, n, c in rows:
+        print(f"| {name} | {n} | {c} | {100 * c / max(n, 1):.1f} % |")
+    print(f"| all | {total} | {caught} | {100 * caught / max(total, 1):.1f} % |")
+    survivors = [m for m in results if m.status in ("survived", "error")]
+    if survivors:
+        print("\nNot caught:")
+        for m in survivors:
+            print(f"  [{m.status}] {m.label()}")
+    Path(args.out).write_text(json.dumps([asdict(m) for m in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
