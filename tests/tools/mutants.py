@@ -85,6 +85,22 @@ TARGETS = (
     ),
 )
 
+#: Mutants that cannot change what a user sees (here, or on a machine without CUDA), with the reason: made and
+#: listed, but not counted. (target, text of the line before, text after, reason)
+EQUIVALENT = (
+    ("resume", "EVALUATION_EPOCH = -1", "EVALUATION_EPOCH = -2", "any epoch no training epoch has will do"),
+    ("resume", "self._skip_samples = 0", "self._skip_samples = 1", "read only after skip() set it"),
+    ("resume", "self._skip_samples = None, 0", "None, 1", "read only after skip() set it"),
+    (
+        "resume",
+        "epoch != self._skip_epoch:",
+        "(self._skip_epoch is None) and",
+        "epochs only grow: a past skip never applies again",
+    ),
+    ("resume", '"cuda" in state and torch.cuda', "", "the CUDA RNG: no CUDA device here"),
+    ("resume", "len(states) == torch.cuda.device_count()", "", "the CUDA RNG: no CUDA device here"),
+)
+
 _SWAPS: dict[type, type] = {
     ast.Add: ast.Sub,
     ast.Sub: ast.Add,
@@ -116,6 +132,13 @@ class Mutant:
     status: str = "pending"  # caught, survived, timeout (caught), error
     seconds: float = 0.0
     failing: str = field(default="")
+
+    def equivalent(self) -> str | None:
+        """Why this mutant cannot be caught (:data:`EQUIVALENT`), or ``None``."""
+        for target, before, after, why in EQUIVALENT:
+            if target == self.target and before in self.before and after in self.after:
+                return why
+        return None
 
     def label(self) -> str:
         return f"{self.target}:{self.line}: {self.before.strip()}  ->  {self.after.strip()}"
@@ -471,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         _run_all(work, roots, timeouts, show=True)
     results = [m for _, m, _ in work]
+    equivalent = [m for m in results if m.equivalent()]
+    results = [m for m in results if not m.equivalent()]
     rows = []
     for target in targets:
         mine = [m for m in results if m.target == target.name]
@@ -486,7 +511,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\nNot caught:")
         for m in survivors:
             print(f"  [{m.status}] {m.label()}")
-    Path(args.out).write_text(json.dumps([asdict(m) for m in results], indent=1))
+    if equivalent:
+        print("\nEquivalent, not counted:")
+        for m in equivalent:
+            print(f"  {m.label()}  ({m.equivalent()}; {m.status})")
+    Path(args.out).write_text(json.dumps([asdict(m) for m in results + equivalent], indent=1))
     return 0
 
 
