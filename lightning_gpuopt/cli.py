@@ -125,12 +125,13 @@ class GPUOptCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         parser_kwargs = dict(kwargs.pop("parser_kwargs", None) or {})
         parser_kwargs.setdefault("description", _DESCRIPTION)
-        if "exit_on_error" in parser_kwargs:  # the subcommands' parsers report errors the same way
-            for name in _TRAINER_SUBCOMMANDS:
-                parser_kwargs[name] = {
-                    "exit_on_error": parser_kwargs["exit_on_error"],
-                    **parser_kwargs.get(name, {}),
-                }
+        # A prefix of an option is a mistake ("--trainer.max_epoch"), not that option: argparse's abbreviations off.
+        parser_kwargs.setdefault("allow_abbrev", False)
+        shared = {
+            key: parser_kwargs[key] for key in ("exit_on_error", "allow_abbrev") if key in parser_kwargs
+        }
+        for name in _TRAINER_SUBCOMMANDS:  # the subcommands' parsers read and report the same way
+            parser_kwargs[name] = {**shared, **parser_kwargs.get(name, {})}
         kwargs["parser_kwargs"] = parser_kwargs
         self.summary: RunSummary | None = None
         #: The memory plan behind the strategy (``gpuopt fit`` on several devices, ``gpuopt plan``); ``None`` otherwise.
