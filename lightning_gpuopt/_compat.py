@@ -39,15 +39,18 @@ __all__ = [
     "parser_option_strings",
     "record_cuda_memory_history",
     "reset_grad_scaler",
+    "run_validation",
     "saved_tensors",
     "scalar_read_op",
     "set_fsdp_collectives",
     "set_lr_scheduler_mark",
     "should_accumulate",
+    "skip_next_validation",
     "storage_id",
     "tensor_parallel_size",
     "tensor_version",
     "thread_frames",
+    "validation_due",
 ]
 
 
@@ -105,6 +108,37 @@ def mark_checkpoint_saved(callback: Any, step: int, path: str) -> None:
     callback._last_global_step_saved = step
     callback._last_checkpoint_saved = path
     callback.last_model_path = path
+
+
+def validation_due(trainer: Any) -> bool:
+    """Whether Lightning runs validation after the current training batch (its own rule, ``should_stop`` aside:
+    call it before setting ``trainer.should_stop``, which makes every batch one)."""
+    fit_loop = trainer.fit_loop
+    return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
+
+
+def skip_next_validation(trainer: Any) -> None:
+    """Make the training loop skip the validation it would run after the current batch (a stop asks for one)."""
+    trainer.fit_loop.epoch_loop._skip_next_val = True
+
+
+def run_validation(trainer: Any, epoch: int) -> None:
+    """Run the fit's validation now, as the training loop runs one after a batch of ``epoch`` (from a ``fit``
+    hook; ``trainer.current_epoch`` reads ``epoch`` meanwhile: a resume counts a stopped epoch's last batch as
+    the epoch's end before the first hook)."""
+    loop = trainer.fit_loop.epoch_loop
+    connector = trainer._logger_connector
+    progress = trainer.fit_loop.epoch_progress.current
+    first_loop_iter, completed = connector._first_loop_iter, progress.completed
+    loop.val_loop.restarting = False  # a whole validation, not the rest of one
+    progress.completed = epoch
+    trainer.validating = True
+    try:
+        loop.val_loop.run()
+    finally:
+        trainer.training = True
+        progress.completed = completed
+        connector._first_loop_iter = first_loop_iter
 
 
 def drop_train_loader(fit_loop: Any) -> None:

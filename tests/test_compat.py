@@ -76,6 +76,39 @@ def test_mark_checkpoint_saved_stops_model_checkpoint_saving_again(tmp_path):
     assert (callback._last_global_step_saved, callback.last_model_path) == (7, "last.ckpt")
 
 
+def test_validation_due_skip_next_validation_and_run_validation():
+    seen = {"due": [], "validations": []}
+
+    class Ask(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            _compat.run_validation(trainer, epoch=0)  # one validation, before any training batch
+            assert trainer.training
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["due"].append(_compat.validation_due(trainer))
+            if batch_idx == 1:
+                _compat.skip_next_validation(trainer)
+
+        def on_validation_end(self, trainer, pl_module):
+            seen["validations"].append((trainer.current_epoch, trainer.global_step))
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        callbacks=[Ask()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    assert seen["due"] == [False, True, False, True]
+    assert seen["validations"] == [(0, 0), (0, 4)]  # the one run at the start; the one at step 2 skipped
+
+
 def test_drop_train_loader():
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     assert hasattr(trainer.fit_loop, "_combined_loader"), "fit_loop._combined_loader moved: update _compat"
