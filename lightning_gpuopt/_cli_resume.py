@@ -337,11 +337,12 @@ def plan_resume(
     if not isinstance(checkpoint, dict):
         return ResumePlan(path)
     saved = checkpoint.get(FINGERPRINT_KEY)
-    if saved is None and trainer.is_global_zero:
-        warn(
-            f"gpuopt fit: {path} has no run fingerprint (written before lightning_gpuopt 0.1 or outside gpuopt "
-            "fit), so whether it belongs to this run is not checked; resuming from it."
-        )
+    if saved is None:
+        if trainer.is_global_zero:
+            warn(
+                f"gpuopt fit: {path} has no run fingerprint (written before lightning_gpuopt 0.1 or outside gpuopt "
+                "fit), so whether it belongs to this run is not checked; resuming from it."
+            )
     else:
         differences = fingerprint_differences(saved, fingerprint)
         if differences:

@@ -254,3 +254,73 @@ def test_finished_means_a_limit_reached_or_early_stopping_never_a_signal_stop(
         assert f"finished at step {step} ({finished}" in plan.message
     else:
         assert plan.message.startswith(f"gpuopt fit: resuming from {path} at step {step}")
+
+
+class RankRecord(pl.Callback):
+    """Writes where each rank's run lives and which steps it trained to ``out_dir/rank{r}.json``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.start = out_dir, None
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = trainer.global_step
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        record = {
+            "log_dir": trainer.log_dir,
+            "ckpt_path": trainer.ckpt_path,
+            "steps": [self.start, trainer.global_step],
+        }
+        Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_a_fingerprint_resumes_under_ddp(tmp_path):
+    import json
+
+    plain = tmp_path / "plain"
+    trainer = pl.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=plain,
+        callbacks=[ModelCheckpoint(save_last=True, save_top_k=0)],
+    )
+    trainer.fit(RecordingRegressor(), IndexedData40(batch_size=4, num_workers=0))
+    path = plain / "checkpoints" / "last.ckpt"
+    # two CPU ranks over gloo: rank 0 warns, every rank resumes
+    args = [
+        "fit",
+        *MODEL_A,
+        *DATA_A,
+        "--seed_everything",
+        "1",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.max_steps",
+        "4",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--gpuopt.report",
+        "false",
+        "--ckpt_path",
+        str(path),
+        "--trainer.callbacks+=tests.test_cli_resume.RankRecord",
+        f"--trainer.callbacks.out_dir={tmp_path}",
+    ]
+    done = _gpuopt(args, cwd=tmp_path, timeout=240)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    assert said.count("has no run fingerprint") == 1 and "AttributeError" not in said  # rank 0 warns, once
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["steps"] for r in records] == [[2, 4], [2, 4]]
+    assert [r["ckpt_path"] for r in records] == [str(path)] * 2
