@@ -15,6 +15,7 @@ __all__ = [
     "batch_norm_types",
     "clear_cublas_workspaces",
     "cluster_environment",
+    "continue_csv_metrics",
     "dataloader_iterator_base",
     "ddp_comm_hook_set",
     "ddp_kwargs",
@@ -29,6 +30,7 @@ __all__ = [
     "is_compiled",
     "local_shard",
     "local_tensor",
+    "logger_version",
     "lr_scheduler_mark",
     "mark_checkpoint_saved",
     "metric_counters",
@@ -43,6 +45,7 @@ __all__ = [
     "saved_tensors",
     "scalar_read_op",
     "set_fsdp_collectives",
+    "set_logger_version",
     "set_lr_scheduler_mark",
     "should_accumulate",
     "skip_next_validation",
@@ -139,6 +142,38 @@ def run_validation(trainer: Any, epoch: int) -> None:
         trainer.training = True
         progress.completed = completed
         connector._first_loop_iter = first_loop_iter
+
+
+def logger_version(logger: Any) -> Any:
+    """The version a ``CSVLogger``/``TensorBoardLogger`` was given (``None``: it takes the next free
+    ``version_N`` when first asked), without making it pick one."""
+    return logger._version
+
+
+def set_logger_version(logger: Any, version: str) -> None:
+    """Give a ``CSVLogger``/``TensorBoardLogger`` its version (its folder's name) before it picks one."""
+    logger._version = version
+
+
+def continue_csv_metrics(logger: Any) -> None:
+    """Make a ``CSVLogger`` append to the ``metrics.csv`` its folder holds instead of deleting it.
+
+    Lightning's ``ExperimentWriter`` deletes the file when it is created over a folder that is not empty, and
+    writes its header from the keys it has seen itself; the writer made here starts from the file's header.
+    """
+    import csv
+
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    class _Continued(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            pass  # the folder is this run's: its metrics.csv is continued
+
+    writer = _Continued(log_dir=logger.log_dir)
+    if writer._fs.isfile(writer.metrics_file_path):
+        with writer._fs.open(writer.metrics_file_path, "r", newline="") as file:
+            writer.metrics_keys = list(next(csv.reader(file), []))
+    logger._experiment = writer
 
 
 def drop_train_loader(fit_loop: Any) -> None:

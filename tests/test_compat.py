@@ -109,6 +109,29 @@ def test_validation_due_skip_next_validation_and_run_validation():
     assert seen["validations"] == [(0, 0), (0, 4)]  # the one run at the start; the one at step 2 skipped
 
 
+def test_logger_version_and_set_logger_version(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="x")
+    assert _compat.logger_version(logger) is None, "CSVLogger._version moved: update _compat"
+    _compat.set_logger_version(logger, "run-1")
+    assert logger.version == "run-1" and logger.log_dir == str(tmp_path / "x" / "run-1")
+
+
+def test_continue_csv_metrics_appends_to_the_folders_file(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    first = CSVLogger(tmp_path, name="x", version="v")
+    first.log_metrics({"a": 1.0}, step=0)
+    first.save()
+    second = CSVLogger(tmp_path, name="x", version="v")
+    _compat.continue_csv_metrics(second)
+    second.log_metrics({"a": 2.0, "b": 3.0}, step=1)
+    second.save()
+    lines = (tmp_path / "x" / "v" / "metrics.csv").read_text().splitlines()
+    assert lines == ["a,b,step", "1.0,,0", "2.0,3.0,1"]
+
+
 def test_drop_train_loader():
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     assert hasattr(trainer.fit_loop, "_combined_loader"), "fit_loop._combined_loader moved: update _compat"

@@ -140,6 +140,9 @@ class ExactResume(Callback):
         self.stop_signal: str | None = None
         #: Where the last signal-triggered stop wrote its checkpoint (``None`` before any).
         self.stop_checkpoint: str | None = None
+        #: Whether the command that started this run, started again, resumes it: ``gpuopt fit`` sets it when it
+        #: finds the run's checkpoint folder again. The stop line then says so instead of naming the file.
+        self.same_command_resumes = False
         self._trainer: pl.Trainer | None = None
         self._pending: dict[str, Any] | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -278,15 +281,17 @@ class ExactResume(Callback):
     def _stop(self, trainer: pl.Trainer) -> None:
         path = self._last_path(trainer)
         why = self.stop_signal or "another rank's signal"
+        how = "the same command resumes" if self.same_command_resumes else f"resume with ckpt_path={path!r}"
         # Recorded before the save, so that the checkpoint's report holds it: the resumed run's report shows it.
         record_decision(
             trainer,
             "stop",
             "ExactResume",
             f"{why} at step {trainer.global_step}: checkpoint {path} written at the optimizer-step boundary; "
-            "stopping every rank. Resume with `ckpt_path='last'`.",
+            f"stopping every rank; {how}.",
             signal=why,
             path=path,
+            same_command_resumes=self.same_command_resumes,
         )
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
@@ -312,10 +317,7 @@ class ExactResume(Callback):
         if self._log_filter is None:
             self._log_filter = _SignalStopFilter()
             logging.getLogger(_LIGHTNING_LOG).addFilter(self._log_filter)
-        rank_zero_info(
-            f"ExactResume: stopped by {why} at step {trainer.global_step}: wrote {path}; resume with "
-            "ckpt_path='last' (gpuopt fit: the same command)."
-        )
+        rank_zero_info(f"ExactResume: stopped by {why} at step {trainer.global_step}: wrote {path}; {how}.")
 
     @staticmethod
     def _last_path(trainer: pl.Trainer) -> str:
