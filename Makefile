@@ -27,7 +27,7 @@ report-image: install
 	$(VENV)/bin/gpuopt fit --config examples/configs/default.yaml --trainer.logger.init_args.save_dir build/report-image \
 		--trainer.enable_progress_bar false
 	mkdir -p docs/images
-	cp build/report-image/default/version_0/gpuopt_report.png docs/images/gpuopt_report.png
+	cp build/report-image/default/run-*/gpuopt_report.png docs/images/gpuopt_report.png
 	$(PY) examples/oom_forensics.py build/report-image/oom
 	cp build/report-image/oom/oom_3_rank0.png docs/images/oom_example.png
 

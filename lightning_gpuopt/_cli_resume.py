@@ -1,18 +1,24 @@
 """Which checkpoint ``gpuopt fit`` resumes from, and whether it belongs to this run.
 
 ``gpuopt fit`` writes a fingerprint of the run into every checkpoint (:class:`RunFingerprint`): the
-model's and the datamodule's class paths, the model's parameter names, shapes and dtypes, and the
-model's and datamodule's init arguments, less those that may change between the legs of one run
-(worker, pinning and prefetch settings, directories and paths). Before ``fit`` loads or writes anything,
-:func:`plan_resume` reads the checkpoint ``--ckpt_path`` points at (memory-mapped, with
-``weights_only``: no tensor is read) and compares. docs/resume.md explains the rules.
+model's and the datamodule's class paths, the model's parameter names, shapes and dtypes, the model's and
+datamodule's init arguments, the seed and the Trainer's options, less those that may change between the legs
+of one run (worker, pinning and prefetch settings, directories and paths, the Trainer's limits, devices and
+output). The run's folder is named from it (:func:`run_identity`), so that the same command finds its run
+again. Before ``fit`` loads or writes anything, :func:`plan_resume` reads the checkpoint ``--ckpt_path``
+points at (memory-mapped, with ``weights_only``: no tensor is read) and compares. docs/resume.md explains the
+rules.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +36,13 @@ __all__ = [
     "ResumePlan",
     "ResumeRefused",
     "RunFingerprint",
+    "declared_defaults",
     "fingerprint_differences",
     "last_checkpoint",
     "plan_resume",
     "run_fingerprint",
+    "run_identity",
+    "run_options",
 ]
 
 #: The top-level checkpoint key that holds the run's fingerprint.
@@ -42,7 +51,44 @@ _FORMAT = 1
 
 #: Init arguments that may change between the legs of one run: loading speed, and where things are.
 _IGNORED_ARGUMENTS = {"num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "device_prefetch"}
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _PATH_LIKE = re.compile(r"(^|_)(dir|dirs|directory|path|paths|root|file|files|folder|url)$")
+#: Trainer options that may change between the legs of one run: its limits (raised to train on), where it runs
+#: (a requeue may get other devices), and what it shows or writes.
+_TRAINER_LEGS = frozenset(
+    {
+        "max_epochs",
+        "min_epochs",
+        "max_steps",
+        "min_steps",
+        "max_time",
+        "accelerator",
+        "strategy",
+        "devices",
+        "num_nodes",
+        "plugins",
+        "logger",
+        "callbacks",
+        "enable_checkpointing",
+        "enable_progress_bar",
+        "enable_model_summary",
+        "enable_autolog_hparams",
+        "log_every_n_steps",
+        "default_root_dir",
+        "profiler",
+        "num_sanity_val_steps",
+        "barebones",
+        "detect_anomaly",
+        "benchmark",
+        "fast_dev_run",
+        "model_registry",
+    }
+)
+#: ``gpuopt fit``'s own options that change the optimization (the others change how it runs, not what).
+_GPUOPT_OPTIONS = ("adaptive_batch",)
+#: What ``seed_everything: true`` (LightningCLI's default) puts in the fingerprint: a seed drawn at each start.
+#: A resume restores the first leg's random state and loader seed, so the legs are one run all the same.
+RANDOM_SEED = "random"
 #: Lightning's file inside a distributed (sharded) checkpoint folder that holds everything but the tensors.
 _SHARDED_METADATA = "meta.pt"
 
@@ -92,7 +138,11 @@ def _plain(value: Any) -> Any:
         return value if math.isfinite(value) else str(value)
     if isinstance(value, os.PathLike):
         return None  # a path: never part of the fingerprint
-    return str(value)
+    return _ADDRESS.sub("", str(value))  # an object's address differs between processes
+
+
+def _kept(name: str, value: Any) -> bool:
+    return name not in _IGNORED_ARGUMENTS and not _PATH_LIKE.search(name) and value is not None
 
 
 def _init_arguments(config: Any) -> dict[str, Any]:
@@ -102,18 +152,53 @@ def _init_arguments(config: Any) -> dict[str, Any]:
         return {}
     if "class_path" in plain:  # subclass mode: {"class_path": ..., "init_args": {...}, "dict_kwargs": {...}}
         plain = {**(plain.get("init_args") or {}), **(plain.get("dict_kwargs") or {})}
-    return {
-        key: value
-        for key, value in plain.items()
-        if key not in _IGNORED_ARGUMENTS and not _PATH_LIKE.search(key) and value is not None
+    return {key: value for key, value in plain.items() if _kept(key, value)}
+
+
+def run_options(config: Any) -> dict[str, Any]:
+    """The options of a ``gpuopt fit`` config (a subcommand's namespace) that make a run, by their dotted names.
+
+    The Trainer's, less its limits, devices and output (:data:`_TRAINER_LEGS`) and paths; the optimizer and
+    scheduler LightningCLI adds; ``gpuopt.adaptive_batch``. The model's and the datamodule's arguments and the
+    seed have fields of their own in :func:`run_fingerprint`.
+
+    Example:
+        >>> run_options({"trainer": {"max_steps": 9, "precision": None}, "gpuopt": {"adaptive_batch": False}})
+        {'trainer.precision': None, 'gpuopt.adaptive_batch': False}
+    """
+    plain = _plain(config)
+    if not isinstance(plain, dict):
+        return {}
+    trainer = plain.get("trainer") if isinstance(plain.get("trainer"), dict) else {}
+    options = {
+        f"trainer.{name}": value
+        for name, value in sorted(trainer.items())
+        if name not in _TRAINER_LEGS and not _PATH_LIKE.search(name)
     }
+    for name in ("optimizer", "lr_scheduler"):
+        if name in plain:
+            options[name] = plain[name]
+    gpuopt = plain.get("gpuopt") if isinstance(plain.get("gpuopt"), dict) else {}
+    for name in _GPUOPT_OPTIONS:
+        if name in gpuopt:
+            options[f"gpuopt.{name}"] = gpuopt[name]
+    return options
 
 
-def run_fingerprint(model: Any, datamodule: Any, model_config: Any = None, data_config: Any = None) -> dict:
-    """What identifies a run: class paths, the model's parameters (name, shape, dtype) and the init arguments.
+def run_fingerprint(
+    model: Any,
+    datamodule: Any,
+    model_config: Any = None,
+    data_config: Any = None,
+    seed: int | str | None = None,
+    options: dict[str, Any] | None = None,
+) -> dict:
+    """What identifies a run: class paths, the model's parameters (name, shape, dtype), the init arguments, the
+    seed and the options of :func:`run_options`.
 
     Computed from the model as built, before ``fit`` moves, converts or shards it, so that every leg of a
-    run computes the same one.
+    run computes the same one. ``seed`` is ``seed_everything`` as given: a number, :data:`RANDOM_SEED`, or
+    ``None`` (no seeding).
 
     Example:
         >>> from torch import nn
@@ -136,7 +221,58 @@ def run_fingerprint(model: Any, datamodule: Any, model_config: Any = None, data_
         "parameters": parameters,
         "model_args": _init_arguments(model_config),
         "data_args": _init_arguments(data_config),
+        "seed": seed,
+        "options": dict(options or {}),
     }
+
+
+def declared_defaults(cls: type) -> dict[str, Any]:
+    """The defaults of ``cls(...)``'s keyword arguments, following ``**kwargs`` up the class hierarchy (what
+    LightningCLI fills in for the arguments a config leaves out)."""
+    defaults: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = list(inspect.signature(init).parameters.values())[1:]
+        except (TypeError, ValueError):
+            break
+        for p in parameters:
+            if p.default is not inspect.Parameter.empty and p.name not in defaults:
+                defaults[p.name] = _plain(p.default)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            break
+    return defaults
+
+
+def run_identity(
+    fingerprint: Mapping[str, Any], defaults: Mapping[str, Mapping[str, Any]] | None = None
+) -> str:
+    """The name of a run's folder (a logger's version): ``run-`` and 8 hex digits of a hash of its fingerprint.
+
+    Values equal to their defaults (``defaults``: per field of the fingerprint, ``{"model_args": {...}}``) are
+    left out, so a new argument with a default (a release of the pack, of Lightning) leaves the name as it was;
+    so is the fingerprint's format. The name is computed, not drawn: every rank, and every leg of the run,
+    gets the same one.
+
+    Example:
+        >>> a = {"format": 1, "model": "m.A", "model_args": {"lr": 0.1, "width": 8}, "seed": 1}
+        >>> run_identity(a) == run_identity({**a, "format": 2}), run_identity(a) == run_identity({**a, "seed": 2})
+        (True, False)
+        >>> run_identity(a, {"model_args": {"width": 8}}) == run_identity({**a, "model_args": {"lr": 0.1}})
+        True
+    """
+    defaults, missing = defaults or {}, object()
+    kept: dict[str, Any] = {}
+    for key, value in fingerprint.items():
+        if key == "format":
+            continue
+        if isinstance(value, Mapping) and key in defaults:
+            value = {k: v for k, v in value.items() if defaults[key].get(k, missing) != v}
+        kept[key] = value
+    text = json.dumps(_plain(kept), sort_keys=True, separators=(",", ":"))
+    return "run-" + hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def _short(value: Any, width: int = 40) -> str:
@@ -159,8 +295,9 @@ def _parameter_difference(saved: list[list[Any]], current: list[list[Any]]) -> s
 def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between a checkpoint's fingerprint and this run's, one short phrase each.
 
-    An init argument counts when both runs have it: one that only one side has (a new argument with a
-    default, an old one removed) leaves the run the same.
+    An init argument, an option or the seed counts when both runs have it: one that only one side has (a new
+    argument with a default, an old one removed, a checkpoint written before the seed was recorded) leaves the
+    run the same.
 
     Example:
         >>> a = {"model": "m.A", "data": None, "parameters": [["w", [2], "float32"]], "model_args": {"lr": 0.1}}
@@ -176,11 +313,13 @@ def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> l
     difference = _parameter_difference(saved.get("parameters") or [], current.get("parameters") or [])
     if difference:
         out.append(difference)
-    for key, prefix in (("model_args", "model"), ("data_args", "data")):
+    for key, prefix in (("model_args", "model."), ("data_args", "data."), ("options", "")):
         old, new = saved.get(key) or {}, current.get(key) or {}
         for name in sorted(set(old) & set(new)):
             if old[name] != new[name]:
-                out.append(f"{prefix}.{name} {_short(old[name])} -> {_short(new[name])}")
+                out.append(f"{prefix}{name} {_short(old[name])} -> {_short(new[name])}")
+    if "seed" in saved and "seed" in current and saved["seed"] != current["seed"]:
+        out.append(f"seed_everything {_short(saved['seed'])} -> {_short(current['seed'])}")
     return out
 
 
@@ -337,11 +476,12 @@ def plan_resume(
     if not isinstance(checkpoint, dict):
         return ResumePlan(path)
     saved = checkpoint.get(FINGERPRINT_KEY)
-    if saved is None and trainer.is_global_zero:
-        warn(
-            f"gpuopt fit: {path} has no run fingerprint (written before lightning_gpuopt 0.1 or outside gpuopt "
-            "fit), so whether it belongs to this run is not checked; resuming from it."
-        )
+    if saved is None:
+        if trainer.is_global_zero:
+            warn(
+                f"gpuopt fit: {path} has no run fingerprint (written before lightning_gpuopt 0.1 or outside gpuopt "
+                "fit), so whether it belongs to this run is not checked; resuming from it."
+            )
     else:
         differences = fingerprint_differences(saved, fingerprint)
         if differences:

@@ -15,6 +15,7 @@ __all__ = [
     "batch_norm_types",
     "clear_cublas_workspaces",
     "cluster_environment",
+    "continue_csv_metrics",
     "dataloader_iterator_base",
     "ddp_comm_hook_set",
     "ddp_kwargs",
@@ -29,6 +30,7 @@ __all__ = [
     "is_compiled",
     "local_shard",
     "local_tensor",
+    "logger_version",
     "lr_scheduler_mark",
     "mark_checkpoint_saved",
     "metric_counters",
@@ -39,15 +41,19 @@ __all__ = [
     "parser_option_strings",
     "record_cuda_memory_history",
     "reset_grad_scaler",
+    "run_validation",
     "saved_tensors",
     "scalar_read_op",
     "set_fsdp_collectives",
+    "set_logger_version",
     "set_lr_scheduler_mark",
     "should_accumulate",
+    "skip_next_validation",
     "storage_id",
     "tensor_parallel_size",
     "tensor_version",
     "thread_frames",
+    "validation_due",
 ]
 
 
@@ -105,6 +111,69 @@ def mark_checkpoint_saved(callback: Any, step: int, path: str) -> None:
     callback._last_global_step_saved = step
     callback._last_checkpoint_saved = path
     callback.last_model_path = path
+
+
+def validation_due(trainer: Any) -> bool:
+    """Whether Lightning runs validation after the current training batch (its own rule, ``should_stop`` aside:
+    call it before setting ``trainer.should_stop``, which makes every batch one)."""
+    fit_loop = trainer.fit_loop
+    return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
+
+
+def skip_next_validation(trainer: Any) -> None:
+    """Make the training loop skip the validation it would run after the current batch (a stop asks for one)."""
+    trainer.fit_loop.epoch_loop._skip_next_val = True
+
+
+def run_validation(trainer: Any, epoch: int) -> None:
+    """Run the fit's validation now, as the training loop runs one after a batch of ``epoch`` (from a ``fit``
+    hook; ``trainer.current_epoch`` reads ``epoch`` meanwhile: a resume counts a stopped epoch's last batch as
+    the epoch's end before the first hook)."""
+    loop = trainer.fit_loop.epoch_loop
+    connector = trainer._logger_connector
+    progress = trainer.fit_loop.epoch_progress.current
+    first_loop_iter, completed = connector._first_loop_iter, progress.completed
+    loop.val_loop.restarting = False  # a whole validation, not the rest of one
+    progress.completed = epoch
+    trainer.validating = True
+    try:
+        loop.val_loop.run()
+    finally:
+        trainer.training = True
+        progress.completed = completed
+        connector._first_loop_iter = first_loop_iter
+
+
+def logger_version(logger: Any) -> Any:
+    """The version a ``CSVLogger``/``TensorBoardLogger`` was given (``None``: it takes the next free
+    ``version_N`` when first asked), without making it pick one."""
+    return logger._version
+
+
+def set_logger_version(logger: Any, version: str) -> None:
+    """Give a ``CSVLogger``/``TensorBoardLogger`` its version (its folder's name) before it picks one."""
+    logger._version = version
+
+
+def continue_csv_metrics(logger: Any) -> None:
+    """Make a ``CSVLogger`` append to the ``metrics.csv`` its folder holds instead of deleting it.
+
+    Lightning's ``ExperimentWriter`` deletes the file when it is created over a folder that is not empty, and
+    writes its header from the keys it has seen itself; the writer made here starts from the file's header.
+    """
+    import csv
+
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    class _Continued(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            pass  # the folder is this run's: its metrics.csv is continued
+
+    writer = _Continued(log_dir=logger.log_dir)
+    if writer._fs.isfile(writer.metrics_file_path):
+        with writer._fs.open(writer.metrics_file_path, "r", newline="") as file:
+            writer.metrics_keys = list(next(csv.reader(file), []))
+    logger._experiment = writer
 
 
 def drop_train_loader(fit_loop: Any) -> None:

@@ -94,6 +94,11 @@ class RunSummary(Callback):
         parts.append(f"{trainer.global_step} steps")
         stop = next((d for d in reversed(decisions(trainer)) if d.kind == "stop"), None)
         if stop is not None:
-            parts.append(f"stopped by {stop.data.get('signal', 'a signal')}: the same command resumes")
+            how = (
+                "the same command resumes"
+                if stop.data.get("same_command_resumes")
+                else f"resume with --ckpt_path {stop.data.get('path')}"
+            )
+            parts.append(f"stopped by {stop.data.get('signal', 'a signal')}: {how}")
         rank_zero_info("gpuopt summary: " + " | ".join(parts))
         return self.values

@@ -5,7 +5,7 @@ Examples:
     gpuopt fit --model lightning.pytorch.demos.boring_classes.DemoModel \\
                --data lightning.pytorch.demos.boring_classes.BoringDataModule --trainer.max_steps 5
     gpuopt plan --config examples/configs/default.yaml --trainer.devices 8   # the memory plan, no training
-    gpuopt report lightning_logs/version_0       # the run's report table and picture, again
+    gpuopt report lightning_logs/default/run-805e1e93   # the run's report table and picture, again
     python -m lightning_gpuopt fit --help
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -35,7 +36,16 @@ from lightning_gpuopt._cli_errors import (
     split_debug,
     top_level_help,
 )
-from lightning_gpuopt._cli_resume import ResumePlan, RunFingerprint, plan_resume, run_fingerprint
+from lightning_gpuopt._cli_resume import (
+    RANDOM_SEED,
+    ResumePlan,
+    RunFingerprint,
+    declared_defaults,
+    plan_resume,
+    run_fingerprint,
+    run_identity,
+    run_options,
+)
 from lightning_gpuopt._summary import RunSummary
 from lightning_gpuopt.callbacks import (
     AdaptiveBatchSize,
@@ -102,7 +112,9 @@ class GPUOptCLI(LightningCLI):
     has one: OOMRecovery, MemoryAwareBatchSize (``mode="micro"``), PrecisionSwitch (``initial="keep"`` when a
     precision is given), GPUOptReport, and ExactResume with a ``StepBoundaryCheckpoint`` (``--ckpt_path auto``
     resumes this run's newest ``last*.ckpt``, :meth:`before_fit`); GradientNoiseScale and AdaptiveBatchSize on
-    request. On several devices with ``--trainer.strategy auto`` the strategy comes from
+    request. With ``--gpuopt.resume``, a CSV or TensorBoard logger without a version of the user's is given the
+    run's identity (:attr:`run_identity`, a hash of its config) as its version, so that the same command finds
+    the run's folder again. On several devices with ``--trainer.strategy auto`` the strategy comes from
     :func:`~lightning_gpuopt.select_strategy`. docs/cli.md lists every ``--gpuopt.*`` option and its default.
 
     Args:
@@ -125,12 +137,13 @@ class GPUOptCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         parser_kwargs = dict(kwargs.pop("parser_kwargs", None) or {})
         parser_kwargs.setdefault("description", _DESCRIPTION)
-        if "exit_on_error" in parser_kwargs:  # the subcommands' parsers report errors the same way
-            for name in _TRAINER_SUBCOMMANDS:
-                parser_kwargs[name] = {
-                    "exit_on_error": parser_kwargs["exit_on_error"],
-                    **parser_kwargs.get(name, {}),
-                }
+        # A prefix of an option is a mistake ("--trainer.max_epoch"), not that option: argparse's abbreviations off.
+        parser_kwargs.setdefault("allow_abbrev", False)
+        shared = {
+            key: parser_kwargs[key] for key in ("exit_on_error", "allow_abbrev") if key in parser_kwargs
+        }
+        for name in _TRAINER_SUBCOMMANDS:  # the subcommands' parsers read and report the same way
+            parser_kwargs[name] = {**shared, **parser_kwargs.get(name, {})}
         kwargs["parser_kwargs"] = parser_kwargs
         self.summary: RunSummary | None = None
         #: The memory plan behind the strategy (``gpuopt fit`` on several devices, ``gpuopt plan``); ``None`` otherwise.
@@ -138,6 +151,9 @@ class GPUOptCLI(LightningCLI):
         #: What ``fit`` resumes from (``gpuopt fit``, decided in :meth:`before_fit`); ``None`` before.
         self.resume: ResumePlan | None = None
         self._fingerprint: dict[str, Any] | None = None
+        #: The name of this run's folder, from its config (``gpuopt fit``; ``None`` before, or elsewhere).
+        self.run_identity: str | None = None
+        self._seed: int | str | None = None
         self._parsers: list[LightningArgumentParser] = []
         super().__init__(*args, **kwargs)
 
@@ -168,6 +184,10 @@ class GPUOptCLI(LightningCLI):
             subcommand = next((w for w in words if w in _TRAINER_SUBCOMMANDS), None)
             command = f"gpuopt {subcommand}" if subcommand else "gpuopt plan"
             raise CommandLineError(explain_parse_error(err, self._options(subcommand), command)) from err
+        # the seed as given, before LightningCLI replaces `true` with the one it draws (part of the run's identity)
+        subcommand = self.config.get("subcommand")
+        seed = (self.config.get(subcommand) if subcommand else self.config).get("seed_everything")
+        self._seed = RANDOM_SEED if seed is True else None if seed is False else seed
 
     def _options(self, subcommand: str | None) -> list[str]:
         """The option strings of ``subcommand``'s parser (the main parser's without one)."""
@@ -296,6 +316,10 @@ class GPUOptCLI(LightningCLI):
         config["ckpt_path"] = self.resume.path
         if self.resume.message:
             rank_zero_info(self.resume.message)
+        if self.resume.path is not None and not self.resume.finished and self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:  # the resumed run's rows go on after the earlier legs'
+                if isinstance(logger, CSVLogger):
+                    _compat.continue_csv_metrics(logger)
 
     def fit(self, model: Any, datamodule: Any = None, **kwargs: Any) -> None:
         """``Trainer.fit``, unless the run has finished already (then nothing is loaded or written)."""
@@ -310,7 +334,42 @@ class GPUOptCLI(LightningCLI):
 
     def _run_fingerprint(self) -> dict[str, Any]:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
-        return run_fingerprint(self.model, self.datamodule, config.get("model"), config.get("data"))
+        return run_fingerprint(
+            self.model,
+            self.datamodule,
+            config.get("model"),
+            config.get("data"),
+            seed=self._seed,
+            options=run_options(config),
+        )
+
+    def _run_identity(self, fingerprint: dict[str, Any]) -> str:
+        """The name of this run's folder: a hash of its fingerprint, less the values equal to their defaults."""
+        parser = next(p for p in self._parsers if p.prog.split()[-1] == self.subcommand)
+        try:
+            options = run_options(parser.get_defaults())
+        except Exception:  # a parser that cannot list its defaults: every option counts in the name
+            options = {}
+        defaults = {
+            "model_args": declared_defaults(type(self.model)),
+            "data_args": declared_defaults(type(self.datamodule)) if self.datamodule is not None else {},
+            "options": options,
+        }
+        return run_identity(fingerprint, defaults)
+
+    def _name_the_run_folder(self, trainer: Trainer) -> None:
+        """Give the Trainer's CSV and TensorBoard loggers that have no version of the user's this run's
+        identity as their version, so that the same command finds the run's folder (and ``last.ckpt``) again."""
+        self.run_identity = self._run_identity(self._fingerprint or self._run_fingerprint())
+        for logger in trainer.loggers:
+            if isinstance(logger, (CSVLogger, TensorBoardLogger)) and _compat.logger_version(logger) is None:
+                _compat.set_logger_version(logger, self.run_identity)
+        # Another logger (a tracking service's) names its folder itself, often afresh at each start: the stop
+        # line then names the checkpoint instead.
+        found_again = not trainer.loggers or isinstance(trainer.loggers[0], (CSVLogger, TensorBoardLogger))
+        for callback in trainer.callbacks:
+            if isinstance(callback, ExactResume):
+                callback.same_command_resumes = found_again
 
     def _section(self, key: str) -> Any:
         """The instantiated config's ``key`` (``trainer``, ...) of this subcommand."""
@@ -379,6 +438,8 @@ class GPUOptCLI(LightningCLI):
         if self.subcommand == "fit":
             self._fingerprint = self._run_fingerprint()
             trainer.callbacks.append(RunFingerprint(self._fingerprint))
+            if self._gpuopt_option("resume"):
+                self._name_the_run_folder(trainer)
         if fitting and self._gpuopt_option("summary"):
             report = next((cb for cb in trainer.callbacks if isinstance(cb, GPUOptReport)), None)
             self.summary = RunSummary(steps=_report_steps(report) if report is not None else None)

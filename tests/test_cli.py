@@ -122,13 +122,14 @@ def test_fit_adds_the_report_unless_turned_off(tmp_path):
 def test_noise_scale_and_adaptive_batch_flags(tmp_path):
     from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale
 
-    base = ["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.report", "false", *_quiet(tmp_path)]
-    off = run(base)
+    base = ["fit", *BORING, "--trainer.max_steps", "2", "--gpuopt.report", "false"]
+    off = run([*base, *_quiet(tmp_path)])
     assert not any(isinstance(cb, (GradientNoiseScale, AdaptiveBatchSize)) for cb in off.trainer.callbacks)
-    noise = run([*base, "--gpuopt.noise_scale", "true"])
+    noise = run([*base, *_quiet(tmp_path), "--gpuopt.noise_scale", "true"])
     assert [type(cb) for cb in noise.trainer.callbacks].count(GradientNoiseScale) == 1
     assert not any(isinstance(cb, AdaptiveBatchSize) for cb in noise.trainer.callbacks)
-    grow = run([*base, "--gpuopt.adaptive_batch", "true"])
+    # another optimization, so another run: its own folder (the first one's checkpoint would be refused)
+    grow = run([*base, *_quiet(tmp_path / "grow"), "--gpuopt.adaptive_batch", "true"])
     kinds = [type(cb) for cb in grow.trainer.callbacks]
     assert kinds.count(GradientNoiseScale) == 1 and kinds.count(AdaptiveBatchSize) == 1
 
@@ -320,7 +321,7 @@ def test_default_job_reaches_its_accuracy(tmp_path):
     acc = float(line.split("val_acc ")[1].split()[0])
     assert acc >= 0.80, line
     # The default job includes GPUOptReport: its table, JSON and picture in the run's log directory.
-    (report,) = tmp_path.glob("default/version_*/gpuopt_report.json")
+    (report,) = tmp_path.glob("default/run-*/gpuopt_report.json")  # the folder named from the config
     assert (report.parent / "gpuopt_report.png").is_file() and "peak memory" in proc.stdout + proc.stderr
 
 

@@ -63,6 +63,23 @@ def _one_line_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> str
         (["fit", *BORING, "--gpuopt.device_memory", "1e30"], "must be at most 1 PiB"),
         (["fit", *BORING, "--gpuopt.device_memory", "0"], "must be at least 1 byte"),
         (["plan", *BORING, "--trainer.devicez", "2"], "gpuopt plan: unknown option --trainer.devicez"),
+        # a prefix of an option is not that option (argparse would take it silently; max_steps: a quick failure)
+        (
+            ["fit", *BORING, "--trainer.max_steps", "1", "--trainer.max_epoch", "2"],
+            "gpuopt fit: unknown option --trainer.max_epoch: did you mean '--trainer.max_epochs'?",
+        ),
+        (
+            ["fit", *BORING, "--trainer.max_steps", "1", "--gpuopt.noise", "true"],
+            "gpuopt fit: unknown option --gpuopt.noise: did you mean '--gpuopt.noise_scale'?",
+        ),
+        (
+            ["fit", *BORING, "--trainer.max_steps", "1", "--gpuopt.resum=false"],
+            "gpuopt fit: unknown option --gpuopt.resum: did you mean '--gpuopt.resume'?",
+        ),
+        (
+            ["plan", *BORING, "--trainer.device", "2"],
+            "gpuopt plan: unknown option --trainer.device: did you mean '--trainer.devices'?",
+        ),
         ([], "give a subcommand: fit, validate, test, predict, plan, report"),
     ],
     ids=[
@@ -77,6 +94,10 @@ def _one_line_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> str
         "absurd-size",
         "zero-size",
         "plan-unknown-option",
+        "prefix-trainer-option",
+        "prefix-gpuopt-option",
+        "prefix-with-equals",
+        "plan-prefix",
         "no-subcommand",
     ],
 )

@@ -20,7 +20,6 @@ pytestmark = pytest.mark.usefixtures("cli_argv")
 TINY_CONFIG = """\
 seed_everything: 3
 trainer:
-  logger: false
   enable_progress_bar: false
   enable_model_summary: false
   max_epochs: 1
@@ -63,20 +62,20 @@ def _of_the_pack(caught: list[warnings.WarningMessage]) -> list[str]:
     ]
 
 
-def test_a_fit_a_sigterm_stop_and_a_resume_give_no_warning_of_the_pack(tmp_path: Path):
+@pytest.mark.parametrize("logger", ["false", "default"], ids=["no-logger", "lightnings-default-logger"])
+def test_a_fit_a_sigterm_stop_and_a_resume_give_no_warning_of_the_pack(tmp_path: Path, logger: str):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_CONFIG)
     args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "run")]
+    args += ["--trainer.logger", "false"] if logger == "false" else []
     stop = ["--trainer.callbacks+=tests.resume_child.Fault", "--trainer.callbacks.term_batch=3"]
     caught = _fit_collecting_warnings([*args, *stop])  # ExactResume takes the SIGTERM: a stop at step 4
     caught += _fit_collecting_warnings(args)  # resumes mid-epoch, and finishes the epoch
-    assert (
-        torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)[
-            "global_step"
-        ]
-        == 10
-    )
+    (last,) = (tmp_path / "run").glob("**/checkpoints/last.ckpt")  # the default logger's: in the run's folder
+    assert torch.load(last, weights_only=True, mmap=True)["global_step"] == 10
     caught += _fit_collecting_warnings(args)  # finished: nothing to do
+    if logger == "default":
+        caught += _fit_collecting_warnings([*args, "--ckpt_path", "null"])  # afresh, in the run's folder
     assert _of_the_pack(caught) == []
     patterns = documented_patterns()
     undocumented = sorted(

@@ -76,6 +76,62 @@ def test_mark_checkpoint_saved_stops_model_checkpoint_saving_again(tmp_path):
     assert (callback._last_global_step_saved, callback.last_model_path) == (7, "last.ckpt")
 
 
+def test_validation_due_skip_next_validation_and_run_validation():
+    seen = {"due": [], "validations": []}
+
+    class Ask(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            _compat.run_validation(trainer, epoch=0)  # one validation, before any training batch
+            assert trainer.training
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["due"].append(_compat.validation_due(trainer))
+            if batch_idx == 1:
+                _compat.skip_next_validation(trainer)
+
+        def on_validation_end(self, trainer, pl_module):
+            seen["validations"].append((trainer.current_epoch, trainer.global_step))
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        callbacks=[Ask()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    assert seen["due"] == [False, True, False, True]
+    assert seen["validations"] == [(0, 0), (0, 4)]  # the one run at the start; the one at step 2 skipped
+
+
+def test_logger_version_and_set_logger_version(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="x")
+    assert _compat.logger_version(logger) is None, "CSVLogger._version moved: update _compat"
+    _compat.set_logger_version(logger, "run-1")
+    assert logger.version == "run-1" and logger.log_dir == str(tmp_path / "x" / "run-1")
+
+
+def test_continue_csv_metrics_appends_to_the_folders_file(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    first = CSVLogger(tmp_path, name="x", version="v")
+    first.log_metrics({"a": 1.0}, step=0)
+    first.save()
+    second = CSVLogger(tmp_path, name="x", version="v")
+    _compat.continue_csv_metrics(second)
+    second.log_metrics({"a": 2.0, "b": 3.0}, step=1)
+    second.save()
+    lines = (tmp_path / "x" / "v" / "metrics.csv").read_text().splitlines()
+    assert lines == ["a,b,step", "1.0,,0", "2.0,3.0,1"]
+
+
 def test_drop_train_loader():
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     assert hasattr(trainer.fit_loop, "_combined_loader"), "fit_loop._combined_loader moved: update _compat"

@@ -140,11 +140,15 @@ class ExactResume(Callback):
         self.stop_signal: str | None = None
         #: Where the last signal-triggered stop wrote its checkpoint (``None`` before any).
         self.stop_checkpoint: str | None = None
+        #: Whether the command that started this run, started again, resumes it: ``gpuopt fit`` sets it when it
+        #: finds the run's checkpoint folder again. The stop line then says so instead of naming the file.
+        self.same_command_resumes = False
         self._trainer: pl.Trainer | None = None
         self._pending: dict[str, Any] | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._failed = False
         self._boundary = True
+        self._validation_due = False
         self._log_filter: _SignalStopFilter | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -159,7 +163,13 @@ class ExactResume(Callback):
             return dict(self._pending)
         trainer = self._trainer
         rng = [capture_rng()] if trainer is None else _gather(trainer, capture_rng())
-        return {"rng": rng, "clean": not self._failed and self._boundary, "world_size": len(rng)}
+        return {
+            "rng": rng,
+            "clean": not self._failed and self._boundary,
+            "world_size": len(rng),
+            "validation_due": self._validation_due,
+            "validation_epoch": trainer.current_epoch if trainer is not None else 0,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict.get("clean", True):
@@ -168,16 +178,20 @@ class ExactResume(Callback):
                 "accumulation window), so resuming from it would lose or repeat work; resume from an earlier "
                 "checkpoint (`ckpt_path=` a file written at an optimizer-step boundary) or start again."
             )
-        self._pending = dict(state_dict) if state_dict.get("rng") else None
+        wanted = state_dict.get("rng") or state_dict.get("validation_due")
+        self._pending = dict(state_dict) if wanted else None
 
     # ------------------------------------------------------------------ hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
         self._failed = False
+        self._validation_due = False
         self.stop_signal = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None and self._pending.get("validation_due"):
+            self._run_skipped_validation(trainer)
         # Lightning registered its handlers just before training; ours replace them until training ends.
         if threading.current_thread() is not threading.main_thread():
             return
@@ -192,6 +206,22 @@ class ExactResume(Callback):
         for name in sorted(names):
             signum = getattr(signal, name)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _run_skipped_validation(self, trainer: pl.Trainer) -> None:
+        """The validation that was due at the step a signal stopped, which the stop skipped: run first, from the
+        random state it would have started from, and the training goes on from the state it leaves."""
+        assert self._pending is not None
+        states = self._pending.get("rng") or []
+        rank = trainer.global_rank
+        exact = self.restore_rng and len(states) == trainer.world_size and rank < len(states)
+        if exact:
+            restore_rng(states[rank])
+        _compat.run_validation(trainer, int(self._pending.get("validation_epoch", trainer.current_epoch)))
+        if exact:
+            states = list(states)
+            states[rank] = capture_rng()
+            self._pending["rng"] = states
+        self._pending["validation_due"] = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: collectives and file writes wait for the next optimizer-step boundary.
@@ -251,15 +281,17 @@ class ExactResume(Callback):
     def _stop(self, trainer: pl.Trainer) -> None:
         path = self._last_path(trainer)
         why = self.stop_signal or "another rank's signal"
+        how = "the same command resumes" if self.same_command_resumes else f"resume with ckpt_path={path!r}"
         # Recorded before the save, so that the checkpoint's report holds it: the resumed run's report shows it.
         record_decision(
             trainer,
             "stop",
             "ExactResume",
             f"{why} at step {trainer.global_step}: checkpoint {path} written at the optimizer-step boundary; "
-            "stopping every rank. Resume with `ckpt_path='last'`.",
+            f"stopping every rank; {how}.",
             signal=why,
             path=path,
+            same_command_resumes=self.same_command_resumes,
         )
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
@@ -268,9 +300,14 @@ class ExactResume(Callback):
                 # train end (`save_last`). Marked before the save, so that the checkpoint's own state names `path`
                 # as its last: the resumed run then writes last.ckpt again, not a new last-v1.ckpt.
                 _compat.mark_checkpoint_saved(callback, trainer.global_step, path)
+        # A stop makes Lightning validate after this batch: a whole pass, which can outlast a preemption's grace
+        # period. Skipped; a validation that was due here anyway runs first when the run resumes (the checkpoint
+        # says so), so the run validates where and as the uninterrupted one does.
+        self._validation_due = _compat.validation_due(trainer)
         trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint (and Lightning says nothing)
         self.stop_checkpoint = path
         trainer.should_stop = True
+        _compat.skip_next_validation(trainer)
         environment = _compat.cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero:
             command = slurm_requeue_command()
@@ -280,10 +317,7 @@ class ExactResume(Callback):
         if self._log_filter is None:
             self._log_filter = _SignalStopFilter()
             logging.getLogger(_LIGHTNING_LOG).addFilter(self._log_filter)
-        rank_zero_info(
-            f"ExactResume: stopped by {why} at step {trainer.global_step}: wrote {path}; resume with "
-            "ckpt_path='last' (gpuopt fit: the same command)."
-        )
+        rank_zero_info(f"ExactResume: stopped by {why} at step {trainer.global_step}: wrote {path}; {how}.")
 
     @staticmethod
     def _last_path(trainer: pl.Trainer) -> str:

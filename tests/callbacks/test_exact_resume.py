@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,12 +17,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_gpuopt import ExactResume
+from lightning_gpuopt import ExactResume, GPUOptDataModule
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint, at_optimizer_step_boundary
 from tests import resume_child
 from tests.helpers import (
     TRAINER_QUIET,
     IndexedData40,
+    IndexedRegression,
+    MetricsLogger,
     RecordingRegressor,
     assert_same_training,
     parameters_of,
@@ -254,3 +258,97 @@ def test_sigkill_in_the_middle_of_a_batch_size_change_resumes_exactly(tmp_path):
     assert not [
         d for d in resumed if d["kind"] == "batch size"
     ]  # resumed with the change made, not made again
+
+
+# --- A stop is quick: no validation of its own; one that was due at the stop runs first in the resumed leg.
+
+
+class _ValData(GPUOptDataModule):
+    def __init__(self, val_size: int = 12, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.val_size = val_size
+
+    def train_dataset(self):
+        return IndexedRegression(40)
+
+    def val_dataset(self):
+        return IndexedRegression(self.val_size, seed=1)
+
+
+class _ValidatedRegressor(RecordingRegressor):
+    """RecordingRegressor with dropout (the random state matters) that logs its validation loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.insert(2, torch.nn.Dropout(0.2))
+
+    def training_step(self, batch, batch_idx):
+        self.log("train_loss", loss := super().training_step(batch, batch_idx))
+        return loss
+
+
+def _validated_fit(root: Path, term: int | None, resume: bool, accumulate: int, val_every: int | None):
+    pl.seed_everything(0, verbose=False)
+    model, logger = _ValidatedRegressor(), MetricsLogger()
+    checkpoint = StepBoundaryCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=0, save_last=True)
+    quiet = {**TRAINER_QUIET, "logger": logger, "enable_checkpointing": True}
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=accumulate,
+        val_check_interval=val_every,
+        log_every_n_steps=1,
+        callbacks=[ExactResume(), resume_child.Fault(term_batch=term), checkpoint],
+        **quiet,
+    )
+    trainer.fit(model, _ValData(batch_size=4, num_workers=0), ckpt_path="last" if resume else None)
+    rows = [(step, m["epoch"], m["val_loss"]) for step, m in logger.rows if "val_loss" in m]
+    return rows, model.val_ids, parameters_of(model)
+
+
+_REFERENCES: dict[tuple[int, int | None], tuple] = {}
+
+
+@pytest.mark.parametrize(
+    ("term", "accumulate", "val_every"),
+    [(3, 1, None), (9, 1, None), (19, 1, None), (4, 1, 5), (4, 2, 6)],
+    ids=["none-due", "due-at-epoch-end", "due-at-the-runs-end", "due-mid-epoch", "due-after-a-window"],
+)
+def test_a_signal_stop_adds_no_validation_and_the_resumed_run_validates_as_the_uninterrupted_one(
+    tmp_path, term, accumulate, val_every
+):
+    # 40 samples, batch 4: 10 batches an epoch, 2 epochs; validation each epoch, or every `val_every` batches.
+    # SIGTERM at the start of batch `term`: the stop comes at that window's end (A = 2: batch 5).
+    key = (accumulate, val_every)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _validated_fit(tmp_path / "ref", None, False, accumulate, val_every)
+    ref_rows, ref_ids, ref_theta = _REFERENCES[key]
+    stopped_rows, stopped_ids, _ = _validated_fit(tmp_path / "run", term, False, accumulate, val_every)
+    assert stopped_ids == [ids for ids in ref_ids[: len(stopped_ids)]]  # no validation batch of its own
+    assert stopped_rows == ref_rows[: len(stopped_rows)]
+    resumed_rows, _, theta = _validated_fit(tmp_path / "run", None, True, accumulate, val_every)
+    assert stopped_rows + resumed_rows == ref_rows  # none missing, none extra, the same values
+    assert all(torch.equal(theta[name], ref_theta[name]) for name in ref_theta)
+
+
+def test_a_signal_stop_returns_within_2_s_of_its_checkpoint_with_a_60k_sample_validation_set(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gpuopt import GPUOptReport
+
+    pl.seed_everything(0, verbose=False)
+    model = _ValidatedRegressor()
+    checkpoint = StepBoundaryCheckpoint(dirpath=tmp_path, save_top_k=0, save_last=True)
+    report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False)  # the JSON; the picture: next leg
+    quiet = {**TRAINER_QUIET, "logger": CSVLogger(tmp_path), "enable_checkpointing": True}
+    trainer = pl.Trainer(
+        max_epochs=1,
+        log_every_n_steps=1,
+        callbacks=[ExactResume(), resume_child.Fault(term_batch=3), checkpoint, report],
+        **quiet,
+    )
+    trainer.fit(model, _ValData(val_size=60_000, batch_size=4, num_workers=0))
+    returned = time.time()
+    written = os.stat(tmp_path / "last.ckpt").st_mtime
+    assert model.val_ids == []  # the stop's validation (15,000 batches here) is skipped
+    assert (tmp_path / "gpuopt_report.json").stat().st_mtime >= written
+    assert returned - written <= 2.0, f"fit returned {returned - written:.2f} s after the stop's checkpoint"
