@@ -27,7 +27,6 @@ pytestmark = pytest.mark.usefixtures("cli_argv", "one_thread")
 
 DEFAULT_CONFIG = str(REPO / "examples" / "configs" / "default.yaml")
 # The shipped config, shrunk for test time: a small torchvision model, 64 images (4 steps an epoch), 2 epochs.
-# num_workers 0 until the data order past epoch 0 resumes exactly with workers (issue 34, part A).
 DEFAULT_JOB = [
     "fit",
     "--config",
@@ -40,8 +39,6 @@ DEFAULT_JOB = [
     "32",
     "--data.init_args.batch_size",
     "16",
-    "--data.init_args.num_workers",
-    "0",
     "--trainer.max_epochs",
     "2",
     "--trainer.enable_progress_bar",
@@ -59,8 +56,6 @@ OWN_MODULE = [
     "tests.test_cli_same_command.RegressionData",
     "--data.batch_size",
     "4",
-    "--data.num_workers",
-    "0",
     "--seed_everything",
     "3",
     "--trainer.max_epochs",
