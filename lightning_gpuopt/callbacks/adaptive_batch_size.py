@@ -28,6 +28,7 @@ LRScaling = Literal["auto", "sqrt", "linear", "none"]
 
 #: The optimizer batch of each step, in samples (no other callback logs it).
 METRIC = "gpuopt/optimizer_batch"
+_NOT_MEASURED = "no noise scale was measured (GradientNoiseScale's line says why)"
 
 
 class AdaptiveBatchSize(Callback):
@@ -99,7 +100,7 @@ class AdaptiveBatchSize(Callback):
         self._last_step: int | None = None
         self._measured = 0
         #: Why the batch did not grow at the last decision (said at fit end).
-        self._held = "no noise scale was measured (GradientNoiseScale's line says why)"
+        self._held = _NOT_MEASURED
 
     # ------------------------------------------------------------------ reads
 
@@ -196,12 +197,14 @@ class AdaptiveBatchSize(Callback):
         self._measured = len(noise.history)
         proposal = self.accumulate
         estimate = noise.lower_bound()  # cautious: tr(Sigma)'s lower end over |G|^2's upper end
+        counted = noise.ema.count >= noise.ema.min_count
+        if estimate is None and counted and self.accumulate < self._min_accumulate():
+            estimate = 0.0  # up to min_batch from min_measurements on, whatever the noise scale
         if estimate is None:
-            count, needed = noise.ema.count, noise.ema.min_count
             self._held = (
-                f"the noise scale has {count} of min_measurements={needed} measurements"
-                if count < needed
-                else "the noise scale's lower bound is not known yet (its averages are still too noisy)"
+                "the noise scale's lower bound is not known yet (its averages are still too noisy)"
+                if counted
+                else f"the noise scale has {noise.ema.count} of min_measurements={noise.ema.min_count} measurements"
             )
         else:
             grown = next_accumulation(
@@ -312,7 +315,7 @@ class AdaptiveBatchSize(Callback):
         self.changes = [list(c) for c in state_dict.get("changes", [])]
         self.last_change_step = int(state_dict.get("last_change_step", 0))
         self._unit = state_dict.get("unit")
-        self._held = str(state_dict.get("held", self._held))
+        self._held = str(state_dict.get("held", _NOT_MEASURED))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_noise": None}
