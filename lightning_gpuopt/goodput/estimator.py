@@ -134,8 +134,8 @@ class NoiseScaleEMA:
 
         It exists while the ratio itself does not: when the average of ``|G|^2`` is still negative (a batch far
         below the noise scale), its upper end is positive and says the noise scale is at least that large.
-        ``None`` before two measurements, or while neither end says anything (``tr(Sigma)``'s lower end at or
-        below 0, ``|G|^2``'s upper end at or below 0).
+        ``None`` before two measurements, or while either end says nothing (``tr(Sigma)``'s lower end at or
+        below 0, or ``|G|^2``'s upper end at or below 0).
 
         Example:
             >>> ema = NoiseScaleEMA(beta=0.9)
