@@ -18,13 +18,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt._validate import choice, fraction, positive_int
 from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.goodput.schedule import lr_factor, next_accumulation
+from lightning_gpuopt.goodput.schedule import held_because, lr_factor, next_accumulation
 from lightning_gpuopt.microbatch import MicroBatchEngine
 from lightning_gpuopt.support import Feature, refuse_unsupported
 
 __all__ = ["AdaptiveBatchSize", "LRScaling"]
 
 LRScaling = Literal["auto", "sqrt", "linear", "none"]
+
+#: The optimizer batch of each step, in samples (no other callback logs it).
+METRIC = "gpuopt/optimizer_batch"
+_NOT_MEASURED = "no noise scale was measured (GradientNoiseScale's line says why)"
 
 
 class AdaptiveBatchSize(Callback):
@@ -35,7 +39,9 @@ class AdaptiveBatchSize(Callback):
     most once every ``interval`` optimizer steps. The micro-batch stays as chosen: the growth comes through
     ``accumulate_grad_batches``, changed at a window boundary, with the learning rate scaled through the
     schedulers' ``base_lrs``. Each change is a decision, agreed by the ranks and saved in checkpoints; the
-    batch never shrinks below the user's unless ``min_batch`` asks for it. Long form: docs/batch-size.md.
+    batch never shrinks below the user's unless ``min_batch`` asks for it. Each step's optimizer batch is logged
+    as ``gpuopt/optimizer_batch`` in Lightning's rows, and a fit ends with one line: how far the batch grew and
+    why not further. Long form: docs/batch-size.md.
 
     Args:
         max_batch: the largest optimizer batch in samples (``None``: 64 times the user's).
@@ -93,6 +99,8 @@ class AdaptiveBatchSize(Callback):
         self._noise: GradientNoiseScale | None = None
         self._last_step: int | None = None
         self._measured = 0
+        #: Why the batch did not grow at the last decision (said at fit end).
+        self._held = _NOT_MEASURED
 
     # ------------------------------------------------------------------ reads
 
@@ -146,6 +154,8 @@ class AdaptiveBatchSize(Callback):
             return  # inside an accumulation window
         self._last_step = trainer.global_step
         self.samples += self._unit * self.accumulate
+        # The batch this step used, in the row Lightning writes for it.
+        pl_module.log(METRIC, float(self._unit * self.accumulate), on_step=True, on_epoch=False, batch_size=1)
         self._advance_schedulers(trainer)
         ready = batch_idx + 1
         if self.pending is None:
@@ -156,6 +166,23 @@ class AdaptiveBatchSize(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.pending is not None:  # a new epoch starts a new window
             self._apply(trainer, pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info(f"AdaptiveBatchSize: {self.summary()}")
+
+    def summary(self) -> str:
+        """The line a fit ends with: how the optimizer batch moved, and why it did not grow (further)."""
+        now = self.optimizer_batch
+        if now is None:
+            return "no batch was trained"
+        if self.pending is not None:
+            held = f"a change to {self.pending * self._unit:,} waits for its window boundary"
+        else:
+            held = self._held
+        if not self.changes:
+            return f"the optimizer batch stayed {now:,}: {held}"
+        first = self.changes[0][1]
+        return f"optimizer batch {first:,} -> {now:,} in {len(self.changes)} change(s); not grown further: {held}"
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.base_accumulate is not None:
@@ -169,9 +196,18 @@ class AdaptiveBatchSize(Callback):
             return  # nothing new measured (every rank measures at the same steps)
         self._measured = len(noise.history)
         proposal = self.accumulate
-        estimate = noise.lower_bound()  # cautious: B_simple / (1 + 2 relative errors)
-        if estimate is not None and trainer.global_step - self.last_change_step >= self.interval:
-            proposal = next_accumulation(
+        estimate = noise.lower_bound()  # cautious: tr(Sigma)'s lower end over |G|^2's upper end
+        counted = noise.ema.count >= noise.ema.min_count
+        if estimate is None and counted and self.accumulate < self._min_accumulate():
+            estimate = 0.0  # up to min_batch from min_measurements on, whatever the noise scale
+        if estimate is None:
+            self._held = (
+                "the noise scale's lower bound is not known yet (its averages are still too noisy)"
+                if counted
+                else f"the noise scale has {noise.ema.count} of min_measurements={noise.ema.min_count} measurements"
+            )
+        else:
+            grown = next_accumulation(
                 self.accumulate,
                 self._unit,
                 estimate,
@@ -180,6 +216,26 @@ class AdaptiveBatchSize(Callback):
                 min_accumulate=self._min_accumulate(),
                 max_accumulate=self._max_accumulate(),
             )
+            since = trainer.global_step - self.last_change_step
+            if since >= self.interval:
+                proposal = grown
+            if grown <= self.accumulate:
+                self._held = held_because(
+                    self.accumulate,
+                    self._unit,
+                    estimate,
+                    target_fraction=self.target_fraction,
+                    factor=self.factor,
+                    max_accumulate=self._max_accumulate(),
+                    label="the noise scale's lower bound",
+                )
+            elif since < self.interval:
+                self._held = (
+                    f"{since} optimizer steps since the {'last change' if self.changes else 'start'}, fewer than "
+                    f"interval={self.interval} (the noise scale's lower bound {estimate:,.0f} would grow it)"
+                )
+            else:
+                self._held = "the run ended before the next decision"
         proposal = int(trainer.strategy.broadcast(proposal, src=0))  # rank 0 decides for every rank
         if proposal != self.accumulate:
             self.pending = proposal
@@ -219,9 +275,6 @@ class AdaptiveBatchSize(Callback):
             noise_scale=estimate,
         )
         rank_zero_info(f"AdaptiveBatchSize: {message}")
-        if trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics({"gpuopt/optimizer_batch": float(after)}, step=trainer.global_step)
 
     def _rule(self, trainer: pl.Trainer) -> str | Callable[[float], float]:
         if self.lr_scaling != "auto":
@@ -251,6 +304,7 @@ class AdaptiveBatchSize(Callback):
             "changes": [list(c) for c in self.changes],
             "last_change_step": self.last_change_step,
             "unit": self._unit,
+            "held": self._held,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -261,6 +315,7 @@ class AdaptiveBatchSize(Callback):
         self.changes = [list(c) for c in state_dict.get("changes", [])]
         self.last_change_step = int(state_dict.get("last_change_step", 0))
         self._unit = state_dict.get("unit")
+        self._held = str(state_dict.get("held", _NOT_MEASURED))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_noise": None}

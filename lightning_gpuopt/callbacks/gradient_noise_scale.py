@@ -35,6 +35,11 @@ from lightning_gpuopt.support import Feature, refuse_unsupported
 
 __all__ = ["GradientNoiseScale"]
 
+#: The metrics this callback logs (no other callback logs them).
+METRIC_ESTIMATE = "gpuopt/noise_scale"
+METRIC_RELATIVE_ERROR = "gpuopt/noise_scale_rel_error"
+METRIC_LOWER_BOUND = "gpuopt/noise_scale_lower_bound"
+
 _DROPOUT = (
     torch.nn.Dropout,
     torch.nn.Dropout1d,
@@ -54,8 +59,11 @@ class GradientNoiseScale(Callback):
     running a measured step as 2 micro-batches where that leaves the update unchanged (no BatchNorm, dropout
     or random draws in the step). Under FSDP2 it measures at k >= 2 only. The two terms are averaged
     separately (bias-corrected moving averages) and their ratio given once trusted; it measures every step
-    until then, every ``every``-th step after. docs/batch-size.md ("Worth it? The noise scale") has the long
-    form.
+    until then, every ``every``-th step after. At each measurement it logs ``gpuopt/noise_scale`` (the trusted
+    estimate, NaN until trusted), ``gpuopt/noise_scale_rel_error`` and ``gpuopt/noise_scale_lower_bound`` (NaN
+    until known) in Lightning's own rows (``LightningModule.log``), and it ends a fit with one line: the
+    estimate, or why it is not trusted yet and what to do. docs/batch-size.md ("Worth it? The noise scale") has
+    the long form.
 
     Args:
         every: once trusted, measure every ``every``-th optimizer step (default 10).
@@ -108,7 +116,12 @@ class GradientNoiseScale(Callback):
         #: This window's first micro-batch: (squared norm of its mean gradient, its samples, the window's samples).
         self._small: tuple[float, float, float] | None = None
         self._said_no_split = False
+        #: Why a step at k = 1 is not split (``None``: it is, or was not asked).
+        self._no_split_why: str | None = None
         self._sharded = False
+        #: The last measured optimizer batch (in samples, as the loss weighting counts them).
+        self._batch = 0.0
+        self._fit_start_step = 0
 
     # ------------------------------------------------------------------ reads
 
@@ -118,12 +131,12 @@ class GradientNoiseScale(Callback):
         return self.ema.estimate
 
     def lower_bound(self, sigmas: float = 2.0) -> float | None:
-        """``B_simple`` divided by ``1 + sigmas * relative_error``: a cautious value even before it is trusted
-        (``None`` before ``min_measurements``)."""
-        value, error = self.ema.value, self.ema.relative_error
-        if value is None or self.ema.count < self.ema.min_count or not math.isfinite(error):
+        """A cautious ``B_simple`` even before it is trusted: ``tr(Sigma)`` less ``sigmas`` standard errors over
+        ``|G|^2`` plus ``sigmas`` standard errors (``None`` before ``min_measurements``, or while it says nothing:
+        :meth:`~lightning_gpuopt.goodput.NoiseScaleEMA.lower_bound`)."""
+        if self.ema.count < self.ema.min_count:
             return None
-        return value / (1 + sigmas * error)
+        return self.ema.lower_bound(sigmas)
 
     @property
     def relative_error(self) -> float:
@@ -157,6 +170,8 @@ class GradientNoiseScale(Callback):
         self._sharded = isinstance(trainer.strategy, ModelParallelStrategy)
         self._small = None
         self._split_ok = None
+        self._no_split_why = None
+        self._fit_start_step = trainer.global_step
         if not self.split or engine.world_size > 1 or self._sharded:
             return
         why = _split_changes_update(pl_module, engine.compiled)
@@ -168,6 +183,7 @@ class GradientNoiseScale(Callback):
 
     def _no_split(self, why: str) -> None:
         self._split_ok = False
+        self._no_split_why = why
         if self._engine is not None and self._engine.measure_split == self._ask_split:
             self._engine.measure_split = None
         if not self._said_no_split:
@@ -279,23 +295,120 @@ class GradientNoiseScale(Callback):
             return
         g2, trace = noise_scale_terms(small_sq, b_small, big_sq, b_big)
         self.ema.update(g2, trace)
+        self._batch = b_big
         value = self.ema.estimate
         self.history.append([trainer.global_step, value, min(self.ema.relative_error, 1e9)])
-        if value is not None and trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics({"gpuopt/noise_scale": value}, step=trainer.global_step)
+        self._log(pl_module, value)
+
+    def _log(self, pl_module: pl.LightningModule, value: float | None) -> None:
+        """The state after a measurement, in the row Lightning writes for this step (at its ``log_every_n_steps``).
+
+        All three at every measurement, NaN (an unknown error: inf) where there is no value: Lightning repeats a
+        step metric's last value in the epoch's later rows, which must not show a value that no longer holds.
+        """
+        bound = self.lower_bound()
+        metrics = {
+            METRIC_ESTIMATE: math.nan if value is None else value,
+            METRIC_RELATIVE_ERROR: self.ema.relative_error,
+            METRIC_LOWER_BOUND: math.nan if bound is None else bound,
+        }
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        steps = trainer.global_step - self._fit_start_step
+        rank_zero_info(f"GradientNoiseScale: {self.summary(steps)}")
+
+    def summary(self, steps: int | None = None) -> str:
+        """The line a fit ends with: the estimate, or why it is not given yet and what to do.
+
+        ``steps``: the optimizer steps of the fit, said when nothing was measured.
+        """
+        ema = self.ema
+        count, error, trust = ema.count, ema.relative_error, ema.trust
+        batch = f"the optimizer batch is {self._batch:,.0f}"
+        if count == 0:
+            return self._nothing_measured(steps)
+        if ema.trusted:
+            return (
+                f"noise scale {ema.value:,.0f} samples after {count} measurements (relative error {error:.3g} <= "
+                f"trust {trust:g}); {batch}"
+            )
+        why = f"relative error {error:.3g} {'>' if error > trust else '<='} trust {trust:g}"
+        if count == 1:
+            why += ": one measurement has no spread"
+        elif not math.isfinite(error):
+            why += ": the |G|^2 average is not positive yet, the batch is far below the noise scale"
+        if count < ema.min_count:
+            why += f"; fewer than min_measurements={ema.min_count}"
+        bound = self.lower_bound()
+        line = f"not trusted yet after {count} measurements ({why}); " + (
+            f"lower bound {bound:,.0f} samples" if bound is not None else "no lower bound yet"
+        )
+        return f"{line}; {batch}{self._what_to_do()}"
+
+    def _what_to_do(self) -> str:
+        """What reaches ``trust``, from the spread of the measurements so far."""
+        ema = self.ema
+        needed, effective = ema.needed, ema.needed_effective
+        if needed is not None and math.isfinite(needed):
+            total = max(math.ceil(needed), ema.min_count)
+            return f"; at this spread trust {ema.trust:g} needs about {total:,} measurements: train longer"
+        if effective is not None and effective <= 10 * ema.memory:
+            beta = (2 * effective - 1) / (2 * effective + 1)  # an average that keeps twice what is needed
+            return (
+                f"; at this spread trust {ema.trust:g} needs about {effective:,.0f} measurements averaged, more than "
+                f"the {ema.memory:.0f} that beta={ema.beta:g} keeps: raise beta to {_round_up(beta)} and train "
+                "longer, or read the lower bound"
+            )
+        bound = self.lower_bound()
+        if bound is None or not self._batch:
+            return ""
+        ratio = f"{bound / self._batch:.3g}x the optimizer batch"
+        if effective is None:
+            return f"; meanwhile read the lower bound, {ratio}"
+        return (
+            f"; trust {ema.trust:g} is out of reach at this batch (about {effective:,.0f} measurements averaged, "
+            f"beta={ema.beta:g} keeps {ema.memory:.0f}): read the lower bound, {ratio}"
+        )
+
+    def _nothing_measured(self, steps: int | None) -> str:
+        during = "" if steps is None else f" in {steps} optimizer steps"
+        if self._no_split_why is not None:
+            why = f"a step at k = 1 is not split into 2 micro-batches because {self._no_split_why}"
+        elif not self.split:
+            why = "split=False and no accumulation window had several micro-batches"
+        elif self._sharded:
+            why = "under FSDP2 it measures only in windows of k >= 2 micro-batches"
+        else:
+            why = "no step had two batch sizes to compare"
+        return (
+            f"nothing measured{during}: {why}. To measure, set accumulate_grad_batches >= 2 (halve batch_size to "
+            "keep the optimizer batch) or train on several devices"
+        )
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.ema.state_dict(), "history": [list(h) for h in self.history]}
+        return {
+            **self.ema.state_dict(),
+            "history": [list(h) for h in self.history],
+            "batch": self._batch,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.ema.load_state_dict(state_dict)
         self.history = [list(h) for h in state_dict.get("history", [])]
+        self._batch = float(state_dict.get("batch", 0.0))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_engine": None, "_draws": None, "_recording": None}
+
+
+def _round_up(beta: float) -> str:
+    """``beta`` rounded up, to one significant digit of ``1 - beta`` (0.99937 -> "0.9994")."""
+    exponent = math.floor(math.log10(1 - beta))
+    rest = math.floor((1 - beta) / 10**exponent + 1e-9) * 10**exponent
+    return f"{1 - rest:.{-exponent}f}"
 
 
 def _grad_sq(params: list[torch.Tensor] | tuple) -> float:

@@ -6,6 +6,6 @@ callbacks over them are :class:`~lightning_gpuopt.GradientNoiseScale` and :class
 """
 
 from lightning_gpuopt.goodput.estimator import NoiseScaleEMA, noise_scale_terms
-from lightning_gpuopt.goodput.schedule import lr_factor, next_accumulation
+from lightning_gpuopt.goodput.schedule import held_because, lr_factor, next_accumulation
 
-__all__ = ["NoiseScaleEMA", "lr_factor", "next_accumulation", "noise_scale_terms"]
+__all__ = ["NoiseScaleEMA", "held_because", "lr_factor", "next_accumulation", "noise_scale_terms"]

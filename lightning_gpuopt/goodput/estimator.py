@@ -44,9 +44,14 @@ class NoiseScaleEMA:
     ``beta`` is the decay per measurement. Both averages start at 0 and are divided by ``1 - beta**count``
     (Adam's bias correction), so the first measurements are not pulled towards 0; the ratio does not depend on
     the correction, the reported ``|G|^2`` and ``tr(Sigma)`` do. ``relative_error`` is the standard error of the
-    ratio relative to itself, from the same moving averages of the squares (delta method over the effective
-    number of measurements the average holds): :attr:`NoiseScaleEMA.estimate` is ``None`` until it is below
-    ``trust`` and at least ``min_count`` measurements were taken.
+    ratio relative to itself, from the same moving averages of the squares (weighted variances made unbiased by
+    ``1 / (1 - concentration)``, delta method over the effective number of measurements the average holds):
+    :attr:`NoiseScaleEMA.estimate` is ``None`` until it is at most ``trust`` and at least ``min_count``
+    measurements were taken.
+
+    The average holds at most ``(1 + beta) / (1 - beta)`` effective measurements (199 at 0.99), so the error
+    levels off at the spread of one measurement over the square root of that: :attr:`needed` tells how many
+    measurements the spread seen so far asks for.
 
     Example:
         >>> ema = NoiseScaleEMA(beta=0.5, min_count=2, trust=1.0)
@@ -102,18 +107,86 @@ class NoiseScaleEMA:
             return None
         return self.trace / self.g2
 
+    def _moments(self) -> tuple[float, float, float, float, float]:
+        """The averages of ``|G|^2`` and ``tr(Sigma)``, and their averages' variances and covariance (count >= 2)."""
+        c = self._correction
+        mg, mt = self.g2 / c, self.trace / c
+        # A weighted variance misses the factor 1 - sum(w^2) (= 1 - concentration): unbiased, the
+        # first few measurements do not look more certain than they are.
+        spread = self.concentration / (1 - self.concentration)
+        var_g = max(self.g2_sq / c - mg * mg, 0.0) * spread
+        var_t = max(self.trace_sq / c - mt * mt, 0.0) * spread
+        cov = (self.cross / c - mg * mt) * spread
+        return mg, mt, var_g, var_t, cov
+
     @property
     def relative_error(self) -> float:
         """The ratio's standard error over the ratio (``inf`` until it can be told)."""
         if self.count < 2 or self.g2 <= 0 or self.trace <= 0:
             return math.inf
-        c = self._correction
-        mg, mt = self.g2 / c, self.trace / c
-        var_g = max(self.g2_sq / c - mg * mg, 0.0)
-        var_t = max(self.trace_sq / c - mt * mt, 0.0)
-        cov = self.cross / c - mg * mt
-        rel2 = (var_t / (mt * mt) + var_g / (mg * mg) - 2 * cov / (mg * mt)) * self.concentration
+        mg, mt, var_g, var_t, cov = self._moments()
+        rel2 = var_t / (mt * mt) + var_g / (mg * mg) - 2 * cov / (mg * mt)
         return math.sqrt(max(rel2, 0.0))
+
+    def lower_bound(self, sigmas: float = 2.0) -> float | None:
+        """A cautious ``B_simple``: ``tr(Sigma)``'s average less ``sigmas`` standard errors over ``|G|^2``'s plus
+        ``sigmas`` standard errors.
+
+        It exists while the ratio itself does not: when the average of ``|G|^2`` is still negative (a batch far
+        below the noise scale), its upper end is positive and says the noise scale is at least that large.
+        ``None`` before two measurements, or while either end says nothing (``tr(Sigma)``'s lower end at or
+        below 0, or ``|G|^2``'s upper end at or below 0).
+
+        Example:
+            >>> ema = NoiseScaleEMA(beta=0.9)
+            >>> for g2, trace in [(0.5, 100.0), (-1.0, 110.0), (0.3, 90.0)]:
+            ...     ema.update(g2, trace)
+            >>> ema.value, round(ema.lower_bound())  # |G|^2 averages below 0: no ratio, yet at least ~100
+            (None, 101)
+        """
+        if self.count < 2:
+            return None
+        mg, mt, var_g, var_t, _ = self._moments()
+        low, high = mt - sigmas * math.sqrt(var_t), mg + sigmas * math.sqrt(var_g)
+        if low <= 0 or high <= 0:
+            return None
+        return low / high
+
+    @property
+    def memory(self) -> float:
+        """The most effective measurements the moving average can hold: ``(1 + beta) / (1 - beta)``."""
+        return (1 + self.beta) / (1 - self.beta)
+
+    @property
+    def needed_effective(self) -> float | None:
+        """Effective measurements the spread seen so far needs for a relative error of ``trust`` (``None`` until
+        the error is known). At or above :attr:`memory`, no run length reaches it at this ``beta``."""
+        error = self.relative_error
+        if not math.isfinite(error):
+            return None
+        # error^2 = (one measurement's relative variance) x concentration, and concentration = 1 / effective count.
+        return (error / self.trust) ** 2 / self.concentration
+
+    @property
+    def needed(self) -> float | None:
+        """Measurements in all after which the relative error reaches ``trust`` at the spread seen so far (``inf``:
+        never at this ``beta``; ``None`` until the error is known).
+
+        Example:
+            >>> ema = NoiseScaleEMA(beta=0.99, trust=0.1)
+            >>> for g2, trace in [(1.0, 100.0), (0.0, 110.0), (2.0, 90.0), (1.0, 100.0)]:
+            ...     ema.update(g2, trace)
+            >>> round(ema.relative_error, 2), round(ema.needed)
+            (0.45, 85)
+        """
+        n = self.needed_effective
+        if n is None:
+            return None
+        memory = self.memory
+        if n >= memory:
+            return math.inf
+        # The effective count after t measurements is memory * (1 - beta^t) / (1 + beta^t): solved for t.
+        return max(math.log((memory - n) / (memory + n)) / math.log(self.beta), 1.0)
 
     @property
     def trusted(self) -> bool:

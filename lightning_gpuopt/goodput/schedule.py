@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["lr_factor", "next_accumulation"]
+__all__ = ["held_because", "lr_factor", "next_accumulation"]
 
 
 def next_accumulation(
@@ -46,6 +46,35 @@ def next_accumulation(
         if accumulate % factor == 0:
             return accumulate // factor
     return accumulate
+
+
+def held_because(
+    accumulate: int,
+    samples_per_batch: int,
+    noise_scale: float,
+    *,
+    target_fraction: float,
+    factor: int,
+    max_accumulate: int,
+    label: str = "noise scale",
+) -> str:
+    """Why :func:`next_accumulation` does not grow the batch, in words (its other arguments alike; ``label`` names
+    ``noise_scale``).
+
+    Example:
+        >>> held_because(1, 64, 300.0, target_fraction=0.25, factor=2, max_accumulate=8)
+        'a batch of 128 would pass the target 75 (target_fraction 0.25 x noise scale 300)'
+    """
+    batch, grown = accumulate * samples_per_batch, accumulate * factor * samples_per_batch
+    if accumulate * factor > max_accumulate:
+        return f"a batch of {grown:,} would pass the largest allowed, {max_accumulate * samples_per_batch:,} (max_batch)"
+    target = target_fraction * noise_scale
+    if grown > target:
+        return (
+            f"a batch of {grown:,} would pass the target {target:,.0f} (target_fraction {target_fraction:g} x "
+            f"{label} {noise_scale:,.0f})"
+        )
+    return f"the batch {batch:,} is where the target {target:,.0f} puts it"
 
 
 def lr_factor(ratio: float, rule: str | Callable[[float], float]) -> float:

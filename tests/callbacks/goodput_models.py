@@ -33,3 +33,26 @@ def quadratic_loader(b_simple: float, *, d: int = 64, batch_size: int = 64, step
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(steps * batch_size, d, generator=generator, dtype=torch.float64) * (b_simple / d) ** 0.5
     return DataLoader(TensorDataset(x), batch_size=batch_size)
+
+
+def synthetic_measurements(
+    b_simple: float, count: int, *, batch: int = 64, d: int = 64, seed: int = 0
+) -> list[tuple[float, float]]:
+    """``count`` one-measurement estimates ``(|G|^2, tr(Sigma))`` with ``|G|^2 = 1`` and ``tr(Sigma) = b_simple``.
+
+    Each is what GradientNoiseScale takes from a step: the mean gradient of half a batch against the whole batch,
+    per-sample gradients ``G + e`` with ``e ~ N(0, b_simple / d I)`` in ``d`` dimensions.
+    """
+    from lightning_gpuopt.goodput import noise_scale_terms
+
+    generator = torch.Generator().manual_seed(seed)
+    true = torch.zeros(d, dtype=torch.float64)
+    true[0] = 1.0
+    half, sd = batch // 2, (b_simple / d) ** 0.5
+    out = []
+    for _ in range(count):
+        first = true + torch.randn(d, generator=generator, dtype=torch.float64) * sd / half**0.5
+        second = true + torch.randn(d, generator=generator, dtype=torch.float64) * sd / (batch - half) ** 0.5
+        whole = (half * first + (batch - half) * second) / batch
+        out.append(noise_scale_terms(float(first @ first), half, float(whole @ whole), batch))
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -72,6 +73,11 @@ def test_grows_at_window_boundaries_with_lr_and_samples_schedule():
         len(batch_decisions) == len(grow.changes) and "optimizer batch 16 -> 32" in batch_decisions[0].message
     )
     assert trainer.accumulate_grad_batches == 1  # the user's, back after fit
+    # The loggers got the batch of each step; the fit ended saying how far it grew and why not further.
+    assert trainer.logged_metrics["gpuopt/optimizer_batch"] == 16 * windows.seen[-1][1]
+    assert grow.summary().startswith(
+        f"optimizer batch 16 -> {grow.optimizer_batch} in {len(grow.changes)} change(s); not grown further: "
+    )
 
 
 def test_never_below_the_users_batch():
@@ -145,3 +151,55 @@ def test_an_unsupported_strategy_is_refused_in_setup_naming_the_callback(callbac
         match=rf"^{who}: micro-batching supports single-device, DDP and FSDP2 .*got FSDPStrategy",
     ):
         callback().setup(trainer, Quadratic(), "fit")
+
+
+class _Dropped(Quadratic):
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return 0.5 * self.drop(self.theta - x).square().sum(dim=1).mean()
+
+
+@pytest.mark.parametrize(
+    ("case", "b_simple", "steps", "noise_kwargs", "grow_kwargs"),
+    [
+        ("target", 16, 40, {"min_measurements": 5, "trust": 0.5}, {"interval": 5}),
+        ("max_batch", 4096, 40, {"min_measurements": 5, "trust": 0.5}, {"interval": 5, "max_batch": 16}),
+        (
+            "interval",
+            4096,
+            30,
+            {"min_measurements": 5, "trust": 0.5},
+            {"interval": 1000, "target_fraction": 1.0},
+        ),
+        ("measurements", 4096, 30, {"min_measurements": 100}, {"interval": 5}),
+        ("nothing_measured", 4096, 10, {}, {"interval": 5}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_says_why_the_batch_did_not_grow(caplog, case, b_simple, steps, noise_kwargs, grow_kwargs):
+    """One line at the end of the fit: the batch it stayed at and the reason, with the figures of its state."""
+    noise = GradientNoiseScale(every=1, split_every=1, **noise_kwargs)
+    grow = AdaptiveBatchSize(**grow_kwargs)
+    model = _Dropped() if case == "nothing_measured" else Quadratic(lr=1e-3)
+    trainer = pl.Trainer(max_steps=steps, precision="64-true", callbacks=[noise, grow], **TRAINER_QUIET)
+    trainer.fit(model, quadratic_loader(b_simple, batch_size=16, steps=steps, seed=1))
+    assert grow.changes == []
+    lines = [m for m in caplog.messages if m.startswith("AdaptiveBatchSize: ")]
+    assert len(lines) == 1, caplog.messages
+    line = lines[0]
+    assert line.startswith("AdaptiveBatchSize: the optimizer batch stayed 16: ")
+    bound = noise.lower_bound() or math.nan
+    expected = {
+        "target": rf"a batch of 32 would pass the target {0.25 * bound:,.0f} \(target_fraction 0.25 x the noise "
+        rf"scale's lower bound {bound:,.0f}\)$",
+        "max_batch": r"a batch of 32 would pass the largest allowed, 16 \(max_batch\)$",
+        "interval": rf"{steps} optimizer steps since the start, fewer than interval=1000 \(the noise scale's lower "
+        rf"bound {bound:,.0f} would grow it\)$",
+        "measurements": rf"the noise scale has {noise.ema.count} of min_measurements=100 measurements$",
+        "nothing_measured": r"no noise scale was measured \(GradientNoiseScale's line says why\)$",
+    }[case]
+    assert re.search(expected, line), line

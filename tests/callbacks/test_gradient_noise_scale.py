@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import copy
+import csv
+import math
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpuopt import GradientNoiseScale, OOMRecovery
 from lightning_gpuopt.goodput import NoiseScaleEMA, noise_scale_terms
 from lightning_gpuopt.microbatch import MicroBatchEngine
-from tests.callbacks.goodput_models import Quadratic, quadratic_loader
+from tests.callbacks.goodput_models import Quadratic, quadratic_loader, synthetic_measurements
 from tests.helpers import TRAINER_QUIET, run_ranks
 
 
@@ -70,6 +74,11 @@ def test_no_split_for_a_step_with_dropout(caplog):
     _fit(Dropped(), quadratic_loader(16, steps=5), [noise], steps=5)
     assert noise.history == []
     assert "not split into 2 micro-batches because it has dropout (drop, p=0.1)" in caplog.text
+    # The fit ends saying that nothing was measured, why, and what to do.
+    assert (
+        "GradientNoiseScale: nothing measured in 5 optimizer steps: a step at k = 1 is not split into 2 "
+        "micro-batches because it has dropout (drop, p=0.1). To measure, set accumulate_grad_batches >= 2 (halve batch_size"
+    ) in caplog.text
 
 
 def test_no_split_for_a_step_that_draws():
@@ -117,3 +126,176 @@ def test_estimate_from_accumulation_windows_without_a_split():
     noise = GradientNoiseScale(split=False)
     _fit(Quadratic(), quadratic_loader(16, batch_size=32, steps=600), [noise], accumulate_grad_batches=2)
     assert noise.estimate is not None and abs(noise.estimate / 16 - 1) <= 0.25, noise.estimate
+
+
+# ---------------------------------------------------------------------- the trust threshold, early in a run
+
+
+def _reference_error(measured: list[tuple[float, float]], beta: float) -> float:
+    """The ratio's relative standard error, written out: normalised weights beta^(n-1-i), unbiased weighted
+    (co)variances, the variance of a weighted mean (sum of squared weights), the delta method."""
+    n = len(measured)
+    weights = [beta ** (n - 1 - i) for i in range(n)]
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    squares = sum(w * w for w in weights)
+    mg = sum(w * g for w, (g, _) in zip(weights, measured))
+    mt = sum(w * t for w, (_, t) in zip(weights, measured))
+    if n < 2 or mg <= 0 or mt <= 0:
+        return math.inf
+    scale = squares / (1 - squares)
+    var_g = sum(w * (g - mg) ** 2 for w, (g, _) in zip(weights, measured)) * scale
+    var_t = sum(w * (t - mt) ** 2 for w, (_, t) in zip(weights, measured)) * scale
+    cov = sum(w * (g - mg) * (t - mt) for w, (g, t) in zip(weights, measured)) * scale
+    return math.sqrt(max(var_t / mt**2 + var_g / mg**2 - 2 * cov / (mg * mt), 0.0))
+
+
+@pytest.mark.parametrize(
+    ("b_simple", "trust", "min_measurements", "seed"),
+    [
+        (64, 0.3, 1, 0),  # trusted from the 4th measurement: the error gates, not the count
+        (64, 0.3, 20, 0),  # the error is below trust long before: the count gates
+        (64, 0.1, 1, 0),
+        (64, 0.1, 1, 2),
+        (64, 0.1, 20, 1),
+        (640, 0.3, 1, 0),  # a batch 10x below the noise scale: trusted later
+        (640, 0.3, 20, 0),
+        (640, 0.3, 20, 1),  # two measurements happen to agree: only min_measurements holds it back
+        (64, 0.05, 1, 0),  # never below trust in 150 measurements
+        (640, 0.1, 5, 2),
+    ],
+)
+def test_trust_threshold_withholds_the_estimate_until_the_error_is_below_it(
+    b_simple, trust, min_measurements, seed
+):
+    """Fed one-step estimates with a known noise scale: after every measurement, from the first, the estimate is
+    None exactly while the relative error (written out independently) is above `trust` or fewer than
+    `min_measurements` were taken, and once given it is the ratio of the averages, near the true noise scale."""
+    beta = 0.99
+    ema = NoiseScaleEMA(beta=beta, min_count=min_measurements, trust=trust)
+    measured: list[tuple[float, float]] = []
+    given = []
+    for g2, trace in synthetic_measurements(b_simple, 150, seed=seed):
+        ema.update(g2, trace)
+        measured.append((g2, trace))
+        count, error = len(measured), _reference_error(measured, beta)
+        if math.isfinite(error):
+            assert ema.relative_error == pytest.approx(error, rel=1e-9, abs=1e-15), count
+        else:
+            assert ema.relative_error == math.inf, count
+        withheld = count < min_measurements or error > trust
+        assert (ema.estimate is None) == withheld, (count, error, ema.estimate)
+        if not withheld:
+            assert ema.estimate == pytest.approx(ema.trace / ema.g2, rel=1e-12)
+            given.append((count, ema.estimate))
+    assert measured and _reference_error(measured[:1], beta) == math.inf  # the first is never trusted
+    final = _reference_error(measured, beta)
+    if final > trust:
+        assert not given or given[-1][0] < len(measured)
+        return
+    assert given, "the error fell below trust, yet no estimate was given"
+    first = given[0]
+    assert first[0] >= max(min_measurements, 2)
+    if min_measurements >= 20:  # enough measurements for the error itself to be known
+        assert abs(first[1] / b_simple - 1) <= 3 * trust, first
+
+
+@pytest.mark.parametrize("trust", [1.0, 1e9])
+def test_first_measurement_is_never_trusted_and_the_second_can_be(trust):
+    ema = NoiseScaleEMA(min_count=1, trust=trust)
+    measurements = synthetic_measurements(64, 2, seed=3)
+    ema.update(*measurements[0])
+    assert ema.estimate is None and ema.relative_error == math.inf and ema.lower_bound() is None
+    ema.update(*measurements[1])
+    assert (ema.estimate is not None) == (ema.relative_error <= trust)
+    assert ema.lower_bound() is None or ema.lower_bound() <= ema.value
+
+
+@pytest.mark.parametrize("b_simple", [64, 6400], ids=("at_the_batch", "100x_the_batch"))
+def test_lower_bound_is_there_and_below_the_truth(b_simple):
+    """Over 100 runs of 50 measurements: the lower bound exists in 90 or more, even where the |G|^2 average is
+    still negative (no ratio yet: 42 of the 100 at 100x), and it stays below the true noise scale in at least 95
+    of 100 (2 standard errors)."""
+    bounds, ratios = [], 0
+    for seed in range(100):
+        ema = NoiseScaleEMA()
+        for g2, trace in synthetic_measurements(b_simple, 50, seed=seed):
+            ema.update(g2, trace)
+        bounds.append(ema.lower_bound())
+        ratios += ema.value is not None
+    given = [b for b in bounds if b is not None]
+    assert len(given) >= 90, len(given)
+    assert sum(b > b_simple for b in given) <= 5
+    assert len(given) >= ratios + (30 if b_simple > 64 else 0)  # where the ratio is missing, the bound speaks
+
+
+class _Logged(Quadratic):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+_END = re.compile(
+    r"GradientNoiseScale: (?:noise scale (?P<estimate>[\d,]+) samples after (?P<count>\d+) measurements \("
+    r"relative error (?P<error>[\d.e+-]+) <= trust (?P<trust>[\d.e+-]+)\)"
+    r"|not trusted yet after (?P<count2>\d+) measurements \(relative error (?P<error2>inf|[\d.e+-]+) > trust "
+    r"(?P<trust2>[\d.e+-]+)[^)]*\); (?:lower bound (?P<bound>[\d,]+) samples|no lower bound yet))"
+)
+
+
+@pytest.mark.parametrize(
+    ("b_simple", "trust", "min_measurements", "trusted"),
+    [(64, 0.3, 1, True), (64, 0.15, 10, True), (64, 0.001, 5, False), (6400, 0.1, 5, False)],
+    ids=("trusted_early", "trusted_later", "never_trusted", "far_below_the_noise_scale"),
+)
+def test_logs_in_lightnings_rows_and_ends_with_the_estimators_state(
+    tmp_path, caplog, b_simple, trust, min_measurements, trusted
+):
+    """A CSVLogger run: the gpuopt/ columns sit in Lightning's own rows (with the module's train_loss), hold
+    the state after each measurement (estimate withheld until trusted), and the fit's last line gives the
+    estimator's figures."""
+    noise = GradientNoiseScale(trust=trust, min_measurements=min_measurements)
+    settings = {**TRAINER_QUIET, "logger": CSVLogger(tmp_path, name="run", version=0)}
+    trainer = pl.Trainer(
+        max_steps=60, precision="64-true", callbacks=[noise], log_every_n_steps=1, **settings
+    )
+    trainer.fit(_Logged(), quadratic_loader(b_simple, steps=60))
+
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == list(range(60))  # one row a step, Lightning's numbering
+    assert noise.history, "nothing measured"
+    assert (noise.estimate is not None) == trusted
+    for index, (step, estimate, error) in enumerate(noise.history):
+        row = rows[step]
+        assert row["train_loss"] != ""  # the module's own row
+        logged = float(row["gpuopt/noise_scale"])
+        if estimate is None:
+            assert math.isnan(logged)
+            assert index + 1 < min_measurements or error > trust  # withheld only while not trusted
+        else:
+            assert logged == pytest.approx(estimate, rel=1e-6)
+            assert index + 1 >= min_measurements and error <= trust
+        logged_error = float(row["gpuopt/noise_scale_rel_error"])
+        assert logged_error == pytest.approx(error, rel=1e-6) or (error == 1e9 and math.isinf(logged_error))
+    last = rows[noise.history[-1][0]]
+    bound = noise.lower_bound()
+    if bound is None:
+        assert math.isnan(float(last["gpuopt/noise_scale_lower_bound"]))
+    else:
+        assert float(last["gpuopt/noise_scale_lower_bound"]) == pytest.approx(bound, rel=1e-6)
+
+    ends = [m for m in map(_END.search, caplog.messages) if m]
+    assert len(ends) == 1, caplog.messages  # one line at the end of the fit
+    end = ends[0]
+    if trusted:
+        assert float(end["estimate"].replace(",", "")) == round(noise.estimate)
+        assert int(end["count"]) == noise.ema.count
+        assert float(end["error"]) == pytest.approx(noise.relative_error, rel=5e-3)
+        assert float(end["trust"]) == trust
+    else:
+        assert int(end["count2"]) == noise.ema.count
+        assert float(end["error2"]) == pytest.approx(noise.relative_error, rel=5e-3)
+        assert float(end["trust2"]) == trust
+        assert (end["bound"] and float(end["bound"].replace(",", ""))) == (bound and round(bound))
