@@ -150,9 +150,7 @@ class LowerTheLimit(pl.Callback):
             probe.limit_bytes = self.start + int(0.75 * (probe.peak_bytes - self.start))
 
 
-@pytest.mark.parametrize(
-    "predict", [None, pytest.param(True, marks=pytest.mark.slow)], ids=["auto", "predicted"]
-)
+@pytest.mark.parametrize("predict", [None, True], ids=["auto", "predicted"])
 def test_the_lines_of_a_fit_with_every_callback_and_an_oom(tmp_path, caplog, capsys, predict):
     lines = Lines(caplog, capsys)
     callbacks = [
