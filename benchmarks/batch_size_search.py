@@ -222,7 +222,7 @@ def _summary(repeats: list[dict[str, Any]], true_max: int) -> dict[str, Any]:
 
 def _path(note: str) -> str:
     """How a search of ours started, from its note, per repeat ("" for BatchSizeFinder)."""
-    traced = ("traced start" in note or note.startswith("started")) and "handed over" not in note
+    traced = note.startswith(("predicted, then measured", "started")) and "measured instead" not in note
     return "traced" if traced else "measured" if note else ""
 
 

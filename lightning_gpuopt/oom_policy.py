@@ -163,7 +163,8 @@ def next_micro_batch_count(
     min_size: int = 1,
     per_sample_bytes: float | None = None,
 ) -> int | None:
-    """How many micro-batches to try after ``failure``; ``None`` when micro-batches of ``min_size`` failed.
+    """How many micro-batches to try after ``failure``; ``None`` when no split is left whose micro-batches are
+    smaller than every size that failed and hold at least ``min_size`` samples.
 
     With figures from the probe and the message, the per-sample cost of the failed micro-batch
     (what it held when the allocation failed, plus the allocation) predicts the largest micro-batch
@@ -208,7 +209,10 @@ def next_micro_batch_count(
     k = max(failure.k + 1, math.ceil(n / target))
     while k < n and math.ceil(n / k) > target:
         k += 1
-    return min(k, n, largest_k)
+    k = min(k, n, largest_k)
+    # Capped at the smallest split (every micro-batch keeps ``min_size`` samples), the micro-batch may be no
+    # smaller than one that failed: that split was tried, nothing smaller may run.
+    return k if math.ceil(n / k) < min(size, smallest_failed_size) else None
 
 
 def smaller_micro_batch_count(k: int, batch_size: int) -> int:

@@ -1,11 +1,24 @@
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_gpuopt.memory import format_bytes
-from lightning_gpuopt.oom_policy import OOMFailure, next_micro_batch_count, parse_tried_bytes
+from lightning_gpuopt.oom_policy import (
+    OOMFailure,
+    Status,
+    Vote,
+    agree,
+    next_micro_batch_count,
+    parse_tried_bytes,
+    rung_bits,
+    rung_indices,
+)
 
 
 def _failure(**overrides) -> OOMFailure:
@@ -133,6 +146,59 @@ def test_agreement_on_the_next_k(votes, k, expected):
     assert (a.k, a.source, a.ranks) == expected and not a.retry
 
 
+@pytest.mark.parametrize(
+    ("votes", "k", "expected"),
+    [
+        ([(1, 2), (1, 4)], 1, (4, (0, 1))),  # rank 0 needs k 2, rank 1 k 4: both run 4
+        ([(1, 4), (1, 2)], 1, (4, (0, 1))),
+        ([(1, 8), (0, 1), (1, 3), (0, 1)], 1, (8, (0, 2))),  # ranks without an OOM retry too, at 8
+        ([(1, 3), (8, 1)], 2, (3, (0,))),  # one rank could grow back, another ran out: the OOM wins
+        ([(1, 3), (16, 9)], 2, (3, (0,))),  # a thrashing rank's next-batch proposal does not set the retry
+    ],
+    ids=["2-vs-4", "4-vs-2", "four-ranks", "oom-beats-grow", "oom-beats-thrash"],
+)
+def test_ranks_out_of_memory_at_once_agree_on_the_largest_k(votes, k, expected):
+    a = agree([Vote(*v) for v in votes], k=k)
+    assert (a.retry, a.source, a.fatal_ranks) == (True, "oom", ())
+    assert (a.k, a.ranks) == expected
+
+
+#: A rank's flags: fine, an OOM (with the recovery rungs it asks for), fatal, grow back, thrash, or skip.
+_status = st.sampled_from([0, 1, 2, 8, 16, 32]).flatmap(
+    lambda s: st.just(s) if s != 1 else st.sets(st.integers(0, 2)).map(lambda r: 1 | int(rung_bits(r)))
+)
+
+
+@settings(derandomize=True, deadline=None, max_examples=200)
+@given(
+    votes=st.lists(st.tuples(_status, st.integers(1, 64)), min_size=1, max_size=6),
+    k=st.integers(1, 64),
+    order=st.randoms(use_true_random=False),
+)
+def test_the_agreement_over_ranks_with_different_proposals(votes, k, order):
+    """Any fatal vote stops every rank; else any OOM retries on every rank with a k at least each OOM-ing rank's
+    proposal and with every rung any of them asked for; the rank order does not change the decision."""
+    a = agree([Vote(*v) for v in votes], k=k)
+    shuffled = list(votes)
+    order.shuffle(shuffled)
+    b = agree([Vote(*v) for v in shuffled], k=k)
+    assert (a.retry, a.k, a.rungs, a.source, a.skip) == (b.retry, b.k, b.rungs, b.source, b.skip)
+    fatal = [r for r, (status, _) in enumerate(votes) if status & Status.FATAL]
+    oom = [r for r, (status, _) in enumerate(votes) if status & Status.OOM]
+    if fatal:
+        assert a.fatal_ranks == tuple(fatal) and not a.retry
+        return
+    assert a.retry == bool(oom)
+    if oom:
+        assert a.k in [votes[r][1] for r in oom] and all(a.k >= votes[r][1] for r in oom)
+        assert a.ranks == tuple(oom)
+        assert set(a.rungs) == {i for r in oom for i in rung_indices(votes[r][0])}
+        return
+    proposals = [kv if status & (Status.GROW | Status.THRASH) else k for status, kv in votes]
+    assert a.k == max(proposals)  # shrinks only when every rank can, grows when any rank must
+    assert a.skip == any(status & Status.SKIP for status, _ in votes)
+
+
 # ---------------------------------------------------------------------------- growing back
 
 
@@ -169,3 +235,184 @@ def test_smaller_micro_batch_count_always_shrinks_the_micro_batch(k, n):
     assert new > k or k == n
     if k < n:
         assert math.ceil(n / new) < math.ceil(n / k)
+
+
+# ---------------------------------------------------------------------------- the next k after several failures
+#
+# A batch's attempts as the engine runs them (issue 34): each failure hands ``next_micro_batch_count`` the
+# smallest size that failed so far and the largest per-sample cost any failure of the batch showed, until a
+# micro-batch fits or the function gives up (``None``: OOMRecovery then tries a recovery rung or raises
+# MicroBatchOOMError). Memory follows an affine model: a micro-batch of s samples needs
+# base + (gradients when k > 1) + per_sample × s.
+
+
+@dataclass(frozen=True)
+class Memory:
+    """A device on which a micro-batch of ``s`` samples needs ``base + gradients·[k > 1] + per_sample·s`` bytes."""
+
+    base: int
+    gradients: int
+    per_sample: int
+    limit: int
+    figures: bool  # whether the OOM says what it tried to allocate and the probe what was allocated
+
+    def needs(self, s: int, k: int) -> int:
+        return self.base + (self.gradients if k > 1 else 0) + self.per_sample * s
+
+    def failure(self, n: int, k: int) -> OOMFailure:
+        s = math.ceil(n / k)
+        held = self.gradients if k > 1 else 0
+        # The allocation that failed came after part of the micro-batch's activations were made.
+        allocated = self.base + held + self.per_sample * s // 2
+        figures = self.figures
+        return _failure(
+            batch_size=n,
+            k=k,
+            micro_batch_size=s,
+            baseline_bytes=self.base,
+            allocated_bytes=allocated if figures else None,
+            tried_bytes=self.needs(s, k) - allocated if figures else None,
+            limit_bytes=self.limit if figures else None,
+            gradient_bytes=self.gradients if figures else None,
+            held_gradient_bytes=held if figures else None,
+        )
+
+
+def _attempts(memory: Memory, n: int, k: int, min_size: int) -> tuple[list[int], bool]:
+    """The k of each attempt at a batch of ``n`` starting at ``k``, and whether the last one fit."""
+    ks, smallest_failed, per_sample = [k], n + 1, 0.0
+    while memory.needs(math.ceil(n / k), k) > memory.limit:
+        failure = memory.failure(n, k)
+        smallest_failed = min(smallest_failed, failure.micro_batch_size)
+        per_sample = max(per_sample, failure.per_sample_bytes or 0.0)
+        k = next_micro_batch_count(failure, smallest_failed, min_size=min_size, per_sample_bytes=per_sample)
+        if k is None:
+            return ks, False
+        ks.append(k)
+        assert len(ks) <= n + 1, ks  # every attempt shrinks the micro-batch: at most n of them
+    return ks, True
+
+
+memories = st.builds(
+    Memory,
+    base=st.integers(0, 10**6),
+    gradients=st.integers(0, 10**5),
+    per_sample=st.integers(1, 10**4),
+    limit=st.integers(1, 3 * 10**6),
+    figures=st.booleans(),
+)
+
+
+@settings(derandomize=True, deadline=None, max_examples=300)
+@given(memory=memories, n=st.integers(1, 300), start=st.integers(1, 300), min_size=st.integers(1, 3))
+def test_attempts_after_failures_at_several_sizes(memory, n, start, min_size):
+    """Each retry: more micro-batches, each smaller than every size that failed, never more than the batch has
+    samples nor fewer samples than ``min_size``; the attempts end at a size that fits, or give up only at the
+    smallest split (k = n at ``min_size`` 1), and never while a split could fit."""
+    k0 = min(start, max(1, n // min_size))
+    ks, fit = _attempts(memory, n, k0, min_size)
+    sizes = [math.ceil(n / k) for k in ks]
+    assert all(a < b for a, b in itertools.pairwise(ks)), ks  # monotonic
+    assert all(a > b for a, b in itertools.pairwise(sizes)), sizes  # never a size that already failed
+    assert all(k <= n and n // k >= min_size for k in ks[1:]), (ks, n, min_size)
+    smallest_split = max(1, n // min_size)  # the most micro-batches that keep min_size samples each
+    if not fit:  # the documented give-up: the smallest micro-batch that keeps min_size samples failed
+        assert sizes[-1] == math.ceil(n / smallest_split), (ks, sizes)
+        if min_size == 1:
+            assert ks[-1] == n
+        # every split with at least min_size samples a micro-batch was tried or is larger than one that failed
+        assert all(memory.needs(math.ceil(n / k), k) > memory.limit for k in range(k0, smallest_split + 1))
+
+
+@settings(derandomize=True, deadline=None, max_examples=300)
+@given(memory=memories, n=st.integers(2, 300), start=st.integers(1, 300), min_size=st.integers(1, 3))
+def test_one_retry_at_the_largest_micro_batch_that_fits_when_the_figures_say(memory, n, start, min_size):
+    """With the figures of the failure (what was allocated, what it asked for, the gradients), the retry takes
+    the largest micro-batch that fits under ``headroom`` (0.9) × the limit at once, not by halving; when none
+    fits there, the smallest one allowed."""
+    memory = Memory(memory.base, memory.gradients, memory.per_sample, memory.limit, figures=True)
+    k0 = min(start, max(1, n // min_size))
+    size0 = math.ceil(n / k0)
+    if memory.needs(size0, k0) <= memory.limit:
+        return  # the first attempt fits: no retry
+    split_sizes = {math.ceil(n / j) for j in range(k0 + 1, n // min_size + 1)} - {size0}
+    allowed = sorted(s for s in split_sizes if s < size0)
+    room = (memory.limit * 0.9 - memory.base - memory.gradients) // memory.per_sample
+    fitting = [s for s in allowed if s <= room]
+    ks, _ = _attempts(memory, n, k0, min_size)
+    if not allowed:
+        assert ks == [k0]
+        return
+    assert math.ceil(n / ks[1]) == (max(fitting) if fitting else allowed[0]), (ks, fitting, allowed)
+    if fitting:
+        assert len(ks) == 2  # it fits
+
+
+def test_a_later_failure_of_the_batch_remembers_the_largest_cost_seen():
+    """A failure shows at least what a sample costs; an earlier failure of the same batch that showed more
+    (it got further) sets the prediction: a smaller micro-batch."""
+    # 64 samples whole: 10 B a sample shown, 250 B under 0.9 x 2500 beside 1000 B baseline and 1000 B gradients.
+    f = _failure(
+        batch_size=64,
+        micro_batch_size=64,
+        baseline_bytes=1000,
+        allocated_bytes=1320,
+        tried_bytes=320,
+        limit_bytes=2500,
+        gradient_bytes=1000,
+        held_gradient_bytes=0,
+    )
+    assert f.per_sample_bytes == 10
+    assert next_micro_batch_count(f, 64) == 3  # 25 samples -> k 3 (22)
+    assert next_micro_batch_count(f, 64, per_sample_bytes=5.0) == 3  # a smaller cost seen before: no change
+    assert next_micro_batch_count(f, 64, per_sample_bytes=40.0) == 11  # 6 samples -> k 11 (6)
+
+
+@settings(derandomize=True, deadline=None, max_examples=300)
+@given(
+    memory=memories,
+    n=st.integers(2, 300),
+    k=st.integers(1, 300),
+    min_size=st.integers(1, 3),
+    earlier=st.integers(1, 300),
+    cost=st.floats(0, 10**5),
+)
+def test_next_k_with_a_memory_of_failures(memory, n, k, min_size, earlier, cost):
+    """Whatever the failures before (the smallest size that failed, the largest per-sample cost seen): the next
+    micro-batch is smaller than each of them, within the batch and at least ``min_size`` samples; ``None`` only
+    when no such micro-batch exists."""
+    k = min(k, n)
+    failure = memory.failure(n, k)
+    smallest_failed = min(failure.micro_batch_size, earlier)
+    new = next_micro_batch_count(failure, smallest_failed, min_size=min_size, per_sample_bytes=cost)
+    possible = [j for j in range(k + 1, n + 1) if math.ceil(n / j) < smallest_failed and n // j >= min_size]
+    if new is None:
+        assert possible == [], (n, k, smallest_failed, min_size, possible)
+        return
+    assert new in possible, (n, k, smallest_failed, min_size, new)
+    # a worse memory of failures never asks for fewer micro-batches
+    worse = next_micro_batch_count(failure, smallest_failed, min_size=min_size, per_sample_bytes=cost * 2 + 1)
+    assert worse is not None and worse >= new
+
+
+@pytest.mark.parametrize(
+    ("n", "min_size", "expected"),
+    [
+        (64, 1, [1, 2, 4, 8, 16, 32, 64]),  # without figures k doubles, down to micro-batches of 1
+        (64, 1, [3, 6, 11, 22, 32, 64]),  # from k 3 (22 samples): 11, 6, 3, 2, 1
+        (10, 1, [1, 2, 4, 5, 10]),  # 10, 5, 3 (k 4: 3,3,2,2), 2, 1
+        (7, 1, [1, 2, 4, 7]),  # 7, 4, 2 (k 4: 2,2,2,1), 1
+        (10, 2, [1, 2, 4, 5]),  # 2 samples: BatchNorm's smallest micro-batch
+        (10, 3, [1, 2, 3]),  # k 3: 4,3,3; k 4 would make micro-batches of 2
+        (9, 2, [1, 2, 3]),  # 9, 5, 3; k 4 (3,2,2,2) is no smaller, k 5 has a micro-batch of 1
+        (5, 2, [1, 2]),  # 5, 3; k 3 would make a micro-batch of 1
+        (3, 2, [1]),  # no split keeps 2 samples a micro-batch
+        (1, 1, [1]),
+    ],
+)
+def test_the_k_of_each_attempt_when_every_attempt_fails(n, min_size, expected):
+    """Without figures (an OOM message that says nothing, a probe that measures nothing), every attempt failing:
+    the k of each attempt, then the give-up (``None``) once no smaller micro-batch of ``min_size`` is left."""
+    memory = Memory(base=0, gradients=0, per_sample=1, limit=0, figures=False)
+    ks, fit = _attempts(memory, n, expected[0], min_size)
+    assert (ks, fit) == (expected, False)

@@ -99,9 +99,9 @@ def choose_search(
         return start_search(trainer, module, space.make_batch, space.batch_idx, pending, **search)
     if predict:
         return SizeSearch(**search), (
-            "under FSDP2 the step is not traced (its collectives run inside it): the measured search"
+            "measured only: under FSDP2 the step cannot be predicted (its collectives run inside it)"
         )
-    return SizeSearch(**search), "predict=False: the measured search"
+    return SizeSearch(**search), "measured only (predict=False)"
 
 
 def _auto_search(
@@ -125,12 +125,12 @@ def _auto_search(
     if sharded:
         return SizeSearch(
             **search
-        ), "under FSDP2 the step is not traced (its collectives run inside it): measured"
+        ), "measured only: under FSDP2 the step cannot be predicted (its collectives run inside it)"
     pending = extra_bytes + trials.missing_grad_bytes()
     measured = SizeSearch(**search)
     size = measured.next_size()
     if size is None:
-        return measured, "measured search (nothing to try)"
+        return measured, "nothing to measure"
     batch, actual, nbytes, whole = space.make_batch(size)
     started = time.perf_counter()
     measurement = trials.measure(batch, actual, nbytes, whole)
@@ -151,13 +151,17 @@ def _auto_search(
     # same size (the same step: the same choice), or was stopped later than this limit.
     earlier = known is not None and (known[1] or known[2] == actual or known[0] >= limit_s)
     timed = known if earlier else tracer.timed(actual, limit_s) if tracer is not None else None
+    # What the user reads: what the predicted steps that would save one real step take, against that step.
     if timed is None:
-        trace_s, trace = None, "none (the step cannot be traced)"
+        trace_s, costs = None, ""
     else:
         trace_s = timed[0] if timed[1] else None
-        trace = f"{timed[0]:.3f} s" if timed[1] else f"stopped after {timed[0]:.3f} s"
-        trace += " (timed in an earlier search)" if earlier else ""
-    timing = f"a real step {step_s:.3f} s against a trace {trace}"
+        at_least = "" if timed[1] else "at least "
+        when = ", as timed in an earlier search," if earlier else ""
+        costs = (
+            f"{TRACES_PER_SEARCH} predicted steps take {at_least}{TRACES_PER_SEARCH * timed[0]:.3f} s{when} "
+            f"to save one real step of {step_s:.3f} s"
+        )
     # The traced start plans as predict=True does (the same traces: each reuses the other's), from the memory
     # held before the first step; its search then goes on from the first step's measurement.
     plan = (trainer, module, space.make_batch, space.batch_idx, pending)
@@ -167,17 +171,12 @@ def _auto_search(
         chosen.base_bytes = measured.base_bytes
         if chosen.next_size() == actual:  # the timed step is the traced search's first step: kept, not rerun
             chosen.record(measurement)
-        why = (
-            "every trace it needs kept from an earlier search: they cost nothing"
-            if kept is not None
-            else f"{TRACES_PER_SEARCH} traces cost less than the step they save"
-        )
-        return chosen, note or f"auto: traced start, {timing} ({why})"
+        why = "its predicted steps are kept from an earlier search, at no cost" if kept is not None else costs
+        return chosen, note or f"predicted, then measured: {why}; predict=False measures only"
     measured.record(measurement)
-    return (
-        measured,
-        f"auto: measured steps, {timing} ({TRACES_PER_SEARCH} traces cost more than the step they save)",
-    )
+    if timed is None:
+        return measured, "measured only: this training step cannot be predicted"
+    return measured, f"measured only: {costs}; predict=True predicts anyway"
 
 
 def _kept(tracer: Tracer, plan: tuple, search: dict[str, Any]) -> tuple[SizeSearch, str] | None:
@@ -256,7 +255,9 @@ def find_largest_size(
             note = f"{note}; {search.note}" if note else search.note
             tracer = search.tracer
             if isinstance(tracer, Tracer) and tracer.reused:
-                note += f" ({tracer.traced} trace(s) run, {tracer.reused} reused from before)"
+                note += (
+                    f" ({tracer.traced} predicted step(s) run, {tracer.reused} reused from an earlier search)"
+                )
     return SearchRun(
         result=result,
         budget_bytes=budget,

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields
 
 from lightning_gpuopt.batch_size.peak_model import StepMeasurement
 from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch
+from lightning_gpuopt.memory.units import format_bytes
 
 __all__ = [
     "FIRST_STEP_MARGIN",
@@ -288,7 +289,7 @@ class PredictedSearch(SizeSearch):
 
     def _hand_over(self, why: str) -> None:
         """Continue as the plain search: its first step is this search's first step, shared."""
-        self.note = f"traced at {self._traced()} samples; {why}: handed over to the measured search"
+        self.note = f"predicted from steps of {self._traced()} samples; {why}: measured instead"
         # This search's settings, but the plain search's own step budget (max_trials).
         kept = {
             f.name: getattr(self, f.name)
@@ -418,13 +419,16 @@ class PredictedSearch(SizeSearch):
     def _done(self) -> None:
         if not self.note:
             self.note = (
-                f"started from the prediction (traced at {self._traced()} samples; the first step, "
-                f"{self.measurements[0].size} samples, calibrated it)"
+                f"started from the prediction (steps of {self._traced()} samples predicted, calibrated by the "
+                f"first real step, {self.measurements[0].size} samples)"
             )
             if self.predicted_size is not None:
                 measured = next(
                     (self.measured_peak(m) for m in self.measurements if m.size == self.predicted_size), None
                 )
-                outcome = "out of memory" if measured is None else f"measured {measured}"
-                self.note += f": {self.predicted_size} samples predicted at {self.predicted_size_peak} bytes, {outcome}"
+                outcome = "out of memory" if measured is None else f"measured {format_bytes(measured)}"
+                self.note += (
+                    f": {self.predicted_size} samples predicted to peak at {format_bytes(self.predicted_size_peak)}, "
+                    f"{outcome}"
+                )
         return None

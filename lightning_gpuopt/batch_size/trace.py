@@ -212,10 +212,10 @@ class Tracer:
         except Exception as err:  # a prediction is a head start, never a reason to fail: said, not raised
             reason = (str(err).strip().splitlines() or [""])[0][:200]
             raise CannotPredict(
-                f"the training step could not be traced ({type(err).__name__}: {reason})"
+                f"the training step cannot be predicted ({type(err).__name__}: {reason})"
             ) from None
         if prediction.method is not PredictionMethod.TRACED:
-            raise CannotPredict(f"the training step could not be traced ({prediction.decision})")
+            raise CannotPredict(f"the training step cannot be predicted ({prediction.decision})")
         return traced_step(prediction, self.whole)
 
     def timed(self, n: int, limit_s: float) -> tuple[float, bool, int] | None:
@@ -271,7 +271,7 @@ def start_search(
         **search: :class:`SizeSearch`'s arguments.
     """
     if not trainer.optimizers:
-        return SizeSearch(**search), "no optimizer to trace: the measured search"
+        return SizeSearch(**search), "measured only: no optimizer yet, so the step cannot be predicted"
     # Whole batches (mode='max') start without gradients, micro-batches with them: traced as they run.
     small = min(search["largest"], max(search["smallest"], 2))
     trace = tracer or make_tracer(trainer, module, make_batch, batch_idx, small)
@@ -287,5 +287,5 @@ def start_search(
     try:
         curve = plan_traces(trace, peak, search["budget_bytes"], search["smallest"], search["largest"])
     except CannotPredict as err:
-        return SizeSearch(**search), f"{err}: the measured search"
+        return SizeSearch(**search), f"measured only: {err}"
     return PredictedSearch(**search, curve=curve, tracer=trace), ""

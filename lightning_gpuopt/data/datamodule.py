@@ -223,6 +223,19 @@ class GPUOptDataModule(pl.LightningDataModule):
         self._announced: set[str] = set()
         self._prefetch_stats: dict[str, PrefetchStats] = {}
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when the ordinary lookup fails: without `_datasets`, this base's __init__ never ran.
+        if not name.startswith("__") and "_datasets" not in vars(self):
+            owner = type(self).__name__
+            missing = "" if name.startswith("_") else f" (so it has no `{name}`)"
+            raise AttributeError(  # obj=None: no "Did you mean" guess after the message
+                f"{owner}.__init__ did not call GPUOptDataModule.__init__{missing}: add "
+                f"`super().__init__(batch_size=...)`, with the loader options it takes, to {owner}.__init__.",
+                name=name,
+                obj=None,
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # Lightning runs a validation/test/predict loop when the *_dataloader hook is overridden. Expose

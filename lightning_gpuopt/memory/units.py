@@ -71,11 +71,16 @@ def _split(text: str) -> tuple[str, str]:
     return number, unit
 
 
-def parse_bytes(value: str | int | float) -> int:
+def parse_bytes(value: str | int | float, name: str = "A memory size") -> int:
     """Bytes from ``80GB`` (10⁹), ``80GiB`` or ``80Gi`` (2³⁰), ``80e9``, ``1.5 TB`` or a plain number.
 
     Units are read without regard to case (``80gb`` is ``80GB``). A bare prefix (``80G``) is refused:
-    it could mean either power, and the message offers both spellings.
+    it could mean either power, and the message offers both spellings. The one reader of sizes: the CLI's
+    ``--gpuopt.device_memory`` and ``SimulatedMemory(limit_bytes=...)`` take the same spellings.
+
+    Args:
+        value: the size.
+        name: what the error messages call it (an argument's name, such as ```limit_bytes```).
 
     Raises:
         ValueError: not a positive number of bytes up to 1 PiB with a known unit; one line that says
@@ -90,7 +95,7 @@ def parse_bytes(value: str | int | float) -> int:
         ValueError: A memory size of '80G' is ambiguous: write 80GB (80·10^9 bytes) or 80GiB (80·2^30 bytes)
     """
     if isinstance(value, bool):
-        raise ValueError(f"A memory size must be bytes {_LIKE}, got {value!r}")
+        raise ValueError(f"{name} must be bytes {_LIKE}, got {value!r}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
         number_text = repr(value)
@@ -105,22 +110,22 @@ def parse_bytes(value: str | int | float) -> int:
     if key in _AMBIGUOUS and number == number:
         si, binary, power = _AMBIGUOUS[key]
         raise ValueError(
-            f"A memory size of {value!r} is ambiguous: write {number_text}{si}B ({number_text}·10^{3 * power} "
+            f"{name} of {value!r} is ambiguous: write {number_text}{si}B ({number_text}·10^{3 * power} "
             f"bytes) or {number_text}{binary}iB ({number_text}·2^{10 * power} bytes)"
         )
     if key not in _UNITS or number != number or number in (float("inf"), float("-inf")):
         raise ValueError(
-            f"A memory size must be a number of bytes with an optional unit (B, kB, MB, GB, TB: powers of 1000; "
+            f"{name} must be a number of bytes with an optional unit (B, kB, MB, GB, TB: powers of 1000; "
             f"KiB, MiB, GiB, TiB: powers of 1024), {_LIKE}; got {value!r}"
         )
     size = number * _UNITS[key]
     if size < 0:
-        raise ValueError(f"A memory size must be positive, got {value!r} (sizes look {_LIKE})")
+        raise ValueError(f"{name} must be positive, got {value!r} (sizes look {_LIKE})")
     if round(size) == 0:
-        raise ValueError(f"A memory size must be at least 1 byte, got {value!r} (sizes look {_LIKE})")
+        raise ValueError(f"{name} must be at least 1 byte, got {value!r} (sizes look {_LIKE})")
     if size > MAX_BYTES:
         raise ValueError(
-            f"A memory size must be at most 1 PiB (no device has more), got {value!r}: check the exponent or "
+            f"{name} must be at most 1 PiB (no device has more), got {value!r}: check the exponent or "
             f"the unit (sizes look {_LIKE})"
         )
     return round(size)

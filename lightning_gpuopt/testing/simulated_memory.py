@@ -30,6 +30,7 @@ from lightning_gpuopt import _compat
 from lightning_gpuopt.memory import forensics
 from lightning_gpuopt.memory._native import NativeCounter, NativeUnavailableError
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, MemoryProbe, pop_active_probe, push_active_probe
+from lightning_gpuopt.memory.units import parse_bytes
 from lightning_gpuopt.testing._dispatch import DispatchCounter
 
 __all__ = ["SimulatedMemory"]
@@ -78,9 +79,9 @@ class SimulatedMemory(MemoryProbe):
     rank) enters its own instance with its own limit. Enter and exit on the same thread.
 
     Args:
-        limit_bytes: the simulated device's memory in bytes; ``None`` counts without a limit. Can be
-            changed while entered (:attr:`limit_bytes`); lowering it below what is in use makes the
-            next allocation fail.
+        limit_bytes: the simulated device's memory: bytes, or a size as the CLI reads it (``"5GB"``,
+            ``"5 GiB"``, ``"512MiB"``, ``"1.5e9"``); ``None`` counts without a limit. Can be changed while
+            entered (:attr:`limit_bytes`); lowering it below what is in use makes the next allocation fail.
         backend: ``"allocator"`` (exact: a counting CPU allocator, built with the system C++ compiler
             on first use, a few seconds, cached), ``"dispatch"`` (pure Python; misses the buffers kernels
             allocate internally, so peaks read low -- a ResNet-18 forward peak by 40 %, and most of
@@ -88,7 +89,7 @@ class SimulatedMemory(MemoryProbe):
             ``"auto"``: the allocator when it can be built, else dispatch (logged once).
 
     Raises:
-        ValueError: ``limit_bytes`` is not a positive int or None, or ``backend`` is unknown.
+        ValueError: ``limit_bytes`` is not a size from 1 byte to 1 PiB or None, or ``backend`` is unknown.
 
     Example:
         >>> import torch
@@ -109,7 +110,7 @@ class SimulatedMemory(MemoryProbe):
 
     kind = "simulated"
 
-    def __init__(self, limit_bytes: int | None = None, *, backend: Backend = "auto") -> None:
+    def __init__(self, limit_bytes: int | str | None = None, *, backend: Backend = "auto") -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"`backend` must be one of {_BACKENDS}, got {backend!r}")
         self._limit = _check_limit(limit_bytes)
@@ -128,11 +129,11 @@ class SimulatedMemory(MemoryProbe):
     # --- limit ---------------------------------------------------------------------------------
     @property
     def limit_bytes(self) -> int | None:
-        """The simulated device's memory; settable at any time, also while entered."""
+        """The simulated device's memory in bytes; settable at any time, also while entered (a size string too)."""
         return self._limit
 
     @limit_bytes.setter
-    def limit_bytes(self, value: int | None) -> None:
+    def limit_bytes(self, value: int | str | None) -> None:
         self._limit = _check_limit(value)
         if self._counter is not None:
             self._counter.set_limit(self._limit)
@@ -401,14 +402,8 @@ def _tell_forensics(requested: int, in_use: int, limit: int) -> None:
 
 
 def _check_limit(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"`limit_bytes` must be a positive int (bytes) or None for no limit, got {value!r}; "
-            "e.g. SimulatedMemory(limit_bytes=512 * 2**20)"
-        )
-    return int(value)
+    # The CLI's reader of sizes, so that "5GB" means here what it means to `--gpuopt.device_memory`.
+    return None if value is None else parse_bytes(value, name="`limit_bytes`")
 
 
 class _Adopter:

@@ -172,7 +172,7 @@ def test_predict_false_runs_the_measured_search():
     fit("mlp", [plain], limit=limit, steps=1, batch_size=32)
     predicted = MemoryAwareBatchSize(target_fraction=1.0, predict=True)
     fit("mlp", [predicted], limit=limit, steps=1, batch_size=32)
-    assert plain.prediction_note == "predict=False: the measured search"
+    assert plain.prediction_note == "measured only (predict=False)"
     first, second = (m.size for m in plain.result.measurements[:2])
     assert (
         second == 8 * first
@@ -204,7 +204,7 @@ def test_a_step_that_cannot_be_traced_runs_the_measured_search_and_says_why():
     dataset = Waves(length=256)
     with SimulatedMemory(limit_bytes=4 * 2**20):
         trainer.fit(Filtered(), DataLoader([(x, y) for _, x, y in dataset], batch_size=64))
-    assert "could not be traced" in finder.prediction_note and "measured search" in finder.prediction_note
+    assert finder.prediction_note.startswith("measured only: the training step cannot be predicted (")
     assert finder.micro_batch_size is not None
 
 
@@ -225,7 +225,9 @@ class SlowStep(Traceable):
 
 
 @pytest.mark.parametrize(
-    ("module", "path"), [(Traceable, "measured"), (SlowStep, "traced")], ids=["cheap", "slow"]
+    ("module", "path"),
+    [(Traceable, "measured only"), (SlowStep, "predicted, then measured")],
+    ids=["cheap", "slow"],
 )
 def test_auto_takes_the_traced_start_only_where_a_real_step_costs_more_than_the_traces(module, path):
     """predict=None: a cheap CPU step is measured; a step dearer than five traces starts from them; the note says why."""
@@ -234,8 +236,11 @@ def test_auto_takes_the_traced_start_only_where_a_real_step_costs_more_than_the_
     dataset = Waves(length=256)
     with SimulatedMemory(limit_bytes=4 * 2**20):
         trainer.fit(module(), DataLoader([(x, y) for _, x, y in dataset], batch_size=64))
-    assert finder.prediction_note.startswith(f"auto: {path}"), finder.prediction_note
-    assert "a real step" in finder.prediction_note and "a trace" in finder.prediction_note
+    assert finder.prediction_note.startswith(f"{path}: "), finder.prediction_note
+    assert (
+        "5 predicted steps take" in finder.prediction_note
+        and "to save one real step of" in finder.prediction_note
+    )
     assert finder.micro_batch_size is not None
 
 
@@ -272,7 +277,9 @@ def test_a_second_search_of_the_same_step_reuses_the_traces_of_the_first(counted
     second = _search(True)
     assert len(counted_traces) == traced, counted_traces  # nothing traced again
     assert second.micro_batch_size == first.micro_batch_size
-    assert f"0 trace(s) run, {traced} reused from before" in second.prediction_note, second.prediction_note
+    assert f"0 predicted step(s) run, {traced} reused from an earlier search" in second.prediction_note, (
+        second.prediction_note
+    )
 
 
 def test_auto_stops_the_timed_trace_of_a_cheap_step_and_times_it_once_per_step(counted_traces):
@@ -281,18 +288,21 @@ def test_auto_stops_the_timed_trace_of_a_cheap_step_and_times_it_once_per_step(c
     is kept (a predict=True search ran), it takes that start, one real step fewer, no trace; a step dearer
     than five traces reuses the timed trace where the traced start traces that size."""
     first = _search(None)
-    assert "measured steps" in first.prediction_note and "a trace stopped after" in first.prediction_note
+    assert first.prediction_note.startswith("measured only: 5 predicted steps take at least "), (
+        first.prediction_note
+    )
+    assert first.prediction_note.endswith("; predict=True predicts anyway"), first.prediction_note
     assert len(counted_traces) == 1
     second = _search(None)
     assert len(counted_traces) == 1, counted_traces  # no trace: the time is known
-    assert "(timed in an earlier search)" in second.prediction_note, second.prediction_note
+    assert ", as timed in an earlier search," in second.prediction_note, second.prediction_note
     forced = _search(True)  # traces the step's plan (kept)
     traced = len(counted_traces)
     third = _search(None)
-    assert third.prediction_note.startswith("auto: traced start"), third.prediction_note
+    assert third.prediction_note.startswith("predicted, then measured"), third.prediction_note
     assert "kept from an earlier search" in third.prediction_note and len(counted_traces) == traced
     assert third.micro_batch_size == forced.micro_batch_size and third.trials < first.trials
     slow = _search(None, SlowStep)
-    assert slow.prediction_note.startswith("auto: traced"), slow.prediction_note
+    assert slow.prediction_note.startswith("predicted, then measured"), slow.prediction_note
     timed, *planned = counted_traces[traced:]
     assert timed == slow.result.measurements[0].size and timed not in planned  # traced once, used twice

@@ -3,7 +3,8 @@
 Each rank runs under its own SimulatedMemory. Rank 1's limit is set from its own measurement after
 two unlimited steps (the full batch then cannot finish its forward, or its backward), so the OOM is
 real, happens on one rank only, and mid-run. The run must neither hang nor abort, every rank must
-retry with the same k, and the result must be the plain DDP run's.
+retry with the same k, and the result must be the plain DDP run's. With both ranks out of memory at the same
+step, each asking for another split, every rank takes the larger one (``ddp_two_recoveries_run.py``).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.microbatch import MicroBatchEngine, OptimizerStepOOMError, RankOutOfMemoryError
 from lightning_gpuopt.microbatch.errors import Refused
 from lightning_gpuopt.microbatch.setup_checks import check_strategy
-from tests.callbacks.oom_models import Waves, WideRegressor
-from tests.helpers import RankRecorder, run_ranks
+from tests.callbacks.oom_models import Waves, WideRegressor, fit
+from tests.helpers import RankRecorder, parameters_of, run_ranks, training_distance
 
 LIMITED_RANK = 1
 LIMIT_AFTER = 2  # batches 0 and 1 run without a limit on every rank
@@ -305,3 +306,37 @@ def test_an_oom_in_the_optimizer_step_on_one_rank_ends_every_rank_with_the_same_
     assert "could not be retried" in one["error"][1] and "optimizer state" in one["error"][1]
     assert "Rank(s) 1 ran out of memory in the optimizer step" in zero["error"][1]
     assert zero["steps"] == one["steps"] == LIMIT_AFTER
+
+
+# ---------------------------------------------------------------------------- two ranks, two recoveries
+
+
+@pytest.mark.slow
+def test_two_ranks_out_of_memory_at_once_agree_on_the_larger_split(tmp_path):
+    """Both ranks run out of memory at step 2 under their own limits: rank 0 alone would split in 2, rank 1 asks
+    for more. Every rank takes the larger k (oom_policy.agree: the most cautious split wins), the ranks stay in
+    step, and the parameters equal an unsplit run on the same samples (64-true)."""
+    from tests.callbacks import ddp_two_recoveries_run as script
+
+    # Of each rank's own full-batch step peak: rank 0 fits at k 2 (56 %), rank 1 needs k >= 4.
+    zero, one = run_ranks(Path(script.__file__), tmp_path, 0.78, 0.25)
+    assert zero["error"] is None and one["error"] is None and zero["pid"] != one["pid"]
+    (step0, failed0, asked0), *_ = zero["proposals"]
+    (step1, failed1, asked1), *_ = one["proposals"]
+    assert (step0, failed0, step1, failed1) == (script.LIMIT_AFTER, 1, script.LIMIT_AFTER, 1)
+    assert asked0 == 2 and asked1 > asked0, (zero["proposals"], one["proposals"])
+    assert zero["history"] == one["history"]
+    assert zero["history"][0] == (script.LIMIT_AFTER, 1, asked1, "oom")  # the larger proposal, on every rank
+    assert len(zero["proposals"]) == 1  # rank 0 fit at rank 1's split; only rank 1 may have needed more
+    assert all(step == script.LIMIT_AFTER and source == "oom" for step, _, _, source in one["history"])
+    assert zero["batches"] == one["batches"] == [(i, i + 1) for i in range(script.STEPS)]
+    _assert_same(zero["params"], one["params"], exact=True)
+    # The unsplit run on the same samples: batch b is both ranks' batch b (their averaged gradient is its mean
+    # loss's), in one process.
+    order = [i for b in range(script.STEPS) for i in zero["ids"][b] + one["ids"][b]]
+    assert sorted(order) == list(range(script.BATCH * 2 * script.STEPS))  # every sample once
+    dataset = Subset(Waves(length=len(order)), order)
+    ref = fit(WideRegressor("adam"), steps=script.STEPS, batch_size=2 * script.BATCH, dataset=dataset)
+    theta = {n: p.double() for n, p in one["params"].items()}
+    assert training_distance(parameters_of(WideRegressor("adam")), theta, parameters_of(ref.model)) <= 1e-9
+    _assert_same(one["params"], dict(ref.model.named_parameters()), exact=False)

@@ -171,6 +171,50 @@ def test_missing_train_dataset_names_the_fix():
         pl.Trainer(max_epochs=1, **TRAINER_QUIET).fit(RecordingRegressor(), NoTrain(num_workers=0))
 
 
+class ForgotSuper(TrainVal):
+    """A subclass whose __init__ sets its own fields but never calls the base's."""
+
+    def __init__(self, n_train: int = 50) -> None:
+        self.n_train, self.n_val = n_train, 20
+
+
+NO_SUPER = (
+    "ForgotSuper.__init__ did not call GPUOptDataModule.__init__{}: add `super().__init__(batch_size=...)`, with "
+    "the loader options it takes, to ForgotSuper.__init__."
+)
+
+
+@pytest.mark.parametrize(
+    ("use", "missing"),
+    [
+        ("fit", ""),
+        ("train_dataloader", ""),
+        ("val_dataloader", ""),
+        ("batch_size", " (so it has no `batch_size`)"),
+        ("num_workers", " (so it has no `num_workers`)"),
+    ],
+)
+def test_a_subclass_that_skips_the_base_init_is_told_what_to_add(use, missing):
+    dm = ForgotSuper()
+    with pytest.raises(AttributeError) as err:
+        if use == "fit":
+            pl.Trainer(max_steps=1, **TRAINER_QUIET).fit(RecordingRegressor(), dm)
+        elif use.endswith("_dataloader"):
+            getattr(dm, use)()
+        else:
+            getattr(dm, use)
+    assert str(err.value) == NO_SUPER.format(missing)
+    assert "\n" not in str(err.value) and "_datasets" not in str(err.value)
+    assert not hasattr(dm, "batch_size")  # hasattr and getattr with a default keep working
+
+
+def test_a_missing_attribute_of_a_set_up_datamodule_is_pythons_usual_error():
+    dm = TrainVal(num_workers=0)
+    with pytest.raises(AttributeError, match=r"^'TrainVal' object has no attribute 'nope'$"):
+        dm.nope  # noqa: B018
+    assert getattr(dm, "nope", 7) == 7
+
+
 def test_dataset_method_returning_none_or_junk_is_a_clear_error():
     class NoneTrain(GPUOptDataModule):
         def train_dataset(self):

@@ -4,13 +4,20 @@ On one device a ``None`` skips the batch at every k: no backward, the optimizer 
 ``global_step`` and step-wise LR schedules advancing as in plain Lightning. Under a split, a micro-batch's
 ``None`` skips the whole batch (its other micro-batches' gradients dropped), recorded once as a decision. Each
 module is compared with plain Lightning (no callback) in 64-true: the global step, the learning rate and
-‖Δθ − Δθ_ref‖/‖Δθ_ref‖ ≤ 1e-9.
+‖Δθ − Δθ_ref‖/‖Δθ_ref‖ ≤ 1e-9. Inside an accumulation window (A = 3, issue 34) the skipped batch sits first,
+in the middle or last, at k = 1, 2, 3 or in a window where an OOM made the engine split: the window's other
+batches keep their gradients, and the batch_idx / global_step sequence is plain Lightning's.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback
+from torch.nn import functional as F
 
 from lightning_gpuopt import OOMRecovery
 from lightning_gpuopt.decisions import decisions
@@ -86,3 +93,93 @@ def test_a_dict_without_loss_gets_lightnings_own_error(k):
     assert str(err.value) == (
         "In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to be present"
     )
+
+
+# ----------------------------------------------------------------------------- inside an accumulation window
+
+#: Samples per batch and batches per run: two accumulation windows of 3 (issue 34).
+WINDOW_BATCH, WINDOW_A = 8, 3
+
+
+class SkipsMarked(SkipsEveryThird):
+    """Returns ``None`` for each batch that holds one of the ``marked`` sample ids (after logging)."""
+
+    def __init__(self, marked: tuple[int, ...]) -> None:
+        super().__init__()
+        self.marked = set(marked)
+        self.seen: list[int] = []  # the sample ids of every training step (the weighting check's excluded)
+
+    def training_step(self, batch, batch_idx):
+        ids, x = batch
+        if torch.is_grad_enabled():
+            self.seen += ids.tolist()
+        loss = F.mse_loss(self.net(x), x.sum(1, keepdim=True).sin())
+        self.log("train_loss", loss)
+        return None if self.marked.intersection(ids.tolist()) else loss
+
+
+class BatchSequence(Callback):
+    """The (batch_idx, global_step) of each training batch, as Lightning's loop ran them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((batch_idx, trainer.global_step))
+
+
+def _marked(positions: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that make the batches at ``positions`` of each window skip: in the first window the batch's first
+    sample (its first micro-batch at any k), in the second its last sample (its last micro-batch)."""
+    first = [p * WINDOW_BATCH for p in positions]
+    last = [(WINDOW_A + p) * WINDOW_BATCH + WINDOW_BATCH - 1 for p in positions]
+    return tuple(first + last)
+
+
+def _limit_between_k1_and_k2(marked, data, common) -> int:
+    """A SimulatedMemory limit under which the engine runs some batch of the run as 2 micro-batches, not whole.
+
+    Measured on the same module with the engine itself at A=3: inside a window it keeps the earlier batches'
+    gradients beside the new ones, so plain Lightning's peaks (``limit_forcing_split``) would be too low."""
+    peaks = []
+    for k in (1, 2):
+        oom = OOMRecovery(verbose=False, grow_back=False)  # grow back resets the peak at each batch
+        oom.load_state_dict({"k": k})
+        peaks.append(train(SkipsMarked(marked), data, [oom], limit=None, **common).memory.peak)
+    whole, half = peaks
+    assert half < whole, (half, whole)
+    return (whole + half) // 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, "oom"], ids=["k1", "k2", "k3", "oom-retry"])
+@pytest.mark.parametrize(
+    "positions", [(0,), (1,), (2,), (0, 2)], ids=["first", "middle", "last", "first+last"]
+)
+def test_none_inside_an_accumulation_window_as_in_plain_lightning(positions, k):
+    """A=3: the skipped batch's gradients are dropped, the window's others kept, the optimizer step taken or
+    skipped as plain Lightning takes it; the batch_idx / global_step sequence and the parameters equal plain
+    Lightning's (64-true), whether the batch runs whole, as 2 or 3 micro-batches, or is retried after an OOM."""
+    marked = _marked(positions)
+    data = Points(n=2 * WINDOW_A * WINDOW_BATCH)
+    common = dict(precision="64-true", steps=2, batch_size=WINDOW_BATCH, accumulate_grad_batches=WINDOW_A)
+    ref_seen = BatchSequence()
+    ref = train(SkipsMarked(marked), data, [ref_seen], simulate=False, **common)
+    oom, seen = OOMRecovery(verbose=False), BatchSequence()
+    if k == "oom":  # a batch of the run runs out of memory whole and is retried as 2 micro-batches
+        limit = _limit_between_k1_and_k2(marked, data, common)
+        run = train(SkipsMarked(marked), data, [oom, seen], limit=limit, **common)
+        assert oom.k == 2 and len(oom.failures) >= 1
+    else:
+        oom.load_state_dict({"k": k})
+        run = train(SkipsMarked(marked), data, [oom, seen], simulate=False, **common)
+        assert oom.k == k and oom.failures == []
+    assert seen.seen == ref_seen.seen
+    if k != "oom":  # no micro-batch runs after the one that returned None (the first window's: its first)
+        for p in positions:
+            first = [i for i in run.model.seen if p * WINDOW_BATCH <= i < (p + 1) * WINDOW_BATCH]
+            assert first == list(range(p * WINDOW_BATCH, p * WINDOW_BATCH + math.ceil(WINDOW_BATCH / k))), p
+    assert len(ref_seen.seen) == 2 * WINDOW_A and ref.trainer.global_step == 2
+    assert _lr(run) == _lr(ref)
+    assert training_distance(ref.theta0, run.theta, ref.theta) <= 1e-9
+    for name, value in ref.theta.items():
+        torch.testing.assert_close(run.theta[name], value, rtol=1e-9, atol=1e-12, msg=name)

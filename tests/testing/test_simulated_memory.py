@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpuopt.memory import get_probe, is_oom_error
+from lightning_gpuopt.memory.units import ByteSize
 from lightning_gpuopt.testing import SimulatedMemory
 
 MiB = 2**20
@@ -149,13 +150,72 @@ def test_limit_can_change_while_entered(backend):
 
 
 @pytest.mark.parametrize(
-    "bad", [0, -1, 1.5, True, "1GB", 2.0**30], ids=["zero", "negative", "float", "bool", "str", "float-gib"]
+    ("size", "expected"),
+    [
+        (5 * 2**30, 5 * 2**30),
+        ("5GB", 5 * 10**9),
+        ("5gb", 5 * 10**9),
+        ("5 GiB", 5 * 2**30),
+        ("5Gi", 5 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("1.5e9", 1_500_000_000),
+        ("64 KiB", 64 * 2**10),
+        ("1024", 1024),
+        (2.0**30, 2**30),
+        (None, None),
+    ],
 )
-def test_invalid_limit(bad):
-    with pytest.raises(ValueError, match=r"`limit_bytes` must be a positive int \(bytes\) or None"):
-        SimulatedMemory(limit_bytes=bad)
+def test_limit_takes_the_sizes_the_cli_takes(size, expected):
+    """One reader of sizes: SimulatedMemory(limit_bytes=...) and ``--gpuopt.device_memory`` agree on every form."""
+    assert SimulatedMemory(limit_bytes=size).limit_bytes == expected
+    assert SimulatedMemory(size).limit_bytes == expected
     mem = SimulatedMemory()
-    with pytest.raises(ValueError, match="`limit_bytes` must be"):
+    mem.limit_bytes = size
+    assert mem.limit_bytes == expected
+    if size is not None:
+        assert expected == ByteSize(size)  # what the CLI makes of it
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (0, "`limit_bytes` must be at least 1 byte, got 0"),
+        (-1, "`limit_bytes` must be positive, got -1"),
+        ("-5GB", "`limit_bytes` must be positive, got '-5GB'"),
+        (True, "`limit_bytes` must be bytes like 80GB, 80GiB or 80e9, got True"),
+        (
+            "1.5G",
+            "`limit_bytes` of '1.5G' is ambiguous: write 1.5GB (1.5·10^9 bytes) or 1.5GiB (1.5·2^30 bytes)",
+        ),
+        ("5 potatoes", "`limit_bytes` must be a number of bytes with an optional unit"),
+        ("", "`limit_bytes` must be a number of bytes with an optional unit"),
+        ("GB", "`limit_bytes` must be a number of bytes with an optional unit"),
+        ("2PiB", "`limit_bytes` must be at most 1 PiB"),
+    ],
+    ids=[
+        "zero",
+        "negative",
+        "negative-str",
+        "bool",
+        "bare-prefix",
+        "junk",
+        "empty",
+        "unit-only",
+        "too-large",
+    ],
+)
+def test_invalid_limit_is_one_clear_line(bad, message):
+    with pytest.raises(ValueError) as err:
+        SimulatedMemory(limit_bytes=bad)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    with pytest.raises(ValueError) as err_from_cli:
+        ByteSize(bad)
+    assert str(err_from_cli.value) == str(err.value).replace(
+        "`limit_bytes`", "A memory size"
+    )  # the same rule
+    mem = SimulatedMemory()
+    with pytest.raises(ValueError, match="`limit_bytes`"):
         mem.limit_bytes = bad
     assert mem.limit_bytes is None
 
