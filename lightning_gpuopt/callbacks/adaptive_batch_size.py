@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._validate import choice, fraction, positive_int
 from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import record_decision
@@ -219,9 +220,7 @@ class AdaptiveBatchSize(Callback):
             noise_scale=estimate,
         )
         rank_zero_info(f"AdaptiveBatchSize: {message}")
-        if trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics({"gpuopt/optimizer_batch": float(after)}, step=trainer.global_step)
+        log_metrics(trainer, {"gpuopt/optimizer_batch": float(after)})
 
     def _rule(self, trainer: pl.Trainer) -> str | Callable[[float], float]:
         if self.lr_scaling != "auto":

@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._validate import fraction, positive_int
 from lightning_gpuopt.goodput.estimator import NoiseScaleEMA, noise_scale_terms
 from lightning_gpuopt.microbatch import (
@@ -281,9 +282,8 @@ class GradientNoiseScale(Callback):
         self.ema.update(g2, trace)
         value = self.ema.estimate
         self.history.append([trainer.global_step, value, min(self.ema.relative_error, 1e9)])
-        if value is not None and trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics({"gpuopt/noise_scale": value}, step=trainer.global_step)
+        if value is not None:
+            log_metrics(trainer, {"gpuopt/noise_scale": value})
 
     # ------------------------------------------------------------------ state
 
