@@ -212,7 +212,6 @@ class OOMRecovery(Callback):
             self.ladder.insert(0, ActivationCheckpointing(self.checkpoint_modules))
         self._wait = grow_back_after
         self._engine: MicroBatchEngine | None = None
-        self._logged_size: int | None = None
         self._reset_watch()
 
     def _reset_watch(self) -> None:
@@ -291,7 +290,6 @@ class OOMRecovery(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, training=True)
         self.failures = []
-        self._logged_size = None
         self._reset_watch()
         engine = self._engine
         if (
@@ -349,10 +347,6 @@ class OOMRecovery(Callback):
         engine = self._engine
         if engine is None:
             return
-        size = engine.micro_batch_size(batch)
-        if size != self._logged_size:
-            self._logged_size = size
-            self._log_metric(trainer, size)
         if self.grow_back:
             probe = get_probe(trainer.strategy.root_device)
             if probe.kind != "cpu":
@@ -521,12 +515,6 @@ class OOMRecovery(Callback):
         )
         if self.verbose and n and change.source != "resume":
             rank_zero_info(message)
-
-    def _log_metric(self, trainer: pl.Trainer, size: int) -> None:
-        if trainer.global_rank != 0:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics({"gpuopt/micro_batch_size": float(size)}, step=trainer.global_step)
 
     def _exhausted_message(
         self, failure: OOMFailure, min_size: int = 1, why: str = "", futile: int | None = None

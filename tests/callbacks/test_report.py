@@ -76,9 +76,9 @@ def test_png_is_a_valid_picture_of_the_expected_size(oom_run):
 def test_memory_and_throughput_go_to_the_logger(oom_run):
     *_, logger = oom_run
     logged = {step: m for step, m in logger.rows if "gpuopt/memory_peak" in m}
-    assert sorted(logged) == [2, 4, 6, 8]  # every log_every_n_steps
+    assert sorted(logged) == [1, 3, 5, 7]  # every log_every_n_steps, on Lightning's step numbers
     assert all(isinstance(m["gpuopt/memory_allocated"], float) for m in logged.values())
-    assert all(m["gpuopt/samples_per_s"] > 0 for step, m in logged.items() if step > 2)
+    assert all(m["gpuopt/samples_per_s"] > 0 for step, m in logged.items() if step > 1)
     assert not any("gpuopt/mfu" in m for m in logged.values())  # MFU only on CUDA
 
 
