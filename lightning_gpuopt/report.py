@@ -25,6 +25,14 @@ from typing import Any
 
 from lightning_gpuopt._validate import versioned_json
 from lightning_gpuopt.memory import format_bytes
+from lightning_gpuopt.oom_policy import (
+    OOM_PARTS,
+    largest_part,
+    oom_parts,
+    part_advice,
+    part_label,
+    smaller_may_fit,
+)
 
 __all__ = [
     "FORMAT",
@@ -279,12 +287,14 @@ def precision_code(precision: str) -> float | None:
     return None
 
 
-def _share(categories: dict[str, int], total: int) -> str:
-    """The largest categories of an OOM record as shares: ``"activations 62%, parameters 20%"``."""
+def _share(record: dict[str, Any]) -> str:
+    """The two largest parts of an OOM record's memory as shares: ``"activations 62%, parameters 20%"``."""
+    total = record.get("allocated_bytes") or 0
     if not total:
         return ""
-    ranked = sorted(((n, c) for c, n in categories.items() if n), reverse=True)[:2]
-    return ", ".join(f"{c.replace('_', ' ')} {n / total:.0%}" for n, c in ranked)
+    parts, split = oom_parts(record), record.get("held_before_step") is not None
+    ranked = sorted(((n, OOM_PARTS.index(p), p) for p, n in parts.items() if n), key=lambda x: (-x[0], x[1]))
+    return ", ".join(f"{part_label(p, split)} {n / total:.0%}" for n, _, p in ranked[:2])
 
 
 def oom_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
@@ -311,16 +321,14 @@ def oom_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                 continue
             worst = max(mine, key=lambda r: r["allocated_bytes"])
             parts.append(
-                f"{rank}: {len(mine)}, up to {format_bytes(worst['allocated_bytes'])} in use "
-                f"({_share(worst['categories'], worst['allocated_bytes'])})"
+                f"{rank}: {len(mine)}, up to {format_bytes(worst['allocated_bytes'])} in use ({_share(worst)})"
             )
         rows.append(("OOMs per rank", "; ".join(parts)))
     last = ooms[-1]
     rows.append(
         (
             "  last OOM",
-            f"step {last['step']} rank {last['rank']}: {_share(last['categories'], last['allocated_bytes'])}; "
-            f"{last.get('action') or 'no action recorded'}",
+            f"step {last['step']} rank {last['rank']}: {_share(last)}; {last.get('action') or 'no action recorded'}",
         )
     )
     return rows
@@ -351,10 +359,22 @@ def format_oom(record: dict[str, Any], index: int | None = None) -> str:
     ]
     lines.append("  memory     " + ", ".join(f"{w} {format_bytes(v)}" for w, v in figures if v is not None))
     total = record.get("allocated_bytes") or 0
-    lines.append("  in use by category:")
+    held = record.get("held_before_step")
+    if held is not None:
+        lines.append(
+            f"  in use     {format_bytes(total)}: {format_bytes(record['held_before_step_bytes'])} held before the "
+            f"step, {format_bytes(record['allocated_during_step_bytes'])} allocated during it"
+        )
+        lines.append(f"  in use by category:{'':>24}held before the step  allocated during it")
+    else:
+        lines.append("  in use by category:")
     for name, value in record.get("categories", {}).items():
         share = f"{value / total:6.1%}" if total else ""
-        lines.append(f"    {name.replace('_', ' '):<16} {format_bytes(value):>12} {share}")
+        line = f"    {name.replace('_', ' '):<16} {format_bytes(value):>12} {share}"
+        if held is not None:
+            before = int(held.get(name, 0))
+            line += f" {format_bytes(before):>22} {format_bytes(value - before):>20}"
+        lines.append(line)
     if not record.get("activations_measured", True):
         lines.append("    (activations not measured: they are in other)")
     modules = record.get("modules") or {}
@@ -376,6 +396,13 @@ def format_oom(record: dict[str, Any], index: int | None = None) -> str:
             f"({record.get('outside_allocator_source')})"
         )
     lines.append(f"  action     {record.get('action') or 'no action recorded'}")
+    if total:
+        parts, split = oom_parts(record), held is not None
+        biggest = largest_part(parts)
+        lines.append(
+            f"  largest    {part_label(biggest, split)}, {format_bytes(parts[biggest])} "
+            f"({parts[biggest] / total:.0%}); to cut it: {part_advice(biggest, smaller_may_fit(record), split)}"
+        )
     for what in ("snapshot", "picture"):
         if record.get(what):
             lines.append(f"  {what:<10} {record[what]}")
@@ -389,7 +416,7 @@ def oom_listing(report: dict[str, Any]) -> list[str]:
         limit = f" of {format_bytes(r['limit_bytes'])}" if r.get("limit_bytes") else ""
         lines.append(
             f"#{i}  step {r['step']} rank {r['rank']} {r['stage']} {r['phase']}: {format_bytes(r['allocated_bytes'])}"
-            f"{limit} in use ({_share(r['categories'], r['allocated_bytes'])}) -> {r.get('action') or '?'}"
+            f"{limit} in use ({_share(r)}) -> {r.get('action') or '?'}"
         )
     return lines
 

@@ -87,6 +87,8 @@ def test_a_failed_fit_writes_its_report_and_oom_records_without_allocating(endin
         main(["report", str(tmp_path), "--no-plot"])
         listed = capsys.readouterr().out
         assert f"#{len(ooms) - 1}  step 0 rank 0 train" in listed and "gave up" in listed
+        main(["report", str(tmp_path), "--oom", str(len(ooms) - 1)])
+        assert "held before the step" in capsys.readouterr().out
     else:
         assert [s["step"] for s in saved["steps"]] == [0, 1] and saved["ooms"] == []
         assert "gpuopt report" not in table  # after a bug of the user's, the traceback says what happened
