@@ -456,6 +456,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     """
     run, steps, made = report.get("run", {}), report.get("steps", []), report.get("decisions", [])
     rows: list[tuple[str, str]] = [("device", str(run.get("device", "?")))]
+    if run.get("stopped_by"):
+        rows.append(("ended by", str(run["stopped_by"])))
     world = int(run.get("world_size") or 1)
     if world > 1 or any(d["kind"] == "strategy" for d in made):
         nodes = int(run.get("num_nodes") or 1)
@@ -475,10 +477,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("model FLOPs utilisation", f"{utilisation:.1%} (median)"))
         elif run.get("mfu_note"):
             rows.append(("model FLOPs utilisation", str(run["mfu_note"])))
-        peak = run_peak_bytes(steps) or 0
-        limit = last.get("limit_bytes")
-        share = f" ({peak / limit:.0%} of {format_bytes(limit)})" if limit else ""
-        rows.append((f"peak memory ({run.get('memory_kind', 'device')})", f"{format_bytes(peak)}{share}"))
+        rows.append((f"peak memory ({run.get('memory_kind', 'device')})", _peak_text(steps)))
         rows.append(("memory at the last step", format_bytes(last["allocated_bytes"])))
         ranks = run.get("rank_peaks") or []
         if len(ranks) > 1:
@@ -533,6 +532,31 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     for d in made[-5:]:
         rows.append((f"  step {d['step']}", d["message"]))
     return rows
+
+
+def _peak_text(steps: Sequence[dict[str, Any]]) -> str:
+    """The run's peak, and its share of the limit where the limit held still; a limit that changed during the
+    run is said, with the highest share of a step's peak in the limit then in force.
+
+    Example:
+        >>> _peak_text([{"step": 0, "peak_bytes": 900, "limit_bytes": 1000}, {"step": 1, "peak_bytes": 700,
+        ...             "limit_bytes": 1000}])
+        '900 B (90% of 1000 B)'
+        >>> _peak_text([{"step": 0, "peak_bytes": 900, "limit_bytes": 1000}, {"step": 1, "peak_bytes": 700,
+        ...             "limit_bytes": 750}])
+        '900 B; the limit changed during the run (1000 B -> 750 B): at most 93% of the limit then in force (step 1)'
+    """
+    peak = run_peak_bytes(steps) or 0
+    limits = [s.get("limit_bytes") for s in steps]
+    known = [v for v in limits if v]
+    if not known:
+        return format_bytes(peak)
+    changes = [v for i, v in enumerate(limits) if i == 0 or v != limits[i - 1]]
+    if len(changes) == 1:
+        return f"{format_bytes(peak)} ({peak / known[0]:.0%} of {format_bytes(known[0])})"
+    share, step = max((s["peak_bytes"] / s["limit_bytes"], s["step"]) for s in steps if s.get("limit_bytes"))
+    seen = " -> ".join(format_bytes(v) if v else "none" for v in changes)
+    return f"{format_bytes(peak)}; the limit changed during the run ({seen}): at most {share:.0%} of the limit then in force (step {step})"
 
 
 def format_table(report: dict[str, Any], title: str = "gpuopt report") -> str:

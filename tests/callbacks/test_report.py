@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import sys
 
@@ -172,3 +173,39 @@ def _tiny_loader():
     from tests.callbacks.oom_models import Waves
 
     return DataLoader(Waves(length=256), batch_size=32)
+
+
+LIMITS = {
+    "constant": [1000] * 4,
+    "lowered": [1000, 1000, 700, 700],
+    "raised": [1000, 1000, 1200, 1200],
+    "set mid-run": [None, None, 700, 700],
+    "none": [None] * 4,
+}
+
+
+@pytest.mark.parametrize("limits", list(LIMITS), ids=list(LIMITS))
+def test_the_peak_is_a_share_of_a_limit_only_where_the_limit_held_still(limits):
+    peaks = [1000, 990, 650, 690]  # the run's peak came before any lowering: 143 % of the lowered limit
+    steps = [
+        {"step": i, "peak_bytes": p, "allocated_bytes": 1, "limit_bytes": v, "k": 1, "micro_batch_size": 8,
+         "batch_size": 8, "precision": "32-true", "samples": 8, "step_time_s": None}
+        for i, (p, v) in enumerate(zip(peaks, LIMITS[limits]))
+    ]  # fmt: skip
+    row = dict(summary_rows({"run": {"memory_kind": "simulated"}, "steps": steps, "decisions": []}))
+    text = row["peak memory (simulated)"]
+    assert text.startswith("1000 B")
+    changed = len({v for v in LIMITS[limits]}) > 1
+    assert ("the limit changed during the run" in text) == changed
+    shares = [int(s) for s in re.findall(r"(\d+)%", text)]
+    if limits == "none":
+        assert shares == []
+    else:  # one share: the peak's, of a limit that held still, or the highest of any step's in its own limit
+        best = max(p / v for p, v in zip(peaks, LIMITS[limits]) if v)
+        assert shares == [round(100 * best)] and shares[0] <= 100
+
+
+def test_the_oom_run_never_shows_a_peak_above_its_limit(oom_run):
+    _, report, *_ = oom_run
+    text = dict(summary_rows(report.report))["peak memory (simulated)"]
+    assert all(int(s) <= 100 for s in re.findall(r"(\d+)%", text)), text

@@ -83,7 +83,7 @@ def test_a_failed_fit_writes_its_report_and_oom_records_without_allocating(endin
     if ending == "give-up":
         ooms = saved["ooms"]
         assert len(ooms) >= 2 and ooms[-1]["action"].startswith("gave up: Out of memory at step 0")
-        assert "gpuopt report" in table  # the table, as after any OOM: what the pack did and why
+        assert "gpuopt report" in table and "ended by" in table  # the table, as after any OOM: what and why
         main(["report", str(tmp_path), "--no-plot"])
         listed = capsys.readouterr().out
         assert f"#{len(ooms) - 1}  step 0 rank 0 train" in listed and "gave up" in listed
