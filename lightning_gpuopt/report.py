@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_gpuopt._validate import versioned_json
 from lightning_gpuopt.memory import format_bytes
 from lightning_gpuopt.oom_policy import (
     OOM_PARTS,
@@ -607,17 +606,32 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a report from a run directory (or the JSON file itself).
 
     Raises:
-        FileNotFoundError: no ``gpuopt_report.json`` there.
-        ValueError: the file is not a report this version reads.
+        FileNotFoundError: nothing at ``path``, or no ``gpuopt_report.json`` in the directory.
+        ValueError: the file is not a report this version reads (another file, another format).
     """
     path = Path(path)
+    what = "pass the run's log directory (e.g. lightning_logs/version_0) or its gpuopt_report.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist: {what}.")
     file = path / JSON_NAME if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(
-            f"No {JSON_NAME} in {str(path)!r}: GPUOptReport writes it into the run's log directory at the end of "
-            "fit (e.g. lightning_logs/version_0). Pass that directory."
+            f"No {JSON_NAME} in {str(path)!r}: GPUOptReport writes it into the run's log directory when fit ends "
+            "(e.g. lightning_logs/version_0). Pass that directory."
         )
-    return versioned_json(file, FORMAT)
+    try:
+        data = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{str(file)!r} is not a GPUOptReport (not JSON text): {what}.") from None
+    except OSError as err:
+        raise ValueError(f"{str(file)!r} cannot be read ({err.strerror or err}): {what}.") from None
+    if not isinstance(data, dict) or "format" not in data:
+        raise ValueError(f'{str(file)!r} is not a GPUOptReport (JSON without a report\'s "format"): {what}.')
+    if data["format"] != FORMAT:
+        raise ValueError(
+            f"{str(file)!r} has format {data['format']!r}; this version reads {FORMAT!r}: {what} of this version."
+        )
+    return data
 
 
 def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -96,11 +96,31 @@ def test_gpuopt_report_reproduces_the_table_and_redraws_the_picture(oom_run, tmp
     assert _png_size(tmp_path / "gpuopt_report.png") == _png_size(folder / "gpuopt_report.png")
 
 
-def test_gpuopt_report_on_a_folder_without_a_report_says_what_to_pass(tmp_path, capsys):
+NOT_RUNS = {
+    "a picture": ("gpuopt_report.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"),
+    "a text file": ("notes.txt", b"not a report"),
+    "a JSON list": ("gpuopt_report.json", b"[1, 2]"),
+    "JSON without a format": ("other.json", b'{"steps": []}'),
+    "another format": ("manifest.json", b'{"format": "lightning_gpuopt.memmap/1"}'),
+    "a missing path": (None, None),
+    "a folder without a report": ("", None),
+}
+
+
+@pytest.mark.parametrize("what", list(NOT_RUNS), ids=list(NOT_RUNS))
+def test_gpuopt_report_on_a_path_that_is_no_run_says_what_to_pass_in_one_line(what, tmp_path, capsys):
+    name, content = NOT_RUNS[what]
+    path = tmp_path / (name if name is not None else "missing")
+    if content is not None:
+        path.write_bytes(content)
     with pytest.raises(SystemExit) as exit_info:
-        main(["report", str(tmp_path)])
+        main(["report", str(path)])
     assert exit_info.value.code == 2
-    assert "No gpuopt_report.json in" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuopt report: ") and captured.out == "", captured
+    assert repr(str(path))[1:-1] in lines[0] and "log directory" in lines[0], lines[0]
+    assert "codec" not in lines[0] and "Traceback" not in lines[0]
 
 
 def test_without_matplotlib_the_json_and_table_are_written_and_the_extra_is_named(tmp_path, monkeypatch):
