@@ -37,6 +37,7 @@ __all__ = [
     "FORMAT",
     "JSON_NAME",
     "PNG_NAME",
+    "RANK_JSON_NAME",
     "ReportField",
     "StepClock",
     "format_oom",
@@ -46,6 +47,7 @@ __all__ = [
     "oom_listing",
     "oom_rows",
     "precision_code",
+    "remove_rank_parts",
     "render_png",
     "run_peak_bytes",
     "run_samples_per_s",
@@ -53,12 +55,15 @@ __all__ = [
     "summary_rows",
     "windowed_samples_per_s",
     "write_oom_pictures",
+    "write_rank_part",
     "write_report",
 ]
 
 FORMAT = "lightning_gpuopt.report/1"
 JSON_NAME = "gpuopt_report.json"
 PNG_NAME = "gpuopt_report.png"
+#: After an error, each other rank's part beside rank zero's JSON (``{rank}``: its global rank).
+RANK_JSON_NAME = "gpuopt_report_rank{rank}.json"
 #: Picture size in inches at PNG_DPI dots per inch: 1200 x 800 pixels.
 PNG_SIZE = (12.0, 8.0)
 PNG_DPI = 100
@@ -602,8 +607,47 @@ def write_report(
     return json_path, png_path
 
 
+def write_rank_part(part: dict[str, Any], folder: str | os.PathLike[str]) -> Path:
+    """After an error, a rank other than zero writes its part (its OOM records, peak and peak breakdown) beside the
+    report, since nothing was gathered; :func:`load_report` merges it into the run's report."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RANK_JSON_NAME.format(rank=part["rank_peak"]["rank"])
+    path.write_text(json.dumps({"format": FORMAT, **part}, indent=1) + "\n")
+    return path
+
+
+def remove_rank_parts(folder: str | os.PathLike[str]) -> None:
+    """Remove the ranks' parts an earlier failed fit left in ``folder`` (a new fit writes its own)."""
+    for path in Path(folder).glob(RANK_JSON_NAME.format(rank="*")):
+        path.unlink(missing_ok=True)
+
+
+def _merge_rank_parts(report: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A failed run's report with the other ranks' parts written beside it (their OOM records, peaks)."""
+    run = report.setdefault("run", {})
+    for path in sorted(folder.glob(RANK_JSON_NAME.format(rank="*"))):
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(part, dict) or part.get("format") != FORMAT:
+            continue
+        peaks = [p for p in run.get("rank_peaks", []) if p.get("rank") != part["rank_peak"]["rank"]]
+        run["rank_peaks"] = sorted([*peaks, part["rank_peak"]], key=lambda p: p["rank"])
+        known = {(r["rank"], r["time_s"]) for r in report.get("ooms", [])}
+        ooms = report.get("ooms", []) + [
+            r for r in part.get("ooms", []) if (r["rank"], r["time_s"]) not in known
+        ]
+        report["ooms"] = sorted(ooms, key=lambda r: (r["rank"], r["time_s"]))
+        if part.get("peak_breakdown"):
+            report.setdefault("peak_breakdowns", []).append(part["peak_breakdown"])
+    return report
+
+
 def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a report from a run directory (or the JSON file itself).
+    """Read a report from a run directory (or the JSON file itself); after a failed fit, with the other ranks'
+    parts written beside it.
 
     Raises:
         FileNotFoundError: nothing at ``path``, or no ``gpuopt_report.json`` in the directory.
@@ -631,6 +675,8 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(
             f"{str(file)!r} has format {data['format']!r}; this version reads {FORMAT!r}: {what} of this version."
         )
+    if data.get("run", {}).get("ended_by") == "error":
+        return _merge_rank_parts(data, file.parent)
     return data
 
 

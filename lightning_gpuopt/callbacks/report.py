@@ -36,9 +36,11 @@ from lightning_gpuopt.report import (
     mfu,
     precision_code,
     print_table,
+    remove_rank_parts,
     render_png,
     windowed_samples_per_s,
     write_oom_pictures,
+    write_rank_part,
     write_report,
 )
 
@@ -223,6 +225,8 @@ class GPUOptReport(Callback):
             rank_zero_info(f"GPUOptReport: {self._mfu_note}")
         # `trainer.log_dir` broadcasts from rank 0: every rank asks here, where every rank runs.
         self._folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
+        if trainer.is_global_zero:
+            remove_rank_parts(self._folder)  # an earlier failed fit's
         cuda = trainer.strategy.root_device.type == "cuda"
         history = MemoryHistory(self.history_entries) if cuda and self.memory_history else None
         self._oom = OOMLog(
@@ -416,6 +420,8 @@ class GPUOptReport(Callback):
             "peak_breakdowns": [part["peak_breakdown"] for part in ranks if part["peak_breakdown"]],
         }
         if not trainer.is_global_zero:
+            if failed and mine["ooms"]:  # nothing gathered: its records beside rank zero's report
+                write_rank_part(mine, folder)
             return
         json_path, png_path = write_report(self.report, folder, png=False)
         if draw:
