@@ -58,8 +58,10 @@ class GPUOptReport(Callback):
     decision of the pack's callbacks (:mod:`lightning_gpuopt.decisions`) and every out-of-memory error the pack
     handles (the JSON's ``"ooms"``, with the bytes by category and, on CUDA, a snapshot pickle) is kept with
     its step. At the end of ``fit`` rank zero prints a summary table, writes ``gpuopt_report.json`` and
-    ``gpuopt_report.png`` into ``dirpath``, and :attr:`report` holds the record; the loggers get
-    ``gpuopt/*`` metrics every ``log_every_n_steps``. docs/report.md lists every field and metric.
+    ``gpuopt_report.png`` into ``dirpath``, and :attr:`report` holds the record; every other ending writes it
+    too, without allocating on the device: a signal's stop (ExactResume) the JSON alone, an error each rank's
+    record without gathering. The loggers get ``gpuopt/*`` metrics where Lightning logs the batch's values,
+    on its step numbers. docs/report.md lists every field and metric.
 
     Args:
         dirpath: folder for the JSON and the PNG; ``None``: ``trainer.log_dir``.
@@ -387,8 +389,19 @@ class GPUOptReport(Callback):
             except Exception as err:  # a picture must not keep this rank from the gathering below
                 warn(f"GPUOptReport: the OOM pictures of rank {trainer.global_rank} were not drawn: {err}")
         ranks = [mine] if failed else _gather(trainer, mine)
+        self.report = self._record(trainer, ranks, ending, why)
+        if not trainer.is_global_zero:
+            if failed and mine["ooms"]:  # nothing gathered: its records beside rank zero's report
+                write_rank_part(mine, folder)
+            return
+        self._write(folder, ending, draw, can_draw, table=self.table and (not failed or oom))
+
+    def _record(
+        self, trainer: pl.Trainer, ranks: list[dict[str, Any]], ending: _Ending, why: str | None
+    ) -> dict[str, Any]:
+        """The report: this fit's steps and decisions, with the ranks' parts (OOM records, peaks)."""
         device = trainer.strategy.root_device
-        self.report = {
+        return {
             "format": FORMAT,
             "run": {
                 "device": _device_name(device),
@@ -419,10 +432,9 @@ class GPUOptReport(Callback):
             ),
             "peak_breakdowns": [part["peak_breakdown"] for part in ranks if part["peak_breakdown"]],
         }
-        if not trainer.is_global_zero:
-            if failed and mine["ooms"]:  # nothing gathered: its records beside rank zero's report
-                write_rank_part(mine, folder)
-            return
+
+    def _write(self, folder: Path, ending: _Ending, draw: bool, can_draw: bool, table: bool) -> None:
+        """Rank zero: the JSON first, then the picture and the table."""
         json_path, png_path = write_report(self.report, folder, png=False)
         if draw:
             try:
@@ -436,7 +448,7 @@ class GPUOptReport(Callback):
                 "extra (pip install 'lightning_gpuopt[plot]') and run `gpuopt report "
                 f"{folder}` to draw it from the JSON."
             )
-        if self.table and (not failed or oom):  # after an error of the user's code, the traceback says it
+        if table:  # not after an error of the user's code: its traceback says what happened
             print_table(self.report)
         wrote = f"GPUOptReport: wrote {json_path}" + (f" and {png_path}" if png_path else "")
         if ending is _Ending.SIGNAL and can_draw:
