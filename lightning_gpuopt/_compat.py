@@ -30,6 +30,7 @@ __all__ = [
     "is_compiled",
     "local_shard",
     "local_tensor",
+    "logger_step",
     "logger_version",
     "lr_scheduler_mark",
     "mark_checkpoint_saved",
@@ -65,6 +66,12 @@ def is_compiled(module: Any) -> bool:
 def should_accumulate(trainer: Any) -> bool:
     """Whether the optimizer does not step after the current training batch (Lightning's own rule)."""
     return trainer.fit_loop._should_accumulate()
+
+
+def logger_step(trainer: Any) -> int:
+    """The step number Lightning gives the current training batch's rows in the loggers (the batches that stepped
+    the optimizer before it; ``self.log`` values of the batch are logged under it)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:

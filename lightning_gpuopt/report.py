@@ -23,13 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_gpuopt._validate import versioned_json
 from lightning_gpuopt.memory import format_bytes
+from lightning_gpuopt.oom_policy import (
+    OOM_PARTS,
+    largest_part,
+    oom_parts,
+    part_advice,
+    part_label,
+    smaller_may_fit,
+)
 
 __all__ = [
     "FORMAT",
     "JSON_NAME",
     "PNG_NAME",
+    "RANK_JSON_NAME",
     "ReportField",
     "StepClock",
     "format_oom",
@@ -39,19 +47,24 @@ __all__ = [
     "oom_listing",
     "oom_rows",
     "precision_code",
+    "remove_rank_parts",
     "render_png",
+    "report_json",
     "run_peak_bytes",
     "run_samples_per_s",
     "summarize_values",
     "summary_rows",
     "windowed_samples_per_s",
     "write_oom_pictures",
+    "write_rank_part",
     "write_report",
 ]
 
 FORMAT = "lightning_gpuopt.report/1"
 JSON_NAME = "gpuopt_report.json"
 PNG_NAME = "gpuopt_report.png"
+#: After an error, each other rank's part beside rank zero's JSON (``{rank}``: its global rank).
+RANK_JSON_NAME = "gpuopt_report_rank{rank}.json"
 #: Picture size in inches at PNG_DPI dots per inch: 1200 x 800 pixels.
 PNG_SIZE = (12.0, 8.0)
 PNG_DPI = 100
@@ -279,12 +292,14 @@ def precision_code(precision: str) -> float | None:
     return None
 
 
-def _share(categories: dict[str, int], total: int) -> str:
-    """The largest categories of an OOM record as shares: ``"activations 62%, parameters 20%"``."""
+def _share(record: dict[str, Any]) -> str:
+    """The two largest parts of an OOM record's memory as shares: ``"activations 62%, parameters 20%"``."""
+    total = record.get("allocated_bytes") or 0
     if not total:
         return ""
-    ranked = sorted(((n, c) for c, n in categories.items() if n), reverse=True)[:2]
-    return ", ".join(f"{c.replace('_', ' ')} {n / total:.0%}" for n, c in ranked)
+    parts, split = oom_parts(record), record.get("held_before_step") is not None
+    ranked = sorted(((n, OOM_PARTS.index(p), p) for p, n in parts.items() if n), key=lambda x: (-x[0], x[1]))
+    return ", ".join(f"{part_label(p, split)} {n / total:.0%}" for n, _, p in ranked[:2])
 
 
 def oom_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
@@ -311,16 +326,14 @@ def oom_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                 continue
             worst = max(mine, key=lambda r: r["allocated_bytes"])
             parts.append(
-                f"{rank}: {len(mine)}, up to {format_bytes(worst['allocated_bytes'])} in use "
-                f"({_share(worst['categories'], worst['allocated_bytes'])})"
+                f"{rank}: {len(mine)}, up to {format_bytes(worst['allocated_bytes'])} in use ({_share(worst)})"
             )
         rows.append(("OOMs per rank", "; ".join(parts)))
     last = ooms[-1]
     rows.append(
         (
             "  last OOM",
-            f"step {last['step']} rank {last['rank']}: {_share(last['categories'], last['allocated_bytes'])}; "
-            f"{last.get('action') or 'no action recorded'}",
+            f"step {last['step']} rank {last['rank']}: {_share(last)}; {last.get('action') or 'no action recorded'}",
         )
     )
     return rows
@@ -351,10 +364,22 @@ def format_oom(record: dict[str, Any], index: int | None = None) -> str:
     ]
     lines.append("  memory     " + ", ".join(f"{w} {format_bytes(v)}" for w, v in figures if v is not None))
     total = record.get("allocated_bytes") or 0
-    lines.append("  in use by category:")
+    held = record.get("held_before_step")
+    if held is not None:
+        lines.append(
+            f"  in use     {format_bytes(total)}: {format_bytes(record['held_before_step_bytes'])} held before the "
+            f"step, {format_bytes(record['allocated_during_step_bytes'])} allocated during it"
+        )
+        lines.append(f"  in use by category:{'':>24}held before the step  allocated during it")
+    else:
+        lines.append("  in use by category:")
     for name, value in record.get("categories", {}).items():
         share = f"{value / total:6.1%}" if total else ""
-        lines.append(f"    {name.replace('_', ' '):<16} {format_bytes(value):>12} {share}")
+        line = f"    {name.replace('_', ' '):<16} {format_bytes(value):>12} {share}"
+        if held is not None:
+            before = int(held.get(name, 0))
+            line += f" {format_bytes(before):>22} {format_bytes(value - before):>20}"
+        lines.append(line)
     if not record.get("activations_measured", True):
         lines.append("    (activations not measured: they are in other)")
     modules = record.get("modules") or {}
@@ -376,6 +401,13 @@ def format_oom(record: dict[str, Any], index: int | None = None) -> str:
             f"({record.get('outside_allocator_source')})"
         )
     lines.append(f"  action     {record.get('action') or 'no action recorded'}")
+    if total:
+        parts, split = oom_parts(record), held is not None
+        biggest = largest_part(parts)
+        lines.append(
+            f"  largest    {part_label(biggest, split)}, {format_bytes(parts[biggest])} "
+            f"({parts[biggest] / total:.0%}); to cut it: {part_advice(biggest, smaller_may_fit(record), split)}"
+        )
     for what in ("snapshot", "picture"):
         if record.get(what):
             lines.append(f"  {what:<10} {record[what]}")
@@ -389,7 +421,7 @@ def oom_listing(report: dict[str, Any]) -> list[str]:
         limit = f" of {format_bytes(r['limit_bytes'])}" if r.get("limit_bytes") else ""
         lines.append(
             f"#{i}  step {r['step']} rank {r['rank']} {r['stage']} {r['phase']}: {format_bytes(r['allocated_bytes'])}"
-            f"{limit} in use ({_share(r['categories'], r['allocated_bytes'])}) -> {r.get('action') or '?'}"
+            f"{limit} in use ({_share(r)}) -> {r.get('action') or '?'}"
         )
     return lines
 
@@ -429,6 +461,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     """
     run, steps, made = report.get("run", {}), report.get("steps", []), report.get("decisions", [])
     rows: list[tuple[str, str]] = [("device", str(run.get("device", "?")))]
+    if run.get("stopped_by"):
+        rows.append(("ended by", str(run["stopped_by"])))
     world = int(run.get("world_size") or 1)
     if world > 1 or any(d["kind"] == "strategy" for d in made):
         nodes = int(run.get("num_nodes") or 1)
@@ -448,10 +482,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("model FLOPs utilisation", f"{utilisation:.1%} (median)"))
         elif run.get("mfu_note"):
             rows.append(("model FLOPs utilisation", str(run["mfu_note"])))
-        peak = run_peak_bytes(steps) or 0
-        limit = last.get("limit_bytes")
-        share = f" ({peak / limit:.0%} of {format_bytes(limit)})" if limit else ""
-        rows.append((f"peak memory ({run.get('memory_kind', 'device')})", f"{format_bytes(peak)}{share}"))
+        rows.append((f"peak memory ({run.get('memory_kind', 'device')})", _peak_text(steps)))
         rows.append(("memory at the last step", format_bytes(last["allocated_bytes"])))
         ranks = run.get("rank_peaks") or []
         if len(ranks) > 1:
@@ -508,6 +539,31 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _peak_text(steps: Sequence[dict[str, Any]]) -> str:
+    """The run's peak, and its share of the limit where the limit held still; a limit that changed during the
+    run is said, with the highest share of a step's peak in the limit then in force.
+
+    Example:
+        >>> _peak_text([{"step": 0, "peak_bytes": 900, "limit_bytes": 1000}, {"step": 1, "peak_bytes": 700,
+        ...             "limit_bytes": 1000}])
+        '900 B (90% of 1000 B)'
+        >>> _peak_text([{"step": 0, "peak_bytes": 900, "limit_bytes": 1000}, {"step": 1, "peak_bytes": 700,
+        ...             "limit_bytes": 750}])
+        '900 B; the limit changed during the run (1000 B -> 750 B): at most 93% of the limit then in force (step 1)'
+    """
+    peak = run_peak_bytes(steps) or 0
+    limits = [s.get("limit_bytes") for s in steps]
+    known = [v for v in limits if v]
+    if not known:
+        return format_bytes(peak)
+    changes = [v for i, v in enumerate(limits) if i == 0 or v != limits[i - 1]]
+    if len(changes) == 1:
+        return f"{format_bytes(peak)} ({peak / known[0]:.0%} of {format_bytes(known[0])})"
+    share, step = max((s["peak_bytes"] / s["limit_bytes"], s["step"]) for s in steps if s.get("limit_bytes"))
+    seen = " -> ".join(format_bytes(v) if v else "none" for v in changes)
+    return f"{format_bytes(peak)}; the limit changed during the run ({seen}): at most {share:.0%} of the limit then in force (step {step})"
+
+
 def format_table(report: dict[str, Any], title: str = "gpuopt report") -> str:
     """The summary table as plain text (what ``gpuopt report`` prints, and the callback without rich)."""
     rows = summary_rows(report)
@@ -547,26 +603,109 @@ def write_report(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     json_path = folder / JSON_NAME
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    json_path.write_text(report_json(report))
     png_path = render_png(report, folder / PNG_NAME) if png else None
     return json_path, png_path
 
 
+def report_json(report: dict[str, Any]) -> str:
+    """The record as JSON text: each of its lists one entry per line (``json``'s C encoder, per entry: a signal's
+    stop writes 10,000 steps in a tenth of a second, where an indent for every field took seconds), the rest
+    indented.
+
+    Example:
+        >>> print(report_json({"format": "f", "steps": [{"step": 0}, {"step": 1}], "resumes": []}))
+        {
+         "format": "f",
+         "steps": [
+          {"step": 0},
+          {"step": 1}
+         ],
+         "resumes": []
+        }
+        <BLANKLINE>
+    """
+    parts = []
+    for key, value in report.items():
+        if isinstance(value, list) and value:
+            text = "[\n" + ",\n".join("  " + json.dumps(item) for item in value) + "\n ]"
+        else:
+            text = json.dumps(value, indent=1).replace("\n", "\n ")
+        parts.append(f" {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def write_rank_part(part: dict[str, Any], folder: str | os.PathLike[str]) -> Path:
+    """After an error, a rank other than zero writes its part (its OOM records, peak and peak breakdown) beside the
+    report, since nothing was gathered; :func:`load_report` merges it into the run's report."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RANK_JSON_NAME.format(rank=part["rank_peak"]["rank"])
+    path.write_text(json.dumps({"format": FORMAT, **part}, indent=1) + "\n")
+    return path
+
+
+def remove_rank_parts(folder: str | os.PathLike[str]) -> None:
+    """Remove the ranks' parts an earlier failed fit left in ``folder`` (a new fit writes its own)."""
+    for path in Path(folder).glob(RANK_JSON_NAME.format(rank="*")):
+        path.unlink(missing_ok=True)
+
+
+def _merge_rank_parts(report: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A failed run's report with the other ranks' parts written beside it (their OOM records, peaks)."""
+    run = report.setdefault("run", {})
+    for path in sorted(folder.glob(RANK_JSON_NAME.format(rank="*"))):
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(part, dict) or part.get("format") != FORMAT:
+            continue
+        peaks = [p for p in run.get("rank_peaks", []) if p.get("rank") != part["rank_peak"]["rank"]]
+        run["rank_peaks"] = sorted([*peaks, part["rank_peak"]], key=lambda p: p["rank"])
+        known = {(r["rank"], r["time_s"]) for r in report.get("ooms", [])}
+        ooms = report.get("ooms", []) + [
+            r for r in part.get("ooms", []) if (r["rank"], r["time_s"]) not in known
+        ]
+        report["ooms"] = sorted(ooms, key=lambda r: (r["rank"], r["time_s"]))
+        if part.get("peak_breakdown"):
+            report.setdefault("peak_breakdowns", []).append(part["peak_breakdown"])
+    return report
+
+
 def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a report from a run directory (or the JSON file itself).
+    """Read a report from a run directory (or the JSON file itself); after a failed fit, with the other ranks'
+    parts written beside it.
 
     Raises:
-        FileNotFoundError: no ``gpuopt_report.json`` there.
-        ValueError: the file is not a report this version reads.
+        FileNotFoundError: nothing at ``path``, or no ``gpuopt_report.json`` in the directory.
+        ValueError: the file is not a report this version reads (another file, another format).
     """
     path = Path(path)
+    what = "pass the run's log directory (e.g. lightning_logs/version_0) or its gpuopt_report.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist: {what}.")
     file = path / JSON_NAME if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(
-            f"No {JSON_NAME} in {str(path)!r}: GPUOptReport writes it into the run's log directory at the end of "
-            "fit (e.g. lightning_logs/version_0). Pass that directory."
+            f"No {JSON_NAME} in {str(path)!r}: GPUOptReport writes it into the run's log directory when fit ends "
+            "(e.g. lightning_logs/version_0). Pass that directory."
         )
-    return versioned_json(file, FORMAT)
+    try:
+        data = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{str(file)!r} is not a GPUOptReport (not JSON text): {what}.") from None
+    except OSError as err:
+        raise ValueError(f"{str(file)!r} cannot be read ({err.strerror or err}): {what}.") from None
+    if not isinstance(data, dict) or "format" not in data:
+        raise ValueError(f'{str(file)!r} is not a GPUOptReport (JSON without a report\'s "format"): {what}.')
+    if data["format"] != FORMAT:
+        raise ValueError(
+            f"{str(file)!r} has format {data['format']!r}; this version reads {FORMAT!r}: {what} of this version."
+        )
+    if data.get("run", {}).get("ended_by") == "error":
+        return _merge_rank_parts(data, file.parent)
+    return data
 
 
 def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:

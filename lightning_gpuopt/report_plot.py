@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gpuopt.memory import format_bytes
+from lightning_gpuopt.oom_policy import largest_part, oom_parts, part_advice, part_label, smaller_may_fit
 from lightning_gpuopt.report import (
     PNG_DPI,
     PNG_SIZE,
@@ -36,6 +37,7 @@ __all__ = [
     "MARKERS",
     "MAX_POINTS",
     "OOM_PNG_SIZE",
+    "OOM_TEXT_WIDTH",
     "oom_picture_name",
     "render_oom_png",
     "render_png",
@@ -65,31 +67,29 @@ _LINES = {"stop": ("#000000", "--", "stopped"), "resume": ("#1f77b4", "-", "resu
 #: Kinds the picture leaves out (no step of their own worth a mark).
 _UNMARKED = {"strategy", "recompilation"}
 
-#: The OOM picture's colours, by category.
+#: The OOM picture's colours, by part (``oom_policy.OOM_PARTS``: the categories, ``other`` split into what was
+#: held before the step and the rest) and for a step whose activations were not measured apart.
 CATEGORY_COLORS = {
     "parameters": "#1f77b4",
     "gradients": "#ff7f0e",
     "optimizer_state": "#9467bd",
     "activations": "#d62728",
+    "other_held": "#757575",
     "other": "#bdbdbd",
     "activations_and_other": "#eba3a3",  # a step whose activations were not measured apart
 }
-_CATEGORY_LABELS = {
+#: The bars' own labels, in lines that fit inside a bar.
+_BAR_LABELS = {
     "parameters": "parameters",
     "gradients": "gradients",
-    "optimizer_state": "optimizer state",
+    "optimizer_state": "optimizer\nstate",
     "activations": "activations",
+    "other_held": "held before\nthe step",
     "other": "other",
-    "activations_and_other": "activations + other",
+    "activations_and_other": "activations\n+ other",
 }
-#: What lowers each category, for the OOM picture.
-_TO_CUT = {
-    "parameters": "a lower-memory precision (bf16-true), or sharding (FSDP2Strategy)",
-    "gradients": "sharding the gradients (FSDP2Strategy), or fewer trainable parameters",
-    "optimizer_state": "sharding or offloading it (FSDP2Strategy), or an 8-bit optimizer",
-    "activations": "smaller micro-batches (OOMRecovery does it), activation checkpointing, bf16-mixed",
-    "other": "smaller batches (inputs, temporaries); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-}
+#: Characters of the OOM picture's words per line: the right panel is about 57 of its monospace characters wide.
+OOM_TEXT_WIDTH = 54
 
 
 def require_matplotlib() -> Any:
@@ -451,15 +451,17 @@ def _stacked_bar(ax: Any, x: float, categories: dict[str, int], unit: float, lab
         if value <= 0:
             continue
         ax.bar(x, value, bottom=bottom, width=0.6, color=color, edgecolor="white", linewidth=0.8)
-        if value >= label_min:
+        label = f"{_BAR_LABELS[name]}\n{format_bytes(categories[name])}"
+        if value >= label_min * (label.count("\n") + 1) / 2:  # a label only where its lines fit
             ax.text(
                 x,
                 bottom + value / 2,
-                f"{_CATEGORY_LABELS[name]}\n{format_bytes(categories[name])}",
+                label,
                 ha="center",
                 va="center",
                 fontsize=8,
                 color="black" if name in ("other", "activations_and_other") else "white",
+                gid="bar label",
             )
         bottom += value
     return bottom
@@ -474,6 +476,17 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
         ImportError: matplotlib is missing.
     """
     plt = require_matplotlib()
+    fig = _oom_figure(plt, record, peak)
+    try:
+        path = Path(path)
+        fig.savefig(path, dpi=PNG_DPI)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _oom_figure(plt: Any, record: dict[str, Any], peak: dict[str, Any] | None) -> Any:
+    """The OOM picture's figure (closed here if drawing fails)."""
     fig, (bars, words) = plt.subplots(1, 2, figsize=OOM_PNG_SIZE, dpi=PNG_DPI, width_ratios=(1.1, 1))
     try:
         requested = record.get("requested_bytes") or 0
@@ -483,7 +496,8 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
             heights.append(peak["peak_bytes"])
         unit, unit_name = _unit(max(heights))
         label_min = 0.06 * max(heights) / unit
-        columns = [("at the OOM", record["categories"])]
+        split = record.get("held_before_step") is not None
+        columns = [("at the OOM", oom_parts(record))]
         if peak:
             columns.append((f"highest peak\n(step {peak['step']})", _peak_categories(peak)))
         for i, (_, categories) in enumerate(columns):
@@ -522,7 +536,7 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
             )
         bars.set_xticks(range(len(columns)))
         bars.set_xticklabels([name for name, _ in columns], fontsize=9)
-        bars.set_xlim(-0.6, len(columns) - 0.1 + 0.4)
+        bars.set_xlim(-0.6, len(columns) + 1.3)  # the legend's own band, right of the bars
         bars.set_ylim(0, 1.12 * max(heights) / unit)
         bars.set_ylabel(f"memory ({unit_name})")
         bars.grid(axis="y", alpha=0.25)
@@ -530,7 +544,7 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
         handles = [plt.Rectangle((0, 0), 1, 1, color=CATEGORY_COLORS[c]) for c in shown]
         bars.legend(
             handles,
-            [_CATEGORY_LABELS[c] for c in shown],
+            [_legend_label(c, split) for c in shown],
             fontsize=8,
             loc="upper right",
             frameon=False,
@@ -545,7 +559,6 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
             fontsize=9.5,
             family="monospace",
             transform=words.transAxes,
-            wrap=True,
         )
         stage = record.get("stage", "train")
         fig.suptitle(
@@ -555,11 +568,10 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
             ha="left",
         )
         fig.subplots_adjust(left=0.08, right=0.98, top=0.9, bottom=0.1, wspace=0.08)
-        path = Path(path)
-        fig.savefig(path, dpi=PNG_DPI)
-    finally:
+    except BaseException:
         plt.close(fig)
-    return path
+        raise
+    return fig
 
 
 def _peak_categories(peak: dict[str, Any]) -> dict[str, int]:
@@ -569,52 +581,91 @@ def _peak_categories(peak: dict[str, Any]) -> dict[str, int]:
     return categories
 
 
-def _wrap(text: str, width: int = 46) -> list[str]:
-    lines, line = [], ""
+def _legend_label(part: str, split: bool) -> str:
+    return "activations + other" if part == "activations_and_other" else part_label(part, split)
+
+
+def _wrap(text: str, width: int = OOM_TEXT_WIDTH, indent: str = "") -> list[str]:
+    """``text`` in lines of at most ``width`` characters, every character kept: words move to the next line
+    (continued with ``indent``), and a word longer than a line is broken across lines.
+
+    Example:
+        >>> _wrap("what the pack did: micro-batch 64 → 32", width=20, indent="  ")
+        ['what the pack did:', '  micro-batch 64 →', '  32']
+        >>> _wrap("snapshot: oom_3_rank0_with_a_long_name.pickle", width=20)
+        ['snapshot:', 'oom_3_rank0_with_a_l', 'ong_name.pickle']
+    """
+    lines: list[str] = []
+    line = ""
     for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}".strip()
-    return [*lines, line] if line else lines
+        while True:
+            prefix = indent if lines else ""
+            joined = f"{line} {word}" if line else prefix + word
+            if len(joined) <= width:
+                line = joined
+                break
+            if line:  # the word goes on a line of its own
+                lines.append(line)
+                line = ""
+                continue
+            room = width - len(prefix)  # a word longer than a line: broken, nothing dropped
+            lines.append(prefix + word[:room])
+            word = word[room:]
+    if line:
+        lines.append(line)
+    return lines
 
 
-def _oom_text(record: dict[str, Any], peak: dict[str, Any] | None) -> str:
-    lines = []
-    lines += _wrap(f"What the pack did: {record.get('action') or 'nothing recorded'}")
+def _oom_text(record: dict[str, Any], peak: dict[str, Any] | None, width: int = OOM_TEXT_WIDTH) -> str:
+    """The OOM picture's words, every line at most ``width`` characters and no text left out."""
+    lines = _wrap(f"What the pack did: {record.get('action') or 'nothing recorded'}", width, "  ")
     lines.append("")
-    categories, total = record.get("categories") or {}, record.get("allocated_bytes") or 0
-    if total and categories:
-        biggest = max(categories, key=lambda c: categories[c])
-        lines.append(
-            f"Largest part: {_CATEGORY_LABELS[biggest]}, {format_bytes(categories[biggest])} "
-            f"({categories[biggest] / total:.0%})"
-        )
-        lines += _wrap(f"To cut it: {_TO_CUT[biggest]}", 50)
-        lines.append("")
-    if record.get("micro_batch_size"):
-        lines.append(
-            f"micro-batch {record['micro_batch_size']} (k {record['k']}) of batch {record['batch_size']}"
-        )
+    total = record.get("allocated_bytes") or 0
     requested = record.get("requested_bytes")
-    lines.append(
-        f"in use {format_bytes(record['allocated_bytes'])}"
-        + (f", requested {format_bytes(requested)}" if requested else "")
+    in_use = f"In use: {format_bytes(total)}" + (
+        f", requested {format_bytes(requested)}" if requested else ""
     )
+    if record.get("held_before_step_bytes") is not None:
+        in_use += (
+            f"; held before the step {format_bytes(record['held_before_step_bytes'])}, allocated during it "
+            f"{format_bytes(record['allocated_during_step_bytes'])}"
+        )
+    lines += _wrap(in_use, width, "  ")
+    if record.get("micro_batch_size"):
+        lines += _wrap(
+            f"micro-batch {record['micro_batch_size']} (k {record['k']}) of batch {record['batch_size']}",
+            width,
+        )
+    parts, split = oom_parts(record), record.get("held_before_step") is not None
+    if total and any(parts.values()):
+        biggest = largest_part(parts)
+        lines.append("")
+        lines += _wrap(
+            f"Largest part: {part_label(biggest, split)}, {format_bytes(parts[biggest])} "
+            f"({parts[biggest] / total:.0%})",
+            width,
+            "  ",
+        )
+        lines += _wrap(f"To cut it: {part_advice(biggest, smaller_may_fit(record), split)}", width, "  ")
     modules = record.get("modules") or {}
-    top = modules.get("top") or []
     lines.append("")
     lines.append("Activations by module:")
-    lines += [f"  {m['module'][:30]:<30} {format_bytes(m['bytes']):>10}" for m in top[:5]]
-    lines += _wrap(f"  ({modules.get('how', 'not measured')})", 50)
+    for m in (modules.get("top") or [])[:5]:
+        size = format_bytes(m["bytes"])
+        name = f"  {m['module']}"
+        if len(name) + 1 + len(size) <= width:
+            lines.append(name + size.rjust(width - len(name)))
+        else:  # a long name on lines of its own, the bytes under its end
+            lines += _wrap(name, width, "    ")
+            lines.append(size.rjust(width))
+    lines += _wrap(f"  ({modules.get('how', 'not measured')})", width, "   ")
     if record.get("fragmentation"):
         frag = record["fragmentation"]
         lines.append("")
-        lines.append(f"free inside reserved {format_bytes(frag['free_in_reserved_bytes'])}")
-        lines.append(f"largest free block   {format_bytes(frag['largest_free_block_bytes'])}")
+        lines += _wrap(f"free inside reserved {format_bytes(frag['free_in_reserved_bytes'])}", width)
+        lines += _wrap(f"largest free block   {format_bytes(frag['largest_free_block_bytes'])}", width)
     if record.get("outside_allocator_bytes") is not None:
-        lines.append(f"outside the allocator {format_bytes(record['outside_allocator_bytes'])}")
+        lines += _wrap(f"outside the allocator {format_bytes(record['outside_allocator_bytes'])}", width)
     if record.get("snapshot"):
-        lines.append(f"snapshot: {record['snapshot']} (pytorch.org/memory_viz)")
+        lines += _wrap(f"snapshot: {record['snapshot']} (pytorch.org/memory_viz)", width, "  ")
     return "\n".join(lines)

@@ -40,6 +40,47 @@ def test_should_accumulate_answers_inside_a_fit():
     assert answers[:2] == [True, False]
 
 
+def test_logger_step_is_the_step_lightning_logs_the_batch_under():
+    class Logged(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("loss", out["loss"])
+            return out
+
+    class Record(pl.loggers.logger.DummyLogger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[int] = []
+
+        def log_metrics(self, metrics, step=None):
+            if "loss" in metrics:
+                self.steps.append(step)
+
+    class Ask(pl.Callback):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if not _compat.should_accumulate(trainer):
+                self.steps.append(_compat.logger_step(trainer))
+
+    logger, ask = Record(), Ask()
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        callbacks=[ask],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Logged())
+    assert logger.steps == ask.steps == [0, 1, 2, 3], (
+        "trainer.fit_loop.epoch_loop._batches_that_stepped moved"
+    )
+
+
 def test_ddp_kwargs_and_tensor_parallel_size():
     assert "_ddp_kwargs" in vars(DDPStrategy(bucket_cap_mb=5)), "DDPStrategy._ddp_kwargs moved"
     assert _compat.ddp_kwargs(DDPStrategy(bucket_cap_mb=5))["bucket_cap_mb"] == 5

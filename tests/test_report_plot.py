@@ -83,3 +83,77 @@ def test_each_oom_gets_a_picture_up_to_the_cap_and_its_record_names_it(tmp_path)
     assert [p.name for p in paths] == ["oom_3_rank0.png", "oom_3_rank0_2.png"]
     assert [r.get("picture") for r in records] == ["oom_3_rank0.png", "oom_3_rank0_2.png", None]
     assert _png_size(paths[0]) == (int(OOM_PNG_SIZE[0] * PNG_DPI), int(OOM_PNG_SIZE[1] * PNG_DPI))
+
+
+def _long_texts(record: dict, split: bool) -> dict:
+    record = dict(record)
+    record["action"] = "gave up: " + " ".join(
+        ["Out of memory at step 3 with micro-batches of 1 sample(s)"] * 6
+    )
+    record["micro_batch_size"] = 1
+    record["modules"] = {
+        "how": "measured at step 4, the next training batch after the OOM (micro-batch 16, k 2)",
+        "top": [
+            {"module": "model.encoder.layers.11.self_attention.out_proj.lora_A.default", "bytes": 9 * GiB},
+            {"module": "x" * 140, "bytes": GiB},
+        ],
+    }
+    record["snapshot"] = "oom_3_rank0_" + "z" * 80 + ".pickle"
+    if split:
+        held = {"parameters": 8 * GiB, "optimizer_state": 16 * GiB, "other": 5 * GiB}
+        record["held_before_step"] = held
+        record["held_before_step_bytes"] = sum(held.values())
+        record["allocated_during_step_bytes"] = record["allocated_bytes"] - sum(held.values())
+    return record
+
+
+OOM_PICTURES = [(split, peak) for split in (False, True) for peak in ("none", "measured", "unmeasured")]
+
+
+@pytest.mark.parametrize(
+    ("split", "peak"), OOM_PICTURES, ids=[f"split={s}-peak={p}" for s, p in OOM_PICTURES]
+)
+def test_no_text_of_an_oom_picture_is_cut_or_covered(split, peak):
+    """Every text lies inside the picture; a bar's label inside its bar; the legend, the limit and the request
+    cover no other text."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from lightning_gpuopt.report_plot import _oom_figure
+
+    record = _long_texts(_record(3), split)
+    top = None
+    if peak != "none":
+        top = {"rank": 0, "step": 5, "peak_bytes": 66 * GiB, "categories": dict(record["categories"])}
+        top["activations_measured"] = peak == "measured"
+    fig = _oom_figure(plt, record, top)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        inside = fig.bbox.padded(-1)
+        bars, words = fig.axes[:2]
+        legend = bars.get_legend()
+        shown = [*fig.texts, *bars.texts, *words.texts, *legend.get_texts(), *bars.get_xticklabels()]
+        shown += [bars.yaxis.label]
+        for text in shown:
+            box = text.get_window_extent(renderer)
+            assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1), (text.get_text(), box)
+        blocks = [
+            p.get_window_extent(renderer)
+            for p in bars.patches
+            if isinstance(p, Rectangle) and p.get_facecolor()[3] > 0 and p.get_height() > 0
+        ]
+        labels = [t for t in bars.texts if t.get_gid() == "bar label"]
+        assert labels
+        for label in labels:
+            box = label.get_window_extent(renderer)
+            assert any(b.x0 - 1 <= box.x0 and box.x1 <= b.x1 + 1 for b in blocks), label.get_text()
+        free = [t.get_window_extent(renderer) for t in bars.texts if t.get_gid() != "bar label"]
+        free.append(legend.get_window_extent(renderer))
+        for i, a in enumerate(free):
+            for b in free[i + 1 :]:
+                assert not a.overlaps(b), (a, b)
+        said = " ".join(words.texts[0].get_text().split())
+        assert ("held before the step" in said) == split
+    finally:
+        plt.close(fig)

@@ -6,8 +6,9 @@ build a record:
 1. the allocator's observer, inside the failing allocation (CUDA's, or SimulatedMemory's): the memory
    by category then, the stage and phase from the stack's code, and on CUDA the fragmentation, the
    memory outside the allocator and the snapshot pickle;
-2. the micro-batch engine, inside its ``except`` block: the stage, the phase and what the attempt ran
-   (when no observer spoke, e.g. a CPU without SimulatedMemory, the memory is read here instead);
+2. the micro-batch engine, inside its ``except`` block: the stage, the phase, what the attempt ran and the
+   memory in use when it began, which splits the bytes into those held before the step and those it
+   allocated (when no observer spoke, e.g. a CPU without SimulatedMemory, the memory is read here instead);
 3. the engine again, once the ranks agreed: what the pack did (``action``).
 
 An OOM that no engine call claims (a step of MemoryAwareBatchSize's search, an OOM caught by user code)
@@ -137,7 +138,13 @@ class OOMLog:
         record.batch_size = context.get("batch_size")
         record.micro_batch_size = context.get("micro_batch_size")
         record.message = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        self._count_kept_gradients(record, context.get("gradients", ()))
+        kept = self._count_kept_gradients(record, context.get("gradients", ()))
+        baseline = context.get("held_before_bytes")
+        if baseline is not None:  # what the attempt began with, against what it allocated
+            held = forensics.held_before_step(record.categories, baseline, kept)
+            record.held_before_step = held
+            record.held_before_step_bytes = sum(held.values())
+            record.allocated_during_step_bytes = record.allocated_bytes - record.held_before_step_bytes
         self._awaiting = record
 
     def oom_action(self, action: str) -> None:
@@ -251,17 +258,18 @@ class OOMLog:
                 return self._pending.pop(i)
         return None
 
-    def _count_kept_gradients(self, record: OOMRecord, kept: Any) -> None:
+    def _count_kept_gradients(self, record: OOMRecord, kept: Any) -> int:
         """Gradients the engine keeps aside during the batch (earlier batches of an accumulation window) move
-        from ``other`` to ``gradients``."""
+        from ``other`` to ``gradients``; returns their bytes."""
         if not kept:
-            return
+            return 0
         params, grads, state = state_tensors(self.trainer)
         counted = forensics.storages([*params, *grads, *state], self.device)
         extra = sum(n for key, n in forensics.storages(kept, self.device).items() if key not in counted)
         moved = min(extra, record.categories["other"])
         record.categories["gradients"] += moved
         record.categories["other"] -= moved
+        return moved
 
     def _close_awaiting(self) -> None:
         if self._awaiting is not None:

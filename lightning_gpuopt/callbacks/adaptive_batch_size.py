@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._validate import choice, fraction, positive_int
 from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import record_decision
@@ -155,7 +156,7 @@ class AdaptiveBatchSize(Callback):
         self._last_step = trainer.global_step
         self.samples += self._unit * self.accumulate
         # The batch this step used, in the row Lightning writes for it.
-        pl_module.log(METRIC, float(self._unit * self.accumulate), on_step=True, on_epoch=False, batch_size=1)
+        log_metrics(trainer, {METRIC: float(self._unit * self.accumulate)}, every_n_steps=True)
         self._advance_schedulers(trainer)
         ready = batch_idx + 1
         if self.pending is None:

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
+from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batch_size.find import SearchRun, find_largest_size, no_fit_message
 from lightning_gpuopt.batch_size.modes import (
@@ -457,16 +458,14 @@ class MemoryAwareBatchSize(Callback):
         )
         if self.verbose:
             rank_zero_info(message)
-        if trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics(
-                    {
-                        "gpuopt/micro_batch_size": float(self.micro_batch_size),
-                        "gpuopt/predicted_peak_bytes": float(self.predicted_peak_bytes),
-                        "gpuopt/search_trials": float(self.trials),
-                    },
-                    step=trainer.global_step,
-                )
+        # The micro-batch size itself is GPUOptReport's `gpuopt/micro_batch_size`, at every logged step.
+        log_metrics(
+            trainer,
+            {
+                "gpuopt/predicted_peak_bytes": float(self.predicted_peak_bytes),
+                "gpuopt/search_trials": float(self.trials),
+            },
+        )
 
 
 def _no_loss(err: NoLossInTrial, where: str) -> NoLossInTrial:

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._validate import fraction, positive_int
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.data import GPUOptDataModule, available_cpus
@@ -280,16 +281,7 @@ class DataStallMonitor(Callback):
         return added
 
     def _log(self, trainer: pl.Trainer) -> None:
-        # Straight to the loggers, as a float: `LightningModule.log` would make a device tensor each step
-        # from a host float, a blocking copy that stalls the very pipeline this measures.
-        if (
-            trainer.global_rank != 0
-            or not trainer.loggers
-            or trainer.global_step % max(1, trainer.log_every_n_steps)
-        ):
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics({_METRIC: self.wait_fraction}, step=trainer.global_step)
+        log_metrics(trainer, {_METRIC: self.wait_fraction}, every_n_steps=True)
 
     def _judge(self, trainer: pl.Trainer) -> None:
         if self._warned or len(self._recent) < self.window:

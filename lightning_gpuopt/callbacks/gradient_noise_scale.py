@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._validate import fraction, positive_int
 from lightning_gpuopt.goodput.estimator import NoiseScaleEMA, noise_scale_terms
 from lightning_gpuopt.microbatch import (
@@ -298,13 +299,13 @@ class GradientNoiseScale(Callback):
         self._batch = b_big
         value = self.ema.estimate
         self.history.append([trainer.global_step, value, min(self.ema.relative_error, 1e9)])
-        self._log(pl_module, value)
+        self._log(trainer, value)
 
-    def _log(self, pl_module: pl.LightningModule, value: float | None) -> None:
-        """The state after a measurement, in the row Lightning writes for this step (at its ``log_every_n_steps``).
+    def _log(self, trainer: pl.Trainer, value: float | None) -> None:
+        """The state after a measurement, at Lightning's step for this batch.
 
-        All three at every measurement, NaN (an unknown error: inf) where there is no value: Lightning repeats a
-        step metric's last value in the epoch's later rows, which must not show a value that no longer holds.
+        All three at every measurement, NaN (an unknown error: inf) where there is no value, so that a row never
+        pairs a new figure with an old one.
         """
         bound = self.lower_bound()
         metrics = {
@@ -312,7 +313,7 @@ class GradientNoiseScale(Callback):
             METRIC_RELATIVE_ERROR: self.ema.relative_error,
             METRIC_LOWER_BOUND: math.nan if bound is None else bound,
         }
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        log_metrics(trainer, metrics)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         steps = trainer.global_step - self._fit_start_step

@@ -34,7 +34,10 @@ from lightning_gpuopt.oom_policy import (
     Status,
     allocator_thrashing,
     grow_back_micro_batch_count,
+    largest_part,
     next_micro_batch_count,
+    part_advice,
+    part_label,
     recently_failed_size,
     smaller_micro_batch_count,
     smallest_split_cannot_fit,
@@ -212,7 +215,6 @@ class OOMRecovery(Callback):
             self.ladder.insert(0, ActivationCheckpointing(self.checkpoint_modules))
         self._wait = grow_back_after
         self._engine: MicroBatchEngine | None = None
-        self._logged_size: int | None = None
         self._reset_watch()
 
     def _reset_watch(self) -> None:
@@ -291,7 +293,6 @@ class OOMRecovery(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, training=True)
         self.failures = []
-        self._logged_size = None
         self._reset_watch()
         engine = self._engine
         if (
@@ -349,10 +350,6 @@ class OOMRecovery(Callback):
         engine = self._engine
         if engine is None:
             return
-        size = engine.micro_batch_size(batch)
-        if size != self._logged_size:
-            self._logged_size = size
-            self._log_metric(trainer, size)
         if self.grow_back:
             probe = get_probe(trainer.strategy.root_device)
             if probe.kind != "cpu":
@@ -522,12 +519,6 @@ class OOMRecovery(Callback):
         if self.verbose and n and change.source != "resume":
             rank_zero_info(message)
 
-    def _log_metric(self, trainer: pl.Trainer, size: int) -> None:
-        if trainer.global_rank != 0:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics({"gpuopt/micro_batch_size": float(size)}, step=trainer.global_step)
-
     def _exhausted_message(
         self, failure: OOMFailure, min_size: int = 1, why: str = "", futile: int | None = None
     ) -> str:
@@ -546,12 +537,23 @@ class OOMRecovery(Callback):
             f"gradients {format_bytes(grads)}",
             f"optimizer state {format_bytes(state)}",
         ]
-        if failure.demand_bytes is not None:
-            parts.append(
-                f"activations >= {format_bytes(failure.demand_bytes / failure.micro_batch_size)} per sample"
-            )
+        sizes = {"parameters": params, "gradients": grads, "optimizer_state": state}
+        if failure.baseline_bytes is not None:  # what the step began with besides the training state
+            sizes["other_held"] = max(0, failure.baseline_bytes - params - state)
+            parts.append(f"other memory held before the step {format_bytes(sizes['other_held'])}")
+        per_sample = failure.per_sample_bytes  # above the baseline, less the gradients held then
+        if per_sample is None and failure.demand_bytes is not None:
+            per_sample = failure.demand_bytes / failure.micro_batch_size
+        if per_sample is not None:
+            parts.append(f"activations >= {format_bytes(per_sample)} per sample")
+            sizes["activations"] = int(per_sample * failure.micro_batch_size)
         if failure.limit_bytes is not None:
             parts.append(f"limit {format_bytes(failure.limit_bytes)}")
+        biggest = largest_part(sizes)
+        largest = (
+            f" The largest part is {part_label(biggest, split=True)} ({format_bytes(sizes[biggest])}): to cut it, "
+            f"{part_advice(biggest, smaller_fits=False, split=True)}."
+        )
         limit = (
             ""
             if self.max_micro_batches is None or failure.micro_batch_size <= 1
@@ -588,7 +590,7 @@ class OOMRecovery(Callback):
             )
         return (
             what
-            + f"Memory: {'; '.join(parts)}.{tried} Next steps: a lower-memory precision (precision='bf16-mixed' or "
+            + f"Memory: {'; '.join(parts)}.{largest}{tried} Next steps: a lower-memory precision (precision='bf16-mixed' or "
             "'16-mixed'), activation checkpointing of the largest blocks, a sharded strategy "
             "(FSDP, DeepSpeed ZeRO) or CPU offload, or a smaller model; for evaluation, a smaller `eval_batch_size`. "
             "PyTorch's allocator setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation. "

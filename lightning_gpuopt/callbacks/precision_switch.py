@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_gpuopt import _compat
+from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._validate import choice, positive_int
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.microbatch import MicroBatchEngine
@@ -49,7 +50,7 @@ __all__ = ["PrecisionChange", "PrecisionSwitch"]
 
 #: What ``initial`` may be: the Trainer's own precision kept, the device's best, or a rung of the ladder.
 Initial = Literal["auto", "keep", "16-mixed", "bf16-mixed", "32-true"]
-_METRIC = "gpuopt/precision"
+_METRIC = "gpuopt/precision_index"
 
 
 @dataclass(frozen=True)
@@ -340,11 +341,7 @@ class PrecisionSwitch(Callback):
     ) -> None:
         if self._trainer is trainer and self._precision != self._logged:
             self._logged = self._precision
-            if trainer.global_rank == 0:
-                for logger in trainer.loggers:
-                    logger.log_metrics(
-                        {_METRIC: float(precision_index(self._precision))}, step=trainer.global_step
-                    )
+            log_metrics(trainer, {_METRIC: float(precision_index(self._precision))})
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._watching:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,26 +14,33 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt import _validate
+from lightning_gpuopt._metrics import is_logging_step, log_metrics
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batch_size.trial import TrialSteps
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.callbacks._oom_log import OOMLog, memory_limit, state_tensors
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
+from lightning_gpuopt.callbacks.exact_resume import ExactResume
 from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import decisions, record_decision
 from lightning_gpuopt.memory import forensics, get_probe, is_oom_error
 from lightning_gpuopt.memory.forensics import MemoryHistory
 from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch.exchange import register_exit_grace
 from lightning_gpuopt.peak_flops import resolve_peak_flops
 from lightning_gpuopt.report import (
     FORMAT,
+    PNG_NAME,
     ReportField,
     StepClock,
     mfu,
     precision_code,
     print_table,
+    remove_rank_parts,
+    render_png,
     windowed_samples_per_s,
     write_oom_pictures,
+    write_rank_part,
     write_report,
 )
 
@@ -51,8 +58,10 @@ class GPUOptReport(Callback):
     decision of the pack's callbacks (:mod:`lightning_gpuopt.decisions`) and every out-of-memory error the pack
     handles (the JSON's ``"ooms"``, with the bytes by category and, on CUDA, a snapshot pickle) is kept with
     its step. At the end of ``fit`` rank zero prints a summary table, writes ``gpuopt_report.json`` and
-    ``gpuopt_report.png`` into ``dirpath``, and :attr:`report` holds the record; the loggers get
-    ``gpuopt/*`` metrics every ``log_every_n_steps``. docs/report.md lists every field and metric.
+    ``gpuopt_report.png`` into ``dirpath``, and :attr:`report` holds the record; every other ending writes it
+    too, without allocating on the device: a signal's stop (ExactResume) the JSON alone, an error each rank's
+    record without gathering. The loggers get ``gpuopt/*`` metrics where Lightning logs the batch's values,
+    on its step numbers. docs/report.md lists every field and metric.
 
     Args:
         dirpath: folder for the JSON and the PNG; ``None``: ``trainer.log_dir``.
@@ -218,6 +227,8 @@ class GPUOptReport(Callback):
             rank_zero_info(f"GPUOptReport: {self._mfu_note}")
         # `trainer.log_dir` broadcasts from rank 0: every rank asks here, where every rank runs.
         self._folder = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
+        if trainer.is_global_zero:
+            remove_rank_parts(self._folder)  # an earlier failed fit's
         cuda = trainer.strategy.root_device.type == "cuda"
         history = MemoryHistory(self.history_entries) if cuda and self.memory_history else None
         self._oom = OOMLog(
@@ -316,15 +327,30 @@ class GPUOptReport(Callback):
         self._log(trainer, record)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish(trainer, together=True)
+        signal = _stop_signal(trainer)
+        if signal is None:
+            self._finish(trainer, _Ending.FIT_END)
+        else:  # a preemption: its grace period is short; the next leg (or `gpuopt report`) draws the pictures
+            self._finish(
+                trainer,
+                _Ending.SIGNAL,
+                f"{signal}: ExactResume stopped the fit at step {trainer.global_step}",
+            )
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        # A run the pack could not save from an OOM: its records, and what the pack did last, are what a user
-        # needs most. Written without a collective (the other ranks may be gone).
-        if self._oom is not None and is_oom_error(exception):
-            self._finish(trainer, together=False)
+        # Every ending leaves a record, a failed fit's above all (an OOM the pack could not recover from, an error
+        # of the user's code): written without a collective (the other ranks may be gone) and without allocating
+        # on the device (it may be full).
+        if self._oom is not None and not self.report:
+            why = f"{type(exception).__name__}: {_first_line(exception)}"
+            try:
+                self._finish(trainer, _Ending.ERROR, why, oom=is_oom_error(exception))
+            except Exception as err:  # the fit's own error is what the user must see
+                warn(
+                    f"GPUOptReport: the report of this failed fit was not written: {type(err).__name__}: {err}"
+                )
         self._stop_listening()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -335,38 +361,55 @@ class GPUOptReport(Callback):
             self._oom.close()
             forensics.unwatch(self._oom)
 
-    def _finish(self, trainer: pl.Trainer, together: bool) -> None:
+    def _finish(
+        self, trainer: pl.Trainer, ending: _Ending, why: str | None = None, oom: bool = False
+    ) -> None:
+        """Write the record. Nothing here allocates on the device; only a fit that ended on every rank (its end, a
+        signal's stop) gathers the ranks' parts, with one object all-gather."""
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
-        probe = get_probe(trainer.strategy.root_device)
-        oom = self._oom
-        if oom is not None:
-            oom.close()
-            forensics.unwatch(oom)
+        oom_log = self._oom
+        if oom_log is not None:
+            oom_log.close()
+            forensics.unwatch(oom_log)
+        failed = ending is _Ending.ERROR
         mine = {
-            "ooms": self._earlier_ooms_of(trainer) + ([r.as_dict() for r in oom.records] if oom else []),
-            "peak_breakdown": _peak_breakdown(trainer, self._steps),
+            "ooms": self._earlier_ooms_of(trainer)
+            + ([r.as_dict() for r in oom_log.records] if oom_log else []),
+            "peak_breakdown": _unless_failing(failed, _peak_breakdown, trainer, self._steps),
+            "rank_peak": _rank_peak(trainer.global_rank, self._steps),
         }
-        # Collectives: every rank, before rank zero goes on.
         folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
-        draw = self.plot is True or (self.plot == "auto" and _has_matplotlib())
+        can_draw = self.plot is True or (self.plot == "auto" and _has_matplotlib())
+        draw = can_draw and ending is not _Ending.SIGNAL
         if draw and mine["ooms"]:  # every rank draws its own OOMs; the records name the pictures
             try:
                 write_oom_pictures(mine["ooms"], mine["peak_breakdown"], folder, self.max_oom_files)
-            except Exception as err:  # a picture must not keep this rank from the collectives below
+            except Exception as err:  # a picture must not keep this rank from the gathering below
                 warn(f"GPUOptReport: the OOM pictures of rank {trainer.global_rank} were not drawn: {err}")
-        rank_peaks = _rank_peaks(trainer, self._steps, together)
-        ranks = _gather(trainer, mine) if together else [mine]
-        self.report = {
+        ranks = [mine] if failed else _gather(trainer, mine)
+        self.report = self._record(trainer, ranks, ending, why)
+        if not trainer.is_global_zero:
+            if failed and mine["ooms"]:  # nothing gathered: its records beside rank zero's report
+                write_rank_part(mine, folder)
+            return
+        self._write(folder, ending, draw, can_draw, table=self.table and (not failed or oom))
+
+    def _record(
+        self, trainer: pl.Trainer, ranks: list[dict[str, Any]], ending: _Ending, why: str | None
+    ) -> dict[str, Any]:
+        """The report: this fit's steps and decisions, with the ranks' parts (OOM records, peaks)."""
+        device = trainer.strategy.root_device
+        return {
             "format": FORMAT,
             "run": {
-                "device": _device_name(trainer.strategy.root_device),
-                "memory_kind": probe.kind,
+                "device": _device_name(device),
+                "memory_kind": get_probe(device).kind,
                 "strategy": type(trainer.strategy).__name__,
                 "world_size": trainer.world_size,
                 "num_nodes": trainer.num_nodes,
-                "rank_peaks": rank_peaks,
+                "rank_peaks": [part["rank_peak"] for part in ranks],
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "precision_at_end": str(trainer.precision),
                 "flops_per_batch": self._flops,
@@ -378,7 +421,8 @@ class GPUOptReport(Callback):
                 "wall_s": time.perf_counter() - self._started,
                 "torch": torch.__version__,
                 "fields": [{"name": f.name, "label": f.label} for f in self.fields],
-                "stopped_by": None if together else f"{type(self).__name__}: the fit ended with an OOM error",
+                "ended_by": ending.value,
+                "stopped_by": why,
             },
             "steps": self._steps,
             "decisions": self._earlier_decisions + [d.as_dict() for d in decisions(trainer)],
@@ -388,30 +432,35 @@ class GPUOptReport(Callback):
             ),
             "peak_breakdowns": [part["peak_breakdown"] for part in ranks if part["peak_breakdown"]],
         }
-        if not trainer.is_global_zero:
-            return
-        json_path, png_path = write_report(self.report, folder, png=draw)
+
+    def _write(self, folder: Path, ending: _Ending, draw: bool, can_draw: bool, table: bool) -> None:
+        """Rank zero: the JSON first, then the picture and the table."""
+        json_path, png_path = write_report(self.report, folder, png=False)
+        if draw:
+            try:
+                png_path = render_png(self.report, folder / PNG_NAME)
+            except Exception as err:  # the JSON is written; `gpuopt report` can draw it later
+                warn(f"GPUOptReport: {PNG_NAME} was not drawn ({err}); `gpuopt report {folder}` draws it.")
         self.paths = {"json": str(json_path), "png": str(png_path) if png_path else None}
-        if self.plot == "auto" and not draw:
+        if self.plot == "auto" and not can_draw:
             warn(
                 "GPUOptReport: matplotlib is not installed, so no gpuopt_report.png was drawn; install the plot "
                 "extra (pip install 'lightning_gpuopt[plot]') and run `gpuopt report "
                 f"{folder}` to draw it from the JSON."
             )
-        if self.table:
+        if table:  # not after an error of the user's code: its traceback says what happened
             print_table(self.report)
-        rank_zero_info(f"GPUOptReport: wrote {json_path}" + (f" and {png_path}" if png_path else ""))
+        wrote = f"GPUOptReport: wrote {json_path}" + (f" and {png_path}" if png_path else "")
+        if ending is _Ending.SIGNAL and can_draw:
+            wrote += f"; `gpuopt report {folder}` draws the picture (so does the resumed run)"
+        rank_zero_info(wrote)
 
     def _earlier_ooms_of(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
         """This rank's records from before a resume (the checkpoint holds every rank's: rank zero saved them)."""
         return [r for r in self._earlier_ooms if r.get("rank", 0) == trainer.global_rank]
 
     def _log(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
-        if (
-            trainer.global_rank != 0
-            or not trainer.loggers
-            or trainer.global_step % max(1, trainer.log_every_n_steps)
-        ):
+        if not is_logging_step(trainer) or trainer.global_rank != 0:
             return
         rates = windowed_samples_per_s(self._steps[-10:])
         metrics = {
@@ -423,37 +472,56 @@ class GPUOptReport(Callback):
         code = precision_code(record["precision"])
         if code is not None:
             metrics["gpuopt/precision"] = code
-        if record["data_wait_fraction"] is not None:
+        # With a DataStallMonitor, the wait is its `gpuopt/data_wait_fraction` (one source per name).
+        if record["data_wait_fraction"] is not None and not _has(trainer, DataStallMonitor):
             metrics["gpuopt/data_wait"] = float(record["data_wait_fraction"])
         if rates and rates[-1] is not None:
             metrics["gpuopt/samples_per_s"] = float(rates[-1])
         if record["mfu"] is not None:
             metrics["gpuopt/mfu"] = float(record["mfu"])
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
 
 
-def _rank_peaks(
-    trainer: pl.Trainer, steps: list[dict[str, Any]], together: bool = True
-) -> list[dict[str, Any]]:
-    """Each rank's highest step peak and its memory limit, gathered from every rank (rank order); this rank's
-    alone without ``together``."""
-    peak = max((s["peak_bytes"] for s in steps), default=0)
-    limit = next((s["limit_bytes"] for s in reversed(steps) if s.get("limit_bytes")), None) or 0
-    mine = torch.tensor([peak, limit], dtype=torch.int64, device=trainer.strategy.root_device)
-    if together and _distributed(trainer):
-        # torch's plain collective: with Lightning's all_gather (torch's autograd-aware one) the only process
-        # of a second node aborted at exit ("terminate called without an active exception").
-        parts = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(parts, mine)
-        gathered = [part.tolist() for part in parts]
-    else:
-        gathered = [mine.tolist()]
-    first = 0 if together else trainer.global_rank
-    return [
-        {"rank": first + rank, "peak_bytes": int(peak), "limit_bytes": int(limit) or None}
-        for rank, (peak, limit) in enumerate(gathered)
-    ]
+class _Ending(Enum):
+    """How a fit ended, for what its report does."""
+
+    #: ``fit`` returned: every rank gathers its part, rank zero writes the JSON and draws.
+    FIT_END = "fit end"
+    #: ExactResume stopped the fit for a signal: gathered and written; the pictures wait for the next leg.
+    SIGNAL = "signal"
+    #: An exception: each rank on its own, nothing gathered (the other ranks may be gone).
+    ERROR = "error"
+
+
+def _stop_signal(trainer: pl.Trainer) -> str | None:
+    """The signal that asked ExactResume to stop this fit, if any."""
+    resume = next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)
+    return resume.stop_signal if resume is not None else None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _unless_failing(failed: bool, read: Any, *args: Any) -> Any:
+    """``read(*args)``; after an error, ``None`` where it fails (the record must still be written)."""
+    if not failed:
+        return read(*args)
+    try:
+        return read(*args)
+    except Exception:
+        return None
+
+
+def _rank_peak(rank: int, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's highest step peak and its last memory limit (plain numbers: nothing on the device)."""
+    limit = next((s["limit_bytes"] for s in reversed(steps) if s.get("limit_bytes")), None)
+    return {
+        "rank": rank,
+        "peak_bytes": max((s["peak_bytes"] for s in steps), default=0),
+        "limit_bytes": limit,
+    }
 
 
 def _distributed(trainer: pl.Trainer) -> bool:
@@ -461,20 +529,14 @@ def _distributed(trainer: pl.Trainer) -> bool:
 
 
 def _gather(trainer: pl.Trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
-    """``mine`` from every rank, in rank order (JSON through torch's plain all_gather of byte tensors)."""
+    """``mine`` from every rank, in rank order: one object all-gather, after a fit every rank ended (gloo: in
+    host memory; NCCL: a few kilobytes staged on the device, which the last step's peak has just freed)."""
     if not _distributed(trainer):
         return [mine]
-    device = trainer.strategy.root_device
-    data = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8, device=device)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(sizes, size)
-    longest = int(max(int(s) for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    parts = [torch.zeros_like(padded) for _ in sizes]
-    torch.distributed.all_gather(parts, padded)
-    return [json.loads(bytes(p[: int(n)].tolist()).decode()) for p, n in zip(parts, sizes)]
+    register_exit_grace()  # torch frees the collective's tensors on gloo's worker thread
+    parts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
+    return parts
 
 
 def _peak_breakdown(trainer: pl.Trainer, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -500,7 +562,10 @@ def _peak_breakdown(trainer: pl.Trainer, steps: list[dict[str, Any]]) -> dict[st
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} ({device})"
+        try:
+            return f"{torch.cuda.get_device_name(device)} ({device})"
+        except Exception:  # after a CUDA error the device may not answer: the record is written anyway
+            return str(device)
     return str(device)
 
 
@@ -510,6 +575,10 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _has(trainer: pl.Trainer, kind: type) -> bool:
+    return any(isinstance(c, kind) for c in trainer.callbacks)
 
 
 def _noise_scale(trainer: pl.Trainer) -> float | None:

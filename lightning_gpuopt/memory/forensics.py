@@ -56,6 +56,7 @@ __all__ = [
     "cuda_fragmentation",
     "failure_caught",
     "fold_categories",
+    "held_before_step",
     "listener",
     "mark_stage",
     "memory_outside_allocator",
@@ -225,6 +226,38 @@ def categories_now(
         out["activations"] = sum(saved_activations(device, seen).values())
     out["other"] = max(0, int(allocated_bytes) - sum(out[c] for c in CATEGORIES[:-1]))
     return out
+
+
+def held_before_step(
+    categories: Mapping[str, int], baseline_bytes: int, kept_gradient_bytes: int = 0
+) -> dict[str, int]:
+    """Of the bytes in use at an OOM (``categories``), those that were in use already when the step began
+    (``baseline_bytes``), by category; the rest of each category was allocated during the step.
+
+    The training state was there first: the parameters, the optimizer state and the gradients the engine
+    kept aside from earlier batches of the window; what else the step began with is ``other`` (the
+    batch, and what the program keeps on the device: a dataset, outputs it saved), as far as ``other``
+    holds it at the OOM (the rest was freed during the step). Activations and new gradients are the
+    step's own.
+
+    Example:
+        >>> at_oom = {"parameters": 10, "gradients": 0, "optimizer_state": 20, "activations": 40, "other": 130}
+        >>> held_before_step(at_oom, baseline_bytes=150)  # a 120-byte dataset held on the device
+        {'parameters': 10, 'gradients': 0, 'optimizer_state': 20, 'activations': 0, 'other': 120}
+    """
+    left = max(0, min(int(baseline_bytes), sum(int(v) for v in categories.values())))
+    held = dict.fromkeys(CATEGORIES, 0)
+    kept = min(int(kept_gradient_bytes), int(categories.get("gradients", 0)))
+    for name, most in (
+        ("parameters", int(categories.get("parameters", 0))),
+        ("optimizer_state", int(categories.get("optimizer_state", 0))),
+        ("gradients", kept),
+        ("other", int(categories.get("other", 0))),
+    ):
+        take = min(left, max(0, most))
+        held[name] += take
+        left -= take
+    return held
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -460,6 +460,7 @@ def _tell_caught(
         batch_size=failure.batch_size,
         micro_batch_size=failure.micro_batch_size,
         gradients=[g for g in (getattr(batch, "stash", None) or ()) if g is not None],
+        held_before_bytes=failure.baseline_bytes,
     )
 
 

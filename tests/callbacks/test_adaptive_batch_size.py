@@ -13,7 +13,7 @@ from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.goodput import lr_factor, next_accumulation
 from tests.callbacks.goodput_models import Quadratic, quadratic_loader
-from tests.helpers import TRAINER_QUIET
+from tests.helpers import TRAINER_QUIET, MetricsLogger
 
 WARMUP, TOTAL = 20, 400
 
@@ -52,8 +52,12 @@ def test_grows_at_window_boundaries_with_lr_and_samples_schedule():
     windows = Windows()
     grow = AdaptiveBatchSize(interval=10, max_batch=128)
     model = Scheduled(lr=1e-3)
+    logger = MetricsLogger()
     trainer = _fit(
-        model, [GradientNoiseScale(every=1, split_every=1, min_measurements=5, trust=0.5), grow, windows]
+        model,
+        [GradientNoiseScale(every=1, split_every=1, min_measurements=5, trust=0.5), grow, windows],
+        logger=logger,
+        log_every_n_steps=1,
     )
     assert grow.changes, "the batch never grew"
     assert len(grow.changes) >= 2 and all(after == 2 * before for _, before, after, *_ in grow.changes)
@@ -74,7 +78,10 @@ def test_grows_at_window_boundaries_with_lr_and_samples_schedule():
     )
     assert trainer.accumulate_grad_batches == 1  # the user's, back after fit
     # The loggers got the batch of each step; the fit ended saying how far it grew and why not further.
-    assert trainer.logged_metrics["gpuopt/optimizer_batch"] == 16 * windows.seen[-1][1]
+    logged = {step: m["gpuopt/optimizer_batch"] for step, m in logger.rows if "gpuopt/optimizer_batch" in m}
+    assert sorted(logged) == list(range(trainer.global_step))  # every step, at Lightning's step numbers
+    assert logged[trainer.global_step - 1] == 16 * windows.seen[-1][1]
+    assert sorted(set(logged.values())) == [16 * 2**i for i in range(len(grow.changes) + 1)]
     assert grow.summary().startswith(
         f"optimizer batch 16 -> {grow.optimizer_batch} in {len(grow.changes)} change(s); not grown further: "
     )

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery, TokenCount
+from lightning_gpuopt import GPUOptReport, GPUOptWarning, MicroBatchOOMError, OOMRecovery, TokenCount
 from lightning_gpuopt.microbatch import unsupported_strategy
 from lightning_gpuopt.support import Feature
 from lightning_gpuopt.testing import SimulatedMemory
@@ -150,7 +150,7 @@ def test_each_oom_change_is_announced_once_with_the_numbers(caplog):
     assert "(k 1 -> " in lines[0] and lines[0].endswith("optimizer batch 128 kept")
 
 
-def test_micro_batch_size_goes_to_the_logger():
+def test_micro_batch_size_goes_to_the_logger(tmp_path):
     class Collect(Logger):
         name, version = "collect", 0
 
@@ -170,12 +170,19 @@ def test_micro_batch_size_goes_to_the_logger():
 
     logger = Collect()
     oom = OOMRecovery()
-    fit(WideRegressor("adam"), [oom], limit=_limit("forward"), steps=3, logger=logger)
+    report = GPUOptReport(str(tmp_path), plot=False, table=False)  # the one source of gpuopt/micro_batch_size
+    fit(
+        WideRegressor("adam"),
+        [oom, report],
+        limit=_limit("forward"),
+        steps=3,
+        logger=logger,
+        log_every_n_steps=1,
+    )
     sizes = [
         (step, m["gpuopt/micro_batch_size"]) for step, m in logger.rows if "gpuopt/micro_batch_size" in m
     ]
-    assert sizes[0] == (0, 128.0)
-    assert sizes[-1][1] == float(-(-128 // oom.k))  # ceil(128 / k)
+    assert sizes == [(step, float(-(-128 // oom.k))) for step in range(3)]  # ceil(128 / k), once a step
 
 
 # ----------------------------------------------------------------------------- loss weighting

@@ -294,7 +294,7 @@ def test_verbose_false_says_nothing(caplog):
 def test_the_logger_gets_the_precision_index():
     logger = MetricsLogger()
     fit(Troubled(overflow=(5, None)), PrecisionSwitch(initial="keep"), logger=logger)
-    logged = [(step, m["gpuopt/precision"]) for step, m in logger.rows if "gpuopt/precision" in m]
+    logged = [(step, m["gpuopt/precision_index"]) for step, m in logger.rows if "gpuopt/precision_index" in m]
     assert logged == [(0, PRECISION_INDEX["16-mixed"]), (7, PRECISION_INDEX["bf16-mixed"])]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import sys
 
@@ -76,9 +77,9 @@ def test_png_is_a_valid_picture_of_the_expected_size(oom_run):
 def test_memory_and_throughput_go_to_the_logger(oom_run):
     *_, logger = oom_run
     logged = {step: m for step, m in logger.rows if "gpuopt/memory_peak" in m}
-    assert sorted(logged) == [2, 4, 6, 8]  # every log_every_n_steps
+    assert sorted(logged) == [1, 3, 5, 7]  # every log_every_n_steps, on Lightning's step numbers
     assert all(isinstance(m["gpuopt/memory_allocated"], float) for m in logged.values())
-    assert all(m["gpuopt/samples_per_s"] > 0 for step, m in logged.items() if step > 2)
+    assert all(m["gpuopt/samples_per_s"] > 0 for step, m in logged.items() if step > 1)
     assert not any("gpuopt/mfu" in m for m in logged.values())  # MFU only on CUDA
 
 
@@ -95,11 +96,31 @@ def test_gpuopt_report_reproduces_the_table_and_redraws_the_picture(oom_run, tmp
     assert _png_size(tmp_path / "gpuopt_report.png") == _png_size(folder / "gpuopt_report.png")
 
 
-def test_gpuopt_report_on_a_folder_without_a_report_says_what_to_pass(tmp_path, capsys):
+NOT_RUNS = {
+    "a picture": ("gpuopt_report.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"),
+    "a text file": ("notes.txt", b"not a report"),
+    "a JSON list": ("gpuopt_report.json", b"[1, 2]"),
+    "JSON without a format": ("other.json", b'{"steps": []}'),
+    "another format": ("manifest.json", b'{"format": "lightning_gpuopt.memmap/1"}'),
+    "a missing path": (None, None),
+    "a folder without a report": ("", None),
+}
+
+
+@pytest.mark.parametrize("what", list(NOT_RUNS), ids=list(NOT_RUNS))
+def test_gpuopt_report_on_a_path_that_is_no_run_says_what_to_pass_in_one_line(what, tmp_path, capsys):
+    name, content = NOT_RUNS[what]
+    path = tmp_path / (name if name is not None else "missing")
+    if content is not None:
+        path.write_bytes(content)
     with pytest.raises(SystemExit) as exit_info:
-        main(["report", str(tmp_path)])
+        main(["report", str(path)])
     assert exit_info.value.code == 2
-    assert "No gpuopt_report.json in" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuopt report: ") and captured.out == "", captured
+    assert repr(str(path))[1:-1] in lines[0] and "log directory" in lines[0], lines[0]
+    assert "codec" not in lines[0] and "Traceback" not in lines[0]
 
 
 def test_without_matplotlib_the_json_and_table_are_written_and_the_extra_is_named(tmp_path, monkeypatch):
@@ -172,3 +193,39 @@ def _tiny_loader():
     from tests.callbacks.oom_models import Waves
 
     return DataLoader(Waves(length=256), batch_size=32)
+
+
+LIMITS = {
+    "constant": [1000] * 4,
+    "lowered": [1000, 1000, 700, 700],
+    "raised": [1000, 1000, 1200, 1200],
+    "set mid-run": [None, None, 700, 700],
+    "none": [None] * 4,
+}
+
+
+@pytest.mark.parametrize("limits", list(LIMITS), ids=list(LIMITS))
+def test_the_peak_is_a_share_of_a_limit_only_where_the_limit_held_still(limits):
+    peaks = [1000, 990, 650, 690]  # the run's peak came before any lowering: 143 % of the lowered limit
+    steps = [
+        {"step": i, "peak_bytes": p, "allocated_bytes": 1, "limit_bytes": v, "k": 1, "micro_batch_size": 8,
+         "batch_size": 8, "precision": "32-true", "samples": 8, "step_time_s": None}
+        for i, (p, v) in enumerate(zip(peaks, LIMITS[limits]))
+    ]  # fmt: skip
+    row = dict(summary_rows({"run": {"memory_kind": "simulated"}, "steps": steps, "decisions": []}))
+    text = row["peak memory (simulated)"]
+    assert text.startswith("1000 B")
+    changed = len({v for v in LIMITS[limits]}) > 1
+    assert ("the limit changed during the run" in text) == changed
+    shares = [int(s) for s in re.findall(r"(\d+)%", text)]
+    if limits == "none":
+        assert shares == []
+    else:  # one share: the peak's, of a limit that held still, or the highest of any step's in its own limit
+        best = max(p / v for p, v in zip(peaks, LIMITS[limits]) if v)
+        assert shares == [round(100 * best)] and shares[0] <= 100
+
+
+def test_the_oom_run_never_shows_a_peak_above_its_limit(oom_run):
+    _, report, *_ = oom_run
+    text = dict(summary_rows(report.report))["peak memory (simulated)"]
+    assert all(int(s) <= 100 for s in re.findall(r"(\d+)%", text)), text
