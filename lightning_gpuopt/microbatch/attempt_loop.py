@@ -316,9 +316,10 @@ class AttemptLoop:
             try:
                 agreement = agree_or_stop(batch.vote, status, voted_k, k, peer_votes, fatal, batch.where())
             except torch.OutOfMemoryError as stop:
-                if (
-                    in_check
-                ):  # every rank failed in the check (rank 0's outcome is every rank's): the fallback
+                if in_check:  # every rank failed in the check (rank 0's outcome is theirs): the fallback
+                    # The error's frames hold this one and its batch: they must not outlive the step.
+                    stop.with_traceback(None)
+                    fatal = None
                     where = _unchecked_where(n, k, "and no larger k is left")
                     forensics.action_taken(
                         f"loss weighting used unchecked: the check ran out of memory {where}"
