@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -98,7 +99,8 @@ def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextM
     ``no_trace`` is the engine's :meth:`~lightning_gpuopt.microbatch.MicroBatchEngine.leave_no_trace`
     (``self.log`` captured and dropped, torchmetrics and BatchNorm states restored). torch's RNG is forked
     (CPU and the module's CUDA devices), Python's and NumPy's global states are put back on exit, and
-    ``torch.compile`` runs eagerly.
+    ``torch.compile`` runs eagerly. Warnings the step gives there are not shown: they would be the check's
+    (torch's on a statistic of one sample, say), and the training steps give their own.
     """
     modes = [(m, m.training) for m in module.modules()]
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
@@ -106,7 +108,9 @@ def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextM
     try:
         module.eval()
         with no_trace, torch.random.fork_rng(devices=devices), torch.no_grad(), _eager():
-            yield
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
     finally:
         host.restore()
         for m, mode in modes:
@@ -287,7 +291,7 @@ class LossWeighting:
             parts = [slice_samples(piece, m, lo, hi) for lo, hi in bounds]
             measured: _Measured | None = None
             out_of_memory: str | None = None
-            free_memory()  # what earlier attempts and steps left behind is not the check's to compete with
+            free_memory(generation=1)  # the young cycles earlier steps left (the last OOM freed the rest)
             try:
                 with quiet_forward(module, engine.leave_no_trace()):
                     measured = _measure(run_piece, piece, m, bounds, parts)
@@ -407,7 +411,10 @@ class LossWeighting:
             checked=result.checked,
         )
         if unchecked:
-            warn(message)
+            if getattr(
+                engine.trainer, "is_global_zero", True
+            ):  # every rank holds rank 0's decision: one line
+                warn(message)
         elif self.verbose:
             rank_zero_info(message)
 

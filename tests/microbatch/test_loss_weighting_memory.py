@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_gpuopt import GPUOptWarning, OOMRecovery
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.testing import SimulatedMemory
-from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of
+from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of, run_ranks
 
 BATCH, LENGTH, VOCAB = 32, 32, 64
 
@@ -215,3 +216,23 @@ def test_a_given_weighting_is_used_as_given_when_the_check_cannot_run():
         "loss weighting: tokens (labels != -100) (given) — not checked: the check ran out of memory on 2 samples"
     )
     assert_same_training(ref.theta0, run.theta, ref.theta, floor=1e-9, factor=1.0, elementwise=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limited_rank", [0, 1])
+def test_ranks_hold_one_weighting_when_the_check_cannot_run_on_one(tmp_path, limited_rank):
+    """Rank 0's check decides for every rank: where it cannot run, every rank splits further, then every rank
+    uses sample shares (one line, from rank 0); where only rank 1's cannot, both take rank 0's tokens."""
+    script = Path(__file__).with_name("ddp_weighting_oom_run.py")
+    ranks = run_ranks(script, tmp_path, limited_rank, _between_check_and_step())
+    expected = ("samples", False) if limited_rank == 0 else ("tokens", True)
+    for rank, got in enumerate(ranks):
+        assert got["error"] is None and got["steps"] == 2, (rank, got["error"])
+        (weighting,) = got["weighting"]
+        assert (weighting["weighting"], weighting["checked"]) == expected, rank
+        assert got["k"] == FEW, "every rank splits to one sample a micro-batch, as the limited one needs"
+    lines = [line for got in ranks for line in got["lines"]]
+    assert len(lines) == (1 if limited_rank == 0 else 0), lines
+    assert ranks[0]["lines"] == lines, "the line comes from rank 0"
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
