@@ -325,6 +325,7 @@ class AttemptLoop:
                         f"loss weighting used unchecked: the check ran out of memory {where}"
                     )
                     engine.loss_weighting.unchecked(engine, where)
+                    engine.exchange.recover()  # as before any retry, on every rank alike
                     continue
                 if failure is not None:
                     forensics.action_taken(stop_reason(stop))

@@ -374,8 +374,8 @@ class LossWeighting:
         if result.tied and hf_head(engine.trainer.lightning_module) is None:
             tied = [d for d, e in result.errors.items() if e <= result.tolerance]
             warn(
-                f"loss weighting: {', '.join(tied)} all reproduce your loss on the checked piece of the batch (its "
-                f"parts' losses are too close to tell them apart); keeping {result.chosen.description}. Pass "
+                f"loss weighting: {', '.join(tied)} all reproduce your loss on the two checked samples (their "
+                f"losses are too close to tell them apart); keeping {result.chosen.description}. Pass "
                 "`loss_reduction=` or `weight_fn=` to OOMRecovery to choose."
             )
         self._announce(engine, result.chosen, result)
@@ -429,7 +429,7 @@ class LossWeighting:
             else "no weighting of micro-batch losses reproduces your loss"
         )
         message = (
-            f"loss weighting: {what} on a piece of the batch and its two parts (relative differences: {measured}; "
+            f"loss weighting: {what} on two samples of the batch, together and apart (relative differences: {measured}; "
             f"allowed {result.tolerance:.1g}).{better} Expected a loss that is a mean or sum over samples or tokens; a loss "
             "that couples the samples of a batch (in-batch negatives, contrastive losses, batch statistics) changes "
             "meaning when the batch is split. Declare it with `OOMRecovery(unsplittable=True)`, or pass a `weight_fn` "

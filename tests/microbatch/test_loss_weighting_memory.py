@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt import GPUOptWarning, OOMRecovery
+from lightning_gpuopt import GPUOptWarning, MemoryAwareBatchSize, OOMRecovery
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of, run_ranks
@@ -216,6 +216,19 @@ def test_a_given_weighting_is_used_as_given_when_the_check_cannot_run():
         "loss weighting: tokens (labels != -100) (given) — not checked: the check ran out of memory on 2 samples"
     )
     assert_same_training(ref.theta0, run.theta, ref.theta, floor=1e-9, factor=1.0, elementwise=True)
+
+
+def test_without_oom_recovery_a_check_that_cannot_run_says_so_at_once():
+    """MemoryAwareBatchSize alone splits to one sample a micro-batch; nothing may split further for the check."""
+    batch_size = MemoryAwareBatchSize(verbose=False)
+    with pytest.warns(GPUOptWarning) as record:
+        run = _fit_long([batch_size], limit=_between_check_and_step())
+    assert run.trainer.global_step == 2
+    (line,) = [str(w.message) for w in record if issubclass(w.category, GPUOptWarning)]
+    assert line.startswith(
+        f"loss weighting: sample shares — not checked: the check ran out of memory on 2 samples at micro-batches "
+        f"of 1 sample (k {FEW}), and without OOMRecovery nothing splits further; used unchecked for every split."
+    )
 
 
 @pytest.mark.slow
