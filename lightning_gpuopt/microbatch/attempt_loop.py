@@ -33,7 +33,12 @@ from lightning_gpuopt.memory import (
 )
 from lightning_gpuopt.microbatch.attempt import Attempt, SideEffects, emit_logs
 from lightning_gpuopt.microbatch.batches import EvalBatch, TrainingBatch
-from lightning_gpuopt.microbatch.errors import LossWeightingError, MicroBatchOOMError, RankOutOfMemoryError
+from lightning_gpuopt.microbatch.errors import (
+    LossWeightingError,
+    MicroBatchOOMError,
+    RankOutOfMemoryError,
+    WeightingCheckOutOfMemory,
+)
 from lightning_gpuopt.microbatch.exchange import PeerFailure
 from lightning_gpuopt.oom_policy import (
     Agreement,
@@ -206,7 +211,11 @@ class AttemptLoop:
         rechecks = 0
         first_size_error: BaseException | None = None
         refused: LossWeightingError | None = None
+        # The loss-weighting check ran out of memory where no handler can split further (or while a measurement
+        # asked for the split): handled outside the except block.
+        check_failed: WeightingCheckOutOfMemory | None = None
         while True:
+            in_check = False  # this attempt failed in the loss-weighting check (alike on every rank)
             k = batch.k()
             baseline = probe.allocated if measured else None
             failure: OOMFailure | None = None
@@ -223,6 +232,21 @@ class AttemptLoop:
                     batch.give_up()
                     raise
                 refused = err.with_traceback(None)  # only a measurement asked for the split: run whole
+            except WeightingCheckOutOfMemory as err:
+                if batch.measuring or engine.oom_handler is None:
+                    check_failed = err.with_traceback(None)
+                else:  # the attempt's OOM: a larger k, and the check again
+                    in_check = True
+                    failure = _describe(
+                        err,
+                        probe if measured else None,
+                        self.trainer.global_step,
+                        batch,
+                        "forward",
+                        k,
+                        baseline,
+                    )
+                    _tell_caught(err, failure, batch, stage)
             except Exception as err:
                 # cuDNN's CUDNN_STATUS_NOT_SUPPORTED is often a size limit: shrink once, then re-raise the original.
                 size_error = (
@@ -258,6 +282,19 @@ class AttemptLoop:
                 batch.stop_measuring(refused)
                 refused = None
                 continue
+            if check_failed is not None:
+                batch.drop()
+                free_memory()
+                if (
+                    batch.measuring
+                ):  # only a measurement asked for the split: this batch runs whole, unchecked
+                    batch.measuring = False
+                else:  # nothing may split further here: the fallback, said in one line
+                    engine.loss_weighting.unchecked(
+                        engine, _unchecked_where(n, k, "and without OOMRecovery nothing splits further")
+                    )
+                check_failed = None
+                continue
             fatal: BaseException | None = None
             if failure is not None or peer_votes is not None:
                 # Outside the except block: the traceback and the activations it pinned are gone.
@@ -272,10 +309,24 @@ class AttemptLoop:
             else:
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
                 status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch.batch)
+                if in_check and fatal is None and (recovery.k or 0) <= k:
+                    # A recovery rung (activation checkpointing) saves nothing in a check without gradients.
+                    status, recovery, fatal = Status.FATAL, None, MicroBatchOOMError("no larger k left")
                 voted_k = batch.voted_k(recovery, k)
             try:
                 agreement = agree_or_stop(batch.vote, status, voted_k, k, peer_votes, fatal, batch.where())
             except torch.OutOfMemoryError as stop:
+                if in_check:  # every rank failed in the check (rank 0's outcome is theirs): the fallback
+                    # The error's frames hold this one and its batch: they must not outlive the step.
+                    stop.with_traceback(None)
+                    fatal = None
+                    where = _unchecked_where(n, k, "and no larger k is left")
+                    forensics.action_taken(
+                        f"loss weighting used unchecked: the check ran out of memory {where}"
+                    )
+                    engine.loss_weighting.unchecked(engine, where)
+                    engine.exchange.recover()  # as before any retry, on every rank alike
+                    continue
                 if failure is not None:
                     forensics.action_taken(stop_reason(stop))
                 batch.give_up()
@@ -437,6 +488,12 @@ def agree_or_stop(
             "steps)."
         )
     return agreement
+
+
+def _unchecked_where(n: int, k: int, why: str) -> str:
+    """Where the loss-weighting check ran out of memory, for the line that says the weighting is unchecked."""
+    size = math.ceil(n / k)
+    return f"at micro-batches of {size} sample{'s' if size != 1 else ''} (k {k}), {why}"
 
 
 def _sent_back(batch: TrainingBatch | EvalBatch, output: Any) -> bool:

@@ -147,7 +147,9 @@ class TrainingBatch:
         loop, step = self.loop, self.loop.strategy_training_step
         chunks = loop.micro_batches(self.batch, k)
         self.engine.compile_watch.mark_dynamic(chunks, batch_samples)
-        # The loss weighting's one call site: at the first split it runs the step on a piece of the batch.
+        # The loss weighting's one call site: at the first split it runs the step on a piece of the batch
+        # (forwards: an OOM in it is this attempt's forward OOM).
+        loop.phase = "forward"
         weights = self.engine.loss_weighting.weights(
             self.engine, chunks, lambda piece: step(piece, *self.rest, **self.kwargs), self.batch
         )

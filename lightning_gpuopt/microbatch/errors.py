@@ -10,6 +10,7 @@ __all__ = [
     "OptimizerStepOOMError",
     "RankOutOfMemoryError",
     "Refused",
+    "WeightingCheckOutOfMemory",
 ]
 
 
@@ -33,3 +34,9 @@ class LossWeightingError(MicroBatchOOMError):
 class OptimizerStepOOMError(torch.OutOfMemoryError):
     """Out of memory inside ``optimizer.step`` (its state, its temporaries), where smaller micro-batches
     cannot help: the message names the optimizer state and the fixes. Every rank ends with it."""
+
+
+class WeightingCheckOutOfMemory(torch.OutOfMemoryError):
+    """The loss-weighting check ran out of memory on its two samples (rank 0's check, on every rank alike): the
+    attempt loop retries the batch at a larger k like any OOM, and where no larger k is left, splits with the
+    fallback weighting, saying in one line that it is unchecked and why."""

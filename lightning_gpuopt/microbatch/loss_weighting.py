@@ -6,18 +6,27 @@ per-sample mean, tokens for a token mean over padded sequences (shifted by one f
 nothing for a sum. The engine asks :class:`LossWeighting` for the weights of every split.
 
 With ``mode="auto"`` (the default), the first split of a run runs the user's ``training_step`` on a
-piece of the real batch (the first micro-batch, at least two samples) and on that piece's two parts,
-without gradients, with dropout off and BatchNorm on its running statistics, under ``fork_rng``, eagerly
-under ``torch.compile``, and leaving no trace (logged values, torchmetrics states and BatchNorm
-statistics are restored). Each candidate's weighted combination of the parts' losses is
-compared with the piece's own loss; the one that matches within the precision's rounding
-(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.tolerance`) is used for the rest of the run. The parts are chosen so that the candidates' shares
-differ as much as the piece allows, so they cannot tie. When several still match (the parts' losses are
-too close to tell them apart), a Hugging Face ``transformers`` head inside the module decides
-(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.hf_head`); without one sample shares are kept, with a warning. When none matches (in-batch
-negatives, batch statistics), the split is refused before it runs (or, with ``on_mismatch="warn"``,
-warned about once). An explicit ``mode`` or ``weight_fn`` is used as given and checked the same way.
-The rules of the check are plain functions in ``loss_weighting_rules.py``.
+piece of the real batch and on that piece's two parts, without gradients, with dropout off and BatchNorm
+on its running statistics, under ``fork_rng``, eagerly under ``torch.compile``, and leaving no trace
+(logged values, torchmetrics states and BatchNorm statistics are restored). The piece is two samples,
+the shortest and the longest (:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.check_pair`): the
+smallest piece whose parts tell the candidates apart, and the cheapest to run where memory is short.
+Each candidate's weighted combination of the parts' losses is compared with the piece's own loss; the
+one that matches within the precision's rounding
+(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.tolerance`) is used for the rest of the run.
+When several still match (the parts' losses are too close to tell them apart), a Hugging Face
+``transformers`` head inside the module decides
+(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.hf_head`); without one sample shares are kept,
+with a warning. When none matches (in-batch negatives, batch statistics), the split is refused before it
+runs (or, with ``on_mismatch="warn"``, warned about once). An explicit ``mode`` or ``weight_fn`` is used
+as given and checked the same way. The rules of the check are plain functions in
+``loss_weighting_rules.py``.
+
+Memory is freed before the check runs. Where the check itself runs out of memory, that is the attempt's
+OOM (:class:`~lightning_gpuopt.microbatch.errors.WeightingCheckOutOfMemory`): the batch is retried at a
+larger k and checked again; where no larger k is left, the attempt loop calls :meth:`LossWeighting.unchecked`,
+which splits with the fallback (the HF head's weighting, else sample shares) and says so in one warning.
+A split never runs on an unchecked weighting without a line saying so.
 
 A step that draws random numbers (diffusion noise, flow-matching times) is checked with the piece's draws
 replayed on its parts (``replay.py``), so the same comparison applies. Where replay is impossible (Python's
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,8 +53,8 @@ from lightning_gpuopt._validate import choice
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of, slice_samples
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.memory.oom import is_oom_error
-from lightning_gpuopt.microbatch.errors import LossWeightingError
+from lightning_gpuopt.memory.oom import free_memory, is_oom_error
+from lightning_gpuopt.microbatch.errors import LossWeightingError, WeightingCheckOutOfMemory
 from lightning_gpuopt.microbatch.exchange import broadcast_from_rank_zero
 from lightning_gpuopt.microbatch.loss_weighting_rules import (
     HEAD_WEIGHTING,
@@ -57,7 +67,6 @@ from lightning_gpuopt.microbatch.loss_weighting_rules import (
     hf_head,
     piece_of,
     selected_tokens_match,
-    split_point,
     tolerance,
 )
 from lightning_gpuopt.microbatch.replay import HostRandom, PartRun, RandomDraws
@@ -90,7 +99,8 @@ def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextM
     ``no_trace`` is the engine's :meth:`~lightning_gpuopt.microbatch.MicroBatchEngine.leave_no_trace`
     (``self.log`` captured and dropped, torchmetrics and BatchNorm states restored). torch's RNG is forked
     (CPU and the module's CUDA devices), Python's and NumPy's global states are put back on exit, and
-    ``torch.compile`` runs eagerly.
+    ``torch.compile`` runs eagerly. Warnings the step gives there are not shown: they would be the check's
+    (torch's on a statistic of one sample, say), and the training steps give their own.
     """
     modes = [(m, m.training) for m in module.modules()]
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
@@ -98,7 +108,9 @@ def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextM
     try:
         module.eval()
         with no_trace, torch.random.fork_rng(devices=devices), torch.no_grad(), _eager():
-            yield
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
     finally:
         host.restore()
         for m, mode in modes:
@@ -167,6 +179,7 @@ def _measure(
             if run.failure is not None and measured.unreplayable is None:
                 measured.unreplayable = run.failure
             measured.parts.append(_loss_value(output) if run.failure is None else None)
+            del output  # a part's outputs (logits...) must not stay alive while the next part runs
     finally:
         draws.clear()
     return measured
@@ -211,6 +224,8 @@ class LossWeighting:
         #: Print the decision on rank zero (it is recorded either way).
         self.verbose = True
         self._checked = False
+        #: The check could not run for lack of memory: the fallback is used, and the check runs again on resume.
+        self._unchecked = False
         self._warned = False
 
     def _given(self) -> Candidate | None:
@@ -265,43 +280,76 @@ class LossWeighting:
         options = candidates(source, self.token_key, self.ignore_index)
         if self.decided is not None and self.decided not in options:
             options = [self.decided, *options]
-        try:  # a piece the size of one micro-batch (at least two samples) spanning the batch's lengths
-            size = max(2, batch_size_of(chunks[0]))
-            piece = piece_of(source, min(size, batch_size_of(source)), options)
+        tol = tolerance(getattr(trainer, "precision", None))
+        try:  # two samples, the shortest and the longest: the smallest piece that tells the candidates apart
+            piece = piece_of(source, options)
             m = batch_size_of(piece)
         except (UnsplittableBatchError, ValueError, TypeError, KeyError, IndexError):
             m = 0
-        if m >= 2:
-            cut = split_point(piece, m, options)
-            bounds = [(0, cut), (cut, m)]
+        if m == 2:
+            bounds = [(0, 1), (1, 2)]
             parts = [slice_samples(piece, m, lo, hi) for lo, hi in bounds]
-            tol = tolerance(getattr(trainer, "precision", None))
             measured: _Measured | None = None
+            out_of_memory: str | None = None
+            free_memory(generation=1)  # the young cycles earlier steps left (the last OOM freed the rest)
             try:
                 with quiet_forward(module, engine.leave_no_trace()):
                     measured = _measure(run_piece, piece, m, bounds, parts)
             except Exception as err:
                 if not is_oom_error(err) or engine.exchange.votes_inside_step:
                     raise  # FSDP2: an OOM here is the attempt's, voted on like any other (the check runs again)
-                # Out of memory in the check: every rank still reaches the broadcast below; the batch runs with
-                # the fallback and the check runs again at the next split.
-            if measured is None or measured.skipped:  # out of memory, or the step returned None: wait
+                # Every rank still reaches the broadcast below; rank 0's outcome is every rank's.
+                out_of_memory = _first_line(err)
+            if out_of_memory is not None:
+                free_memory()  # outside the except block: the traceback no longer pins the check's tensors
+                result = CheckResult(None, {}, tol, checked=False, out_of_memory=out_of_memory)
+            elif measured.skipped:  # the step returned None: decide at the next split
                 result = CheckResult(None, {}, tol, checked=False)
             elif measured.unreplayable is not None:
                 result = _unreplayable(measured.unreplayable, tol)
-            elif math.isfinite(measured.piece) and all(math.isfinite(v) for v in measured.parts):
-                result = _compare(measured, parts, options, tol, head)
+            elif not math.isfinite(measured.piece):
+                reason = "your loss was not finite on the checked samples"
+                result = CheckResult(
+                    self.decided or self._fallback(engine), {}, tol, checked=False, reason=reason
+                )
+            elif not all(math.isfinite(v) for v in measured.parts):
+                # A mean or sum over samples is finite on each sample where it is finite on both: this loss
+                # couples them (a statistic of the batch), and no weighting of micro-batch losses reproduces it.
+                result = CheckResult(None, {o.description: math.inf for o in options}, tol)
             else:
-                result = CheckResult(self.decided or self._fallback(engine), {}, tol, checked=False)
+                result = _compare(measured, parts, options, tol, head)
         else:
-            result = CheckResult(self.decided or self._fallback(engine), {}, 0.0, checked=False)
+            reason = "the batch has no two samples to check on"
+            result = CheckResult(
+                self.decided or self._fallback(engine), {}, 0.0, checked=False, reason=reason
+            )
         pool = [*options, *(c for c in (self.decided, self._fallback(engine)) if c is not None)]
         result = _from_rank_zero(result, pool)
-        if not result.checked and result.chosen is None and result.refusal is None:
-            return  # out of memory in the check, or the step skipped the piece (on rank 0): decide at the next split
+        if result.out_of_memory is not None:
+            if (
+                self.decided is None
+            ):  # "auto": the batch runs at a larger k, or with the fallback said in one line
+                raise WeightingCheckOutOfMemory(
+                    f"the loss-weighting check (your training_step on 2 samples, without gradients) ran out of "
+                    f"memory: {result.out_of_memory}"
+                )
+            reason = "the check ran out of memory on 2 samples"  # a given weighting is used as given
+            result = CheckResult(None, {}, tol, checked=False, reason=reason)
+        elif not result.checked and result.chosen is None and result.refusal is None:
+            return  # the step skipped the piece (on rank 0): decide at the next split
         self.result = result
         self._checked = True
         self._take(engine, result)
+
+    def unchecked(self, engine: MicroBatchEngine, where: str) -> None:
+        """The check cannot run (out of memory ``where``, with no larger k left): split with the fallback, said
+        once in one line. The check runs again after a resume."""
+        fallback = self._fallback(engine)
+        tol = tolerance(getattr(engine.trainer, "precision", None))
+        reason = f"the check ran out of memory on 2 samples {where}"
+        self.result = CheckResult(fallback, {}, tol, checked=False, reason=reason)
+        self.decided, self._checked, self._unchecked = fallback, True, True
+        self._announce(engine, fallback, self.result)
 
     def _take(self, engine: MicroBatchEngine, result: CheckResult) -> None:
         """Use what the check decided; a given weighting stays, flagged when it does not reproduce the loss."""
@@ -326,8 +374,8 @@ class LossWeighting:
         if result.tied and hf_head(engine.trainer.lightning_module) is None:
             tied = [d for d, e in result.errors.items() if e <= result.tolerance]
             warn(
-                f"loss weighting: {', '.join(tied)} all reproduce your loss on the checked piece of the batch (its "
-                f"parts' losses are too close to tell them apart); keeping {result.chosen.description}. Pass "
+                f"loss weighting: {', '.join(tied)} all reproduce your loss on the two checked samples (their "
+                f"losses are too close to tell them apart); keeping {result.chosen.description}. Pass "
                 "`loss_reduction=` or `weight_fn=` to OOMRecovery to choose."
             )
         self._announce(engine, result.chosen, result)
@@ -337,8 +385,6 @@ class LossWeighting:
     ) -> None:
         if result.reason is not None:
             how = f"not checked: {result.reason}"
-        elif not result.checked:
-            how = "not checked (the piece of the batch could not be split in two)"
         else:
             how = f"matches your loss to {result.errors.get(chosen.description, math.nan):.1g}"
             if result.replayed:
@@ -347,6 +393,12 @@ class LossWeighting:
         if result.tied and head is not None and not explicit:
             how += f" (a tie, decided by the Hugging Face {head.value} head)"
         message = f"loss weighting: {chosen.description}{' (given)' if explicit else ''} — {how}"
+        unchecked = not result.checked and not explicit
+        if unchecked:
+            message += (
+                f"; used unchecked for every split. If your loss is not {_MEANS[chosen.kind]}, the split changes "
+                "your training. " + _ASK_FOR_REDUCTION
+            )
         record_decision(
             engine.trainer,
             "loss weighting",
@@ -358,7 +410,12 @@ class LossWeighting:
             tolerance=result.tolerance,
             checked=result.checked,
         )
-        if self.verbose:
+        if unchecked:
+            if getattr(
+                engine.trainer, "is_global_zero", True
+            ):  # every rank holds rank 0's decision: one line
+                warn(message)
+        elif self.verbose:
             rank_zero_info(message)
 
     def _mismatch(self, engine: MicroBatchEngine, result: CheckResult, given: Candidate | None) -> None:
@@ -372,7 +429,7 @@ class LossWeighting:
             else "no weighting of micro-batch losses reproduces your loss"
         )
         message = (
-            f"loss weighting: {what} on a piece of the batch and its two parts (relative differences: {measured}; "
+            f"loss weighting: {what} on two samples of the batch, together and apart (relative differences: {measured}; "
             f"allowed {result.tolerance:.1g}).{better} Expected a loss that is a mean or sum over samples or tokens; a loss "
             "that couples the samples of a batch (in-batch negatives, contrastive losses, batch statistics) changes "
             "meaning when the batch is split. Declare it with `OOMRecovery(unsplittable=True)`, or pass a `weight_fn` "
@@ -395,6 +452,8 @@ class LossWeighting:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain state: the decision, so a resumed run does not check again."""
+        if self._unchecked:
+            return {"checked": False}
         chosen = self.decided if self._checked else None
         if chosen is None or chosen.kind is Weighting.CUSTOM:
             return {"checked": self._checked}
@@ -407,6 +466,7 @@ class LossWeighting:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._unchecked = False
         if not state.get("checked"):  # nothing decided yet (or an empty state): back to the constructor's
             self._checked, self.decided, self.result = False, self._given(), None
             return
@@ -425,6 +485,22 @@ _ASK_FOR_REDUCTION = (
     'Pass `OOMRecovery(loss_reduction=...)`: "mean" for a mean over samples, "tokens" for a mean over '
     '`labels != -100`, "sum" for a sum.'
 )
+
+
+#: What each fallback weighting assumes the loss is, for the line that says it is used unchecked.
+_MEANS = {
+    Weighting.SAMPLES: "a mean over samples",
+    Weighting.TOKENS: "a mean over those tokens",
+    Weighting.TOKENS_SHIFTED: "a mean over those tokens",
+    Weighting.MASK_TOKENS: "a mean over those tokens",
+    Weighting.SUM: "a sum",
+    Weighting.CUSTOM: "a mean over what `weight_fn` counts",
+}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _unreplayable(source: str, tol: float) -> CheckResult:
@@ -478,7 +554,8 @@ def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate]) -> CheckResu
         result.replayed,
         result.refusal,
         result.reason,
+        result.out_of_memory,
     )
-    chosen, errors, tol, tied, checked, replayed, refusal, reason = broadcast_from_rank_zero(sent)
+    chosen, errors, tol, tied, checked, replayed, refusal, reason, oom = broadcast_from_rank_zero(sent)
     match = next((c for c in pool if c.description == chosen), None) if chosen is not None else None
-    return CheckResult(match, errors, tol, tied, checked, replayed, refusal, reason)
+    return CheckResult(match, errors, tol, tied, checked, replayed, refusal, reason, oom)

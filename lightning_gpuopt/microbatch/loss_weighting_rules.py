@@ -31,11 +31,11 @@ __all__ = [
     "HFHead",
     "Weighting",
     "candidates",
+    "check_pair",
     "choose",
     "hf_head",
     "piece_of",
     "selected_tokens_match",
-    "split_point",
     "tolerance",
 ]
 
@@ -249,6 +249,7 @@ class CheckResult:
         refusal: why no weighting can be found from the user's loss, one line for the user (random numbers
             the check cannot replay, tokens selected at random inside the step); ``None`` when it compared.
         reason: the same, short, for the decision of a weighting given explicitly (used unchecked).
+        out_of_memory: the check ran out of memory (the error's first line); nothing was decided.
     """
 
     chosen: Candidate | None
@@ -259,6 +260,7 @@ class CheckResult:
     replayed: bool = False
     refusal: str | None = None
     reason: str | None = None
+    out_of_memory: str | None = None
 
     @property
     def mismatch(self) -> float:
@@ -344,60 +346,64 @@ def _same_per_sample(a: Candidate, b: Candidate, piece: Any) -> bool:
     return all(abs(x / total_a - y / total_b) <= 1e-12 for x, y in zip(counts_a, counts_b))
 
 
-def piece_of(batch: Any, size: int, options: Sequence[Candidate]) -> Any:
-    """``size`` samples of ``batch`` that span its range of token counts, ordered by that count.
+def check_pair(batch: Any, options: Sequence[Candidate]) -> tuple[int, int]:
+    """The two samples of ``batch`` the check runs on, the one counted least first.
 
-    Without token candidates the first ``size`` samples. Ordering by count lets the split into two parts
-    separate short from long samples, so that the candidates' shares of the parts differ.
+    Two samples are the smallest piece whose parts (one sample each) can tell the candidates apart: the
+    shortest and the longest, by the token candidate whose counts vary most across the batch, among the
+    samples in which every candidate counts something (a part with nothing to count has no mean). Where
+    that pair counts two candidates in proportion although they differ on the batch, the pair that
+    separates them best is taken instead. A batch without token candidates gives its first two samples.
+
+    Example:
+        >>> labels = torch.tensor([[1, 1, 1, 1], [1, 1, -100, -100], [1, 1, 1, -100]])
+        >>> check_pair({"labels": labels}, candidates({"labels": labels}))  # 2 and 4 tokens
+        (1, 0)
     """
     n = batch_size_of(batch)
-    spread, counts = -1.0, None
+    rows: list[Tensor] = []
     for option in options:
         try:
             found = option.per_sample(batch)
         except (KeyError, IndexError, TypeError):
             found = None
-        if found is None or found.numel() != n:
-            continue
-        found = found.double()
-        value = float(found.std() / found.mean().clamp_min(1e-12)) if n > 1 else 0.0
-        if value > spread:
-            spread, counts = value, found
-    if counts is None:
-        order = list(range(min(size, n)))
-    elif size >= n:
-        order = sorted(range(n), key=lambda i: float(counts[i]))
-    else:
-        ranked = sorted(range(n), key=lambda i: float(counts[i]))
-        order = sorted(
-            {ranked[round(i * (n - 1) / (size - 1))] for i in range(size)}, key=lambda i: float(counts[i])
-        )
-    if order == list(range(len(order))):
-        return first_samples(batch, len(order))
-    return merge_outputs([slice_samples(batch, n, i, i + 1) for i in order])
+        if found is not None and found.numel() == n:
+            rows.append(found.detach().to("cpu", torch.float64).flatten())
+    valid = [i for i in range(n) if all(float(r[i]) > 0 for r in rows)]
+    if not rows or len(valid) < 2:
+        return (0, 1)
+    spread = [float(r[valid].std() / r[valid].mean()) for r in rows]
+    counts = rows[max(range(len(rows)), key=lambda i: spread[i])]
+    ranked = sorted(valid, key=lambda i: float(counts[i]))
+    short, long = ranked[0], ranked[-1]
+    if float(counts[short]) == float(counts[long]):
+        return (valid[0], valid[1])
+    kinds = [torch.ones(n, dtype=torch.float64), *rows]  # sample shares count 1 per sample
+    pairs = [(a, b) for i, a in enumerate(kinds) for b in kinds[i + 1 :] if _differ(a[valid], b[valid])]
+
+    def gap(i: int, j: int) -> float:
+        shares = [(float(a[i] / (a[i] + a[j])), float(b[i] / (b[i] + b[j]))) for a, b in pairs]
+        return min((abs(x - y) for x, y in shares), default=math.inf)
+
+    if gap(short, long) > 1e-12:
+        return (short, long)
+    ends = sorted(
+        {i for r in kinds[1:] for i in (min(valid, key=lambda v: r[v]), max(valid, key=lambda v: r[v]))}
+    )
+    pool = valid if len(valid) <= 64 else ends
+    best = max(((i, j) for x, i in enumerate(pool) for j in pool[x + 1 :]), key=lambda p: gap(*p))
+    return tuple(sorted(best, key=lambda i: float(counts[i])))  # type: ignore[return-value]
 
 
-def split_point(piece: Any, m: int, options: Sequence[Candidate]) -> int:
-    """Where to cut the piece so that the candidates' shares of the two parts differ the most."""
-    best, best_score = max(1, m // 4), -math.inf
-    for cut in range(1, m):
-        parts = [slice_samples(piece, m, 0, cut), slice_samples(piece, m, cut, m)]
-        shares = []
-        for option in options:
-            if option.kind is Weighting.SUM:
-                continue
-            try:
-                counts = [option.count(p) for p in parts]
-            except Exception:
-                continue
-            if min(counts) <= 0:  # a part with nothing to count: its mean loss is undefined
-                shares = []
-                break
-            shares.append(counts[0] / sum(counts))
-        if not shares:
-            continue
-        gaps = [abs(a - b) for i, a in enumerate(shares) for b in shares[i + 1 :]]
-        score = min(gaps, default=0.0)
-        if score > best_score + 1e-12:
-            best, best_score = cut, score
-    return best
+def _differ(a: Tensor, b: Tensor) -> bool:
+    """Whether two per-sample counts are out of proportion somewhere (they weight micro-batches differently)."""
+    return bool(((a / a.sum() - b / b.sum()).abs() > 1e-12).any())
+
+
+def piece_of(batch: Any, options: Sequence[Candidate]) -> Any:
+    """The check's piece of ``batch``: the two samples of :func:`check_pair`, the one counted least first."""
+    first, second = check_pair(batch, options)
+    if (first, second) == (0, 1):
+        return first_samples(batch, 2)
+    n = batch_size_of(batch)
+    return merge_outputs([slice_samples(batch, n, i, i + 1) for i in (first, second)])

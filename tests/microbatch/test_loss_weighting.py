@@ -237,6 +237,22 @@ def test_in_batch_negatives_are_refused_before_any_split():
     assert all(torch.equal(before[n], after[n]) for n in before), "nothing may have trained"
 
 
+class BatchSpread(MeanRegressor):
+    """A loss with a batch statistic: the spread of the predictions across the batch (undefined on one sample)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        prediction = self.net(x)
+        return F.mse_loss(prediction, y) + 0.1 * prediction.std()
+
+
+def test_a_batch_statistic_one_sample_cannot_give_is_refused_not_left_unchecked():
+    with pytest.raises(
+        MicroBatchOOMError, match=r"reproduces your loss .*\(relative differences: sample shares: inf"
+    ):
+        _fit(BatchSpread(), Regression(), [_forced()])
+
+
 def test_in_batch_negatives_with_on_mismatch_warn_warn_once_and_split():
     with pytest.warns(GPUOptWarning, match=r"relative differences: sample shares: \d") as record:
         trainer = _fit(InBatchNegatives(), Regression(), [_forced(on_mismatch="warn")], steps=3)

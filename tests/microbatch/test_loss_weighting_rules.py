@@ -1,5 +1,5 @@
 """The pure rules of the loss weighting (microbatch/loss_weighting_rules.py): candidates, the choice, ties, tolerance,
-HF head detection; and LossWeighting's arguments and checkpoint state."""
+HF head detection, the two samples the check runs on; and LossWeighting's arguments and checkpoint state."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gpuopt.batching import batch_size_of
 from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
 from lightning_gpuopt.microbatch.loss_weighting_rules import (
     Candidate,
     HFHead,
     Weighting,
     candidates,
+    check_pair,
     choose,
     hf_head,
+    piece_of,
     tolerance,
 )
 
@@ -116,3 +119,35 @@ def test_bad_arguments_and_checkpoint_state():
     )
     assert restored.decided.kind is Weighting.TOKENS_SHIFTED
     assert restored.state_dict()["kind"] == "tokens-shifted"
+
+
+def test_the_check_runs_on_the_shortest_and_the_longest_sample_that_count_something():
+    # Token counts 3, 1, 6, 2, 5 (labels); shifted by one: 2, 0, 5, 1, 4. Sample 1 counts nothing shifted.
+    batch = _batch([3, 1, 6, 2, 5])
+    assert check_pair(batch, candidates(batch)) == (3, 2)
+    assert batch_size_of(piece_of(batch, candidates(batch))) == 2
+    assert piece_of(batch, candidates(batch))["labels"].ne(-100).sum(1).tolist() == [2, 6]
+
+
+def test_the_pair_separates_candidates_that_differ_on_the_batch():
+    # Labels count 1, 2, 4, 3 tokens (shifted: 0, 1, 3, 2, so sample 0 is out); the attention mask 2, 4, 4, 6.
+    # The shortest and longest by the shifted count, samples 1 and 2, hold 4 mask tokens each: mask tokens
+    # and samples would tie on them, though they differ on the batch. Samples 2 and 3 tell all four apart.
+    labels = torch.tensor(
+        [[1, -100, -100, -100, -100, -100]] + [[1] * 2 + [-100] * 4] + [[1] * 4 + [-100] * 2] * 2
+    )
+    labels[3, 3] = -100
+    mask = (torch.arange(6)[None, :] < torch.tensor([2, 4, 4, 6])[:, None]).long()
+    batch = {"input_ids": torch.ones_like(labels), "attention_mask": mask, "labels": labels}
+    options = candidates(batch)
+    i, j = check_pair(batch, options)
+    shares = []
+    for option in options[:-1]:  # all but the sum
+        a, b = (option.count({k: v[n : n + 1] for k, v in batch.items()}) for n in (i, j))
+        shares.append(a / (a + b))
+    assert all(abs(x - y) > 1e-9 for n, x in enumerate(shares) for y in shares[n + 1 :]), (i, j, shares)
+
+
+def test_a_batch_without_tokens_checks_its_first_two_samples():
+    batch = (torch.randn(4, 3), torch.randn(4, 1))
+    assert check_pair(batch, candidates(batch)) == (0, 1)
