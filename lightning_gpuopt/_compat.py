@@ -22,6 +22,7 @@ __all__ = [
     "disable_current_modes",
     "drop_train_loader",
     "dump_cuda_memory_snapshot",
+    "end_restart_at_epoch_end",
     "first_items",
     "foreach_norm",
     "fsdp_collectives",
@@ -118,6 +119,26 @@ def mark_checkpoint_saved(callback: Any, step: int, path: str) -> None:
     callback._last_global_step_saved = step
     callback._last_checkpoint_saved = path
     callback.last_model_path = path
+
+
+def end_restart_at_epoch_end(trainer: Any) -> bool:
+    """After ``fit`` resumed from a checkpoint written at an epoch's last batch, let the next epoch start as one.
+
+    Lightning 2.6 marks that epoch done when it resets the fit loop, but keeps the loop's "restarted mid-epoch"
+    stage into the next epoch: that epoch then never counts as started and its ``on_train_epoch_start`` hooks are
+    skipped, and a checkpoint written in it resumes in another epoch. Call it after the reset (``on_train_start``).
+    Returns whether it applied.
+    """
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    if not (
+        fit_loop.restarted_mid_epoch
+        and epoch_loop.restarted_on_train_batch_end
+        and epoch_loop.batch_progress.is_last_batch
+    ):
+        return False
+    fit_loop.reset_restart_stage()
+    return True
 
 
 def validation_due(trainer: Any) -> bool:

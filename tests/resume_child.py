@@ -5,14 +5,15 @@ GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt``
 
     python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--persistent] [--kill-batch N]
         [--crash-batch N] [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H]
-        [--batch-size B] [--length L] [--epochs E] [--val] [--val-every N] [--onecycle] [--adaptive] [--resume]
+        [--batch-size B] [--length L] [--epochs E] [--val] [--val-every N] [--onecycle] [--epoch-schedule] [--adaptive]
+        [--record-epochs] [--resume]
 
 ``--kill-batch N`` SIGKILLs the process at the end of training batch N (counted over the whole run, before
 that batch's checkpoint); ``--crash-batch N`` raises :class:`Crash` there instead, which an in-process caller
 catches (the same place in the run, without a process to kill); ``--term-batch N`` sends SIGTERM at its start.
 
 Each rank appends ``epoch batch_idx id,id,...`` per training batch to ``ROOT/ids_rank{r}.txt`` (flushed,
-so a killed run keeps its lines); at the end of fit rank 0 saves the parameters to ``ROOT/params.pt`` and
+so a killed run keeps its lines), with ``--record-epochs`` also ``epoch -1 -`` where ``on_train_epoch_start`` ran; at the end of fit rank 0 saves the parameters to ``ROOT/params.pt`` and
 every rank writes the decisions of its run to ``ROOT/decisions_rank{r}.json``.
 """
 
@@ -75,9 +76,9 @@ class DataWithValidation(Data):
 
 
 class DropoutRegressor(pl.LightningModule):
-    def __init__(self, hidden: int = 32, onecycle: bool = False) -> None:
+    def __init__(self, hidden: int = 32, onecycle: bool = False, epoch_schedule: bool = False) -> None:
         super().__init__()
-        self.onecycle = onecycle
+        self.onecycle, self.epoch_schedule = onecycle, epoch_schedule
         # float64 from the start: Lightning loads a checkpoint's weights before 64-true converts the module,
         # so a float32 module would round the float64 weights it resumes from.
         self.net = nn.Sequential(
@@ -90,6 +91,9 @@ class DropoutRegressor(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        if self.epoch_schedule:  # stepped by Lightning at each epoch's end
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
         if not self.onecycle:
             return optimizer
         # Reads `estimated_stepping_batches`, which makes Lightning drop a stateful loader's state (#20550).
@@ -105,8 +109,13 @@ class ValidatedRegressor(DropoutRegressor):
 
 
 class Recorder(pl.Callback):
-    def __init__(self, root: str) -> None:
-        self.root = root
+    def __init__(self, root: str, epochs: bool = False) -> None:
+        self.root, self.epochs = root, epochs
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.epochs:  # as batch -1 of the epoch, with no sample
+            with open(os.path.join(self.root, f"ids_rank{trainer.global_rank}.txt"), "a") as f:
+                f.write(f"{trainer.current_epoch} -1 -\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         ids = ",".join(str(int(i)) for i in batch[0])
@@ -195,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--onecycle", action="store_true")
+    parser.add_argument("--epoch-schedule", action="store_true")
+    parser.add_argument("--record-epochs", action="store_true")
     parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
@@ -202,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     pl.seed_everything(0, verbose=False)
     callbacks = [
         ExactResume(),
-        Recorder(args.root),
+        Recorder(args.root, args.record_epochs),
         Fault(args.kill_batch, args.term_batch, args.term_ranks, args.crash_batch),
         StepBoundaryCheckpoint(
             dirpath=os.path.join(args.root, "ckpt"), every_n_train_steps=1, save_top_k=0, save_last=True
@@ -230,7 +241,9 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
     )
     validation = args.val or args.val_every is not None
-    model = (ValidatedRegressor if validation else DropoutRegressor)(args.hidden, args.onecycle)
+    model = (ValidatedRegressor if validation else DropoutRegressor)(
+        args.hidden, args.onecycle, args.epoch_schedule
+    )
     data = (DataWithValidation if validation else Data)(
         length=args.length,
         batch_size=args.batch_size,

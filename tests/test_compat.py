@@ -381,3 +381,46 @@ def test_parser_option_strings_lists_every_option():
     parser = argparse.ArgumentParser()
     parser.add_argument("--alpha", "-a")
     assert {"--alpha", "-a", "--help", "-h"} <= set(_compat.parser_option_strings(parser))
+
+
+def test_end_restart_at_epoch_end_lets_the_next_epoch_start_as_one(tmp_path):
+    """Resumed from a checkpoint of an epoch's last batch, the next epoch is counted as started and its
+    `on_train_epoch_start` runs (Lightning 2.6 skips both without the call)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers import IndexedData40, RecordingRegressor
+
+    class Starts(pl.Callback):
+        def __init__(self, fix: bool) -> None:
+            self.fix, self.applied, self.starts = fix, None, []
+
+        def on_train_start(self, trainer, pl_module):
+            if self.fix:
+                self.applied = _compat.end_restart_at_epoch_end(trainer)
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.starts.append((trainer.current_epoch, trainer.fit_loop.epoch_progress.current.ready))
+
+    def fit(callbacks, ckpt_path=None, epochs=1):
+        trainer = pl.Trainer(
+            max_epochs=epochs,
+            callbacks=callbacks,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(RecordingRegressor(), IndexedData40(batch_size=4, num_workers=0), ckpt_path=ckpt_path)
+        return trainer
+
+    every_step = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=0, save_last=True
+    )
+    fit([every_step])  # epoch 0: its last checkpoint is written at its last batch
+    last = tmp_path / "ckpt" / "last.ckpt"
+    without, with_ = Starts(fix=False), Starts(fix=True)
+    fit([without], last, epochs=2)
+    fit([with_], last, epochs=2)
+    assert without.starts == []  # Lightning's own: epoch 1 never starts as an epoch
+    assert with_.applied and with_.starts == [(1, 2)]  # epoch 1's hook ran, with epoch 1 counted as ready

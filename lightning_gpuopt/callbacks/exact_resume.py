@@ -190,6 +190,8 @@ class ExactResume(Callback):
         self.stop_signal = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Resumed from an epoch's last batch: the next epoch starts as an epoch (counted, its hooks called).
+        _compat.end_restart_at_epoch_end(trainer)
         if self._pending is not None and self._pending.get("validation_due"):
             self._run_skipped_validation(trainer)
         # Lightning registered its handlers just before training; ours replace them until training ends.

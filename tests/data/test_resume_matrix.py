@@ -1,12 +1,12 @@
 """Exact resume across its space: kill points in every epoch, loader workers (0, 1, 2, persistent or not, changed
 between the legs), validation (off, at epoch end, mid-epoch), accumulation with the kill inside a window, a
-schedule reading ``estimated_stepping_batches``, and three ways to die (an exception where SIGKILL would strike,
-SIGTERM, a real SIGKILL).
+schedule (per step, reading ``estimated_stepping_batches``, or per epoch), and three ways to die (an exception
+where SIGKILL would strike, SIGTERM, a real SIGKILL), once or several times in one run.
 
 Each cell runs tests/resume_child.py (64-true, dropout, random augmentation from torch, Python and NumPy): the
-uninterrupted run, then the run stopped by the cell's fault and resumed from ``last.ckpt``. The resumed batches
-must be the uninterrupted run's at the same (epoch, batch_idx), every sample once per epoch, and the parameters
-equal to rounding. The default suite runs a pairwise covering array of the factors (every pair of levels of
+uninterrupted run, then the run stopped by the cell's faults and resumed from ``last.ckpt`` after each. The resumed
+batches must be the uninterrupted run's at the same (epoch, batch_idx), each epoch must start (its
+``on_train_epoch_start``) where that run's did, every sample once per epoch, and the parameters equal to rounding. The default suite runs a pairwise covering array of the factors (every pair of levels of
 any two factors in some cell), the issue's 40-sample case, and one real SIGKILL; the slow suite adds a
 derandomised Hypothesis sweep over the whole space, several faults in one run included.
 """
@@ -43,13 +43,14 @@ class Cell:
     persistent: bool = False
     validation: str = "off"  # "off", "epoch" (at each epoch's end) or "mid" (every 4 batches too)
     accumulate: int = 1
-    onecycle: bool = False
+    schedule: str = "none"  # "none", "onecycle" (per step, reads `estimated_stepping_batches`) or "epoch"
     faults: tuple[tuple[str, int], ...] = (("crash", 14),)  # (kind, batch over the whole run)
 
     def args(self, workers: int) -> list[str]:
-        out = ["--length", str(LENGTH), "--epochs", str(EPOCHS), "--workers", str(workers)]
+        out = ["--length", str(LENGTH), "--epochs", str(EPOCHS), "--workers", str(workers), "--record-epochs"]
         out += ["--accumulate", str(self.accumulate)]
-        out += ["--persistent"] * self.persistent + ["--onecycle"] * self.onecycle
+        out += ["--persistent"] * self.persistent
+        out += {"none": [], "onecycle": ["--onecycle"], "epoch": ["--epoch-schedule"]}[self.schedule]
         out += {"off": [], "epoch": ["--val"], "mid": ["--val-every", "4"]}[self.validation]
         return out
 
@@ -62,7 +63,7 @@ class Cell:
         faults = "+".join(f"{kind}@{batch}" for kind, batch in self.faults)
         return (
             f"w{self.workers}{resume}{'p' if self.persistent else ''}-val_{self.validation}-A{self.accumulate}"
-            f"{'-onecycle' if self.onecycle else ''}-{faults}"
+            f"{'' if self.schedule == 'none' else '-' + self.schedule}-{faults}"
         )
 
 
@@ -93,7 +94,7 @@ def _leg(root: Path, args: list[str], fault: tuple[str, int] | None, resume: boo
 def _ids(path: Path) -> dict[tuple[int, int], list[int]]:
     lines = path.read_text().split()
     return {
-        (int(e), int(b)): [int(i) for i in ids.split(",")]
+        (int(e), int(b)): [] if ids == "-" else [int(i) for i in ids.split(",")]
         for e, b, ids in zip(lines[::3], lines[1::3], lines[2::3])
     }
 
@@ -135,7 +136,10 @@ def check_cell(cell: Cell, base: Path, tmp: Path) -> None:
         cut = min(following) if following else (1 << 30, 0)
         merged += [(key, ids) for key, ids in sorted(this.items()) if key < cut]
     expected = sorted(_ids(reference / "ids_rank0.txt").items())
-    assert [key for key, _ in merged] == [key for key, _ in expected], f"{cell}: batches at other steps"
+    # An epoch's start is its batch -1: `on_train_epoch_start` runs where the uninterrupted run ran it.
+    assert [key for key, _ in merged] == [key for key, _ in expected], (
+        f"{cell}: batches or epoch starts elsewhere"
+    )
     wrong = [key for (key, ids), (_, want) in zip(merged, expected) if ids != want]
     assert not wrong, (
         f"{cell}: {len(wrong)} of {len(expected)} batches differ from the uninterrupted run's, first at (epoch, batch_idx) {wrong[0]}"
@@ -185,7 +189,7 @@ FACTORS = {
     "persistent": [False, True],
     "validation": ["off", "epoch", "mid"],
     "accumulate": [1, 3],
-    "onecycle": [False, True],
+    "schedule": ["none", "onecycle", "epoch"],
     "fault": ["crash", "term"],
 }
 
@@ -216,10 +220,21 @@ def test_the_covering_array_covers_every_pair():
     ]
     for a, b in itertools.combinations(FACTORS, 2):
         assert {(r[a], r[b]) for r in rows} == set(itertools.product(FACTORS[a], FACTORS[b])), (a, b)
-    assert len(COVERING) <= 14  # ~1.5 s a cell
+    assert len(COVERING) <= 16  # ~1.5 s a cell
 
 
-@pytest.mark.parametrize("cell", ISSUE_CELLS + COVERING, ids=str)
+#: Several faults in one run, each leg resumed from a checkpoint the previous resumed leg wrote. The first fault of
+#: each falls where the last checkpoint is an epoch's last batch: the next leg starts an epoch from a resume.
+SEVERAL_FAULTS = [
+    Cell(faults=(("crash", 10), ("crash", 20))),
+    Cell(workers=0, resume_workers=1, faults=(("crash", 10), ("crash", 15))),
+    Cell(
+        workers=1, resume_workers=2, schedule="epoch", validation="epoch", faults=(("term", 9), ("crash", 25))
+    ),
+]
+
+
+@pytest.mark.parametrize("cell", ISSUE_CELLS + COVERING + SEVERAL_FAULTS, ids=str)
 def test_resume_continues_the_uninterrupted_order_in_every_cell(cell, references, tmp_path):
     check_cell(cell, references, tmp_path)
 
@@ -233,7 +248,7 @@ def test_a_real_sigkill_in_epoch_2_inside_an_accumulation_window_with_workers(re
 
 @pytest.mark.slow
 @settings(
-    max_examples=25,
+    max_examples=60,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -244,7 +259,7 @@ def test_a_real_sigkill_in_epoch_2_inside_an_accumulation_window_with_workers(re
     persistent=st.booleans(),
     validation=st.sampled_from(["off", "epoch", "mid"]),
     accumulate=st.sampled_from([1, 2, 3]),
-    onecycle=st.booleans(),
+    schedule=st.sampled_from(["none", "onecycle", "epoch"]),
     faults=st.lists(
         st.tuples(st.sampled_from(["crash", "term"]), st.integers(0, EPOCHS * BATCHES - 1)),
         min_size=1,
@@ -259,7 +274,7 @@ def test_resume_is_exact_across_the_whole_space(
     persistent,
     validation,
     accumulate,
-    onecycle,
+    schedule,
     faults,
 ):
     # Each fault ends a leg; a later fault must fall after the batch the previous leg resumes from, or it would
@@ -268,5 +283,5 @@ def test_resume_is_exact_across_the_whole_space(
     for kind, batch in sorted(faults, key=lambda f: f[1]):
         if not points or batch > points[-1][1] + accumulate:
             points.append((kind, batch))
-    cell = Cell(workers, resume_workers, persistent, validation, accumulate, onecycle, tuple(points))
+    cell = Cell(workers, resume_workers, persistent, validation, accumulate, schedule, tuple(points))
     check_cell(cell, references, tmp_path_factory.mktemp("cell"))
