@@ -32,6 +32,7 @@ __all__ = [
     "LocalExchange",
     "PeerFailure",
     "broadcast_from_rank_zero",
+    "first_rank_where",
     "fsdp2_roots",
     "make_exchange",
     "register_exit_grace",
@@ -427,11 +428,25 @@ def make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange:
     return LocalExchange()
 
 
-def broadcast_from_rank_zero(value: Any) -> Any:
-    """Rank 0's ``value`` (plain, picklable values) on every rank; ``value`` itself without a process group."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+def broadcast_from_rank_zero(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` (plain, picklable values) on every rank; ``value`` itself without a process group."""
+    if not _distributed():
         return value
     register_exit_grace()  # torch's broadcast drops its tensors at once: freed by gloo's worker thread
     payload = [value]
-    dist.broadcast_object_list(payload, src=0)
+    dist.broadcast_object_list(payload, src=src)
     return payload[0]
+
+
+def first_rank_where(flag: bool) -> int | None:
+    """The lowest rank whose ``flag`` is true (every rank takes part), ``None`` where no rank's is."""
+    if not _distributed():
+        return 0 if flag else None
+    register_exit_grace()
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return next((rank for rank, raised in enumerate(flags) if raised), None)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

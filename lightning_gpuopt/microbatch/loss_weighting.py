@@ -55,7 +55,7 @@ from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of, sli
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.oom import free_memory, is_oom_error
 from lightning_gpuopt.microbatch.errors import LossWeightingError, WeightingCheckOutOfMemory
-from lightning_gpuopt.microbatch.exchange import broadcast_from_rank_zero
+from lightning_gpuopt.microbatch.exchange import broadcast_from_rank_zero, first_rank_where
 from lightning_gpuopt.microbatch.loss_weighting_rules import (
     HEAD_WEIGHTING,
     Candidate,
@@ -227,6 +227,9 @@ class LossWeighting:
         #: The check could not run for lack of memory: the fallback is used, and the check runs again on resume.
         self._unchecked = False
         self._warned = False
+        #: The candidates the check's samples could not tell apart (equal lengths): used while later batches
+        #: weight their micro-batches alike too; the check runs again at the first split of one that does not.
+        self._alike: list[Candidate] = []
 
     def _given(self) -> Candidate | None:
         if self.weight_fn is not None:
@@ -258,8 +261,15 @@ class LossWeighting:
         if len(chunks) == 1:
             return [1.0]
         if not self._checked and self.check and run_piece is not None:
-            self._decide(engine, chunks, run_piece, batch)
-        return (self.decided or self._fallback(engine)).weights(chunks)
+            source = 0
+            if self._alike:
+                # Every rank's split asks (k is agreed): the first rank whose micro-batches the candidates
+                # weight differently checks, on its own batch; while none does, any of them is exact.
+                source = first_rank_where(not _weigh_alike(self._alike, chunks))
+                if source is None:
+                    return self._alike[0].weights(chunks)
+            self._decide(engine, chunks, run_piece, batch, source)
+        return (self.decided or (self._alike or [None])[0] or self._fallback(engine)).weights(chunks)
 
     def _fallback(self, engine: MicroBatchEngine) -> Candidate:
         head = hf_head(engine.trainer.lightning_module)
@@ -271,7 +281,12 @@ class LossWeighting:
         return Candidate(Weighting.SAMPLES, "sample shares")
 
     def _decide(
-        self, engine: MicroBatchEngine, chunks: list[Any], run_piece: Callable[[Any], Any], batch: Any
+        self,
+        engine: MicroBatchEngine,
+        chunks: list[Any],
+        run_piece: Callable[[Any], Any],
+        batch: Any,
+        source_rank: int = 0,
     ) -> None:
         trainer = engine.trainer
         module = trainer.lightning_module
@@ -324,7 +339,16 @@ class LossWeighting:
                 self.decided or self._fallback(engine), {}, 0.0, checked=False, reason=reason
             )
         pool = [*options, *(c for c in (self.decided, self._fallback(engine)) if c is not None)]
-        result = _from_rank_zero(result, pool)
+        result = _from_rank_zero(result, pool, source_rank)
+        if result.alike and self.decided is None and len(result.alike) > 1:
+            alike = [next(c for c in pool if c.description == d) for d in result.alike]
+            differs = first_rank_where(not _weigh_alike(alike, chunks))
+            if differs is None:
+                self._alike = alike  # exact on this batch whichever it is: decide where samples differ
+                return
+            if differs != source_rank:  # another rank's samples can tell them apart: its check decides
+                self._decide(engine, chunks, run_piece, batch, differs)
+                return
         if result.out_of_memory is not None:
             if (
                 self.decided is None
@@ -371,12 +395,13 @@ class LossWeighting:
             self.decided = Candidate(Weighting.SAMPLES, "sample shares")  # only reached with "warn"
             return
         self.decided = result.chosen
-        if result.tied and hf_head(engine.trainer.lightning_module) is None:
+        if (result.tied or len(result.alike) > 1) and hf_head(engine.trainer.lightning_module) is None:
             tied = [d for d, e in result.errors.items() if e <= result.tolerance]
+            why = "they count them alike" if result.alike else "their losses are too close to tell them apart"
             warn(
-                f"loss weighting: {', '.join(tied)} all reproduce your loss on the two checked samples (their "
-                f"losses are too close to tell them apart); keeping {result.chosen.description}. Pass "
-                "`loss_reduction=` or `weight_fn=` to OOMRecovery to choose."
+                f"loss weighting: {', '.join(tied)} all reproduce your loss on the two checked samples ({why}); "
+                f"keeping {result.chosen.description}. Pass `loss_reduction=` or `weight_fn=` to OOMRecovery to "
+                "choose."
             )
         self._announce(engine, result.chosen, result)
 
@@ -498,6 +523,15 @@ _MEANS = {
 }
 
 
+def _weigh_alike(options: Sequence[Candidate], chunks: Sequence[Any]) -> bool:
+    """Whether every one of ``options`` gives ``chunks`` the same weights (any of them is then exact here)."""
+    try:
+        first, *others = (o.weights(chunks) for o in options)
+    except (ValueError, KeyError, IndexError, TypeError, UnsplittableBatchError):
+        return False
+    return all(all(abs(a - b) <= 1e-12 for a, b in zip(first, other)) for other in others)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -535,11 +569,14 @@ def _compare(
         return CheckResult(
             None, result.errors, tol, checked=False, replayed=True, refusal=message, reason=reason
         )
-    return CheckResult(result.chosen, result.errors, tol, result.tied, result.checked, replayed=True)
+    return CheckResult(
+        result.chosen, result.errors, tol, result.tied, result.checked, replayed=True, alike=result.alike
+    )
 
 
-def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate]) -> CheckResult:
-    """Every rank takes rank 0's result (DDP: rank 0 decides; FSDP2: every rank ran the check together).
+def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate], src: int = 0) -> CheckResult:
+    """Every rank takes rank ``src``'s result (DDP: one rank decides, 0 unless its batch cannot tell the
+    candidates apart; FSDP2: every rank ran the check together).
 
     Plain values travel (a user's ``weight_fn`` need not pickle); each rank finds the chosen candidate
     among its own by description.
@@ -555,7 +592,10 @@ def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate]) -> CheckResu
         result.refusal,
         result.reason,
         result.out_of_memory,
+        result.alike,
     )
-    chosen, errors, tol, tied, checked, replayed, refusal, reason, oom = broadcast_from_rank_zero(sent)
+    chosen, errors, tol, tied, checked, replayed, refusal, reason, oom, alike = broadcast_from_rank_zero(
+        sent, src
+    )
     match = next((c for c in pool if c.description == chosen), None) if chosen is not None else None
-    return CheckResult(match, errors, tol, tied, checked, replayed, refusal, reason, oom)
+    return CheckResult(match, errors, tol, tied, checked, replayed, refusal, reason, oom, alike)

@@ -250,6 +250,9 @@ class CheckResult:
             the check cannot replay, tokens selected at random inside the step); ``None`` when it compared.
         reason: the same, short, for the decision of a weighting given explicitly (used unchecked).
         out_of_memory: the check ran out of memory (the error's first line); nothing was decided.
+        alike: the candidates that reproduce the loss and count every checked sample in proportion, so that
+            they weight such micro-batches alike: which one is the loss's own waits for samples that tell them
+            apart (``chosen`` is the first, exact meanwhile).
     """
 
     chosen: Candidate | None
@@ -261,6 +264,7 @@ class CheckResult:
     refusal: str | None = None
     reason: str | None = None
     out_of_memory: str | None = None
+    alike: tuple[str, ...] = ()
 
     @property
     def mismatch(self) -> float:
@@ -306,7 +310,8 @@ def choose(
                 return CheckResult(option, errors, tol, tied=True)
     piece = merge_outputs(list(parts)) if len(parts) > 1 else parts[0]
     if all(_same_per_sample(matched[0], o, piece) for o in matched[1:]):
-        return CheckResult(matched[0], errors, tol)  # proportional counts on every sample: no real tie
+        # Proportional counts on every checked sample (equal lengths): these samples cannot tell them apart.
+        return CheckResult(matched[0], errors, tol, alike=tuple(o.description for o in matched))
     for option in matched:
         if option.kind is Weighting.SAMPLES:
             return CheckResult(option, errors, tol, tied=True)
