@@ -308,10 +308,9 @@ class AttemptLoop:
                     status |= Status.SKIP
             else:
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
+                # The check's OOM climbs the ladder like the step's: a rung that frees memory the model holds (a
+                # cache) helps it too, and where the check cannot fit, the training step rarely does.
                 status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch.batch)
-                if in_check and fatal is None and (recovery.k or 0) <= k:
-                    # A recovery rung (activation checkpointing) saves nothing in a check without gradients.
-                    status, recovery, fatal = Status.FATAL, None, MicroBatchOOMError("no larger k left")
                 voted_k = batch.voted_k(recovery, k)
             try:
                 agreement = agree_or_stop(batch.vote, status, voted_k, k, peer_votes, fatal, batch.where())
@@ -324,7 +323,8 @@ class AttemptLoop:
                     forensics.action_taken(
                         f"loss weighting used unchecked: the check ran out of memory {where}"
                     )
-                    engine.loss_weighting.unchecked(engine, where)
+                    # Said once a batch runs with it: where the step cannot fit either, the run ends with its error.
+                    engine.loss_weighting.unchecked(engine, where, announce=False)
                     engine.exchange.recover()  # as before any retry, on every rank alike
                     continue
                 if failure is not None:
@@ -340,6 +340,7 @@ class AttemptLoop:
                 # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
                 # may all-reduce its own flags, and answers alike on every rank).
                 if not _sent_back(batch, output):
+                    engine.loss_weighting.announce_unchecked(engine)
                     return batch.keep(output, agreement, k)
                 rechecks += 1
                 if rechecks > _MAX_RECHECKS:

@@ -226,6 +226,7 @@ class LossWeighting:
         self._checked = False
         #: The check could not run for lack of memory: the fallback is used, and the check runs again on resume.
         self._unchecked = False
+        self._unannounced = False
         self._warned = False
         #: The candidates the check's samples could not tell apart (equal lengths): used while later batches
         #: weight their micro-batches alike too; the check runs again at the first split of one that does not.
@@ -365,15 +366,25 @@ class LossWeighting:
         self._checked = True
         self._take(engine, result)
 
-    def unchecked(self, engine: MicroBatchEngine, where: str) -> None:
+    def unchecked(self, engine: MicroBatchEngine, where: str, announce: bool = True) -> None:
         """The check cannot run (out of memory ``where``, with no larger k left): split with the fallback, said
-        once in one line. The check runs again after a resume."""
+        once in one line (``announce=False``: by :meth:`announce_unchecked`, once a batch ran with it). The check
+        runs again after a resume."""
         fallback = self._fallback(engine)
         tol = tolerance(getattr(engine.trainer, "precision", None))
         reason = f"the check ran out of memory on 2 samples {where}"
         self.result = CheckResult(fallback, {}, tol, checked=False, reason=reason)
         self.decided, self._checked, self._unchecked = fallback, True, True
-        self._announce(engine, fallback, self.result)
+        self._unannounced = not announce
+        if announce:
+            self._announce(engine, fallback, self.result)
+
+    def announce_unchecked(self, engine: MicroBatchEngine) -> None:
+        """Say the unchecked fallback :meth:`unchecked` kept quiet, now that a batch ran with it (a run that ends
+        in an OOM anyway ends with that error alone)."""
+        if self._unannounced and self.decided is not None and self.result is not None:
+            self._unannounced = False
+            self._announce(engine, self.decided, self.result)
 
     def _take(self, engine: MicroBatchEngine, result: CheckResult) -> None:
         """Use what the check decided; a given weighting stays, flagged when it does not reproduce the loss."""
