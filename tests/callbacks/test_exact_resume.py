@@ -338,7 +338,7 @@ def test_a_signal_stop_returns_within_2_s_of_its_checkpoint_with_a_60k_sample_va
     pl.seed_everything(0, verbose=False)
     model = _ValidatedRegressor()
     checkpoint = StepBoundaryCheckpoint(dirpath=tmp_path, save_top_k=0, save_last=True)
-    report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False)  # the JSON; the picture: next leg
+    report = GPUOptReport(dirpath=str(tmp_path))  # its defaults: on a signal stop the JSON only
     quiet = {**TRAINER_QUIET, "logger": CSVLogger(tmp_path), "enable_checkpointing": True}
     trainer = pl.Trainer(
         max_epochs=1,
@@ -351,4 +351,5 @@ def test_a_signal_stop_returns_within_2_s_of_its_checkpoint_with_a_60k_sample_va
     written = os.stat(tmp_path / "last.ckpt").st_mtime
     assert model.val_ids == []  # the stop's validation (15,000 batches here) is skipped
     assert (tmp_path / "gpuopt_report.json").stat().st_mtime >= written
+    assert not (tmp_path / "gpuopt_report.png").exists()  # drawn by the next leg, or `gpuopt report`
     assert returned - written <= 2.0, f"fit returned {returned - written:.2f} s after the stop's checkpoint"
