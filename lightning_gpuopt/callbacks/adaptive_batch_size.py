@@ -41,7 +41,7 @@ class AdaptiveBatchSize(Callback):
     ``accumulate_grad_batches``, changed at a window boundary, with the learning rate scaled through the
     schedulers' ``base_lrs``. Each change is a decision, agreed by the ranks and saved in checkpoints; the
     batch never shrinks below the user's unless ``min_batch`` asks for it. Each step's optimizer batch is logged
-    as ``gpuopt/optimizer_batch`` in Lightning's rows, and a fit ends with one line: how far the batch grew and
+    as ``gpuopt/optimizer_batch`` at Lightning's step numbers, and a fit ends with one line: how far the batch grew and
     why not further. Long form: docs/batch-size.md.
 
     Args:
