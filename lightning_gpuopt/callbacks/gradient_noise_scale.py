@@ -62,7 +62,7 @@ class GradientNoiseScale(Callback):
     separately (bias-corrected moving averages) and their ratio given once trusted; it measures every step
     until then, every ``every``-th step after. At each measurement it logs ``gpuopt/noise_scale`` (the trusted
     estimate, NaN until trusted), ``gpuopt/noise_scale_rel_error`` and ``gpuopt/noise_scale_lower_bound`` (NaN
-    until known) in Lightning's own rows (``LightningModule.log``), and it ends a fit with one line: the
+    until known) at Lightning's step numbers, and it ends a fit with one line: the
     estimate, or why it is not trusted yet and what to do. docs/batch-size.md ("Worth it? The noise scale") has
     the long form.
 
