@@ -26,6 +26,7 @@ __all__ = [
     "directory_on_path",
     "explain_instantiation_error",
     "explain_parse_error",
+    "init_parameters",
     "join_negative_values",
     "split_debug",
     "top_level_help",
@@ -118,9 +119,10 @@ def _import_class(class_path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _init_parameters(cls: type) -> list[str]:
-    """The keyword arguments ``cls(...)`` takes, following ``**kwargs`` up the class hierarchy."""
-    names: list[str] = []
+def init_parameters(cls: type) -> list[inspect.Parameter]:
+    """The parameters of ``cls(...)``, following ``**kwargs`` up the class hierarchy (what LightningCLI fills in),
+    each name once, the nearest class's first."""
+    found: dict[str, inspect.Parameter] = {}
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
@@ -129,11 +131,17 @@ def _init_parameters(cls: type) -> list[str]:
             parameters = list(inspect.signature(init).parameters.values())[1:]
         except (TypeError, ValueError):
             break
-        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        names += [p.name for p in parameters if p.kind in kinds and p.name not in names]
+        for p in parameters:
+            found.setdefault(p.name, p)
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             break
-    return names
+    return list(found.values())
+
+
+def _init_parameters(cls: type) -> list[str]:
+    """The keyword arguments ``cls(...)`` takes, following ``**kwargs`` up the class hierarchy."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in init_parameters(cls) if p.kind in kinds]
 
 
 def _explain_import(class_path: str, error: BaseException) -> str:

@@ -28,7 +28,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint, Timer
 
-from lightning_gpuopt._cli_errors import CommandLineError
+from lightning_gpuopt._cli_errors import CommandLineError, init_parameters
 from lightning_gpuopt._warnings import warn
 
 __all__ = [
@@ -229,21 +229,9 @@ def run_fingerprint(
 def declared_defaults(cls: type) -> dict[str, Any]:
     """The defaults of ``cls(...)``'s keyword arguments, following ``**kwargs`` up the class hierarchy (what
     LightningCLI fills in for the arguments a config leaves out)."""
-    defaults: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            parameters = list(inspect.signature(init).parameters.values())[1:]
-        except (TypeError, ValueError):
-            break
-        for p in parameters:
-            if p.default is not inspect.Parameter.empty and p.name not in defaults:
-                defaults[p.name] = _plain(p.default)
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-            break
-    return defaults
+    return {
+        p.name: _plain(p.default) for p in init_parameters(cls) if p.default is not inspect.Parameter.empty
+    }
 
 
 def run_identity(
