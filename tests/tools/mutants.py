@@ -5,8 +5,8 @@
 Each target is a module (or some of its functions) and the test selection that claims to guard it. A mutant
 changes one expression of that code in a way a hand-planted bug would (an operator, a comparison, a boolean, a
 constant off by one, ``and``/``or``, ``min``/``max``, a dropped ``not``, an augmented assignment); the
-selection runs against it in a copy of the repository (``pytest -x -m "not slow"``, stopped at the first
-failure) and the mutant is *caught* when the selection fails or times out. Mutants in docstrings, messages,
+selection runs against it in a copy of the repository (``pytest -x -m "not slow"`` unless the target says
+otherwise, stopped at the first failure) and the mutant is *caught* when the selection fails or times out. Mutants in docstrings, messages,
 annotations and ``__all__`` are not made. The figure for docs/testing.md is caught / made, per target and in all.
 It takes about an hour on 2 cores; CI does not run it.
 """
@@ -35,6 +35,8 @@ class Target:
     path: str
     tests: tuple[str, ...]
     functions: tuple[str, ...] = ()
+    #: pytest's ``-m``: the slow tests left out unless a target's claim is held by one.
+    markers: str = "not slow"
 
     def selection(self) -> tuple[str, ...]:
         """The module's docstring examples (part of the suite), then the tests."""
@@ -42,6 +44,16 @@ class Target:
         return (f"tests/test_docstring_examples.py::test_docstring_examples[{module}]", *self.tests)
 
 
+_WEIGHTING_TESTS = (
+    "tests/microbatch/test_loss_weighting_rules.py",
+    "tests/microbatch/test_loss_weighting_alike.py",
+    "tests/microbatch/test_loss_weighting_precision.py",
+    "tests/microbatch/test_loss_weighting_memory.py",
+    "tests/microbatch/test_loss_weighting.py",
+    "tests/microbatch/test_stochastic_steps.py",
+)
+
+#: Each target's tests, fastest first (``-x`` stops at the first failure).
 TARGETS = (
     Target(
         "resume",
@@ -55,28 +67,31 @@ TARGETS = (
     Target(
         "weighting",
         "lightning_gpuopt/microbatch/loss_weighting.py",
-        (
-            "tests/microbatch/test_loss_weighting_rules.py",
-            "tests/microbatch/test_loss_weighting.py",
-            "tests/callbacks/test_oom_recovery.py",
-        ),
+        (*_WEIGHTING_TESTS, "tests/callbacks/test_oom_recovery.py", "tests/callbacks/test_compiled.py"),
     ),
-    Target(
-        "weighting-rules",
-        "lightning_gpuopt/microbatch/loss_weighting_rules.py",
-        ("tests/microbatch/test_loss_weighting_rules.py", "tests/microbatch/test_loss_weighting.py"),
-    ),
+    Target("weighting-rules", "lightning_gpuopt/microbatch/loss_weighting_rules.py", _WEIGHTING_TESTS),
     Target(
         "skip",
         "lightning_gpuopt/microbatch/batches.py",
         ("tests/microbatch/test_skipped_batches.py", "tests/callbacks/test_oom_recovery.py"),
         functions=("TrainingBatch._run", "TrainingBatch.keep", "TrainingBatch.skip"),
     ),
-    Target("cli-resume", "lightning_gpuopt/_cli_resume.py", ("tests/test_cli_resume.py",)),
+    Target(
+        "cli-resume",
+        "lightning_gpuopt/_cli_resume.py",
+        ("tests/test_cli_resume.py", "tests/test_cli_quiet.py", "tests/test_cli_same_command.py"),
+        markers="",  # "the same command resumes" is held by a slow test
+    ),
     Target(
         "oom-policy",
         "lightning_gpuopt/oom_policy.py",
-        ("tests/test_oom_policy.py", "tests/callbacks/test_oom_recovery.py"),
+        (
+            "tests/test_oom_policy.py",
+            "tests/callbacks/test_oom_record_parts.py",
+            "tests/callbacks/test_oom_record_text.py",
+            "tests/callbacks/test_oom_recovery.py",
+            "tests/callbacks/test_oom_recovery_adaptive.py",
+        ),
     ),
     Target(
         "noise-scale",
@@ -346,7 +361,7 @@ def _preload() -> None:
             pass
 
 
-def _child(tests: tuple[str, ...], root: Path, log: Path) -> None:
+def _child(tests: tuple[str, ...], markers: str, root: Path, log: Path) -> None:
     """In a forked child: run the selection on ``root`` with pytest, exit with its status."""
     os.setsid()  # its own process group: a timeout kills the test's own subprocesses too
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -363,7 +378,7 @@ def _child(tests: tuple[str, ...], root: Path, log: Path) -> None:
     try:
         import pytest
 
-        code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]))
+        code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", markers, *tests]))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -391,7 +406,7 @@ def _start(
     log = root / "mutant.log"
     pid = os.fork()
     if pid == 0:
-        _child(target.selection(), root, log)
+        _child(target.selection(), target.markers, root, log)
     return pid, _Running(mutant, root, original, path, log, time.perf_counter(), timeout)
 
 
