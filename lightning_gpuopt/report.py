@@ -682,14 +682,14 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         ValueError: the file is not a report this version reads (another file, another format).
     """
     path = Path(path)
-    what = "pass the run's log directory (e.g. lightning_logs/version_0) or its gpuopt_report.json"
+    what = "pass the run's log directory (e.g. lightning_logs/default/run-805e1e93) or its gpuopt_report.json"
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist: {what}.")
     file = path / JSON_NAME if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(
             f"No {JSON_NAME} in {str(path)!r}: GPUOptReport writes it into the run's log directory when fit ends "
-            "(e.g. lightning_logs/version_0). Pass that directory."
+            "(the logger's folder, e.g. lightning_logs/default/run-805e1e93). Pass that directory."
         )
     try:
         data = json.loads(file.read_text())
