@@ -1,6 +1,7 @@
 """Plant one-line bugs in the pack's core semantics, one at a time, and count those the suite catches.
 
     python -m tests.tools.mutants [--target NAME ...] [--jobs 2] [--out mutants.json] [--list] [--limit N]
+                                  [--rerun mutants.json]
 
 Each target is a module (or some of its functions) and the test selection that claims to guard it. A mutant
 changes one expression of that code in a way a hand-planted bug would (an operator, a comparison, a boolean, a
@@ -8,7 +9,13 @@ constant off by one, ``and``/``or``, ``min``/``max``, a dropped ``not``, an augm
 selection runs against it in a copy of the repository (``pytest -x -m "not slow"`` unless the target says
 otherwise, stopped at the first failure) and the mutant is *caught* when the selection fails or times out. Mutants in docstrings, messages,
 annotations and ``__all__`` are not made. The figure for docs/testing.md is caught / made, per target and in all.
-It takes about an hour on 2 cores; CI does not run it.
+
+Each target's selection first runs once without a mutant, under coverage.py (its subprocesses too: the DDP ranks,
+the ``gpuopt fit`` children, the loader's workers), which records the tests that run each line. A mutant then runs
+only the tests that run its line, in the selection's order; a line that ran at import runs the whole selection,
+and a line no test runs is a survivor without running anything ("not run"). Without coverage.py installed, every
+mutant runs the whole selection. ``--rerun`` runs again only the mutants a previous JSON did not see caught (after
+new tests), and keeps the others' results. CI does not run it.
 """
 
 from __future__ import annotations
@@ -144,7 +151,7 @@ class Mutant:
     line: int
     before: str
     after: str
-    status: str = "pending"  # caught, survived, timeout (caught), error
+    status: str = "pending"  # caught, survived, timeout (caught), error, not run (no test runs the line)
     seconds: float = 0.0
     failing: str = field(default="")
 
@@ -361,8 +368,60 @@ def _preload() -> None:
             pass
 
 
-def _child(tests: tuple[str, ...], markers: str, root: Path, log: Path) -> None:
-    """In a forked child: run the selection on ``root`` with pytest, exit with its status."""
+_COVERAGE_INI = """\
+[run]
+data_file = {data}/data
+parallel = true
+source = {root}/lightning_gpuopt
+patch =
+    _exit
+    fork
+context = ${{PYTEST_CURRENT_TEST-}}
+"""
+
+
+class _TestContexts:
+    """A pytest plugin: coverage.py's dynamic context is the running test's node id."""
+
+    def __init__(self, cov) -> None:
+        self.cov = cov
+
+    def pytest_runtest_protocol(self, item):
+        self.cov.switch_context(item.nodeid)
+
+
+def _start_coverage(root: Path, data: Path):
+    """Measure this process, and every Python process it starts, into ``data``; return the Coverage."""
+    import coverage
+
+    data.mkdir(parents=True, exist_ok=True)
+    ini = data / "coverage.ini"
+    ini.write_text(_COVERAGE_INI.format(data=data, root=root))
+    # A subprocess reads the file again: its static context is PYTEST_CURRENT_TEST, the test that started it.
+    os.environ["COVERAGE_PROCESS_START"] = str(ini)
+    cov = coverage.Coverage(config_file=str(ini))
+    cov.start()
+    return cov
+
+
+def _lines_run(cov, data: Path, source: Path) -> dict[int, list[str]]:
+    """Each line of ``source`` that ran: the node ids of the tests that ran it (``""``: at import)."""
+    cov.stop()
+    cov.save()
+    import coverage
+
+    combined = coverage.Coverage(data_file=str(data / "data"))
+    combined.combine([str(data)], keep=False)
+    contexts = combined.get_data().contexts_by_lineno(str(source))
+    # A subprocess's context is PYTEST_CURRENT_TEST: "NODE_ID (call)".
+    return {line: sorted({c.rsplit(" (", 1)[0] for c in ids}) for line, ids in contexts.items()}
+
+
+def _child(
+    tests: tuple[str, ...], markers: str, root: Path, log: Path, measure: tuple[Path, str] | None = None
+) -> None:
+    """In a forked child: run the selection on ``root`` with pytest, exit with its status. With ``measure``
+    (a JSON file, the target's path), also write which tests ran each line of the target."""
     os.setsid()  # its own process group: a timeout kills the test's own subprocesses too
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
@@ -378,7 +437,15 @@ def _child(tests: tuple[str, ...], markers: str, root: Path, log: Path) -> None:
     try:
         import pytest
 
-        code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", markers, *tests]))
+        cov = _start_coverage(root, root / ".mutants-coverage") if measure else None
+        plugins = [_TestContexts(cov)] if cov is not None else []
+        code = int(
+            pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", markers, *tests], plugins=plugins)
+        )
+        if measure is not None:
+            lines = _lines_run(cov, root / ".mutants-coverage", root / measure[1])
+            measure[0].write_text(json.dumps(lines))
+            shutil.rmtree(root / ".mutants-coverage", ignore_errors=True)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -397,7 +464,13 @@ class _Running:
 
 
 def _start(
-    mutant: Mutant | None, lines: list[str] | None, target: Target, root: Path, timeout: float
+    mutant: Mutant | None,
+    lines: list[str] | None,
+    target: Target,
+    root: Path,
+    timeout: float,
+    tests: tuple[str, ...],
+    measure: Path | None,
 ) -> tuple[int, _Running]:
     path = root / target.path
     original = path.read_text()
@@ -406,7 +479,7 @@ def _start(
     log = root / "mutant.log"
     pid = os.fork()
     if pid == 0:
-        _child(target.selection(), target.markers, root, log)
+        _child(tests, target.markers, root, log, (measure, target.path) if measure else None)
     return pid, _Running(mutant, root, original, path, log, time.perf_counter(), timeout)
 
 
@@ -432,19 +505,21 @@ def _finish(run: _Running, status: int | None) -> None:
         mutant.status, mutant.failing = "error", text[-500:]
 
 
-def _run_all(
-    items: list[tuple[Target, Mutant | None, list[str] | None]],
-    roots: list[Path],
-    timeouts: dict[str, float],
-    show: bool,
-) -> None:
-    """Run each item's selection in a forked child, at most one per copy of the repository at a time."""
+#: An item to run: the target, the mutant (``None``: the selection as it is) and its source lines, the tests to
+#: run, and where to write which tests ran each line (``None``: not measured).
+_Item = tuple[Target, "Mutant | None", "list[str] | None", tuple[str, ...], "Path | None"]
+
+
+def _run_all(items: list[_Item], roots: list[Path], timeouts: dict[str, float], show: bool) -> None:
+    """Run each item's tests in a forked child, at most one per copy of the repository at a time."""
     queue, free = list(items), list(roots)
     running: dict[int, _Running] = {}
     while queue or running:
         while queue and free:
-            target, mutant, lines = queue.pop(0)
-            pid, run = _start(mutant, lines, target, free.pop(), timeouts.get(target.name, 3600))
+            target, mutant, lines, tests, measure = queue.pop(0)
+            pid, run = _start(
+                mutant, lines, target, free.pop(), timeouts.get(target.name, 3600), tests, measure
+            )
             running[pid] = run
         time.sleep(0.2)
         for pid, run in list(running.items()):
@@ -472,6 +547,27 @@ def _copy(destination: Path) -> Path:
     return destination
 
 
+def _tests_for(target: Target, mutant: Mutant, lines_run: dict[str, list[str]] | None) -> tuple[str, ...]:
+    """The tests that run the mutant's line, in the selection's order (``()``: none does)."""
+    if lines_run is None:
+        return target.selection()
+    ids = lines_run.get(str(mutant.line), [])
+    if "" in ids:  # the line ran at import: any test may see it
+        return target.selection()
+    order = target.selection()
+
+    def rank(node: str) -> int:
+        return next(
+            (n for n, sel in enumerate(order) if node == sel or node.startswith(sel + "::")), len(order)
+        )
+
+    return tuple(sorted(ids, key=rank))
+
+
+def _key(mutant: Mutant) -> tuple[str, str, str]:
+    return mutant.target, mutant.before.strip(), mutant.after.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=[t.name for t in TARGETS])
@@ -481,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--limit", type=int, default=None, help="at most this many mutants per target (a trial)"
     )
+    parser.add_argument(
+        "--rerun", default=None, help="a previous run's JSON: run only the mutants it did not see caught"
+    )
     args = parser.parse_args(argv)
     targets = [t for t in TARGETS if not args.target or t.name in args.target]
     work = [(t, m, lines) for t in targets for m, lines in make_mutants(t)[1][: args.limit]]
@@ -489,12 +588,31 @@ def main(argv: list[str] | None = None) -> int:
             print(mutant.label())
         print(f"{len(work)} mutants")
         return 0
+    kept: list[Mutant] = []
+    if args.rerun:
+        before = {_key(m): m for m in (Mutant(**d) for d in json.loads(Path(args.rerun).read_text()))}
+        kept = [before[_key(m)] for _, m, _ in work if before.get(_key(m), m).status in ("caught", "timeout")]
+        work = [(t, m, lines) for t, m, lines in work if _key(m) not in {_key(k) for k in kept}]
+        targets = [t for t in targets if any(w[0] is t for w in work)]
+    try:
+        import coverage  # noqa: F401
+    except ImportError:
+        measured = False
+        print("mutants: coverage.py is not installed: each mutant runs its whole selection", flush=True)
+    else:
+        measured = True
     _preload()
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         roots = [_copy(Path(tmp) / f"copy{n}") for n in range(args.jobs)]
         baseline = {t.name: Mutant(t.name, 0, "", "") for t in targets}
+        maps = {t.name: Path(tmp) / f"{t.name}.lines.json" for t in targets}
         start = time.perf_counter()
-        _run_all([(t, baseline[t.name], None) for t in targets], roots, {}, show=False)
+        _run_all(
+            [(t, baseline[t.name], None, t.selection(), maps[t.name] if measured else None) for t in targets],
+            roots,
+            {},
+            show=False,
+        )
         broken = [m for m in baseline.values() if m.status != "survived"]
         if broken:
             raise SystemExit(
@@ -503,18 +621,27 @@ def main(argv: list[str] | None = None) -> int:
         timeouts = {
             name: 5 * m.seconds + 60 for name, m in baseline.items()
         }  # a mutant that hangs, not a slow moment
+        lines_run = {t.name: json.loads(maps[t.name].read_text()) if measured else None for t in targets}
         print(
             f"{len(work)} mutants; selections without a mutant ran in "
             + ", ".join(f"{name} {m.seconds:.0f} s" for name, m in baseline.items())
-            + f" ({time.perf_counter() - start:.0f} s)",
+            + f" ({time.perf_counter() - start:.0f} s{', measured' if measured else ''})",
             flush=True,
         )
-        _run_all(work, roots, timeouts, show=True)
-    results = [m for _, m, _ in work]
+        items: list[_Item] = []
+        for target, mutant, lines in work:
+            tests = _tests_for(target, mutant, lines_run[target.name])
+            if tests:
+                items.append((target, mutant, lines, tests, None))
+            else:
+                mutant.status = "not run"
+                print(f"{mutant.status:>8}    0 s  {mutant.label()}", flush=True)
+        _run_all(items, roots, timeouts, show=True)
+    results = kept + [m for _, m, _ in work]
     equivalent = [m for m in results if m.equivalent()]
     results = [m for m in results if not m.equivalent()]
     rows = []
-    for target in targets:
+    for target in [t for t in TARGETS if any(m.target == t.name for m in results)]:
         mine = [m for m in results if m.target == target.name]
         caught = sum(m.status in ("caught", "timeout") for m in mine)
         rows.append((target.name, len(mine), caught))
@@ -523,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, c in rows:
         print(f"| {name} | {n} | {c} | {100 * c / max(n, 1):.1f} % |")
     print(f"| all | {total} | {caught} | {100 * caught / max(total, 1):.1f} % |")
-    survivors = [m for m in results if m.status in ("survived", "error")]
+    survivors = [m for m in results if m.status not in ("caught", "timeout")]
     if survivors:
         print("\nNot caught:")
         for m in survivors:
