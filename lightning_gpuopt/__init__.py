@@ -21,7 +21,7 @@ from lightning_gpuopt.callbacks import (
     TokenCount,
 )
 from lightning_gpuopt.data import GPUOptDataModule, MemmapDataset
-from lightning_gpuopt.microbatch import OptimizerStepOOMError, Rung
+from lightning_gpuopt.microbatch import LossWeightingError, OptimizerStepOOMError, Rung
 from lightning_gpuopt.strategy import FSDP2Strategy, StrategyPlan, StrategyPlanError, select_strategy
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "GPUOptReport",
     "GPUOptWarning",
     "GradientNoiseScale",
+    "LossWeightingError",
     "MemmapDataset",
     "MemoryAwareBatchSize",
     "MicroBatchOOMError",

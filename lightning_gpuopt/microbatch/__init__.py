@@ -41,6 +41,7 @@ from lightning_gpuopt.microbatch.engine import (
     WeightFn,
 )
 from lightning_gpuopt.microbatch.errors import (
+    LossWeightingError,
     MicroBatchOOMError,
     OptimizerStepOOMError,
     RankOutOfMemoryError,
@@ -55,6 +56,7 @@ __all__ = [
     "ActivationCheckpointing",
     "EngineState",
     "KChange",
+    "LossWeightingError",
     "MicroBatchBackward",
     "MicroBatchEngine",
     "MicroBatchOOMError",

@@ -26,9 +26,10 @@ class MicroBatchOOMError(torch.OutOfMemoryError):
     """Out of memory and nothing left to split: the message carries a memory breakdown and next steps."""
 
 
-class LossWeightingError(MicroBatchOOMError):
-    """No weighting of micro-batch losses reproduces the user's loss (or the given one does not): the split is
-    refused before it runs, and the engine raises it as it is instead of retrying it as an OOM."""
+class LossWeightingError(ValueError):
+    """No weighting of micro-batch losses reproduces the user's loss (or the given one does not, or the step's
+    loss is not one number): the split is refused before it runs. A ``ValueError`` about the user's loss, not an
+    out-of-memory error: code that catches OOM does not catch it, and the engine never retries it."""
 
 
 class OptimizerStepOOMError(torch.OutOfMemoryError):

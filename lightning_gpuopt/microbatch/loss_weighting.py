@@ -122,9 +122,17 @@ def _loss_value(output: Any) -> float | None:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if loss is None:
         return None
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise TypeError(f"training_step must return a scalar loss for the check, got {type(loss).__name__}")
-    return float(loss.detach().double())
+    if isinstance(loss, Tensor) and loss.numel() == 1:
+        return float(loss.detach().double())
+    if isinstance(loss, Tensor):
+        raise LossWeightingError(
+            f"training_step returned a loss of shape {tuple(loss.shape)}: a batch split into micro-batches needs "
+            "one number per step, so reduce it (loss.mean(), loss.sum()) as you would for backward()"
+        )
+    raise LossWeightingError(
+        f"training_step returned a {type(loss).__name__} as its loss: a batch split into micro-batches needs a "
+        'scalar tensor (or a dict with one under "loss")'
+    )
 
 
 @dataclass

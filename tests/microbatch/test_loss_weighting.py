@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt import GPUOptWarning, MicroBatchOOMError, OOMRecovery
+from lightning_gpuopt import GPUOptWarning, LossWeightingError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.microbatch.loss_weighting_rules import Weighting
 from tests.helpers import (
@@ -229,7 +229,7 @@ def test_in_batch_negatives_are_refused_before_any_split():
     model = InBatchNegatives()
     before = parameters_of(model)
     with pytest.raises(
-        MicroBatchOOMError, match=r"no weighting of micro-batch losses reproduces your loss"
+        LossWeightingError, match=r"no weighting of micro-batch losses reproduces your loss"
     ) as err:
         _fit(model, Regression(), [_forced()])
     assert "unsplittable=True" in str(err.value) and "weight_fn" in str(err.value)
@@ -248,7 +248,7 @@ class BatchSpread(MeanRegressor):
 
 def test_a_batch_statistic_one_sample_cannot_give_is_refused_not_left_unchecked():
     with pytest.raises(
-        MicroBatchOOMError, match=r"reproduces your loss .*\(relative differences: sample shares: inf"
+        LossWeightingError, match=r"reproduces your loss .*\(relative differences: sample shares: inf"
     ):
         _fit(BatchSpread(), Regression(), [_forced()])
 
@@ -262,7 +262,7 @@ def test_in_batch_negatives_with_on_mismatch_warn_warn_once_and_split():
 
 def test_a_wrong_weight_fn_is_flagged():
     with pytest.raises(
-        MicroBatchOOMError,
+        LossWeightingError,
         match=r"the given weighting, weight_fn .*tokens \(labels != -100\) does reproduce it.*\(check the one given\)",
     ):
         _fit(TokenMeanLM(), TokenText(), [_forced(weight_fn=lambda batch: len(batch["labels"]))])

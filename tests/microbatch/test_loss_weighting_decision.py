@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import pytest
+import torch
 
-from lightning_gpuopt import OOMRecovery
+from lightning_gpuopt import LossWeightingError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
 from tests.microbatch.test_loss_weighting_memory import HandWrittenLM, _fit
 
@@ -76,3 +78,23 @@ def test_a_given_weight_fn_wins_over_a_decision_in_the_checkpoint():
     given = OOMRecovery(weight_fn=count)
     given.load_state_dict(first.state_dict())
     assert given.loss_weighting.decided.count_fn is count
+
+
+class VectorLossLM(HandWrittenLM):
+    """Returns each token's loss, unreduced: a mistake torch's backward would also refuse."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.features(batch["input_ids"]))
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+
+
+def test_a_step_that_returns_no_scalar_loss_is_told_so_in_one_line():
+    """Split after an OOM in the forward, the check meets a (batch, tokens) loss: the error names its shape and
+    the fix, not a micro-batch size the model "cannot run"."""
+    with pytest.raises(LossWeightingError) as caught:
+        _fit(VectorLossLM(), [OOMRecovery()], limit=int(0.3 * _peak()), steps=1)
+    message = str(caught.value)
+    assert "\n" not in message and "cannot run micro-batches" not in message
+    assert re.search(
+        r"returned a loss of shape \(\d+, \d+\): .* reduce it \(loss.mean\(\), loss.sum\(\)\)", message
+    )

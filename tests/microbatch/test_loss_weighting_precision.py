@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
+from lightning_gpuopt import LossWeightingError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.microbatch.loss_weighting_rules import tolerance
 from tests.helpers import TRAINER_QUIET
@@ -113,7 +113,7 @@ def _check(precision: str, reduction: str, contrast: float = 12.0, float32_loss:
     loader = DataLoader(HardShortEasyLong(), batch_size=len(LENGTHS))
     if EXPECTED[reduction] is None:
         with pytest.raises(
-            MicroBatchOOMError, match="no weighting of micro-batch losses reproduces your loss"
+            LossWeightingError, match="no weighting of micro-batch losses reproduces your loss"
         ):
             trainer.fit(model, loader)
     else:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_gpuopt import MicroBatchOOMError, OOMRecovery
+from lightning_gpuopt import LossWeightingError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.microbatch.loss_weighting_rules import Weighting
 from lightning_gpuopt.microbatch.replay import RandomDraws, draws_random, op_arguments, rows_for
@@ -67,7 +67,7 @@ def test_flow_matching_chooses_sample_shares_for_a_mean_and_the_sum_for_a_sum(re
 
 def test_infonce_with_noise_drawn_in_the_step_is_refused_naming_the_coupling():
     with pytest.raises(
-        MicroBatchOOMError, match=r"no weighting of micro-batch losses reproduces your loss"
+        LossWeightingError, match=r"no weighting of micro-batch losses reproduces your loss"
     ) as err:
         _split_fit(NoisyInfoNCE, Points())
     assert "a loss that couples the samples of a batch (in-batch negatives, contrastive losses" in str(
@@ -76,7 +76,7 @@ def test_infonce_with_noise_drawn_in_the_step_is_refused_naming_the_coupling():
 
 
 def test_random_masking_in_the_step_is_refused_in_one_line():
-    with pytest.raises(MicroBatchOOMError) as err:
+    with pytest.raises(LossWeightingError) as err:
         _split_fit(MaskingInStep, Tokens())
     message = str(err.value)
     assert "\n" not in message
@@ -155,7 +155,7 @@ class LoopNoise(FlowMatching):
     ids=["python", "numpy", "shape", "loop"],
 )
 def test_randomness_the_check_cannot_replay_is_refused_in_one_line_naming_it(make, source):
-    with pytest.raises(MicroBatchOOMError, match=r"cannot replay on the parts of a batch \(" + source) as err:
+    with pytest.raises(LossWeightingError, match=r"cannot replay on the parts of a batch \(" + source) as err:
         _split_fit(make, Points())
     message = str(err.value)
     assert "\n" not in message and "OOMRecovery(loss_reduction=...)" in message
