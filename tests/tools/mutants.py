@@ -154,6 +154,9 @@ class Mutant:
     status: str = "pending"  # caught, survived, timeout (caught), error, not run (no test runs the line)
     seconds: float = 0.0
     failing: str = field(default="")
+    #: The first line of the statement the mutated line belongs to (coverage.py may count a statement that spans
+    #: lines at its first line only).
+    statement: int = 0
 
     def equivalent(self) -> str | None:
         """Why this mutant cannot be caught (:data:`EQUIVALENT`), or ``None``."""
@@ -274,14 +277,18 @@ _SYMBOLS = {
 }
 
 
-def make_mutants(target: Target) -> tuple[list[str], list[tuple[Mutant, list[str]]]]:
-    """The target's source lines and each mutant with its mutated source lines."""
-    source = (REPO / target.path).read_text()
+def make_mutants(target: Target, root: Path = REPO) -> tuple[list[str], list[tuple[Mutant, list[str]]]]:
+    """The target's source lines (in the repository at ``root``) and each mutant with its mutated source lines."""
+    source = (root / target.path).read_text()
     lines = source.splitlines(keepends=True)
     tree = ast.parse(source)
     skip = _skipped_nodes(tree)
     out: list[tuple[Mutant, list[str]]] = []
     seen: set[tuple[int, str]] = set()
+    statement: dict[int, int] = {}  # id(node): the first line of the innermost statement holding it
+    for stmt in (n for n in ast.walk(tree) if isinstance(n, ast.stmt)):
+        for node in ast.walk(stmt):
+            statement[id(node)] = stmt.lineno  # inner statements come later in the walk and win
 
     def add(node: ast.AST, text: str | None) -> None:
         if text is None:
@@ -290,7 +297,9 @@ def make_mutants(target: Target) -> tuple[list[str], list[tuple[Mutant, list[str
         if new is None or (node.lineno, new[node.lineno - 1]) in seen:
             return
         seen.add((node.lineno, new[node.lineno - 1]))
-        out.append((Mutant(target.name, node.lineno, lines[node.lineno - 1], new[node.lineno - 1]), new))
+        mutant = Mutant(target.name, node.lineno, lines[node.lineno - 1], new[node.lineno - 1])
+        mutant.statement = statement.get(id(node), node.lineno)
+        out.append((mutant, new))
 
     for scope in _functions(tree, target.functions):
         for node in ast.walk(scope):
@@ -541,9 +550,9 @@ def _run_all(items: list[_Item], roots: list[Path], timeouts: dict[str, float], 
                 print(f"{m.status:>8} {m.seconds:5.0f} s  {m.label()}", flush=True)
 
 
-def _copy(destination: Path) -> Path:
+def _copy(source: Path, destination: Path) -> Path:
     ignore = shutil.ignore_patterns(".venv*", ".git", "lightning_logs", "build", "__pycache__", "*.egg-info")
-    shutil.copytree(REPO, destination, ignore=ignore)
+    shutil.copytree(source, destination, ignore=ignore)
     return destination
 
 
@@ -551,7 +560,7 @@ def _tests_for(target: Target, mutant: Mutant, lines_run: dict[str, list[str]] |
     """The tests that run the mutant's line, in the selection's order (``()``: none does)."""
     if lines_run is None:
         return target.selection()
-    ids = lines_run.get(str(mutant.line), [])
+    ids = sorted({*lines_run.get(str(mutant.line), []), *lines_run.get(str(mutant.statement), [])})
     if "" in ids:  # the line ran at import: any test may see it
         return target.selection()
     order = target.selection()
@@ -582,18 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     targets = [t for t in TARGETS if not args.target or t.name in args.target]
-    work = [(t, m, lines) for t in targets for m, lines in make_mutants(t)[1][: args.limit]]
     if args.list:
-        for _, mutant, _ in work:
+        listed = [m for t in targets for m, _ in make_mutants(t)[1][: args.limit]]
+        for mutant in listed:
             print(mutant.label())
-        print(f"{len(work)} mutants")
+        print(f"{len(listed)} mutants")
         return 0
-    kept: list[Mutant] = []
-    if args.rerun:
-        before = {_key(m): m for m in (Mutant(**d) for d in json.loads(Path(args.rerun).read_text()))}
-        kept = [before[_key(m)] for _, m, _ in work if before.get(_key(m), m).status in ("caught", "timeout")]
-        work = [(t, m, lines) for t, m, lines in work if _key(m) not in {_key(k) for k in kept}]
-        targets = [t for t in targets if any(w[0] is t for w in work)]
     try:
         import coverage  # noqa: F401
     except ImportError:
@@ -603,7 +606,19 @@ def main(argv: list[str] | None = None) -> int:
         measured = True
     _preload()
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
-        roots = [_copy(Path(tmp) / f"copy{n}") for n in range(args.jobs)]
+        # One snapshot of the repository: the mutants are made from it and every copy is it (edits made in the
+        # checkout while this runs change nothing here).
+        first = _copy(REPO, Path(tmp) / "copy0")
+        roots = [first, *(_copy(first, Path(tmp) / f"copy{n}") for n in range(1, args.jobs))]
+        work = [(t, m, lines) for t in targets for m, lines in make_mutants(t, first)[1][: args.limit]]
+        kept: list[Mutant] = []
+        if args.rerun:
+            before = {_key(m): m for m in (Mutant(**d) for d in json.loads(Path(args.rerun).read_text()))}
+            kept = [
+                before[_key(m)] for _, m, _ in work if before.get(_key(m), m).status in ("caught", "timeout")
+            ]
+            work = [(t, m, lines) for t, m, lines in work if _key(m) not in {_key(k) for k in kept}]
+            targets = [t for t in targets if any(w[0] is t for w in work)]
         baseline = {t.name: Mutant(t.name, 0, "", "") for t in targets}
         maps = {t.name: Path(tmp) / f"{t.name}.lines.json" for t in targets}
         start = time.perf_counter()
