@@ -160,17 +160,22 @@ def test_another_runs_checkpoint_named_by_the_user_is_loaded_with_a_warning(run_
     assert torch.load(other / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)["global_step"] == 4
 
 
-def test_a_checkpoint_without_a_fingerprint_loads_with_a_one_line_warning(tmp_path):
-    # written by plain Lightning (as gpuopt fit did before it wrote fingerprints)
+def _plain_lightning_checkpoint(root: Path) -> Path:
+    """A 2-step fit by plain Lightning (no run fingerprint, as gpuopt fit wrote before): its last.ckpt."""
     trainer = pl.Trainer(
         max_steps=2,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=tmp_path,
+        default_root_dir=root,
         callbacks=[ModelCheckpoint(save_last=True, save_top_k=0)],
     )
     trainer.fit(RecordingRegressor(), IndexedData40(batch_size=4, num_workers=0))
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_a_checkpoint_without_a_fingerprint_loads_with_a_one_line_warning(tmp_path):
+    _plain_lightning_checkpoint(tmp_path)
     with pytest.warns(GPUOptWarning, match=r"has no run fingerprint") as caught:
         main(_args(tmp_path, *MODEL_A, *DATA_A, "--trainer.max_steps", "3"))
     (warning,) = [w for w in caught if w.category is GPUOptWarning]
@@ -547,16 +552,7 @@ def test_a_checkpoint_without_a_fingerprint_resumes_under_ddp_in_one_folder_for_
     import json
 
     plain = tmp_path / "plain"
-    trainer = pl.Trainer(
-        max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=plain,
-        callbacks=[ModelCheckpoint(save_last=True, save_top_k=0)],
-    )
-    trainer.fit(RecordingRegressor(), IndexedData40(batch_size=4, num_workers=0))
-    path = plain / "checkpoints" / "last.ckpt"
+    path = _plain_lightning_checkpoint(plain)
     # two CPU ranks over gloo, on Lightning's default logger (no `trainer.logger`): the ranks must name one folder
     args = [
         "fit",

@@ -12,6 +12,14 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
 from lightning_gpuopt import _compat
+from tests.helpers import TRAINER_QUIET
+
+
+def _fit_boring(**options) -> pl.Trainer:
+    """Lightning's BoringModel fit quietly on the CPU with ``options``."""
+    trainer = pl.Trainer(**{**TRAINER_QUIET, **options})
+    trainer.fit(BoringModel())
+    return trainer
 
 
 def test_compiled_module_flag():
@@ -27,16 +35,7 @@ def test_should_accumulate_answers_inside_a_fit():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             answers.append(_compat.should_accumulate(trainer))
 
-    trainer = pl.Trainer(
-        max_steps=2,
-        accumulate_grad_batches=2,
-        callbacks=[Ask()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(BoringModel())
+    _fit_boring(max_steps=2, accumulate_grad_batches=2, callbacks=[Ask()])
     assert answers[:2] == [True, False]
 
 
@@ -133,19 +132,9 @@ def test_validation_due_skip_next_validation_and_run_validation():
         def on_validation_end(self, trainer, pl_module):
             seen["validations"].append((trainer.current_epoch, trainer.global_step))
 
-    trainer = pl.Trainer(
-        max_epochs=1,
-        limit_train_batches=4,
-        limit_val_batches=2,
-        val_check_interval=2,
-        num_sanity_val_steps=0,
-        callbacks=[Ask()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    _fit_boring(
+        max_epochs=1, limit_train_batches=4, limit_val_batches=2, val_check_interval=2, callbacks=[Ask()]
     )
-    trainer.fit(BoringModel())
     assert seen["due"] == [False, True, False, True]
     assert seen["validations"] == [(0, 0), (0, 4)]  # the one run at the start; the one at step 2 skipped
 
