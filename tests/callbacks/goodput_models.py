@@ -28,6 +28,18 @@ class Quadratic(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class DroppedQuadratic(Quadratic):
+    """Quadratic with dropout in its step: random numbers the noise-scale measurement cannot replay."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return 0.5 * self.drop(self.theta - x).square().sum(dim=1).mean()
+
+
 def quadratic_loader(b_simple: float, *, d: int = 64, batch_size: int = 64, steps: int = 300, seed: int = 0):
     """Samples ``x ~ N(0, s^2 I)`` with ``s^2 = b_simple / d`` (so that ``B_simple = b_simple`` at the start)."""
     generator = torch.Generator().manual_seed(seed)

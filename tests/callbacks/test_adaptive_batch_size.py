@@ -12,7 +12,7 @@ import torch
 from lightning_gpuopt import AdaptiveBatchSize, GradientNoiseScale
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.goodput import lr_factor, next_accumulation
-from tests.callbacks.goodput_models import Quadratic, quadratic_loader
+from tests.callbacks.goodput_models import DroppedQuadratic, Quadratic, quadratic_loader
 from tests.helpers import TRAINER_QUIET, MetricsLogger
 
 WARMUP, TOTAL = 20, 400
@@ -160,16 +160,6 @@ def test_an_unsupported_strategy_is_refused_in_setup_naming_the_callback(callbac
         callback().setup(trainer, Quadratic(), "fit")
 
 
-class _Dropped(Quadratic):
-    def __init__(self):
-        super().__init__()
-        self.drop = torch.nn.Dropout(0.1)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return 0.5 * self.drop(self.theta - x).square().sum(dim=1).mean()
-
-
 @pytest.mark.parametrize(
     ("case", "b_simple", "steps", "noise_kwargs", "grow_kwargs"),
     [
@@ -191,7 +181,7 @@ def test_says_why_the_batch_did_not_grow(caplog, case, b_simple, steps, noise_kw
     """One line at the end of the fit: the batch it stayed at and the reason, with the figures of its state."""
     noise = GradientNoiseScale(every=1, split_every=1, **noise_kwargs)
     grow = AdaptiveBatchSize(**grow_kwargs)
-    model = _Dropped() if case == "nothing_measured" else Quadratic(lr=1e-3)
+    model = DroppedQuadratic() if case == "nothing_measured" else Quadratic(lr=1e-3)
     trainer = pl.Trainer(max_steps=steps, precision="64-true", callbacks=[noise, grow], **TRAINER_QUIET)
     trainer.fit(model, quadratic_loader(b_simple, batch_size=16, steps=steps, seed=1))
     assert grow.changes == []

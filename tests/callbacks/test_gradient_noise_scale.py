@@ -16,7 +16,12 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_gpuopt import GradientNoiseScale, OOMRecovery
 from lightning_gpuopt.goodput import NoiseScaleEMA, noise_scale_terms
 from lightning_gpuopt.microbatch import MicroBatchEngine
-from tests.callbacks.goodput_models import Quadratic, quadratic_loader, synthetic_measurements
+from tests.callbacks.goodput_models import (
+    DroppedQuadratic,
+    Quadratic,
+    quadratic_loader,
+    synthetic_measurements,
+)
 from tests.helpers import TRAINER_QUIET, run_ranks
 
 
@@ -61,17 +66,8 @@ def test_update_unchanged_by_the_measurement():
 
 
 def test_no_split_for_a_step_with_dropout(caplog):
-    class Dropped(Quadratic):
-        def __init__(self):
-            super().__init__()
-            self.drop = torch.nn.Dropout(0.1)
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return 0.5 * self.drop(self.theta - x).square().sum(dim=1).mean()
-
     noise = GradientNoiseScale()
-    _fit(Dropped(), quadratic_loader(16, steps=5), [noise], steps=5)
+    _fit(DroppedQuadratic(), quadratic_loader(16, steps=5), [noise], steps=5)
     assert noise.history == []
     assert "not split into 2 micro-batches because it has dropout (drop, p=0.1)" in caplog.text
     # The fit ends saying that nothing was measured, why, and what to do.
