@@ -212,9 +212,7 @@ def next_micro_batch_count(
     else:
         target = max(1, min(target, math.ceil(size / 2)))
     target = max(target, min_size)
-    k = max(failure.k + 1, math.ceil(n / target))
-    while k < n and math.ceil(n / k) > target:
-        k += 1
+    k = max(failure.k + 1, math.ceil(n / target))  # ceil(n / k) <= target: k >= n / target, target whole
     k = min(k, n, largest_k)
     # Capped at the smallest split (every micro-batch keeps ``min_size`` samples), the micro-batch may be no
     # smaller than one that failed: that split was tried, nothing smaller may run.

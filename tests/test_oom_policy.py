@@ -226,15 +226,20 @@ def test_grow_back_prediction(k, n, peak, limit, below, cap, expected):
         assert cap is None or size <= cap
 
 
-@pytest.mark.parametrize(("k", "n"), [(1, 10), (3, 10), (2, 5), (9, 10), (10, 10)])
-def test_smaller_micro_batch_count_always_shrinks_the_micro_batch(k, n):
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 300).flatmap(lambda n: st.tuples(st.integers(1, n), st.just(n))))
+def test_smaller_micro_batch_count_is_the_next_k_that_shrinks_the_micro_batch(k_and_n):
+    """The smallest k' > k whose largest micro-batch is smaller (k's own when nothing is smaller)."""
     from lightning_gpuopt.oom_policy import smaller_micro_batch_count
 
+    k, n = k_and_n
     new = smaller_micro_batch_count(k, n)
-    assert new <= n
-    assert new > k or k == n
-    if k < n:
-        assert math.ceil(n / new) < math.ceil(n / k)
+    if k == n:
+        assert new == n
+        return
+    assert k < new <= n
+    assert math.ceil(n / new) < math.ceil(n / k)
+    assert all(math.ceil(n / j) == math.ceil(n / k) for j in range(k + 1, new))  # none smaller was skipped
 
 
 # ---------------------------------------------------------------------------- the next k after several failures

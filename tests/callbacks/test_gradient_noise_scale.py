@@ -297,3 +297,24 @@ def test_logs_in_lightnings_rows_and_ends_with_the_estimators_state(
         assert float(end["error2"]) == pytest.approx(noise.relative_error, rel=5e-3)
         assert float(end["trust2"]) == trust
         assert (end["bound"] and float(end["bound"].replace(",", ""))) == (bound and round(bound))
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.9, 0.99])
+def test_the_reported_averages_are_bias_corrected_weighted_means_of_the_measurements(beta):
+    """``gradient_sq`` and ``trace_sigma`` are the measurements' means weighted (1 - beta) beta^(t - i), over the
+    weights' sum: a constant stays that constant from the first measurement on; ``None`` before any."""
+    ema = NoiseScaleEMA(beta=beta)
+    assert ema.gradient_sq is None and ema.trace_sigma is None
+    measured = [(2.0, 300.0), (1.5, 250.0), (3.0, 500.0), (2.5, 100.0)]
+    for t, (g2, trace) in enumerate(measured, start=1):
+        ema.update(g2, trace)
+        weights = [beta ** (t - i) for i in range(1, t + 1)]
+        mean_g2 = sum(w * g for w, (g, _) in zip(weights, measured)) / sum(weights)
+        mean_trace = sum(w * tr for w, (_, tr) in zip(weights, measured)) / sum(weights)
+        assert ema.gradient_sq == pytest.approx(mean_g2, rel=1e-12)
+        assert ema.trace_sigma == pytest.approx(mean_trace, rel=1e-12)
+    constant = NoiseScaleEMA(beta=beta)
+    constant.update(4.0, 40.0)
+    assert constant.gradient_sq == pytest.approx(4.0, rel=1e-12) and constant.trace_sigma == pytest.approx(
+        40.0, rel=1e-12
+    )

@@ -340,3 +340,57 @@ def test_the_check_leaves_no_trace_and_its_decision_is_kept_in_the_checkpoint():
     again = Traced()
     _fit(again, Regression(), [resumed], steps=1)
     assert again.check_calls == 0 and resumed.loss_weighting.decided.kind is Weighting.SAMPLES
+
+
+class WeightDecayOnly(TokenMeanLM):
+    """A loss that does not depend on the batch: every mean over the batch reproduces it (a tie)."""
+
+    def training_step(self, batch, batch_idx):
+        return sum((p**2).sum() for p in self.parameters()) + 0.0 * batch["input_ids"].sum()
+
+
+class InfiniteLoss(TokenMeanLM):
+    """A loss that is not finite on the checked samples (and on every batch)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * float("inf")
+
+
+def test_a_tie_without_a_hugging_face_head_is_said_in_one_warning_naming_every_tied_weighting():
+    oom = _forced()
+    with pytest.warns(GPUOptWarning) as record:
+        run = train(WeightDecayOnly(), TokenText(), [oom], steps=2)
+    (warning,) = [str(w.message) for w in record if issubclass(w.category, GPUOptWarning)]
+    assert warning.startswith(
+        "loss weighting: sample shares, tokens (labels != -100), tokens (labels != -100, shifted by one) all "
+        "reproduce your loss on the two checked samples (their losses are too close to tell them apart); "
+        "keeping sample shares."
+    )
+    assert oom.loss_weighting.decided.kind is Weighting.SAMPLES
+    (decision,) = _weighting_decisions(run.trainer)
+    assert decision.data["checked"]
+
+
+def test_a_loss_that_is_not_finite_on_the_checked_samples_splits_unchecked_and_says_why():
+    oom = _forced()
+    with pytest.warns(GPUOptWarning) as record:
+        run = train(InfiniteLoss(), TokenText(), [oom], steps=1)
+    (decision,) = _weighting_decisions(run.trainer)
+    assert not decision.data["checked"]
+    assert "not checked: your loss was not finite on the checked samples" in decision.message
+    assert oom.loss_weighting.decided.kind is Weighting.SAMPLES  # the fallback for a batch with tokens
+    assert [w for w in record if issubclass(w.category, GPUOptWarning)]  # the unchecked split is not silent
+
+
+def test_weighting_alike_needs_every_candidate_to_count_the_chunks():
+    from lightning_gpuopt.microbatch.loss_weighting import _weigh_alike
+    from lightning_gpuopt.microbatch.loss_weighting_rules import candidates
+
+    text = TokenText(n=4)
+    chunks = [{"labels": text.labels[:2]}, {"labels": text.labels[2:]}]
+    tokens = [c for c in candidates(chunks[0]) if c.kind is Weighting.TOKENS]
+    samples = [c for c in candidates(chunks[0]) if c.kind is Weighting.SAMPLES]
+    assert not _weigh_alike([*samples, *tokens], chunks)  # random lengths: tokens weigh them differently
+    assert _weigh_alike([*samples, *tokens], [{"labels": text.tokens[:2]}, {"labels": text.tokens[2:]}])
+    no_labels = [{"input_ids": text.tokens[:2]}, {"input_ids": text.tokens[2:]}]
+    assert not _weigh_alike([*samples, *tokens], no_labels)  # tokens cannot count them: not alike

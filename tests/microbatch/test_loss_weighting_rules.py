@@ -151,3 +151,31 @@ def test_the_pair_separates_candidates_that_differ_on_the_batch():
 def test_a_batch_without_tokens_checks_its_first_two_samples():
     batch = (torch.randn(4, 3), torch.randn(4, 1))
     assert check_pair(batch, candidates(batch)) == (0, 1)
+
+
+def test_a_tie_without_sample_shares_among_the_candidates_keeps_the_first_and_says_tied():
+    """Tokens and shifted tokens both reproduce equal parts' losses and count the samples differently: the first
+    given is kept, as a tie."""
+    parts = [_batch([2]), _batch([6, 6, 5])]
+    tokens = [c for c in candidates(parts[0]) if c.kind in (Weighting.TOKENS, Weighting.TOKENS_SHIFTED)]
+    for options in (tokens, tokens[::-1]):
+        result = choose(2.0, [2.0, 2.0], parts, options, 1e-6)
+        assert result.tied and not result.alike and result.chosen is options[0]
+
+
+def test_counts_that_cannot_be_read_or_sum_to_nothing_per_sample_are_not_alike():
+    """Two weightings count "alike" only where both count something on every single sample: a ``weight_fn`` that
+    counts the parts but fails on one sample, or counts nothing on one, ties like any other."""
+    parts = [_batch([2, 3]), _batch([6, 6, 5])]
+    tokens = [c for c in candidates(parts[0]) if c.kind is Weighting.TOKENS]
+
+    def fails_on_one(batch):
+        if len(batch["labels"]) == 1:
+            raise ValueError("needs two samples")
+        return len(batch["labels"])
+
+    for count_fn in (fails_on_one, lambda batch: 0 if len(batch["labels"]) == 1 else len(batch["labels"])):
+        custom = Candidate(Weighting.CUSTOM, "weight_fn", count_fn=count_fn)
+        result = choose(2.0, [2.0, 2.0], parts, [*tokens, custom], 1e-6)
+        assert result.errors["weight_fn"] < 1e-12, "the parts are counted"
+        assert result.tied and not result.alike and result.chosen is tokens[0]
