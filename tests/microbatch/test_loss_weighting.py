@@ -394,3 +394,24 @@ def test_weighting_alike_needs_every_candidate_to_count_the_chunks():
     assert _weigh_alike([*samples, *tokens], [{"labels": text.tokens[:2]}, {"labels": text.tokens[2:]}])
     no_labels = [{"input_ids": text.tokens[:2]}, {"input_ids": text.tokens[2:]}]
     assert not _weigh_alike([*samples, *tokens], no_labels)  # tokens cannot count them: not alike
+
+
+class UnpaddedText(PaddedText):
+    """Causal-LM text with every sample at full length: samples and (shifted) tokens count alike."""
+
+    def __init__(self) -> None:
+        super().__init__("causal-lm")
+        self.mask = torch.ones_like(self.mask)
+        self.ids = torch.randint(1, 48, self.ids.shape, generator=torch.Generator().manual_seed(4))
+        self.labels = self.ids.clone()
+
+
+@pytest.mark.slow
+def test_a_tie_under_a_hugging_face_head_is_decided_by_the_head_without_a_warning(recwarn):
+    pytest.importorskip("transformers")
+    oom = _forced()
+    run = train(HFModule("causal-lm", "sgd"), UnpaddedText(), [oom], steps=1)
+    (decision,) = _weighting_decisions(run.trainer)
+    assert "(a tie, decided by the Hugging Face causal LM head)" in decision.message
+    assert oom.loss_weighting.decided.kind is Weighting.TOKENS_SHIFTED
+    assert not [w for w in recwarn if issubclass(w.category, GPUOptWarning)]

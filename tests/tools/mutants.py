@@ -12,7 +12,7 @@ annotations and ``__all__`` are not made. The figure for docs/testing.md is caug
 
 Each target's selection first runs once without a mutant, under coverage.py (its subprocesses too: the DDP ranks,
 the ``gpuopt fit`` children, the loader's workers), which records the tests that run each line. A mutant then runs
-only the tests that run its line, in the selection's order; a line that ran at import runs the whole selection,
+only the tests that run its line, the fastest first; a line that ran at import runs the whole selection,
 and a line no test runs is a survivor without running anything ("not run"). Without coverage.py installed, every
 mutant runs the whole selection. ``--rerun`` runs again only the mutants a previous JSON did not see caught (after
 new tests), and keeps the others' results. CI does not run it.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import shutil
 import sys
@@ -396,13 +397,17 @@ context = ${{PYTEST_CURRENT_TEST-}}
 
 
 class _TestContexts:
-    """A pytest plugin: coverage.py's dynamic context is the running test's node id."""
+    """A pytest plugin: coverage.py's dynamic context is the running test's node id; each test's seconds."""
 
     def __init__(self, cov) -> None:
         self.cov = cov
+        self.seconds: dict[str, float] = {}
 
     def pytest_runtest_protocol(self, item):
         self.cov.switch_context(item.nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
 
 
 def _start_coverage(root: Path, data: Path):
@@ -459,7 +464,7 @@ def _child(
         )
         if measure is not None:
             lines = _lines_run(cov, root / ".mutants-coverage", root / measure[1])
-            measure[0].write_text(json.dumps(lines))
+            measure[0].write_text(json.dumps({"lines": lines, "seconds": plugins[0].seconds}))
             shutil.rmtree(root / ".mutants-coverage", ignore_errors=True)
     finally:
         sys.stdout.flush()
@@ -562,21 +567,16 @@ def _copy(source: Path, destination: Path) -> Path:
     return destination
 
 
-def _tests_for(target: Target, mutant: Mutant, lines_run: dict[str, list[str]] | None) -> tuple[str, ...]:
-    """The tests that run the mutant's line, in the selection's order (``()``: none does)."""
-    if lines_run is None:
+def _tests_for(target: Target, mutant: Mutant, measured: dict | None) -> tuple[str, ...]:
+    """The tests that run the mutant's line, fastest first (``()``: none does)."""
+    if measured is None:
         return target.selection()
-    ids = sorted({*lines_run.get(str(mutant.line), []), *lines_run.get(str(mutant.statement), [])})
+    lines_run, seconds = measured["lines"], measured["seconds"]
+    ids = {*lines_run.get(str(mutant.line), []), *lines_run.get(str(mutant.statement), [])}
     if "" in ids:  # the line ran at import: any test may see it
         return target.selection()
-    order = target.selection()
-
-    def rank(node: str) -> int:
-        return next(
-            (n for n, sel in enumerate(order) if node == sel or node.startswith(sel + "::")), len(order)
-        )
-
-    return tuple(sorted(ids, key=rank))
+    # A subprocess's test (its context) may be unknown to pytest's timing when its id was cut: last.
+    return tuple(sorted(ids, key=lambda node: (seconds.get(node, math.inf), node)))
 
 
 def _key(mutant: Mutant) -> tuple[str, str, str]:
