@@ -9,6 +9,7 @@ unless it says otherwise.
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from tests.microbatch.stochastic_models import (
     NoisyInfoNCE,
     Points,
     Tokens,
+    Wide,
     limit_forcing_split,
     train,
 )
@@ -245,3 +247,26 @@ def test_an_aten_calls_arguments_by_name_with_their_defaults():
     assert named["size"] == [2] and named["generator"] is None and "dtype" in named
     attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     assert op_arguments(attention, (1, 2, 3), {})["dropout_p"] == 0.0
+
+
+class Mixup(Wide):
+    """Mixup inside the step: each sample mixed with another of the batch, chosen by a random permutation."""
+
+    def training_step(self, batch, batch_idx):
+        ids, x1 = batch
+        mixed = 0.7 * x1 + 0.3 * x1[torch.randperm(len(x1), device=x1.device)]
+        return (self.net(torch.cat([mixed, ids[:, None].to(x1.dtype)], 1)) - mixed).square().mean()
+
+
+def test_a_step_that_fails_on_a_part_with_the_replayed_draws_is_refused_naming_the_coupling():
+    """The permutation drawn for two samples indexes past a one-sample part: the step's IndexError is not the
+    user's bug, it is how mixup couples the samples."""
+    with pytest.raises(LossWeightingError) as err:
+        _split_fit(Mixup, Points())
+    message = str(err.value)
+    assert "\n" not in message
+    assert re.search(
+        r"with the piece's random values replayed on a part, it raised IndexError: index 1 is out of bounds .*"
+        r"\(random indices into the batch, such as a permutation for mixup, couple its samples\)",
+        message,
+    ), message
