@@ -25,10 +25,12 @@ import ast
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -530,16 +532,16 @@ def _finish(run: _Running, status: int | None) -> None:
 _Item = tuple[Target, "Mutant | None", "list[str] | None", tuple[str, ...], "Path | None"]
 
 
-def _run_all(items: list[_Item], roots: list[Path], timeouts: dict[str, float], show: bool) -> None:
+def _run_all(
+    items: list[_Item], roots: list[Path], timeout: Callable[[Target, tuple[str, ...]], float], show: bool
+) -> None:
     """Run each item's tests in a forked child, at most one per copy of the repository at a time."""
     queue, free = list(items), list(roots)
     running: dict[int, _Running] = {}
     while queue or running:
         while queue and free:
             target, mutant, lines, tests, measure = queue.pop(0)
-            pid, run = _start(
-                mutant, lines, target, free.pop(), timeouts.get(target.name, 3600), tests, measure
-            )
+            pid, run = _start(mutant, lines, target, free.pop(), timeout(target, tests), tests, measure)
             running[pid] = run
         time.sleep(0.2)
         for pid, run in list(running.items()):
@@ -595,7 +597,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rerun", default=None, help="a previous run's JSON: run only the mutants it did not see caught"
     )
+    parser.add_argument(
+        "--sample",
+        type=float,
+        default=1.0,
+        help="run this share of the mutants (random, --seed), besides those --rerun names: a quicker figure",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="print the summary of earlier runs and stop"
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        report(args.report)
+        return 0
     targets = [t for t in TARGETS if not args.target or t.name in args.target]
     if args.list:
         listed = [m for t in targets for m, _ in make_mutants(t)[1][: args.limit]]
@@ -617,21 +632,26 @@ def main(argv: list[str] | None = None) -> int:
         first = _copy(REPO, Path(tmp) / "copy0")
         roots = [first, *(_copy(first, Path(tmp) / f"copy{n}") for n in range(1, args.jobs))]
         work = [(t, m, lines) for t in targets for m, lines in make_mutants(t, first)[1][: args.limit]]
-        kept: list[Mutant] = []
+        made = {t.name: sum(w[0] is t and not w[1].equivalent() for w in work) for t in targets}
+        before: dict[tuple[str, str, str], Mutant] = {}
         if args.rerun:
             before = {_key(m): m for m in (Mutant(**d) for d in json.loads(Path(args.rerun).read_text()))}
-            kept = [
-                before[_key(m)] for _, m, _ in work if before.get(_key(m), m).status in ("caught", "timeout")
-            ]
-            work = [(t, m, lines) for t, m, lines in work if _key(m) not in {_key(k) for k in kept}]
-            targets = [t for t in targets if any(w[0] is t for w in work)]
+        caught_before = {k for k, m in before.items() if m.status in ("caught", "timeout") or m.equivalent()}
+        kept = [before[_key(m)] for _, m, _ in work if _key(m) in caught_before]
+        again = [w for w in work if _key(w[1]) in before and _key(w[1]) not in caught_before]
+        fresh = [w for w in work if _key(w[1]) not in before]
+        if args.sample < 1.0:
+            rng = random.Random(args.seed)
+            fresh = [w for w in fresh if rng.random() < args.sample]
+        work = again + fresh
+        targets = [t for t in targets if any(w[0] is t for w in work)]
         baseline = {t.name: Mutant(t.name, 0, "", "") for t in targets}
         maps = {t.name: Path(tmp) / f"{t.name}.lines.json" for t in targets}
         start = time.perf_counter()
         _run_all(
             [(t, baseline[t.name], None, t.selection(), maps[t.name] if measured else None) for t in targets],
             roots,
-            {},
+            lambda target, tests: 3600,
             show=False,
         )
         broken = [m for m in baseline.values() if m.status != "survived"]
@@ -639,10 +659,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(
                 f"mutants: the selection of {broken[0].target} fails without any mutant: {broken[0].failing}"
             )
-        timeouts = {
-            name: 5 * m.seconds + 60 for name, m in baseline.items()
-        }  # a mutant that hangs, not a slow moment
         lines_run = {t.name: json.loads(maps[t.name].read_text()) if measured else None for t in targets}
+
+        def timeout(target: Target, tests: tuple[str, ...]) -> float:
+            """Five times what the tests took without a mutant, and a minute: a mutant that hangs, not a slow
+            moment."""
+            whole = baseline[target.name].seconds
+            seconds = (lines_run[target.name] or {}).get("seconds", {})
+            took = whole if tests == target.selection() else sum(seconds.get(t, 0.0) for t in tests)
+            return 5 * min(took, whole) + 60
+
         print(
             f"{len(work)} mutants; selections without a mutant ran in "
             + ", ".join(f"{name} {m.seconds:.0f} s" for name, m in baseline.items())
@@ -657,20 +683,28 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 mutant.status = "not run"
                 print(f"{mutant.status:>8}    0 s  {mutant.label()}", flush=True)
-        _run_all(items, roots, timeouts, show=True)
+        _run_all(items, roots, timeout, show=True)
     results = kept + [m for _, m, _ in work]
+    _summary(results, made)
+    Path(args.out).write_text(json.dumps([asdict(m) for m in results], indent=1))
+    return 0
+
+
+def _summary(results: list[Mutant], made: dict[str, int]) -> None:
+    """The table for docs/testing.md (``made``: each target's mutants, equivalent ones left out), what was not
+    caught, and the equivalent mutants with their reasons."""
     equivalent = [m for m in results if m.equivalent()]
     results = [m for m in results if not m.equivalent()]
     rows = []
     for target in [t for t in TARGETS if any(m.target == t.name for m in results)]:
         mine = [m for m in results if m.target == target.name]
         caught = sum(m.status in ("caught", "timeout") for m in mine)
-        rows.append((target.name, len(mine), caught))
-    total, caught = sum(r[1] for r in rows), sum(r[2] for r in rows)
-    print("\n| target | mutants | caught | share |\n|---|---|---|---|")
-    for name, n, c in rows:
-        print(f"| {name} | {n} | {c} | {100 * c / max(n, 1):.1f} % |")
-    print(f"| all | {total} | {caught} | {100 * caught / max(total, 1):.1f} % |")
+        rows.append((target.name, made[target.name], len(mine), caught))
+    made_all, total, caught = (sum(r[i] for r in rows) for i in (1, 2, 3))
+    print("\n| target | mutants | run | caught | share of those run |\n|---|---|---|---|---|")
+    for name, m, n, c in rows:
+        print(f"| {name} | {m} | {n} | {c} | {100 * c / max(n, 1):.1f} % |")
+    print(f"| all | {made_all} | {total} | {caught} | {100 * caught / max(total, 1):.1f} % |")
     survivors = [m for m in results if m.status not in ("caught", "timeout")]
     if survivors:
         print("\nNot caught:")
@@ -680,8 +714,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\nEquivalent, not counted:")
         for m in equivalent:
             print(f"  {m.label()}  ({m.equivalent()}; {m.status})")
-    Path(args.out).write_text(json.dumps([asdict(m) for m in results + equivalent], indent=1))
-    return 0
+
+
+def report(paths: list[str]) -> None:
+    """The summary of one or more runs' JSON (a run split by target, or resumed with ``--rerun``): the latest
+    result of each mutant of this checkout's targets."""
+    latest: dict[tuple[str, str, str], Mutant] = {}
+    for path in paths:
+        for mutant in (Mutant(**d) for d in json.loads(Path(path).read_text())):
+            latest[_key(mutant)] = mutant
+    made = {t.name: sum(not m.equivalent() for m, _ in make_mutants(t)[1]) for t in TARGETS}
+    mine = {_key(m) for t in TARGETS for m, _ in make_mutants(t)[1]}
+    _summary([m for k, m in latest.items() if k in mine], made)
 
 
 if __name__ == "__main__":
