@@ -53,6 +53,7 @@ def test_a_loss_nothing_reproduces_is_a_mismatch():
     parts = [_batch([2]), _batch([6, 6, 5])]
     result = choose(7.0, [1.0, 3.0], parts, candidates(parts[0]), 1e-6)
     assert result.chosen is None and result.mismatch > 0.1
+    assert result.mismatch == min(result.errors.values())  # the refusal reports the nearest candidate
 
 
 def test_a_tie_goes_to_the_hf_head_else_to_sample_shares_with_the_tie_reported():
@@ -176,6 +177,37 @@ def test_counts_that_cannot_be_read_or_sum_to_nothing_per_sample_are_not_alike()
 
     for count_fn in (fails_on_one, lambda batch: 0 if len(batch["labels"]) == 1 else len(batch["labels"])):
         custom = Candidate(Weighting.CUSTOM, "weight_fn", count_fn=count_fn)
-        result = choose(2.0, [2.0, 2.0], parts, [*tokens, custom], 1e-6)
-        assert result.errors["weight_fn"] < 1e-12, "the parts are counted"
-        assert result.tied and not result.alike and result.chosen is tokens[0]
+        for options in ([*tokens, custom], [custom, *tokens]):
+            result = choose(2.0, [2.0, 2.0], parts, options, 1e-6)
+            assert result.errors["weight_fn"] < 1e-12, "the parts are counted"
+            assert result.tied and not result.alike and result.chosen is options[0]
+
+
+def test_the_candidates_of_a_batch_with_an_attention_mask():
+    batch = _batch([2, 5])
+    assert [c.kind.value for c in candidates(batch)] == [
+        "samples",
+        "tokens",
+        "tokens-shifted",
+        "attention-mask tokens",
+        "sum",
+    ]
+    by_mask = candidates(batch, token_key="attention_mask", ignore_index=0)
+    assert [c.kind.value for c in by_mask] == ["samples", "tokens", "tokens-shifted", "sum"]  # counted once
+
+
+def test_per_sample_counts_of_each_token_weighting():
+    batch = _batch([2, 5, 6])
+    by_kind = {c.kind: c.per_sample(batch) for c in candidates(batch)}
+    assert by_kind[Weighting.TOKENS].tolist() == [2, 5, 6]
+    assert by_kind[Weighting.TOKENS_SHIFTED].tolist() == [1, 4, 5]  # labels[:, 1:]
+    assert by_kind[Weighting.MASK_TOKENS].tolist() == [2, 5, 6]
+    assert by_kind[Weighting.SAMPLES] is None and by_kind[Weighting.SUM] is None
+
+
+def test_selected_tokens_match_within_the_tolerance_relative_to_the_loss():
+    from lightning_gpuopt.microbatch.loss_weighting_rules import selected_tokens_match
+
+    piece = 10 * 17 / 5  # parts 10 and 40 over 1 and 4 selected tokens
+    for off, expected in ((0.5e-6, True), (2e-6, False)):  # relative to the loss: 0.5 and 2 tolerances
+        assert selected_tokens_match(piece * (1 + off), [10.0, 40.0], [1, 4], 1e-6) is expected

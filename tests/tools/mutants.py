@@ -130,6 +130,31 @@ EQUIVALENT = (
     ),
     ("resume", '"cuda" in state and torch.cuda', "", "the CUDA RNG: no CUDA device here"),
     ("resume", "len(states) == torch.cuda.device_count()", "", "the CUDA RNG: no CUDA device here"),
+    (
+        "weighting-rules",
+        "@dataclass(frozen=True)",
+        "frozen=False",
+        "frozen only refuses assignments none makes",
+    ),
+    (
+        "weighting-rules",
+        "<= tol * max(abs(piece_loss), 1e-30)",
+        "< (tol * max(",
+        "only a difference exactly at the tolerance tells them apart",
+    ),
+    (
+        "weighting-rules",
+        "if gap(short, long) > 1e-12:",
+        ">= 1e-12",
+        "only a gap of exactly 1e-12 tells them apart",
+    ),
+    ("weighting-rules", "scale = max(abs(piece_loss), 1e-30)", "2e-30", "any tiny floor for a zero loss"),
+    (
+        "weighting-rules",
+        "merge_outputs(list(parts)) if len(parts) > 1",
+        "(len(parts) >= 1)",
+        "merging one part gives that part",
+    ),
 )
 
 _SWAPS: dict[type, type] = {
