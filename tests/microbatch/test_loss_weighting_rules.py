@@ -211,3 +211,35 @@ def test_selected_tokens_match_within_the_tolerance_relative_to_the_loss():
     piece = 10 * 17 / 5  # parts 10 and 40 over 1 and 4 selected tokens
     for off, expected in ((0.5e-6, True), (2e-6, False)):  # relative to the loss: 0.5 and 2 tolerances
         assert selected_tokens_match(piece * (1 + off), [10.0, 40.0], [1, 4], 1e-6) is expected
+
+
+def test_a_batch_with_two_samples_that_count_something_checks_those_two():
+    batch = _batch([1, 3, 5])  # sample 0 counts nothing shifted by one
+    assert check_pair(batch, candidates(batch)) == (1, 2)
+
+
+def test_the_pair_is_ranked_by_the_count_that_varies_most():
+    # Labels count 2, 6, 4 tokens (shifted 1, 5, 3: the widest spread); the attention mask 8, 7, 8 (the
+    # narrowest). By the shifted count the pair is samples 0 and 1; by the mask it would be 1 and 2.
+    labels = torch.ones(3, 8, dtype=torch.long)
+    for i, length in enumerate([2, 6, 4]):
+        labels[i, length:] = -100
+    mask = (torch.arange(8)[None, :] < torch.tensor([8, 7, 8])[:, None]).long()
+    batch = {"input_ids": torch.ones_like(labels), "attention_mask": mask, "labels": labels}
+    assert check_pair(batch, candidates(batch)) == (0, 1)
+
+
+def test_weights_of_a_batch_with_one_token_in_all():
+    tokens = Candidate(Weighting.TOKENS, "tokens", "labels")
+    one = torch.full((2, 4), -100)
+    one[1, 0] = 3
+    assert tokens.weights([{"labels": one[:1]}, {"labels": one[1:]}]) == [0.0, 1.0]
+
+
+def test_the_mismatch_is_the_chosen_candidates_own():
+    from lightning_gpuopt.microbatch.loss_weighting_rules import CheckResult
+
+    samples, tokens = candidates(_batch([2, 3]))[:2]
+    result = CheckResult(tokens, {samples.description: 0.01, tokens.description: 0.05}, 0.1)
+    assert result.mismatch == 0.05
+    assert CheckResult(None, {samples.description: 0.01, tokens.description: 0.05}, 0.001).mismatch == 0.01
