@@ -308,7 +308,7 @@ def choose(
         for option in matched:
             if option.kind is HEAD_WEIGHTING[head]:
                 return CheckResult(option, errors, tol, tied=True)
-    piece = merge_outputs(list(parts)) if len(parts) > 1 else parts[0]
+    piece = merge_outputs(list(parts))
     if all(_same_per_sample(matched[0], o, piece) for o in matched[1:]):
         # Proportional counts on every checked sample (equal lengths): these samples cannot tell them apart.
         return CheckResult(matched[0], errors, tol, alike=tuple(o.description for o in matched))

@@ -243,3 +243,16 @@ def test_the_mismatch_is_the_chosen_candidates_own():
     result = CheckResult(tokens, {samples.description: 0.01, tokens.description: 0.05}, 0.1)
     assert result.mismatch == 0.05
     assert CheckResult(None, {samples.description: 0.01, tokens.description: 0.05}, 0.001).mismatch == 0.01
+
+
+def test_counts_that_sum_to_one_per_sample_can_count_alike():
+    """Proportional counts are alike whatever their totals: half a unit per sample (a total of one on two
+    samples) counts like sample shares."""
+    parts = [_batch([2, 3]), _batch([6, 6, 5])]
+    samples = candidates(parts[0])[0]
+    halves = Candidate(
+        Weighting.CUSTOM, "weight_fn (halves)", count_fn=lambda batch: 0.5 * len(batch["labels"])
+    )
+    for options in ([halves, samples], [samples, halves]):
+        result = choose(2.0, [2.0, 2.0], [_batch([2]), _batch([5])], options, 1e-6)
+        assert set(result.alike) == {samples.description, halves.description} and not result.tied

@@ -151,9 +151,15 @@ EQUIVALENT = (
     ("weighting-rules", "scale = max(abs(piece_loss), 1e-30)", "2e-30", "any tiny floor for a zero loss"),
     (
         "weighting-rules",
-        "merge_outputs(list(parts)) if len(parts) > 1",
-        "(len(parts) >= 1)",
-        "merging one part gives that part",
+        "errors.get(o.description, math.inf) <= tol]",
+        "< tol)]",
+        "only a difference exactly at the tolerance tells them apart",
+    ),
+    (
+        "weighting-rules",
+        "- y / total_b) <= 1e-12 for",
+        "< 1e-12)",
+        "only shares exactly 1e-12 apart tell them apart",
     ),
 )
 
