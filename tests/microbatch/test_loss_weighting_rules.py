@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lightning_gpuopt.batching import batch_size_of
@@ -211,6 +213,7 @@ def test_selected_tokens_match_within_the_tolerance_relative_to_the_loss():
     piece = 10 * 17 / 5  # parts 10 and 40 over 1 and 4 selected tokens
     for off, expected in ((0.5e-6, True), (2e-6, False)):  # relative to the loss: 0.5 and 2 tolerances
         assert selected_tokens_match(piece * (1 + off), [10.0, 40.0], [1, 4], 1e-6) is expected
+    assert not selected_tokens_match(40.0, [0.0, 40.0], [0, 4], 1e-6)  # a part that selected nothing: no mean
 
 
 def test_a_batch_with_two_samples_that_count_something_checks_those_two():
@@ -256,3 +259,59 @@ def test_counts_that_sum_to_one_per_sample_can_count_alike():
     for options in ([halves, samples], [samples, halves]):
         result = choose(2.0, [2.0, 2.0], [_batch([2]), _batch([5])], options, 1e-6)
         assert set(result.alike) == {samples.description, halves.description} and not result.tied
+
+
+def _shares_apart(a: torch.Tensor, b: torch.Tensor, i: int, j: int) -> float:
+    return abs(float(a[i] / (a[i] + a[j])) - float(b[i] / (b[i] + b[j])))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    st.integers(2, 70).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.integers(1, 8), min_size=n, max_size=n),
+            st.lists(st.integers(1, 8), min_size=n, max_size=n),
+        )
+    )
+)
+def test_the_pair_tells_apart_every_two_candidates_that_any_pair_tells_apart(lengths):
+    """Over batches of 2 to 70 samples with labels and an attention mask of any lengths: the check's two samples
+    count something under every candidate, come shortest first, and separate every two candidates that weight
+    the batch differently, whenever two samples of the batch can."""
+    labels_len, mask_len = lengths
+    n = len(labels_len)
+    labels = torch.ones(n, 8, dtype=torch.long)
+    for i, length in enumerate(labels_len):
+        labels[i, length:] = -100
+    mask = (torch.arange(8)[None, :] < torch.tensor(mask_len)[:, None]).long()
+    batch = {"input_ids": torch.ones_like(labels), "attention_mask": mask, "labels": labels}
+    options = candidates(batch)
+    rows = [c.per_sample(batch).double() for c in options if c.per_sample(batch) is not None]
+    valid = [i for i in range(n) if all(r[i] > 0 for r in rows)]
+    i, j = check_pair(batch, options)
+    if len(valid) < 2:
+        assert (i, j) == (0, 1)
+        return
+    assert i in valid and j in valid and i != j
+    kinds = [torch.ones(n, dtype=torch.float64), *rows]
+    differing = [
+        (a, b)
+        for x, a in enumerate(kinds)
+        for b in kinds[x + 1 :]
+        if not torch.allclose(a[valid] / a[valid].sum(), b[valid] / b[valid].sum(), rtol=0, atol=1e-12)
+    ]
+    if not differing:
+        return
+
+    def separates(p: int, q: int) -> bool:
+        return all(_shares_apart(a, b, p, q) > 1e-12 for a, b in differing)
+
+    if len(valid) <= 64 and any(separates(p, q) for x, p in enumerate(valid) for q in valid[x + 1 :]):
+        assert separates(i, j), (i, j)
+    spread = [float(r[valid].std() / r[valid].mean()) for r in rows]
+    counts = rows[max(range(len(rows)), key=lambda r: spread[r])]
+    assert counts[i] <= counts[j]  # the one counted least first
+    short = min(valid, key=lambda v: float(counts[v]))  # ties: the first
+    long = max(reversed(valid), key=lambda v: float(counts[v]))  # ties: the last
+    if counts[short] < counts[long] and separates(short, long):
+        assert (float(counts[i]), float(counts[j])) == (float(counts[short]), float(counts[long]))

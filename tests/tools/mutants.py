@@ -148,12 +148,24 @@ EQUIVALENT = (
         ">= 1e-12",
         "only a gap of exactly 1e-12 tells them apart",
     ),
-    ("weighting-rules", "scale = max(abs(piece_loss), 1e-30)", "2e-30", "any tiny floor for a zero loss"),
     (
         "weighting-rules",
         "errors.get(o.description, math.inf) <= tol]",
         "< tol)]",
         "only a difference exactly at the tolerance tells them apart",
+    ),
+    (
+        "weighting-rules",
+        "1e-12",
+        "2e-12",
+        "a rounding tolerance: only values 1e-12 to 2e-12 apart tell them apart",
+    ),
+    ("weighting-rules", "1e-30", "2e-30", "any tiny floor for a zero loss"),
+    (
+        "weighting-rules",
+        "for j in pool[x + 1 :]), key=lambda p: gap(*p))",
+        "pool[(x - 1) :]",
+        "pairs in both orders and with themselves (gap 0): the same best pair, sorted",
     ),
     (
         "weighting-rules",
