@@ -49,6 +49,7 @@ def _failure(**overrides) -> OOMFailure:
         ),
         ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512 MiB", 512 * 2**20),
         ("Tried to allocate 100 bytes", 100),
+        ("Tried to allocate 512 B", 512),
         ("CUDA error: out of memory", None),
         ("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)", None),
     ],
@@ -212,8 +213,9 @@ def test_the_agreement_over_ranks_with_different_proposals(votes, k, order):
         (4, 128, 420, 10_000, None, 48, 3),  # a measured budget caps at 48 -> k 3
         (1, 128, 420, 10_000, None, None, None),  # nothing smaller than 1
         (4, 128, 100, 1000, None, None, 1),  # the step added nothing: the whole batch
+        (6, 10, 300, 350, None, None, None),  # room for 2 samples, as now: no k that keeps the same size
     ],
-    ids=["room", "plenty", "no-room", "failed-recently", "budget-cap", "k1", "flat"],
+    ids=["room", "plenty", "no-room", "failed-recently", "budget-cap", "k1", "flat", "same-size"],
 )
 def test_grow_back_prediction(k, n, peak, limit, below, cap, expected):
     from lightning_gpuopt.oom_policy import grow_back_micro_batch_count

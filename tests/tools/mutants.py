@@ -620,6 +620,10 @@ def _tests_for(target: Target, mutant: Mutant, measured: dict | None) -> tuple[s
     ids = {*lines_run.get(str(mutant.line), []), *lines_run.get(str(mutant.statement), [])}
     if "" in ids:  # the line ran at import: any test may see it
         return target.selection()
+    # Only the selection's own tests (a test that runs pytest in a subprocess names that run's tests too).
+    ids = {
+        node for node in ids if any(node == sel or node.startswith(sel + "::") for sel in target.selection())
+    }
     # A subprocess's test (its context) may be unknown to pytest's timing when its id was cut: last.
     return tuple(sorted(ids, key=lambda node: (seconds.get(node, math.inf), node)))
 
