@@ -136,24 +136,10 @@ EQUIVALENT = (
         "frozen=False",
         "frozen only refuses assignments none makes",
     ),
-    (
-        "weighting-rules",
-        "<= tol * max(abs(piece_loss), 1e-30)",
-        "< (tol * max(",
-        "only a difference exactly at the tolerance tells them apart",
-    ),
-    (
-        "weighting-rules",
-        "if gap(short, long) > 1e-12:",
-        ">= 1e-12",
-        "only a gap of exactly 1e-12 tells them apart",
-    ),
-    (
-        "weighting-rules",
-        "errors.get(o.description, math.inf) <= tol]",
-        "< tol)]",
-        "only a difference exactly at the tolerance tells them apart",
-    ),
+    ("weighting-rules", "<= tol", "< tol", "only a difference exactly at the tolerance tells them apart"),
+    ("weighting-rules", "<= tol", "< (tol", "only a difference exactly at the tolerance tells them apart"),
+    ("weighting-rules", "> 1e-12", ">= 1e-12", "only a difference of exactly 1e-12 tells them apart"),
+    ("weighting-rules", "<= 1e-12", "< 1e-12", "only a difference of exactly 1e-12 tells them apart"),
     (
         "weighting-rules",
         "1e-12",
@@ -167,12 +153,7 @@ EQUIVALENT = (
         "pool[(x - 1) :]",
         "pairs in both orders and with themselves (gap 0): the same best pair, sorted",
     ),
-    (
-        "weighting-rules",
-        "- y / total_b) <= 1e-12 for",
-        "< 1e-12)",
-        "only shares exactly 1e-12 apart tell them apart",
-    ),
+    ("oom-policy", "if k <= 1:", "(k < 1)", "at k 1 no k is smaller: None either way"),
 )
 
 _SWAPS: dict[type, type] = {
