@@ -11,6 +11,7 @@ batches keep their gradients, and the batch_idx / global_step sequence is plain 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from lightning.pytorch import Callback
 from torch.nn import functional as F
 
 from lightning_gpuopt import OOMRecovery
+from lightning_gpuopt.batching import split_sizes
 from lightning_gpuopt.decisions import decisions
 from tests.helpers import training_distance
 from tests.microbatch.stochastic_models import (
@@ -74,8 +76,15 @@ def test_none_skips_the_batch_as_in_plain_lightning(case, split, accumulate):
     (decision,) = skipped  # the rule, once
     assert "the whole batch is skipped (the gradients of its micro-batches dropped)" in decision.message
     assert decision.data["k"] >= 2
-    if case == "non-finite":  # poisoned in a later micro-batch: the earlier one's gradients were dropped
-        assert decision.data["micro_batch"] > 1
+    k = decision.data["k"]
+    if (
+        case == "non-finite"
+    ):  # sample 45, 14th of batch 2: a later micro-batch; the earlier ones' gradients dropped
+        ends = list(itertools.accumulate(split_sizes(16, k)))
+        assert decision.data["micro_batch"] == 1 + sum(end <= 45 - 32 for end in ends) > 1
+    else:  # the step returns None on the whole batch: its first micro-batch already
+        assert decision.data["micro_batch"] == 1
+    assert f"returned None for micro-batch {decision.data['micro_batch']} of {k} at step" in decision.message
 
 
 class NoLossKey(SkipsEveryThird):
