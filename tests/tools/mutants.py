@@ -153,6 +153,24 @@ EQUIVALENT = (
         "pool[(x - 1) :]",
         "pairs in both orders and with themselves (gap 0): the same best pair, sorted",
     ),
+    (
+        "weighting",
+        "replayed: bool = False",
+        "replayed: bool = True",
+        "set by the measurement before it is read",
+    ),
+    (
+        "weighting",
+        "self.verbose = True",
+        "self.verbose = False",
+        "OOMRecovery sets it from its own `verbose`",
+    ),
+    (
+        "weighting",
+        "checked=False, replayed=True, refusal=message",
+        "replayed=False",
+        "a refusal names its source; the flag is shown nowhere",
+    ),
     ("oom-policy", "if k <= 1:", "(k < 1)", "at k 1 no k is smaller: None either way"),
 )
 
