@@ -88,3 +88,38 @@ def test_under_ddp_the_rank_whose_samples_differ_decides_for_every_rank(tmp_path
         assert [(d["step"], d["weighting"], d["checked"]) for d in got["weighting"]] == [(0, "tokens", True)]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+class FullThenPaddedMask(FullThenPadded):
+    """The same text with an attention mask and no labels: two candidates (sample shares and mask tokens) count
+    full-length samples alike."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": (self.labels[i] != -100).long()}
+
+
+class MaskMeanLM(HandWrittenLM):
+    """A token mean over the attention mask (its labels made inside the step)."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return super().training_step({"input_ids": batch["input_ids"], "labels": labels}, batch_idx)
+
+
+def test_two_candidates_alike_wait_for_samples_that_tell_them_apart_too():
+    def fit(k):
+        pl.seed_everything(0, verbose=False)
+        model = MaskMeanLM("token-mean")
+        theta0 = parameters_of(model)
+        oom = OOMRecovery()
+        if k is not None:
+            oom.load_state_dict({"k": k})
+        trainer = pl.Trainer(max_steps=STEPS, precision="64-true", callbacks=[oom], **TRAINER_QUIET)
+        trainer.fit(model, DataLoader(FullThenPaddedMask(full=1), batch_size=BATCH, shuffle=False))
+        return theta0, parameters_of(model), trainer
+
+    theta0, reference, _ = fit(None)
+    _, theta, trainer = fit(2)
+    (weighting,) = [d for d in decisions(trainer) if d.kind == "loss weighting"]
+    assert weighting.step == 1 and weighting.data["weighting"] == "attention-mask tokens"
+    assert_same_training(theta0, theta, reference, floor=1e-9, factor=1.0, elementwise=True)
