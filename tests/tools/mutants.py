@@ -95,7 +95,12 @@ TARGETS = (
     Target(
         "cli-resume",
         "lightning_gpuopt/_cli_resume.py",
-        ("tests/test_cli_resume.py", "tests/test_cli_quiet.py", "tests/test_cli_same_command.py"),
+        (
+            "tests/test_cli_resume_rules.py",
+            "tests/test_cli_resume.py",
+            "tests/test_cli_quiet.py",
+            "tests/test_cli_same_command.py",
+        ),
         markers="",  # "the same command resumes" is held by a slow test
     ),
     Target(
