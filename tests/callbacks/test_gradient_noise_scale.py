@@ -318,3 +318,30 @@ def test_the_reported_averages_are_bias_corrected_weighted_means_of_the_measurem
     assert constant.gradient_sq == pytest.approx(4.0, rel=1e-12) and constant.trace_sigma == pytest.approx(
         40.0, rel=1e-12
     )
+
+
+def test_the_terms_from_one_sample_and_two():
+    """The smallest split: a micro-batch of one sample against the batch of two."""
+    g2, trace = noise_scale_terms(small_sq=5.0, b_small=1, big_sq=3.0, b_big=2)
+    assert (g2, trace) == (1.0, 4.0)
+    for b_small, b_big in ((0, 2), (2, 2), (3, 2)):
+        with pytest.raises(ValueError, match="`b_small` must be in"):
+            noise_scale_terms(5.0, b_small, 3.0, b_big)
+
+
+def test_no_ratio_while_the_gradient_term_is_not_positive():
+    ema = NoiseScaleEMA(beta=0.9)
+    ema.update(0.0, 5.0)
+    assert ema.value is None and ema.estimate is None
+
+
+def test_the_lower_bound_from_the_second_measurement_and_never_below_zero():
+    ema = NoiseScaleEMA(beta=0.9)
+    ema.update(1.0, 100.0)
+    assert ema.lower_bound() is None  # one measurement has no spread
+    ema.update(1.0, 100.0)
+    assert ema.lower_bound() == pytest.approx(100.0, rel=1e-9)  # no spread: the ratio itself
+    wide = NoiseScaleEMA(beta=0.9)
+    for trace in (1.0, 400.0, 1.0, 400.0):  # tr(Sigma)'s spread reaches below zero at two sigmas
+        wide.update(1.0, trace)
+    assert wide.lower_bound() is None

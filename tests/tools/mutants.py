@@ -176,6 +176,9 @@ EQUIVALENT = (
         "replayed=False",
         "a refusal names its source; the flag is shown nowhere",
     ),
+    ("noise-scale", "min_count: int = 20", "21", "GradientNoiseScale passes its own `min_measurements`"),
+    ("noise-scale", "trust: float = 0.1", "0.2", "GradientNoiseScale passes its own `trust`"),
+    ("noise-scale", "if n >= memory:", "(n > memory)", "only a need of exactly the memory tells them apart"),
     ("oom-policy", "if k <= 1:", "(k < 1)", "at k 1 no k is smaller: None either way"),
 )
 
