@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -485,8 +486,9 @@ def _lines_run(cov, data: Path, source: Path) -> dict[int, list[str]]:
     combined = coverage.Coverage(data_file=str(data / "data"))
     combined.combine([str(data)], keep=False)
     contexts = combined.get_data().contexts_by_lineno(str(source))
-    # A subprocess's context is PYTEST_CURRENT_TEST: "NODE_ID (call)".
-    return {line: sorted({c.rsplit(" (", 1)[0] for c in ids}) for line, ids in contexts.items()}
+    # A subprocess's context is PYTEST_CURRENT_TEST: "NODE_ID (call)" (a node id may hold " (" itself).
+    phase = re.compile(r" \((setup|call|teardown)\)$")
+    return {line: sorted({phase.sub("", c) for c in ids}) for line, ids in contexts.items()}
 
 
 def _child(
