@@ -161,13 +161,14 @@ class Sleepy(Dataset):
 
 
 class SteadyModel(pl.LightningModule):
-    def __init__(self, val_delay: float = 0.0) -> None:
+    def __init__(self, val_delay: float = 0.0, compute: float = COMPUTE_S) -> None:
         super().__init__()
         self.net = nn.Linear(4, 1)
         self.val_delay = val_delay
+        self.compute = compute
 
     def training_step(self, batch, batch_idx):
-        time.sleep(COMPUTE_S)
+        time.sleep(self.compute)
         x, y = batch
         return F.mse_loss(self.net(x), y)
 
@@ -188,6 +189,8 @@ class SleepyData(GPUOptDataModule):
 
 
 SLOW = 0.02  # 4 samples per batch: 80 ms of loading per 50 ms step without workers
+#: The step of the fast-data cases: long beside the loop's own overhead, which grows on a busy machine.
+FAST_DATA_COMPUTE_S = 0.15
 
 
 def _fit(monitor, data, epochs: int = 1, model=None, **trainer_kwargs):
@@ -220,7 +223,9 @@ def test_slow_dataset_is_classified_stalled_with_concrete_advice():
 
 def test_fast_dataset_is_not_stalled_and_stays_silent():
     monitor = DataStallMonitor(window=4)
-    _fit(monitor, SleepyData(delay=0.0, batch_size=4, num_workers=0), epochs=2)  # a warning would fail
+    # A step of 0.15 s: the loop's own few ms between steps, longer on a busy machine, stay far below 10 %.
+    data = SleepyData(delay=0.0, batch_size=4, num_workers=0)
+    _fit(monitor, data, epochs=2, model=SteadyModel(compute=FAST_DATA_COMPUTE_S))  # a warning would fail
     assert [m.steps for m in monitor.history] == [5, 5]
     assert not any(m.stalled(monitor.threshold) for m in monitor.history)
     assert monitor.wait_fraction < monitor.threshold
@@ -280,7 +285,7 @@ def test_autotune_stops_at_max_workers_then_advises_and_resume_restores_its_choi
     resumed.load_state_dict(state)
     dm = SleepyData(delay=0.0, batch_size=4, num_workers=0)
     with caplog.at_level(logging.INFO):
-        _fit(resumed, dm)
+        _fit(resumed, dm, model=SteadyModel(compute=FAST_DATA_COMPUTE_S))  # fast data: silent
     assert dm.num_workers == 1 and resumed.history[0].num_workers == 1
     assert "num_workers=1 restored from the checkpoint" in caplog.text
 
