@@ -391,15 +391,8 @@ def test_end_restart_at_epoch_end_lets_the_next_epoch_start_as_one(tmp_path):
             self.starts.append((trainer.current_epoch, trainer.fit_loop.epoch_progress.current.ready))
 
     def fit(callbacks, ckpt_path=None, epochs=1):
-        trainer = pl.Trainer(
-            max_epochs=epochs,
-            callbacks=callbacks,
-            default_root_dir=tmp_path,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-        )
+        quiet = {**TRAINER_QUIET, "enable_checkpointing": True}  # the first fit writes checkpoints
+        trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, default_root_dir=tmp_path, **quiet)
         trainer.fit(RecordingRegressor(), IndexedData40(batch_size=4, num_workers=0), ckpt_path=ckpt_path)
         return trainer
 

@@ -348,7 +348,7 @@ class LossWeighting:
                 self.decided or self._fallback(engine), {}, 0.0, checked=False, reason=reason
             )
         pool = [*options, *(c for c in (self.decided, self._fallback(engine)) if c is not None)]
-        result = _from_rank_zero(result, pool, source_rank)
+        result = _from_rank(result, pool, source_rank)
         if result.alike and self.decided is None and len(result.alike) > 1:
             alike = [next(c for c in pool if c.description == d) for d in result.alike]
             differs = first_rank_where(not _weigh_alike(alike, chunks))
@@ -593,7 +593,7 @@ def _compare(
     )
 
 
-def _from_rank_zero(result: CheckResult, pool: Sequence[Candidate], src: int = 0) -> CheckResult:
+def _from_rank(result: CheckResult, pool: Sequence[Candidate], src: int = 0) -> CheckResult:
     """Every rank takes rank ``src``'s result (DDP: one rank decides, 0 unless its batch cannot tell the
     candidates apart; FSDP2: every rank ran the check together).
 
