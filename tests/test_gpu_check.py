@@ -11,7 +11,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 
-from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch import MicroBatchEngine, MicroBatchUser
 from lightning_gpuopt.oom_policy import Proposal, Status
 from tests.helpers import REPO as ROOT
 
@@ -160,11 +160,24 @@ def test_the_reference_runs_each_batch_at_the_k_it_ran_at_when_k_changes_after_a
     """A k proposed at the end of a step (the allocator thrashing) applies from the next batch: the `oom` section's
     reference must follow the k each batch ran at, or BatchNorm over other micro-batches reads as a trace."""
 
-    class Thrash(pl.Callback):  # what OOMRecovery proposes when the allocator's retries keep rising
+    # What OOMRecovery proposes when the allocator's retries keep rising.
+    class Thrash(MicroBatchUser, pl.Callback):
+        proposal = None
+
+        def on_fit_start(self, trainer, pl_module):
+            MicroBatchEngine.attach(trainer, self)
+
+        def teardown(self, trainer, pl_module, stage):
+            MicroBatchEngine.get(trainer).release(self)
+
         def on_train_batch_end(self, trainer, *args):
             engine = MicroBatchEngine.get(trainer)
             if trainer.global_step == 5 and engine.k == 2:
-                engine.next_proposal = Proposal(3, Status.THRASH, "allocator thrashing (test)")
+                self.proposal = Proposal(3, Status.THRASH, "allocator thrashing (test)")
+
+        def next_proposal(self):
+            proposal, self.proposal = self.proposal, None
+            return proposal
 
     workload = oom.workload("resnet50", 0, dry_run=True)  # BatchNorm: each micro-batch its own statistics
     with device.use(device.SimulatedDevice()):

@@ -29,7 +29,7 @@ from lightning_gpuopt.batch_size.trial import NoLossInTrial
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
-from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine, MicroBatchOOMError
+from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine, MicroBatchOOMError, MicroBatchUser
 from lightning_gpuopt.oom_policy import Source
 from lightning_gpuopt.support import Feature, StrategyKind, setup_refusal, strategy_kind, supports
 
@@ -49,7 +49,7 @@ def _check_size(name: str, value: Any, allow_none: bool = False) -> None:
         raise ValueError(f"`{name}` must be a positive int{' or None' if allow_none else ''}, got {value!r}")
 
 
-class MemoryAwareBatchSize(Callback):
+class MemoryAwareBatchSize(MicroBatchUser, Callback):
     """Picks the largest micro-batch (``mode="max"``: batch size) whose real training step fits the memory budget.
 
     At the first training batch a few real training steps (three from a traced prediction, four without)
@@ -152,6 +152,7 @@ class MemoryAwareBatchSize(Callback):
         self._lr_factor = 1.0
         self._requested = False
         self._engine: MicroBatchEngine | None = None
+        self._cap: int | None = None  # the largest micro-batch the engine may run, in this fit
         self._resolved_multiple = 1
         self._apply_pending = False
         self._run: SearchRun | None = None  # the last search on this process, for its messages
@@ -217,7 +218,7 @@ class MemoryAwareBatchSize(Callback):
         self._resolved_multiple = self.multiple_of or (8 if device.type == "cuda" else 1)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._engine = None
+        self._engine = self._cap = None
         if trainer.world_size > 1 and any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()):
             # Checked here: Lightning converts BatchNorm layers (sync_batchnorm=True) after `setup`.
             raise RuntimeError(
@@ -269,7 +270,7 @@ class MemoryAwareBatchSize(Callback):
             self._apply_pending = False
             n = _samples(batch)
             if n is not None:
-                engine.max_micro_batch_size = self.micro_batch_size
+                self._cap = self.micro_batch_size
                 engine.propose(
                     math.ceil(n / self.micro_batch_size),
                     Source.MEMORY,
@@ -282,6 +283,10 @@ class MemoryAwareBatchSize(Callback):
             self._k = self._engine.k
             self._engine.release(self)
             self._engine = None
+
+    def micro_batch_cap(self) -> int | None:
+        """The engine's micro-batches stay within the measured size (from the search on)."""
+        return self._cap
 
     # ------------------------------------------------------------------ the searches
 
@@ -324,7 +329,7 @@ class MemoryAwareBatchSize(Callback):
             why = f"{why}, {self._deferred[1]} batch(es) later: training_step skipped the earlier ones"
             self._deferred = None
         self._record(trainer, size, n)
-        engine.max_micro_batch_size = size
+        self._cap = size
         before = engine.k
         engine.propose(math.ceil(n / size), Source.MEMORY, f"measured at {why}", batch_size=n)
         k = engine.k
@@ -348,7 +353,7 @@ class MemoryAwareBatchSize(Callback):
             ) from None
         self._record(trainer, size, size)
         lightning_setattr(module, "batch_size", size)
-        self._engine.max_micro_batch_size = size
+        self._cap = size
         factor = scale_learning_rate(trainer, self.lr_scaling, size / old)
         self._lr_factor *= factor
         world, accumulate = trainer.world_size, trainer.accumulate_grad_batches

@@ -7,7 +7,7 @@ The math is in :mod:`lightning_gpuopt.goodput.estimator`; this callback finds th
   micro-batches (k >= 2, or ``accumulate_grad_batches`` >= 2);
 * under DDP, this rank's first micro-batch against the all-reduced window: the ranks average the small norm in
   one extra all-reduce of three scalars;
-* at k = 1 on one device, the engine runs every measured step as 2 micro-batches (``measure_split``), for steps
+* at k = 1 on one device, the engine runs every measured step as 2 micro-batches (it asks ``measure_split``), for steps
   whose update that leaves unchanged.
 """
 
@@ -30,6 +30,7 @@ from lightning_gpuopt.microbatch import (
     EngineState,
     MicroBatchBackward,
     MicroBatchEngine,
+    MicroBatchUser,
 )
 from lightning_gpuopt.microbatch.replay import RandomDraws
 from lightning_gpuopt.support import Feature, refuse_unsupported
@@ -51,7 +52,7 @@ _DROPOUT = (
 )
 
 
-class GradientNoiseScale(Callback):
+class GradientNoiseScale(MicroBatchUser, Callback):
     """Measures the simple gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (in samples) during ``fit``.
 
     ``B_simple`` predicts the critical batch size (McCandlish et al. 2018): well below it a larger batch trains
@@ -111,6 +112,8 @@ class GradientNoiseScale(Callback):
         self.ema = NoiseScaleEMA(beta=beta, min_count=min_measurements, trust=float(trust))
         self.history: list[list[Any]] = []
         self._engine: MicroBatchEngine | None = None
+        #: Whether this fit asks the engine for measurement splits at k = 1.
+        self._asks_split = False
         self._split_ok: bool | None = None
         self._draws: RandomDraws | None = None
         self._recording: Any = None
@@ -167,7 +170,7 @@ class GradientNoiseScale(Callback):
             raise RuntimeError(f"GradientNoiseScale: {err}") from None
         self._engine = engine
         engine.resume()
-        engine.backward_listeners.append(self._on_backward)
+        self._asks_split = False
         self._sharded = isinstance(trainer.strategy, ModelParallelStrategy)
         self._small = None
         self._split_ok = None
@@ -179,14 +182,12 @@ class GradientNoiseScale(Callback):
         if why is not None:
             self._no_split(why)
             return
-        engine.measure_split = self._ask_split
-        engine.measure_refused = self._no_split
+        self._asks_split = True
 
     def _no_split(self, why: str) -> None:
         self._split_ok = False
         self._no_split_why = why
-        if self._engine is not None and self._engine.measure_split == self._ask_split:
-            self._engine.measure_split = None
+        self._asks_split = False
         if not self._said_no_split:
             self._said_no_split = True
             rank_zero_info(
@@ -197,28 +198,32 @@ class GradientNoiseScale(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_recording()
         engine, self._engine = self._engine, None
+        self._asks_split = False
         if engine is None:
             return
-        if self._on_backward in engine.backward_listeners:
-            engine.backward_listeners.remove(self._on_backward)
-        if engine.measure_split == self._ask_split:
-            engine.measure_split = None
-            engine.measure_refused = None
         engine.release(self)
 
     # ------------------------------------------------------------------ the k = 1 split
 
-    def _ask_split(self, batch_idx: int) -> bool:
+    def measure_split(self, batch_idx: int) -> bool:
+        """The engine asks at k = 1: split this step into 2 micro-batches to measure it?"""
         engine = self._engine
         return bool(
-            self._split_ok and engine is not None and self.due(engine.trainer.global_step, split=True)
+            self._asks_split
+            and self._split_ok
+            and engine is not None
+            and self.due(engine.trainer.global_step, split=True)
         )
+
+    def measure_refused(self, why: str) -> None:
+        """The loss-weighting check refused the split: measure only where the run has several micro-batches."""
+        self._no_split(why)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         engine = self._engine
-        if self._split_ok is None and engine is not None and engine.measure_split == self._ask_split:
+        if self._split_ok is None and engine is not None and self._asks_split:
             # The first step runs whole with its random draws watched: a step that draws is never split.
             self._draws = RandomDraws(1)
             self._recording = self._draws.record()
@@ -249,7 +254,7 @@ class GradientNoiseScale(Callback):
 
     # ------------------------------------------------------------------ the measurement
 
-    def _on_backward(self, told: MicroBatchBackward) -> None:
+    def after_backward(self, told: MicroBatchBackward) -> None:
         if not told.first_in_window or told.index != 0:
             return
         engine = self._engine

@@ -22,6 +22,7 @@ from lightning_gpuopt.microbatch import (
     KChange,
     MicroBatchEngine,
     MicroBatchOOMError,
+    MicroBatchUser,
     WeightFn,
 )
 from lightning_gpuopt.microbatch.loss_weighting import LossReduction, LossWeighting, OnMismatch
@@ -85,7 +86,7 @@ class TokenCount:
         return f"TokenCount(key={self.key!r}, ignore_index={self.ignore_index})"
 
 
-class OOMRecovery(Callback):
+class OOMRecovery(MicroBatchUser, Callback):
     """Recovers from out-of-memory errors by splitting the batch into more micro-batches, on every rank alike.
 
     On an OOM in a training step the attempt is dropped, memory is freed, a larger number of micro-batches
@@ -223,6 +224,7 @@ class OOMRecovery(Callback):
         self._recent_failures: dict[int, int] = {}  # micro-batch size -> global step of its last OOM
         self._grown_at: int | None = None  # the step of the last grow-back, to notice it failing
         self._retries: list[int] = []
+        self._proposal: Proposal | None = None  # for the vote after the next batch (grow back, thrashing)
 
     # ------------------------------------------------------------------ what users read
 
@@ -323,20 +325,9 @@ class OOMRecovery(Callback):
             engine = MicroBatchEngine.attach(trainer, self, training=training)
         except RuntimeError as err:
             raise RuntimeError(f"OOMRecovery: {err}") from None
-        engine.oom_handler = self._on_oom
-        engine.loss_weighting = self.loss_weighting
-        engine.sum_log_keys = self.sum_log_keys
-        if self.unsplittable is True:
-            engine.splittable = lambda batch: False
-        elif callable(self.unsplittable):
-            predicate = self.unsplittable
-            engine.splittable = lambda batch: not predicate(batch)
         for rung in self.ladder:
             engine.add_rung(rung)
-        engine.rung_listeners.append(self._on_rung)
-        for stage, k in self._eval_k.items():
-            engine.eval_k.setdefault(stage, k)
-        engine.listeners.append(self._on_change)
+        engine.restore_eval_k(self._eval_k)
         self._engine = engine
         state = engine.resume()  # turns on the rungs the checkpoint names
         self._resumed = state is not None
@@ -373,7 +364,7 @@ class OOMRecovery(Callback):
         if allocator_thrashing(self._retries) and engine.k < n:
             self._retries = []
             k = smaller_micro_batch_count(engine.k, n)
-            engine.next_proposal = Proposal(
+            self._proposal = Proposal(
                 k, Status.THRASH, f"allocator thrashing at step {step} (retries rising)"
             )
             return
@@ -391,7 +382,7 @@ class OOMRecovery(Callback):
             max_micro_batch_size=engine.max_micro_batch_size,
         )
         if k is not None:
-            engine.next_proposal = Proposal(
+            self._proposal = Proposal(
                 k,
                 Status.GROW,
                 f"grow back at step {step} (peak {format_bytes(probe.peak)} of {format_bytes(probe.total)})",
@@ -401,16 +392,32 @@ class OOMRecovery(Callback):
         if self._engine is not None:
             self._k = self._engine.k
             self._eval_k = dict(self._engine.eval_k)
-            if self._on_change in self._engine.listeners:
-                self._engine.listeners.remove(self._on_change)
-            if self._on_rung in self._engine.rung_listeners:
-                self._engine.rung_listeners.remove(self._on_rung)
             self._engine.release(self)  # the last release turns the rungs off
             self._engine = None
+        self._proposal = None
 
-    # ------------------------------------------------------------------ decisions
+    # ------------------------------------------------------------------ the engine's questions
 
-    def _on_oom(self, failure: OOMFailure, smallest_failed: int, splittable: bool) -> Recovery:
+    def weighting(self) -> LossWeighting:
+        """The engine weights micro-batch losses with :attr:`loss_weighting`."""
+        return self.loss_weighting
+
+    def log_keys_to_sum(self) -> frozenset[str]:
+        return self.sum_log_keys
+
+    def may_split(self, batch: Any) -> bool:
+        """``False`` for a batch declared unsplittable (``unsplittable``)."""
+        if self.unsplittable is True:
+            return False
+        return not self.unsplittable(batch) if callable(self.unsplittable) else True
+
+    def next_proposal(self) -> Proposal | None:
+        """The grow-back (or thrashing) proposal made at the end of the last batch, given once."""
+        proposal, self._proposal = self._proposal, None
+        return proposal
+
+    def decide_oom(self, failure: OOMFailure, smallest_failed: int, splittable: bool) -> Recovery:
+        """More micro-batches, else the next rung of the ladder that applies; ``MicroBatchOOMError`` when none is left."""
         self.failures.append(failure)
         if self._engine is not None:
             record_decision(
@@ -467,7 +474,7 @@ class OOMRecovery(Callback):
             return 2, "BatchNorm in training mode needs more than one value per channel"
         return 1, ""
 
-    def _on_rung(self, rung: Rung, reason: str) -> None:
+    def rung_turned_on(self, rung: Rung, reason: str) -> None:
         if isinstance(rung, ActivationCheckpointing):
             self._checkpointing = True
             names = sorted({type(m).__name__ for m in rung.modules})
@@ -483,7 +490,7 @@ class OOMRecovery(Callback):
         if self.verbose:
             rank_zero_info(message)
 
-    def _on_change(self, change: KChange) -> None:
+    def k_changed(self, change: KChange) -> None:
         if change.source == "grow back":
             self._grown_at = change.step
             self._clean_steps = 0

@@ -20,7 +20,7 @@ from lightning_gpuopt import _compat
 from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._validate import choice, positive_int
 from lightning_gpuopt.decisions import record_decision
-from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch import MicroBatchEngine, MicroBatchUser
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.precision import (
     LADDER,
@@ -63,7 +63,7 @@ class PrecisionChange:
     reason: str
 
 
-class PrecisionSwitch(Callback):
+class PrecisionSwitch(MicroBatchUser, Callback):
     """Trains in the fastest precision the hardware does well; falls back to a more stable one on trouble.
 
     At setup, ``initial="auto"`` picks by compute capability (sm >= 8.0: ``bf16-mixed``; sm 7.x:
@@ -322,7 +322,7 @@ class PrecisionSwitch(Callback):
             self._say(f"PrecisionSwitch: no runtime fallback: {self._why_fixed}.")
             return
         self._hook = OptimizerStepHook.attach(trainer, self)
-        self._hook.guards.append(self._guard)
+        self._hook.add_guard(self._guard)
         self._watching = True
         can_switch = bool(self._fallbacks(self._start)) or self._start != self._precision
         if self.rerun and can_switch and trainer.accumulate_grad_batches == 1:
@@ -333,7 +333,6 @@ class PrecisionSwitch(Callback):
                     f"PrecisionSwitch: a batch that triggers a switch will be dropped, not run again: {err}"
                 )
             else:
-                engine.attempt_checks.append(self._check_attempt)
                 self._engine = engine
 
     def on_train_batch_start(
@@ -412,13 +411,10 @@ class PrecisionSwitch(Callback):
         if self._trainer is not trainer:
             return
         if self._hook is not None:
-            if self._guard in self._hook.guards:
-                self._hook.guards.remove(self._guard)
+            self._hook.remove_guard(self._guard)
             self._hook.release(self)
             self._hook = None
         if self._engine is not None:
-            if self._check_attempt in self._engine.attempt_checks:
-                self._engine.attempt_checks.remove(self._check_attempt)
             self._engine.release(self)
             self._engine = None
         restore_tf32(self._tf32_previous)
@@ -448,7 +444,7 @@ class PrecisionSwitch(Callback):
         self._applied = True
         return False
 
-    def _check_attempt(self, batch_idx: int, loss: Tensor) -> bool:
+    def check_attempt(self, batch_idx: int, loss: Tensor | None) -> bool:
         """The engine asks after each attempt (A = 1): switch now and run the batch again?"""
         trainer = self._trainer
         if not self._watching or trainer is None or trainer.accumulate_grad_batches != 1 or loss is None:
@@ -548,7 +544,7 @@ class PrecisionSwitch(Callback):
         )
         engine = MicroBatchEngine.get(trainer)
         if engine is not None:  # under torch.compile the next step may recompile for the new autocast state
-            engine.compile_cause = f"precision switch {self._precision} → {precision}"
+            engine.expect_recompile(f"precision switch {self._precision} → {precision}")
         self._precision = precision
         self._last_switch_step = trainer.global_step
         self._watch.reset()

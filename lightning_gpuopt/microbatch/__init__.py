@@ -1,7 +1,8 @@
 """The micro-batch engine: the one owner of k (micro-batches per training batch) for a Trainer.
 
 One job a module (the file table and the engine's contract, what callbacks may call and read:
-docs/architecture.md, "The engine's contract").
+docs/architecture.md, "The engine's contract"). Callbacks attach to the engine as its users and answer
+its questions (:class:`MicroBatchUser`); nothing outside the engine writes into it.
 
 Installed by the first callback that needs it, it wraps ``trainer.strategy.training_step`` so that
 each training batch runs as k micro-batches inside Lightning's own step: every micro-batch goes
@@ -14,9 +15,9 @@ backward run as usual, once per batch.
 
 When an attempt raises an out-of-memory error, the engine drops the attempt's partial gradients and
 outputs, restores what the attempt touched (torchmetrics states, BatchNorm statistics, captured
-``self.log`` calls), frees memory outside the ``except`` block and asks its OOM handler (OOMRecovery)
-what to do, then runs the same batch again. Without a handler the error propagates. An attempt that
-succeeded everywhere can be dropped and run again the same way when one of its ``attempt_checks`` asks
+``self.log`` calls), frees memory outside the ``except`` block and asks the user that decides on OOMs
+(OOMRecovery) what to do, then runs the same batch again. Without one the error propagates. An attempt
+that succeeded everywhere can be dropped and run again the same way when a user's attempt check asks
 (PrecisionSwitch, after switching the precision on non-finite values).
 
 After every attempt the ranks agree (:func:`~lightning_gpuopt.oom_policy.agree` over one vote per
@@ -38,6 +39,7 @@ from lightning_gpuopt.microbatch.engine import (
     KChange,
     MicroBatchBackward,
     MicroBatchEngine,
+    MicroBatchUser,
     WeightFn,
 )
 from lightning_gpuopt.microbatch.errors import (
@@ -60,6 +62,7 @@ __all__ = [
     "MicroBatchBackward",
     "MicroBatchEngine",
     "MicroBatchOOMError",
+    "MicroBatchUser",
     "OptimizerStepHook",
     "OptimizerStepOOMError",
     "RankOutOfMemoryError",

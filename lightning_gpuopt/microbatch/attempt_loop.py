@@ -4,7 +4,9 @@ An attempt runs the batch as k micro-batches: in training each one's forward and
 Lightning's step, in evaluation chunks whose outputs are put back together. Every attempt ends in one
 vote per rank (``exchange.py``), from which every rank takes the same decision: keep the attempt, run
 the batch again (a larger k, a recovery rung turned on, or an attempt check that changed what the batch
-runs under), or stop. A dropped attempt leaves no trace (``attempt.py``).
+runs under), or stop. The batch says what the decision means (its :class:`~.batches.Outcome`); the loop
+alone applies it: the k change, the rungs, the logs replayed. A dropped attempt leaves no trace
+(``attempt.py``).
 
 :class:`AttemptLoop` also holds the patches that bring the Trainer's steps here: the strategy's step
 methods, and the module's ``log``, ``backward`` and ``optimizer_zero_grad``.
@@ -12,16 +14,13 @@ methods, and the module's ``log``, ``backward`` and ``optimizer_zero_grad``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
 
-from lightning_gpuopt.batching import SPLIT_HOOK, split_batch
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import (
     MemoryProbe,
@@ -31,15 +30,26 @@ from lightning_gpuopt.memory import (
     is_maybe_size_error,
     is_oom_error,
 )
-from lightning_gpuopt.microbatch.attempt import Attempt, SideEffects, emit_logs
-from lightning_gpuopt.microbatch.batches import EvalBatch, TrainingBatch
+from lightning_gpuopt.microbatch.attempt import SideEffects, emit_logs
+from lightning_gpuopt.microbatch.batches import (
+    EvalBatch,
+    Exchange,
+    Outcome,
+    OutcomeKind,
+    Steps,
+    TrainingBatch,
+)
+from lightning_gpuopt.microbatch.compile_watch import CompileWatch
 from lightning_gpuopt.microbatch.errors import (
     LossWeightingError,
     MicroBatchOOMError,
     RankOutOfMemoryError,
     WeightingCheckOutOfMemory,
 )
-from lightning_gpuopt.microbatch.exchange import PeerFailure
+from lightning_gpuopt.microbatch.exchange import LocalExchange, PeerFailure
+from lightning_gpuopt.microbatch.rungs import Ladder
+from lightning_gpuopt.microbatch.splits import Splits
+from lightning_gpuopt.microbatch.users import Users
 from lightning_gpuopt.oom_policy import (
     Agreement,
     OOMFailure,
@@ -52,9 +62,6 @@ from lightning_gpuopt.oom_policy import (
     rung_bits,
     stop_reason,
 )
-
-if TYPE_CHECKING:
-    from lightning_gpuopt.microbatch.engine import MicroBatchEngine
 
 __all__ = ["EVAL_STAGES", "AttemptLoop", "agree_or_stop"]
 
@@ -70,24 +77,21 @@ VoteFn = Callable[[int, int], list[Vote]]
 
 
 class AttemptLoop:
-    """Runs one Trainer's training and evaluation batches as attempts, for its :class:`MicroBatchEngine`."""
+    """Runs one Trainer's training and evaluation batches as attempts, for its :class:`MicroBatchEngine`.
 
-    def __init__(self, engine: MicroBatchEngine) -> None:
-        self.engine = engine
-        self.trainer = engine.trainer
-        self.module: pl.LightningModule | None = None
-        #: What a dropped attempt must put back besides gradients (torchmetrics, BatchNorm); set when patched.
-        self.side_effects: SideEffects | None = None
-        #: The originals the patches stand in for.
-        self.module_log: Callable[..., Any] | None = None
-        self.module_backward: Callable[..., Any] | None = None
-        self.module_zero_grad: Callable[..., Any] | None = None
-        self.strategy_training_step: Callable[..., Any] | None = None
-        self.strategy_eval_steps: dict[str, Callable[..., Any]] = {}
-        #: Where ``self.log`` calls go while an attempt runs (``None``: straight to Lightning).
-        self.capture: Attempt | None = None
-        #: The phase of the training attempt running now, for its failure (``"forward"``, ``"backward"``).
-        self.phase = "forward"
+    It asks the engine's ``users`` (``users.py``), changes k through ``splits`` and turns on the ``ladder``'s
+    rungs; the engine sets :attr:`exchange` when it installs.
+    """
+
+    def __init__(
+        self, trainer: pl.Trainer, users: Users, splits: Splits, ladder: Ladder, watch: CompileWatch
+    ) -> None:
+        self.trainer = trainer
+        self.users, self.splits, self.ladder, self.watch = users, splits, ladder, watch
+        #: The Trainer's own methods the patches stand in for, and where ``self.log`` goes during an attempt.
+        self.steps = Steps(trainer, watch=watch)
+        #: How the ranks vote and reduce (``exchange.py``).
+        self.exchange: Exchange = LocalExchange()
         self._patched: list[tuple[object, str]] = []
         self._ddp_forward_sync: bool | None = None
         self._skip_backward = False
@@ -96,21 +100,26 @@ class AttemptLoop:
         self._smallest_ran: dict[str, int] = {}
         self._skip_recorded = False
 
+    @property
+    def phase(self) -> str:
+        """The phase of the training attempt running now (``"forward"``, ``"backward"``)."""
+        return self.steps.phase
+
     # ------------------------------------------------------------------ patches
 
     def patch_evaluation(self, module: pl.LightningModule) -> None:
         """Route ``self.log`` and the strategy's evaluation steps through the loop."""
-        strategy = self.trainer.strategy
-        self.module = module
-        self.module_log = module.log
+        strategy, steps = self.trainer.strategy, self.steps
+        steps.module = module
+        steps.log = module.log
         module.log = self._log
         self._patched.append((module, "log"))
         for stage in EVAL_STAGES:
             name = f"{stage}_step"
-            self.strategy_eval_steps[stage] = getattr(strategy, name)
+            steps.eval_steps[stage] = getattr(strategy, name)
             setattr(strategy, name, self._eval_step_for(stage))
             self._patched.append((strategy, name))
-        self.side_effects = SideEffects(module)
+        steps.side_effects = SideEffects(module)
 
     def patch_training(self, ddp: torch.nn.Module | None) -> None:
         """Route the strategy's training step, the module's backward and its ``optimizer_zero_grad`` through the loop.
@@ -118,10 +127,11 @@ class AttemptLoop:
         ``ddp``: the DDP-wrapped module under DDP; the engine never lets DDP sync, so DDP must not broadcast
         buffers at the start of a forward either (the engine hands out rank 0's at the optimizer step).
         """
-        strategy, module = self.trainer.strategy, self.module
-        self.strategy_training_step = strategy.training_step
-        self.module_backward = module.backward
-        self.module_zero_grad = module.optimizer_zero_grad
+        strategy, steps = self.trainer.strategy, self.steps
+        module = steps.module
+        steps.training_step = strategy.training_step
+        steps.backward = module.backward
+        steps.zero_grad = module.optimizer_zero_grad
         strategy.training_step = self._training_step
         module.backward = self._backward
         module.optimizer_zero_grad = self._optimizer_zero_grad
@@ -140,42 +150,46 @@ class AttemptLoop:
                 delattr(obj, name)
         self._patched = []
 
-    @contextlib.contextmanager
-    def leave_no_trace(self) -> Iterator[None]:
-        """Run extra forwards whose ``self.log`` values are dropped and whose module state is restored on exit."""
-        snapshot = self.side_effects.snapshot()
-        previous, self.capture = self.capture, Attempt()
-        try:
-            yield
-        finally:
-            self.capture = previous
-            SideEffects.restore(snapshot)
-
-    def _backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         # Lightning's backward on the returned (detached) loss: the engine already ran every backward.
         if self._skip_backward:
             self._skip_backward = False
             return None
-        return self.module_backward(loss, *args, **kwargs)
+        return self.steps.backward(loss, *args, **kwargs)
 
     def _optimizer_zero_grad(self, *args: Any, **kwargs: Any) -> None:
         # Lightning zeroes after training_step; the engine zeroed before the first micro-batch instead.
         if self._skip_zero_grad:
             self._skip_zero_grad = False
             return None
-        return self.module_zero_grad(*args, **kwargs)
+        return self.steps.zero_grad(*args, **kwargs)
 
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if self.capture is None:
-            return self.module_log(name, value, *args, **kwargs)
-        self.capture.calls.append((name, value, args, kwargs))
+        capture = self.steps.capture
+        if capture is None:
+            return self.steps.log(name, value, *args, **kwargs)
+        capture.calls.append((name, value, args, kwargs))
         return None
 
     # ------------------------------------------------------------------ the two kinds of batch
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._skip_backward = self._skip_zero_grad = False
-        batch = TrainingBatch(self, args, kwargs)
+        users = self.users
+        batch = TrainingBatch(
+            self.steps, self.exchange, users.weighting, users.backward_listeners, args, kwargs
+        )
+        batch.start_k = self.splits.k
+        batch.proposal = users.next_proposal()
+        # A batch that would run whole runs as 2 micro-batches when a user asks, for a measurement (k unchanged).
+        batch.measuring = bool(
+            users.asks_measure_split
+            and batch.first_in_window
+            and batch.n >= 2
+            and self.splits.effective_k(batch.n, batch.batch) == 1
+            and users.may_split(batch.batch)
+            and users.measure_split(batch.batch_idx)
+        )
         output = self._run_attempts(batch)
         self._skip_backward = True
         self._skip_zero_grad = batch.first_in_window
@@ -183,16 +197,20 @@ class AttemptLoop:
 
     def _eval_step_for(self, stage: str) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
-            engine = self.engine
-            if (
-                engine.eval_k.get(stage, 1) == 1
-                and engine.oom_handler is None
-                and not engine.exchange.votes_inside_step
-            ):
-                return self.strategy_eval_steps[stage](*args, **kwargs)
-            return self._run_attempts(EvalBatch(self, stage, args, kwargs))
+            handled = self.users.decide_oom is not None
+            if self.splits.eval_k.get(stage, 1) == 1 and not handled and not self.exchange.votes_inside_step:
+                return self.steps.eval_steps[stage](*args, **kwargs)
+            batch = EvalBatch(self.steps, self.exchange, self.users.weighting, stage, args, kwargs, handled)
+            return self._run_attempts(batch)
 
         return step
+
+    def _k_of(self, batch: TrainingBatch | EvalBatch) -> int:
+        """The micro-batches ``batch``'s next attempt runs as."""
+        if batch.stage != "train":
+            return self.splits.eval_k_of(batch.stage, batch.n, batch.batch)
+        k = self.splits.effective_k(batch.n, batch.batch)
+        return 2 if batch.measuring and k == 1 else k
 
     # ------------------------------------------------------------------ the one loop
 
@@ -200,23 +218,22 @@ class AttemptLoop:
         """Run ``batch`` until every rank keeps an attempt; returns the kept attempt's output.
 
         After a failed attempt (an OOM, or another rank's at a vote inside the step) the attempt is dropped
-        and memory freed outside the ``except`` block, the OOM handler says what this rank wants, and every
+        and memory freed outside the ``except`` block, the OOM decider says what this rank wants, and every
         rank takes the same decision from the votes: retry, or stop with an error on every rank.
         """
-        engine, n, stage = self.engine, batch.n, batch.stage
-        watch = engine.compile_watch
+        users, n, stage, watch = self.users, batch.n, batch.stage, self.watch
         probe = get_probe(self.trainer.strategy.root_device)
         measured = probe.kind != "cpu"  # host RSS says nothing about one step; read device figures only
         smallest_failed = n + 1
         rechecks = 0
         first_size_error: BaseException | None = None
         refused: LossWeightingError | None = None
-        # The loss-weighting check ran out of memory where no handler can split further (or while a measurement
+        # The loss-weighting check ran out of memory where no decider can split further (or while a measurement
         # asked for the split): handled outside the except block.
         check_failed: WeightingCheckOutOfMemory | None = None
         while True:
             in_check = False  # this attempt failed in the loss-weighting check (alike on every rank)
-            k = batch.k()
+            k = self._k_of(batch)
             baseline = probe.allocated if measured else None
             failure: OOMFailure | None = None
             # The votes at which another rank's failure stopped this attempt (FSDP2).
@@ -233,7 +250,7 @@ class AttemptLoop:
                     raise
                 refused = err.with_traceback(None)  # only a measurement asked for the split: run whole
             except WeightingCheckOutOfMemory as err:
-                if batch.measuring or engine.oom_handler is None:
+                if batch.measuring or users.decide_oom is None:
                     check_failed = err.with_traceback(None)
                 else:  # the attempt's OOM: a larger k, and the check again
                     in_check = True
@@ -252,25 +269,28 @@ class AttemptLoop:
                 size_error = (
                     batch.retries_size_errors
                     and is_maybe_size_error(err)
-                    and engine.oom_handler is not None
+                    and users.decide_oom is not None
                     and k < n
                 )
                 if size_error and first_size_error is not None:
                     batch.give_up()
                     raise first_size_error from None
-                if isinstance(err, LossWeightingError):  # the check refused to split: not an OOM to retry
-                    batch.give_up()
-                    raise
-                if engine.oom_handler is None or not (is_oom_error(err) or size_error):
+                if users.decide_oom is None or not (is_oom_error(err) or size_error):
                     batch.give_up()
                     self._raise_if_too_small(err, n, k, stage)
                     raise
                 if size_error:  # re-raised later: its frames must not pin memory
                     first_size_error = err.with_traceback(None)
                 if stage != "train":  # an evaluation failure's phase is its stage
-                    self.phase = stage
+                    self.steps.phase = stage
                 failure = _describe(
-                    err, probe if measured else None, self.trainer.global_step, batch, self.phase, k, baseline
+                    err,
+                    probe if measured else None,
+                    self.trainer.global_step,
+                    batch,
+                    self.steps.phase,
+                    k,
+                    baseline,
                 )
                 _tell_caught(
                     err, failure, batch, stage
@@ -279,7 +299,7 @@ class AttemptLoop:
                 watch.after_attempt(self.trainer, marker, stage, n, k)
             if refused is not None:
                 batch.drop()
-                batch.stop_measuring(refused)
+                self._stop_measuring(batch, refused)
                 refused = None
                 continue
             if check_failed is not None:
@@ -290,8 +310,8 @@ class AttemptLoop:
                 ):  # only a measurement asked for the split: this batch runs whole, unchecked
                     batch.measuring = False
                 else:  # nothing may split further here: the fallback, said in one line
-                    engine.loss_weighting.unchecked(
-                        engine, _unchecked_where(n, k, "and without OOMRecovery nothing splits further")
+                    batch.weighting.unchecked(
+                        self.trainer, _unchecked_where(n, k, "and without OOMRecovery nothing splits further")
                     )
                 check_failed = None
                 continue
@@ -310,7 +330,7 @@ class AttemptLoop:
                 smallest_failed = min(smallest_failed, failure.micro_batch_size)
                 # The check's OOM climbs the ladder like the step's: a rung that frees memory the model holds (a
                 # cache) helps it too, and where the check cannot fit, the training step rarely does.
-                status, recovery, fatal = self._ask_handler(failure, smallest_failed, batch.batch)
+                status, recovery, fatal = self._ask_decider(failure, smallest_failed, batch.batch)
                 voted_k = batch.voted_k(recovery, k)
             try:
                 agreement = agree_or_stop(batch.vote, status, voted_k, k, peer_votes, fatal, batch.where())
@@ -324,24 +344,24 @@ class AttemptLoop:
                         f"loss weighting used unchecked: the check ran out of memory {where}"
                     )
                     # Said once a batch runs with it: where the step cannot fit either, the run ends with its error.
-                    engine.loss_weighting.unchecked(engine, where, announce=False)
-                    engine.exchange.recover()  # as before any retry, on every rank alike
+                    batch.weighting.unchecked(self.trainer, where, announce=False)
+                    self.exchange.recover()  # as before any retry, on every rank alike
                     continue
                 if failure is not None:
                     forensics.action_taken(stop_reason(stop))
                 batch.give_up()
                 raise
             if failure is not None:
-                rungs = [engine.rungs[i].name for i in agreement.rungs]
+                rungs = [self.ladder.rungs[i].name for i in agreement.rungs]
                 forensics.action_taken(describe_action(stage, n, k, agreement.k, rungs))
             if not agreement.retry:
                 if agreement.skip:  # a step returned None (on any rank): the batch is skipped on every rank
-                    return batch.skip(agreement, k)
+                    return self._apply(batch, batch.skip(agreement, k), k)
                 # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
                 # may all-reduce its own flags, and answers alike on every rank).
-                if not _sent_back(batch, output):
-                    engine.loss_weighting.announce_unchecked(engine)
-                    return batch.keep(output, agreement, k)
+                if not self._sent_back(batch, output):
+                    batch.weighting.announce_unchecked(self.trainer)
+                    return self._apply(batch, batch.keep(output, agreement, k), k)
                 rechecks += 1
                 if rechecks > _MAX_RECHECKS:
                     batch.give_up()
@@ -356,53 +376,61 @@ class AttemptLoop:
                 output = None
                 batch.drop()
             # On every rank alike (FSDP2: reshard, reset FSDP's step state, drop its unsharded gradients).
-            engine.exchange.recover()
+            self.exchange.recover()
             if watch.at_cap(n, k, stage):  # 2 samples a micro-batch did not fit: 1 may now
                 watch.allow_single(stage)
-            if batch.retry_after(agreement, failure, k):
+            if self._apply(batch, batch.retry(agreement, failure, k), k):
                 smallest_failed = n + 1  # a sample needs less memory now: sizes that failed may fit
 
-    # ------------------------------------------------------------------ parts of an attempt
+    # ------------------------------------------------------------------ what the loop applies
 
-    def micro_batches(self, batch: Any, k: int) -> list[Any]:
-        """``batch`` as ``k`` micro-batches: the module's or datamodule's ``split_batch`` hook, else an even split."""
-        if k == 1:
-            return [batch]
-        for owner in (self.module, getattr(self.trainer, "datamodule", None)):
-            hook = getattr(owner, SPLIT_HOOK, None) if owner is not None else None
-            if callable(hook):
-                chunks = list(hook(batch, k))
-                if len(chunks) != k:
-                    raise ValueError(
-                        f"`{type(owner).__name__}.{SPLIT_HOOK}(batch, k={k})` must return {k} micro-batches, "
-                        f"got {len(chunks)}"
-                    )
-                return chunks
-        return split_batch(batch, k).chunks
+    def _apply(self, batch: TrainingBatch | EvalBatch, outcome: Outcome, k: int) -> Any:
+        """Apply a batch's outcome: the only place a batch changes k, turns on rungs or replays its logs.
 
-    def run_micro_batches(
-        self,
-        step: Callable[[Any], Any],
-        chunks: list[Any],
-        weights: list[float],
-        each: Callable[[Any, float], None],
-    ) -> Attempt:
-        """Run ``step`` on every chunk, its ``self.log`` calls captured with the chunk's weight; ``each(output,
-        weight)`` takes each output."""
-        attempt = Attempt()
-        self.capture = attempt
-        try:
-            for chunk, weight in zip(chunks, weights):
-                attempt.start()
-                go_on = each(step(chunk), weight)
-                attempt.keep(weight)
-                if go_on is False:  # the step skipped the batch: no further micro-batch
-                    break
-        finally:
-            self.capture = None
-        return attempt
+        Returns the output for Lightning (keep, skip), or, for a retry, whether a rung changed what a sample needs.
+        """
+        n, stage = batch.n, batch.stage
+        if outcome.kind is OutcomeKind.RETRY:
+            if stage != "train":
+                self.splits.set_eval_k(stage, outcome.k, outcome.reason, n)
+                return False
+            changed = self.ladder.turn_on(
+                outcome.rungs, f"{outcome.reason}, and the micro-batches cannot get smaller"
+            )
+            self.splits.propose(outcome.k, outcome.source, outcome.reason, batch_size=n)
+            return changed
+        if outcome.logs is not None:  # an evaluation step that ran whole, straight through, captured nothing
+            self._ran(n, k, stage)
+            emit_logs(self.steps.log, *outcome.logs, n, self.users.sum_log_keys)
+        if stage == "train":
+            if outcome.kind is OutcomeKind.SKIP:
+                self.exchange.recover()
+            elif batch.boundary:
+                self.exchange.reduce()
+        if outcome.source:
+            self.splits.propose(outcome.k, outcome.source, outcome.reason, batch_size=n)
+        if outcome.skipped_split is not None:
+            self._skipped_split(*outcome.skipped_split)
+        return outcome.output
 
-    def skipped_split(self, micro_batch: int, k: int) -> None:
+    def _stop_measuring(self, batch: TrainingBatch, refusal: BaseException) -> None:
+        """The loss-weighting check refused the split a measurement asked for: run whole, ask for no more splits.
+
+        The check is reset, so a split an OOM needs later is checked (and refused) as ever; the askers hear why.
+        """
+        batch.measuring = False
+        batch.weighting.load_state_dict({})
+        self.users.measure_refused(str(refusal))
+
+    def _sent_back(self, batch: TrainingBatch | EvalBatch, output: Any) -> bool:
+        """Whether an attempt check asks to run the kept attempt's training batch again (asked in order)."""
+        checks = self.users.checks
+        if not checks or batch.stage != "train":
+            return False
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        return any(check(batch.batch_idx, loss) for check in checks)
+
+    def _skipped_split(self, micro_batch: int, k: int) -> None:
         """Record, once per fit, that a micro-batch's ``None`` skipped the whole batch (the rule, as a decision)."""
         if self._skip_recorded:
             return
@@ -418,10 +446,7 @@ class AttemptLoop:
             k=k,
         )
 
-    def emit_logs(self, logs: list, weights: list[float], n: int) -> None:
-        emit_logs(self.module_log, logs, weights, n, self.engine.sum_log_keys)
-
-    def ran(self, n: int, k: int, stage: str) -> None:
+    def _ran(self, n: int, k: int, stage: str) -> None:
         """Remember the smallest micro-batch that ran in this fit (per stage)."""
         size = n // k
         if size >= 1:
@@ -430,11 +455,11 @@ class AttemptLoop:
     def _raise_if_too_small(self, err: BaseException, n: int, k: int, stage: str) -> None:
         """Turn an error at micro-batches smaller than any that ran in this fit into :class:`MicroBatchOOMError`.
 
-        Only after a split the handler (OOMRecovery) asked for: such an error (BatchNorm's "Expected more
+        Only after a split the OOM decider (OOMRecovery) asked for: such an error (BatchNorm's "Expected more
         than 1 value per channel", a shape a model cannot take) says the model cannot run micro-batches
         this small, not that the user's code is wrong.
         """
-        if self.engine.oom_handler is None or k <= 1 or isinstance(err, torch.OutOfMemoryError):
+        if self.users.decide_oom is None or k <= 1 or isinstance(err, torch.OutOfMemoryError):
             return
         size = n // k
         smallest = self._smallest_ran.get(stage)
@@ -451,19 +476,19 @@ class AttemptLoop:
             f"precision, activation checkpointing, a sharded strategy). Original error: {err}"
         ) from err
 
-    def _ask_handler(
+    def _ask_decider(
         self, failure: OOMFailure, smallest_failed: int, batch: Any
     ) -> tuple[Status, Recovery | None, BaseException | None]:
-        """This rank's say after an OOM: (the vote's flags, the handler's :class:`Recovery`, the error that
+        """This rank's say after an OOM: (the vote's flags, the decider's :class:`Recovery`, the error that
         ends the run on this rank when nothing is left to try)."""
-        engine = self.engine
+        users = self.users
         try:
-            recovery = engine.oom_handler(failure, smallest_failed, engine.splittable(batch))
+            recovery = users.decide_oom(failure, smallest_failed, users.may_split(batch))
         except torch.OutOfMemoryError as err:  # nothing left to try (MicroBatchOOMError)
             return Status.FATAL, None, err
         if isinstance(recovery, int):
             recovery = Recovery(recovery)
-        return Status.OOM | rung_bits(engine.ladder.index(name) for name in recovery.rungs), recovery, None
+        return Status.OOM | rung_bits(self.ladder.index(name) for name in recovery.rungs), recovery, None
 
 
 def agree_or_stop(
@@ -495,14 +520,6 @@ def _unchecked_where(n: int, k: int, why: str) -> str:
     """Where the loss-weighting check ran out of memory, for the line that says the weighting is unchecked."""
     size = math.ceil(n / k)
     return f"at micro-batches of {size} sample{'s' if size != 1 else ''} (k {k}), {why}"
-
-
-def _sent_back(batch: TrainingBatch | EvalBatch, output: Any) -> bool:
-    """Whether an attempt check asks to run the kept attempt's batch again."""
-    if not batch.checks:
-        return False
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    return any(check(batch.batch_idx, loss) for check in list(batch.checks))
 
 
 def _tell_caught(

@@ -1,24 +1,31 @@
-"""The two kinds of batch the attempt loop runs, and what each does differently inside the one loop.
+"""The two kinds of batch the attempt loop runs, what each does differently inside the one loop, and the
+:class:`Outcome` each hands back.
 
 A :class:`TrainingBatch` runs its micro-batches' forwards and backwards inside Lightning's training step,
-keeping the gradients of earlier batches of an accumulation window apart, and asks the attempt checks
-once every rank kept an attempt. An :class:`EvalBatch` runs chunks of a validation, test or predict
-batch and puts their outputs back together. Both tell the loop (``attempt_loop.py``) how to run an
-attempt, how to drop one, what to vote after an OOM, and what a kept attempt or an agreed retry changes.
+keeping the gradients of earlier batches of an accumulation window apart. An :class:`EvalBatch` runs chunks
+of a validation, test or predict batch and puts their outputs back together. Both tell the loop
+(``attempt_loop.py``) how to run an attempt, how to drop one, what to vote after an OOM, and, once the
+ranks agreed, the outcome (keep, retry at k, skip, with the logs to replay), which only the loop applies.
+A batch runs with :class:`Steps` (the Trainer's own methods that the loop's patches stand in for), the
+ranks' exchange and the weighting of its micro-batches' losses: it holds neither the engine nor the loop.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt.batching import merge_outputs
+from lightning_gpuopt.batching import SPLIT_HOOK, merge_outputs, split_batch
 from lightning_gpuopt.microbatch.attempt import (
+    Attempt,
+    LogCall,
     SideEffects,
     Snapshot,
     batch_samples,
@@ -26,13 +33,25 @@ from lightning_gpuopt.microbatch.attempt import (
     restore_grads,
     split_output,
 )
-from lightning_gpuopt.microbatch.exchange import DDPExchange
+from lightning_gpuopt.microbatch.compile_watch import CompileWatch
+from lightning_gpuopt.microbatch.exchange import DDPExchange, FSDP2Exchange, LocalExchange
+from lightning_gpuopt.microbatch.loss_weighting import CheckSite, LossWeighting
 from lightning_gpuopt.oom_policy import Agreement, OOMFailure, Proposal, Recovery, Source, Vote
 
-if TYPE_CHECKING:
-    from lightning_gpuopt.microbatch.attempt_loop import AttemptLoop
+__all__ = [
+    "EvalBatch",
+    "MicroBatchBackward",
+    "Outcome",
+    "OutcomeKind",
+    "Steps",
+    "TrainingBatch",
+    "k_change_reason",
+]
 
-__all__ = ["EvalBatch", "MicroBatchBackward", "TrainingBatch", "k_change_reason"]
+#: The ranks' exchange of a batch (``exchange.py``).
+Exchange = LocalExchange | DDPExchange | FSDP2Exchange
+#: An attempt's captured ``self.log`` calls and its micro-batches' weights, replayed once the batch is kept.
+Logs = tuple[list[LogCall], list[float]]
 
 
 @dataclass(frozen=True)
@@ -58,16 +77,133 @@ class MicroBatchBackward:
     measuring: bool = False
 
 
+class OutcomeKind(enum.Enum):
+    """What happens to a batch once every rank voted on an attempt."""
+
+    KEEP = "keep"  #: the attempt stands; its output goes back to Lightning
+    RETRY = "retry"  #: the batch runs again, at ``Outcome.k``
+    SKIP = "skip"  #: a step returned no loss: the batch is skipped on every rank
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a batch asks the attempt loop to do after the ranks agreed; the loop alone applies it.
+
+    ``KEEP`` and ``SKIP``: ``output`` goes back to Lightning, ``logs`` are replayed once (``None``: nothing was
+    captured), and where ``source`` is set, k becomes ``k`` for the next batch. ``RETRY``: the batch runs again at
+    ``k`` (a training batch: the engine's k, after turning on ``rungs``; an evaluation batch: its stage's k).
+    """
+
+    kind: OutcomeKind
+    output: Any = None
+    k: int | None = None
+    source: Source | str | None = None
+    reason: str = ""
+    rungs: tuple[int, ...] = ()
+    logs: Logs | None = None
+    #: A micro-batch's ``None`` skipped a split batch: (that micro-batch, of how many).
+    skipped_split: tuple[int, int] | None = None
+
+
+@dataclass
+class Steps:
+    """What a batch runs its micro-batches with: the Trainer's own methods that the loop's patches stand in for,
+    and where the module's ``self.log`` calls go while an attempt runs (filled in when the loop patches)."""
+
+    trainer: pl.Trainer
+    module: pl.LightningModule | None = None
+    log: Callable[..., Any] | None = None
+    backward: Callable[..., Any] | None = None
+    zero_grad: Callable[..., Any] | None = None
+    training_step: Callable[..., Any] | None = None
+    eval_steps: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    #: What a dropped attempt must put back besides gradients (torchmetrics, BatchNorm).
+    side_effects: SideEffects | None = None
+    #: Under torch.compile, a split marks the batch dimension dynamic.
+    watch: CompileWatch = field(default_factory=CompileWatch)
+    #: Where ``self.log`` calls go while an attempt runs (``None``: straight to Lightning).
+    capture: Attempt | None = None
+    #: The phase of the training attempt running now, for its failure (``"forward"``, ``"backward"``).
+    phase: str = "forward"
+
+    def micro_batches(self, batch: Any, k: int) -> list[Any]:
+        """``batch`` as ``k`` micro-batches: the module's or datamodule's ``split_batch`` hook, else an even split."""
+        if k == 1:
+            return [batch]
+        for owner in (self.module, getattr(self.trainer, "datamodule", None)):
+            hook = getattr(owner, SPLIT_HOOK, None) if owner is not None else None
+            if callable(hook):
+                chunks = list(hook(batch, k))
+                if len(chunks) != k:
+                    raise ValueError(
+                        f"`{type(owner).__name__}.{SPLIT_HOOK}(batch, k={k})` must return {k} micro-batches, "
+                        f"got {len(chunks)}"
+                    )
+                break
+        else:
+            chunks = split_batch(batch, k).chunks
+        self.watch.mark_dynamic(chunks, batch_samples)
+        return chunks
+
+    def run(
+        self,
+        step: Callable[[Any], Any],
+        chunks: list[Any],
+        weights: list[float],
+        each: Callable[[Any, float], bool | None],
+    ) -> Attempt:
+        """Run ``step`` on every chunk, its ``self.log`` calls captured with the chunk's weight; ``each(output,
+        weight)`` takes each output (``False``: no further chunk)."""
+        attempt = Attempt()
+        self.capture = attempt
+        try:
+            for chunk, weight in zip(chunks, weights):
+                attempt.start()
+                go_on = each(step(chunk), weight)
+                attempt.keep(weight)
+                if go_on is False:  # the step skipped the batch: no further micro-batch
+                    break
+        finally:
+            self.capture = None
+        return attempt
+
+    @contextlib.contextmanager
+    def leave_no_trace(self) -> Iterator[None]:
+        """Run extra forwards whose ``self.log`` values are dropped and whose module state is restored on exit."""
+        snapshot = self.side_effects.snapshot()
+        previous, self.capture = self.capture, Attempt()
+        try:
+            yield
+        finally:
+            self.capture = previous
+            SideEffects.restore(snapshot)
+
+    def site(self, exchange: Exchange) -> CheckSite:
+        """What the loss-weighting check runs with."""
+        return CheckSite(self.trainer, self.leave_no_trace, exchange.votes_inside_step)
+
+
 class TrainingBatch:
-    """A training batch: k micro-batches inside Lightning's step, gradients kept apart from the window's."""
+    """A training batch: k micro-batches inside Lightning's step, gradients kept apart from the window's.
+
+    The loop sets :attr:`start_k`, :attr:`proposal` and :attr:`measuring` after asking the engine's users.
+    """
 
     stage = "train"
     #: cuDNN's "not supported" errors at a size are retried once as if out of memory (training only).
     retries_size_errors = True
 
-    def __init__(self, loop: AttemptLoop, args: tuple, kwargs: dict) -> None:
-        self.loop, self.engine = loop, loop.engine
-        trainer = loop.trainer
+    def __init__(
+        self,
+        steps: Steps,
+        exchange: Exchange,
+        weighting: LossWeighting,
+        listeners: tuple[Callable[[MicroBatchBackward], None], ...],
+        args: tuple,
+        kwargs: dict,
+    ) -> None:
+        self.steps, self.exchange, self.weighting, self.listeners = steps, exchange, weighting, listeners
+        trainer = steps.trainer
         self.rest, self.kwargs = args[1:], kwargs
         self.batch = args[0] if args else kwargs["batch"]
         self.batch_idx = (
@@ -81,57 +217,33 @@ class TrainingBatch:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.stash: list[Tensor | None] | None = None
         if self.first_in_window:
-            loop.module_zero_grad(trainer.current_epoch, self.batch_idx, optimizer)
+            steps.zero_grad(trainer.current_epoch, self.batch_idx, optimizer)
         else:  # keep the gradients of earlier batches of this window apart, so a failure drops only ours
             self.stash = [p.grad for p in self.params]
             for p in self.params:
                 p.grad = None
-        self.snapshot: Snapshot = loop.side_effects.snapshot()
-        self.start_k = self.engine.k
-        self.proposal: Proposal | None = self.engine.next_proposal
-        self.engine.next_proposal = None
-        self.checks = self.engine.attempt_checks
-        # A batch that would run whole runs as 2 micro-batches when a measurement asks (GradientNoiseScale at k=1).
-        ask = self.engine.measure_split
-        self.measuring = bool(
-            ask is not None
-            and self.first_in_window
-            and self.n >= 2
-            and self.engine.effective_k(self.batch) == 1
-            and self.engine.splittable(self.batch)
-            and ask(self.batch_idx)
-        )
-        self.logs: tuple[list, list[float]] = ([], [])
+        self.snapshot: Snapshot = steps.side_effects.snapshot()
+        #: k when the batch started (an OOM's vote without a k of its own keeps it).
+        self.start_k = 1
+        #: A user's proposal for the vote after this batch (grow back, thrashing).
+        self.proposal: Proposal | None = None
+        #: A batch that would run whole runs as 2 micro-batches for a measurement (GradientNoiseScale at k=1).
+        self.measuring = False
+        self.logs: Logs = ([], [])
         #: A micro-batch's step returned no loss in the last attempt (``None``: Lightning's skip; a dict without
         #: ``"loss"``, or another value: Lightning's error): that output, at ``skipped_at`` of ``skipped_of``.
         self.skipped = False
         self.skipped_output: Any = None
         self.skipped_at = (0, 0)
 
-    def k(self) -> int:
-        k = self.engine.effective_k(self.batch)
-        return 2 if self.measuring and k == 1 else k
-
     def vote(self, status: int, k: int) -> list[Vote]:
-        return self.engine.exchange.vote(status, k)
-
-    def stop_measuring(self, refusal: BaseException) -> None:
-        """The loss-weighting check refused the split a measurement asked for: run whole, ask for no more splits.
-
-        The check is reset, so a split an OOM needs later is checked (and refused) as ever; the asker hears why
-        through ``measure_refused``.
-        """
-        self.measuring = False
-        self.engine.measure_split = None
-        self.engine.loss_weighting.load_state_dict({})
-        if self.engine.measure_refused is not None:
-            self.engine.measure_refused(str(refusal))
+        return self.exchange.vote(status, k)
 
     def where(self) -> str:
-        return f"at step {self.loop.trainer.global_step}"
+        return f"at step {self.steps.trainer.global_step}"
 
     def attempt(self, k: int) -> Any:
-        exchange = self.engine.exchange
+        exchange = self.exchange
         exchange.begin(k)
         with self._no_sync():
             output = self._run(k)
@@ -139,22 +251,24 @@ class TrainingBatch:
         return output
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
-        if isinstance(self.engine.exchange, DDPExchange):
-            return self.loop.trainer.strategy.block_backward_sync()
+        if isinstance(self.exchange, DDPExchange):
+            return self.steps.trainer.strategy.block_backward_sync()
         return contextlib.nullcontext()
 
     def _run(self, k: int) -> Any:
-        loop, step = self.loop, self.loop.strategy_training_step
-        chunks = loop.micro_batches(self.batch, k)
-        self.engine.compile_watch.mark_dynamic(chunks, batch_samples)
+        steps, step = self.steps, self.steps.training_step
+        chunks = steps.micro_batches(self.batch, k)
         # The loss weighting's one call site: at the first split it runs the step on a piece of the batch
         # (forwards: an OOM in it is this attempt's forward OOM).
-        loop.phase = "forward"
-        weights = self.engine.loss_weighting.weights(
-            self.engine, chunks, lambda piece: step(piece, *self.rest, **self.kwargs), self.batch
+        steps.phase = "forward"
+        weights = self.weighting.weights(
+            chunks,
+            steps.site(self.exchange),
+            lambda piece: step(piece, *self.rest, **self.kwargs),
+            self.batch,
         )
-        scaler = getattr(loop.trainer.precision_plugin, "scaler", None)
-        listeners = self.engine.backward_listeners
+        scaler = getattr(steps.trainer.precision_plugin, "scaler", None)
+        listeners = self.listeners
         extras: list[dict[str, Any] | None] = []
         total: Tensor | None = None
         self.skipped, self.skipped_output = False, None
@@ -169,13 +283,13 @@ class TrainingBatch:
                 self.skipped_at = (len(extras) + 1, len(chunks))
                 return False  # no further micro-batch: the whole batch is skipped
             extras.append(extra)
-            loop.phase = "backward"
+            steps.phase = "backward"
             scaled = loss if weight == 1.0 else loss * weight
             if self.accumulate != 1:
                 scaled = scaled / self.accumulate
             if scaler is not None:
                 scaled = scaler.scale(scaled)
-            loop.module_backward(scaled)
+            steps.backward(scaled)
             if listeners:
                 told = MicroBatchBackward(
                     len(extras) - 1,
@@ -195,10 +309,10 @@ class TrainingBatch:
             return True
 
         def forward(chunk: Any) -> Any:
-            loop.phase = "forward"
+            steps.phase = "forward"
             return step(chunk, *self.rest, **self.kwargs)
 
-        attempt = loop.run_micro_batches(forward, chunks, weights, backward)
+        attempt = steps.run(forward, chunks, weights, backward)
         self.logs = (attempt.logs, weights)  # emitted once every rank keeps the attempt
         if self.skipped:
             return None
@@ -219,46 +333,41 @@ class TrainingBatch:
     def voted_k(self, recovery: Recovery | None, k: int) -> int:
         return (recovery.k or self.start_k) if recovery is not None else k
 
-    def retry_after(self, agreement: Agreement, failure: OOMFailure | None, k: int) -> bool:
-        """Turn on the agreed rungs and take the agreed k; returns whether a rung changed what a sample needs."""
-        reason = k_change_reason(self.loop.trainer, agreement, failure)
-        changed = self.engine.ladder.turn_on(
-            agreement.rungs, f"{reason}, and the micro-batches cannot get smaller"
+    def retry(self, agreement: Agreement, failure: OOMFailure | None, k: int) -> Outcome:
+        """Run again at the agreed k, with the agreed rungs turned on."""
+        reason = k_change_reason(self.steps.trainer, agreement, failure)
+        return Outcome(
+            OutcomeKind.RETRY, k=agreement.k, source=Source.OOM, reason=reason, rungs=agreement.rungs
         )
-        self.engine.propose(agreement.k, Source.OOM, reason, batch_size=self.n)
-        return changed
 
-    def keep(self, output: Any, agreement: Agreement, k: int) -> Any:
-        self.loop.ran(self.n, k, self.stage)
-        self.loop.emit_logs(*self.logs, self.n)
+    def keep(self, output: Any, agreement: Agreement, k: int) -> Outcome:
+        """The attempt stands: its gradients join the window's; the agreed proposal changes k for the next batch."""
         merge_grads(self.params, self.stash)
-        if self.boundary:
-            self.engine.exchange.reduce()
-        self._propose(agreement)
-        return output
+        return self._outcome(OutcomeKind.KEEP, output, agreement)
 
-    def skip(self, agreement: Agreement, k: int) -> Any:
+    def skip(self, agreement: Agreement, k: int) -> Outcome:
         """Every rank kept its attempt and one step returned no loss: the batch is skipped on every rank.
 
-        Its gradients are dropped (those of earlier batches of the window stay), its logged values are emitted
-        as Lightning emits a skipped step's. Returned to Lightning: ``None`` (it then steps the optimizer without
+        Its gradients are dropped (those of earlier batches of the window stay), its logged values are replayed
+        as Lightning replays a skipped step's. Returned to Lightning: ``None`` (it then steps the optimizer without
         gradients on one device, and raises its own error under several ranks), or the output it refuses.
         """
-        self.loop.ran(self.n, k, self.stage)
-        self.loop.emit_logs(*self.logs, self.n)
         for p in self.params:
             p.grad = None
         restore_grads(self.params, self.stash)
-        self.engine.exchange.recover()
-        self._propose(agreement)
-        if self.skipped and self.skipped_output is None and k > 1:
-            self.loop.skipped_split(*self.skipped_at)
-        return self.skipped_output if self.skipped else None
+        split = self.skipped_at if self.skipped and self.skipped_output is None and k > 1 else None
+        output = self.skipped_output if self.skipped else None
+        return self._outcome(OutcomeKind.SKIP, output, agreement, split)
 
-    def _propose(self, agreement: Agreement) -> None:
-        if agreement.source:
-            reason = k_change_reason(self.loop.trainer, agreement, None, self.proposal)
-            self.engine.propose(agreement.k, agreement.source, reason, batch_size=self.n)
+    def _outcome(
+        self, kind: OutcomeKind, output: Any, agreement: Agreement, split: tuple[int, int] | None = None
+    ) -> Outcome:
+        if not agreement.source:
+            return Outcome(kind, output, logs=self.logs, skipped_split=split)
+        reason = k_change_reason(self.steps.trainer, agreement, None, self.proposal)
+        return Outcome(
+            kind, output, agreement.k, agreement.source, reason, logs=self.logs, skipped_split=split
+        )
 
 
 class EvalBatch:
@@ -267,49 +376,49 @@ class EvalBatch:
     retries_size_errors = False
     measuring = False
     proposal = None
-    checks: tuple = ()
     params = None
     skipped = False  #: an evaluation step's ``None`` is an output like any other
 
-    def __init__(self, loop: AttemptLoop, stage: str, args: tuple, kwargs: dict) -> None:
-        self.loop, self.engine, self.stage = loop, loop.engine, stage
+    def __init__(
+        self,
+        steps: Steps,
+        exchange: Exchange,
+        weighting: LossWeighting,
+        stage: str,
+        args: tuple,
+        kwargs: dict,
+        snapshot: bool,
+    ) -> None:
+        self.steps, self.exchange, self.weighting, self.stage = steps, exchange, weighting, stage
         self.args, self.kwargs = args, kwargs
-        self.step = loop.strategy_eval_steps[stage]
+        self.step = steps.eval_steps[stage]
         self.batch = args[0] if args else kwargs["batch"]
         self.batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         self.n = batch_samples(self.batch)
-        self.snapshot: Snapshot = loop.side_effects.snapshot() if self.engine.oom_handler is not None else []
+        #: ``snapshot``: a failed attempt can be retried (an OOM decider is attached): what it changes is copied.
+        self.snapshot: Snapshot = steps.side_effects.snapshot() if snapshot else []
         #: Ranks that all-gather in the forward (FSDP2) vote on each step; the others decide alone.
-        self.voting = self.engine.exchange.votes_inside_step
-        self.logs: tuple[list, list[float]] | None = None
-
-    def k(self) -> int:
-        k = (
-            max(1, min(self.engine.eval_k.get(self.stage, 1), self.n))
-            if self.engine.splittable(self.batch)
-            else 1
-        )
-        return self.engine.compile_watch.cap(self.n, k, self.stage)
+        self.voting = exchange.votes_inside_step
+        self.logs: Logs | None = None
 
     def where(self) -> str:
         return f"in {self.stage} at batch {self.batch_idx}"
 
     def vote(self, status: int, k: int) -> list[Vote]:
-        return self.engine.exchange.vote(status, k) if self.voting else [Vote(status, k)]
+        return self.exchange.vote(status, k) if self.voting else [Vote(status, k)]
 
     def attempt(self, k: int) -> Any:
         self.logs = None
         if self.voting:
-            self.engine.exchange.begin(k)
+            self.exchange.begin(k)
         elif k == 1:
             return self.step(*self.args, **self.kwargs)
-        loop, rest = self.loop, self.args[1:]
-        chunks = loop.micro_batches(self.batch, k)
-        self.engine.compile_watch.mark_dynamic(chunks, batch_samples)
+        steps, rest = self.steps, self.args[1:]
+        chunks = steps.micro_batches(self.batch, k)
         # The training's decision, or its fallback: evaluation never runs the check.
-        weights = self.engine.loss_weighting.weights(self.engine, chunks)
+        weights = self.weighting.weights(chunks, steps.site(self.exchange))
         outputs: list[Any] = []
-        attempt = loop.run_micro_batches(
+        attempt = steps.run(
             lambda chunk: self.step(chunk, *rest, **self.kwargs),
             chunks,
             weights,
@@ -327,22 +436,18 @@ class EvalBatch:
     def voted_k(self, recovery: Recovery | None, k: int) -> int:
         return max(recovery.k or k + 1, k + 1) if recovery is not None else k
 
-    def retry_after(self, agreement: Agreement, failure: OOMFailure | None, k: int) -> bool:
+    def retry(self, agreement: Agreement, failure: OOMFailure | None, k: int) -> Outcome:
         """Split this stage's batches further, the same on every rank (a batch of fewer samples runs them as it can)."""
         if failure is not None:
             reason = f"OOM in {self.stage} at batch {self.batch_idx}"
         else:
             ranks = ", ".join(map(str, agreement.ranks))
             reason = f"OOM on rank {ranks} in {self.stage} at batch {self.batch_idx}"
-        self.engine.set_eval_k(self.stage, max(agreement.k, k + 1), reason, self.n)
-        return False
+        return Outcome(OutcomeKind.RETRY, k=max(agreement.k, k + 1), source=Source.OOM, reason=reason)
 
-    def keep(self, output: Any, agreement: Agreement, k: int) -> Any:
-        if self.logs is None:  # the step ran whole, straight through: nothing captured, nothing to count
-            return output
-        self.loop.ran(self.n, k, self.stage)
-        self.loop.emit_logs(*self.logs, self.n)
-        return output
+    def keep(self, output: Any, agreement: Agreement, k: int) -> Outcome:
+        """The chunks' outputs, put back together; their logs replayed (none when the step ran whole)."""
+        return Outcome(OutcomeKind.KEEP, output, logs=self.logs)
 
 
 def k_change_reason(

@@ -1,30 +1,29 @@
-"""The micro-batch engine: the one owner of k for a Trainer, its state, and what callbacks read and change.
+"""The micro-batch engine: the one owner of k for a Trainer, its state, and what callbacks read and propose.
 
-See :mod:`lightning_gpuopt.microbatch` for what the engine does and its contract. The batches run in
-``attempt_loop.py`` (an attempt's side effects in ``attempt.py``); the setups it refuses are in
-``setup_checks.py``, the optimizer step in ``step.py``, the recovery rungs in ``rungs.py``, torch.compile's
-part in ``compile_watch.py``.
+See :mod:`lightning_gpuopt.microbatch` for what the engine does and its contract. Callbacks attach to it as
+its users and answer its questions (``users.py``); nothing outside the engine writes into it. The batches
+run in ``attempt_loop.py`` (an attempt's side effects in ``attempt.py``); k lives in ``splits.py``; the
+setups it refuses are in ``setup_checks.py``, the optimizer step in ``step.py``, the recovery rungs in
+``rungs.py``, torch.compile's part in ``compile_watch.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import Tensor
 
 from lightning_gpuopt._compiled import RecompileBudget, is_compiled_anywhere
-from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.microbatch.attempt import batch_samples
 from lightning_gpuopt.microbatch.attempt_loop import EVAL_STAGES, AttemptLoop
-from lightning_gpuopt.microbatch.batches import MicroBatchBackward
+from lightning_gpuopt.microbatch.batches import Exchange, MicroBatchBackward
 from lightning_gpuopt.microbatch.compile_watch import CompileWatch
 from lightning_gpuopt.microbatch.exchange import (
     DDPExchange,
@@ -36,8 +35,10 @@ from lightning_gpuopt.microbatch.exchange import (
 from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Ladder, Rung
 from lightning_gpuopt.microbatch.setup_checks import check_strategy, check_supported
+from lightning_gpuopt.microbatch.splits import KChange, Splits
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
-from lightning_gpuopt.oom_policy import OOMFailure, Proposal, Recovery, Source, Vote
+from lightning_gpuopt.microbatch.users import MicroBatchUser, Users
+from lightning_gpuopt.oom_policy import Source, Vote
 
 __all__ = [
     "CHECKPOINTING",
@@ -46,6 +47,7 @@ __all__ = [
     "KChange",
     "MicroBatchBackward",
     "MicroBatchEngine",
+    "MicroBatchUser",
     "WeightFn",
 ]
 
@@ -53,26 +55,28 @@ __all__ = [
 CHECKPOINTING = ActivationCheckpointing.name
 
 #: Counts what a micro-batch contributes to the batch's loss (samples, tokens, ...); normalised per batch.
-WeightFn = Callable[[Any], "int | float | Tensor"]
+WeightFn = Callable[[Any], "int | float | torch.Tensor"]
 
 _ENGINE_ATTR = "_gpuopt_microbatch_engine"
 
-
-@dataclass(frozen=True)
-class KChange:
-    """One change of k, as callbacks and the report see it.
-
-    ``stage`` is ``"train"`` for the training k, or the evaluation stage (``"validation"``, ``"test"``,
-    ``"predict"``) whose batches are split from now on.
-    """
-
-    step: int
-    k_before: int
-    k_after: int
-    batch_size: int
-    source: Source
-    reason: str
-    stage: str = "train"
+#: What the engine's former writable slots are now: the user method that answers, or the method that changes it.
+_NOW = {
+    "oom_handler": "MicroBatchUser.decide_oom",
+    "splittable": "MicroBatchUser.may_split",
+    "loss_weighting": "MicroBatchUser.weighting",
+    "sum_log_keys": "MicroBatchUser.log_keys_to_sum",
+    "next_proposal": "MicroBatchUser.next_proposal",
+    "max_micro_batch_size": "MicroBatchUser.micro_batch_cap",
+    "measure_split": "MicroBatchUser.measure_split",
+    "measure_refused": "MicroBatchUser.measure_refused",
+    "attempt_checks": "MicroBatchUser.check_attempt",
+    "listeners": "MicroBatchUser.k_changed",
+    "rung_listeners": "MicroBatchUser.rung_turned_on",
+    "backward_listeners": "MicroBatchUser.after_backward",
+    "compile_cause": "MicroBatchEngine.expect_recompile",
+    "k": "MicroBatchEngine.propose",
+    "eval_k": "MicroBatchEngine.restore_eval_k",
+}
 
 
 class EngineState(Callback):
@@ -120,58 +124,40 @@ class MicroBatchEngine:
     """Runs each training batch as k micro-batches; the only owner of k for one Trainer.
 
     Get it with :meth:`attach` (one engine per Trainer, shared by every callback of the pack) and give
-    it back with :meth:`release`; the patches are removed when the last user releases it.
+    it back with :meth:`release`; the patches are removed when the last user releases it. Its state is read
+    only from outside: a user answers the engine's questions (:class:`MicroBatchUser`), and proposes changes
+    through its methods (:meth:`propose`, :meth:`turn_on`, :meth:`expect_recompile`).
     """
 
     def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
-        self.k = 1
-        #: The largest micro-batch size allowed (MemoryAwareBatchSize's budget); ``None``: no cap.
-        self.max_micro_batch_size: int | None = None
-        #: ``handler(failure, smallest_failed_size, splittable) -> Recovery`` (or a k) for the retry, or
-        #: raises. ``None``: an OOM propagates unchanged.
-        self.oom_handler: Callable[[OOMFailure, int, bool], Recovery | int] | None = None
-        #: The recovery ladder past more micro-batches, in order (``rungs.py``): the OOM handler names the rung to
-        #: turn on in its :class:`Recovery`; every callback's rungs must be registered alike on every rank.
-        self.ladder = Ladder(trainer)
-        #: The :class:`~lightning_gpuopt.oom_policy.Proposal` a callback makes for the batch after the next vote (grow back,
-        #: thrashing); consumed by that vote. The ranks' proposals are agreed with :func:`agree`.
-        self.next_proposal: Proposal | None = None
-        #: How micro-batch losses are weighted (``loss_weighting.py``): ``"auto"`` checks the user's loss at
-        #: the first split; OOMRecovery replaces it with its own settings.
-        self.loss_weighting = LossWeighting(source="MicroBatchEngine")
-        #: Logged keys summed over micro-batches instead of averaged.
-        self.sum_log_keys: frozenset[str] = frozenset()
-        #: Whether the current batch may be split; a predicate on the batch.
-        self.splittable: Callable[[Any], bool] = lambda batch: True
-        #: Chunks per evaluation batch, per stage, after an OOM there.
-        self.eval_k: dict[str, int] = {}
-        #: ``check(batch_idx, loss) -> bool``, asked in order after every attempt that succeeded (``loss``: the
-        #: attempt's detached loss for the whole batch, gradients in place); ``True`` drops the attempt like a
-        #: failed one and runs the batch again, after the check changed what it runs under. Checks must answer
-        #: alike on every rank.
-        self.attempt_checks: list[Callable[[int, Tensor], bool]] = []
-        self.history: list[KChange] = []
-        #: ``listener(MicroBatchBackward)``, told after each micro-batch's backward in a training attempt (the
-        #: gradients of this batch so far in ``.grad``): GradientNoiseScale reads the first micro-batch's there.
-        self.backward_listeners: list[Callable[[MicroBatchBackward], None]] = []
-        #: ``ask(batch_idx) -> bool``: run this training batch, first of its accumulation window and due to run
-        #: whole (k = 1), as 2 micro-batches instead, for a measurement; k is unchanged. Only for steps whose
-        #: update a split leaves unchanged (the asker's to know); ``None``: never.
-        self.measure_split: Callable[[int], bool] | None = None
-        #: ``told(why)`` when the loss-weighting check refused such a split (the batch then ran whole, and
-        #: ``measure_split`` is reset to ``None``).
-        self.measure_refused: Callable[[str], None] | None = None
-        self.listeners: list[Callable[[KChange], None]] = []
-        #: The Trainer's optimizer-step hook (``step.py``), attached with the training step.
-        self.step_hook: OptimizerStepHook | None = None
-        self.exchange: LocalExchange | DDPExchange | FSDP2Exchange = LocalExchange()
+        self._trainer = trainer
+        #: How micro-batch losses are weighted while no user gives a weighting (``"auto"``: checked at the first split).
+        self._users = Users(LossWeighting(source="MicroBatchEngine"))
         #: What torch.compile means for the attempts (``compile_watch.py``).
-        self.compile_watch = CompileWatch()
-        self._loop = AttemptLoop(self)
-        self._users: set[int] = set()
+        self._compile_watch = CompileWatch()
+        users = self._users
+        self._splits = Splits(
+            trainer, self._compile_watch, users.may_split, users.micro_batch_cap, users.k_changed
+        )
+        #: The recovery ladder past more micro-batches, in order (``rungs.py``): the OOM decider names the rung to
+        #: turn on in its ``Recovery``; every callback's rungs must be registered alike on every rank.
+        self._ladder = Ladder(trainer)
+        self._ladder.listeners.append(self._users.rung_turned_on)
+        self._loop = AttemptLoop(trainer, self._users, self._splits, self._ladder, self._compile_watch)
+        #: The Trainer's optimizer-step hook (``step.py``), attached with the training step.
+        self._step_hook: OptimizerStepHook | None = None
         self._resumed: dict[str, Any] | None = None
         self._installed: set[str] = set()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_"):
+            raise AttributeError(_read_only(name))
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if not name.startswith("_"):
+            raise AttributeError(_read_only(name))
+        object.__delattr__(self, name)
 
     # ------------------------------------------------------------------ get it
 
@@ -179,8 +165,10 @@ class MicroBatchEngine:
     def attach(cls, trainer: pl.Trainer, user: object, training: bool = True) -> MicroBatchEngine:
         """The Trainer's engine, created and installed on first use; ``user`` holds it until :meth:`release`.
 
-        With ``training=False`` only the evaluation steps are wrapped (``validate``, ``test`` and
-        ``predict`` outside of ``fit``); ``fit`` wraps both.
+        A :class:`MicroBatchUser` answers the engine's questions from now on (its answers composed with the other
+        users', in the order they attached); one whose answers cannot compose with another's is refused here, in
+        one line naming both. With ``training=False`` only the evaluation steps are wrapped (``validate``,
+        ``test`` and ``predict`` outside of ``fit``); ``fit`` wraps both.
         """
         engine = getattr(trainer, _ENGINE_ATTR, None)
         if engine is None:
@@ -188,8 +176,8 @@ class MicroBatchEngine:
             setattr(trainer, _ENGINE_ATTR, engine)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             register_exit_grace()  # the pack's callbacks run collectives here (see register_exit_grace)
-        engine._users.add(id(user))
         try:
+            engine._users.add(user)
             engine._install(training)
         except BaseException:
             engine.release(user)
@@ -202,17 +190,60 @@ class MicroBatchEngine:
         return getattr(trainer, _ENGINE_ATTR, None)
 
     def release(self, user: object) -> None:
-        """Stop using the engine; the last user's release removes every patch."""
-        self._users.discard(id(user))
-        if not self._users:
-            holder = EngineState.of(self.trainer)
+        """Stop using the engine (``user`` is asked nothing more); the last user's release removes every patch."""
+        self._users.remove(user)
+        if not len(self._users):
+            holder = EngineState.of(self._trainer)
             if holder is not None:
                 holder._last = self.state_dict()  # what a checkpoint written after this fit holds
             self._uninstall()
-            if getattr(self.trainer, _ENGINE_ATTR, None) is self:
-                delattr(self.trainer, _ENGINE_ATTR)
+            if getattr(self._trainer, _ENGINE_ATTR, None) is self:
+                delattr(self._trainer, _ENGINE_ATTR)
 
     # ------------------------------------------------------------------ read it
+
+    @property
+    def trainer(self) -> pl.Trainer:
+        return self._trainer
+
+    @property
+    def users(self) -> tuple[object, ...]:
+        """The engine's users, in the order they attached (the order it asks them in)."""
+        return self._users.all
+
+    @property
+    def k(self) -> int:
+        """Micro-batches per training batch (before :meth:`effective_k`'s cap and the batch's samples)."""
+        return self._splits.k
+
+    @property
+    def eval_k(self) -> Mapping[str, int]:
+        """Chunks per evaluation batch, per stage, after an OOM there (a read-only view)."""
+        return MappingProxyType(self._splits.eval_k)
+
+    @property
+    def history(self) -> tuple[KChange, ...]:
+        """Every change of k in this fit, in order."""
+        return tuple(self._splits.history)
+
+    @property
+    def max_micro_batch_size(self) -> int | None:
+        """The largest micro-batch allowed (the smallest of the users' caps: MemoryAwareBatchSize's budget)."""
+        return self._users.micro_batch_cap()
+
+    @property
+    def loss_weighting(self) -> LossWeighting:
+        """How micro-batch losses are weighted (a user's, else the engine's own ``"auto"``)."""
+        return self._users.weighting
+
+    @property
+    def sum_log_keys(self) -> frozenset[str]:
+        """Logged keys summed over micro-batches instead of averaged (every user's)."""
+        return self._users.sum_log_keys
+
+    def splittable(self, batch: Any) -> bool:
+        """Whether ``batch`` may be split (every user allows it)."""
+        return self._users.may_split(batch)
 
     def installed(self, stage: str) -> bool:
         """Whether the engine wraps ``stage``'s steps now (``"train"``, ``"validation"``, ``"test"``, ``"predict"``)."""
@@ -225,54 +256,56 @@ class MicroBatchEngine:
     def effective_k(self, batch: Any) -> int:
         """The micro-batches ``batch`` runs as now: k, raised to keep micro-batches within
         :attr:`max_micro_batch_size`, at most one per sample, 1 for a batch that may not be split."""
-        return self._effective_k(batch_samples(batch), batch)
+        return self._splits.effective_k(batch_samples(batch), batch)
 
     def micro_batch_size(self, batch: Any) -> int:
         """Samples in the largest micro-batch of ``batch`` now."""
         n = batch_samples(batch)
-        return math.ceil(n / self._effective_k(n, batch))
+        return math.ceil(n / self._splits.effective_k(n, batch))
 
-    def _effective_k(self, n: int, batch: Any) -> int:
-        if not self.splittable(batch):
-            return 1
-        k = self.k
-        if self.max_micro_batch_size:
-            k = max(k, math.ceil(n / self.max_micro_batch_size))
-        return self.compile_watch.cap(n, max(1, min(k, n)), "train")
+    @property
+    def exchange(self) -> Exchange:
+        """How the ranks vote and reduce (``exchange.py``)."""
+        return self._loop.exchange
+
+    @property
+    def step_hook(self) -> OptimizerStepHook | None:
+        """The Trainer's optimizer-step hook (``step.py``), attached with the training step."""
+        return self._step_hook
 
     @property
     def world_size(self) -> int:
         """Ranks that vote on every batch (1 on a single device)."""
-        return self.exchange.world_size
+        return self._loop.exchange.world_size
 
     @property
     def compiled(self) -> bool:
         """Whether the module has compiled parts (``_compiled.py``): splits mark the batch dimension dynamic."""
-        return self.compile_watch.compiled
+        return self._compile_watch.compiled
 
     @property
     def recompiles(self) -> RecompileBudget:
         """The recompilations the pack caused in this fit (splits, precision switches)."""
-        return self.compile_watch.recompiles
+        return self._compile_watch.recompiles
 
     @property
-    def rungs(self) -> list[Rung]:
+    def compile_cause(self) -> str | None:
+        """Why the next training attempt may recompile besides a new micro-batch size (:meth:`expect_recompile`)."""
+        return self._compile_watch.cause("train")
+
+    @property
+    def rungs(self) -> tuple[Rung, ...]:
         """The recovery rungs past more micro-batches, in order."""
-        return self.ladder.rungs
+        return tuple(self._ladder.rungs)
 
     @property
-    def active_rungs(self) -> list[str]:
+    def active_rungs(self) -> tuple[str, ...]:
         """The names of the recovery rungs turned on in this run beyond more micro-batches (saved with k)."""
-        return self.ladder.active
-
-    @property
-    def rung_listeners(self) -> list[Callable[[Rung, str], None]]:
-        """``listener(rung, reason)``, told after a rung was turned on (by an OOM, or on resume)."""
-        return self.ladder.listeners
+        return tuple(self._ladder.active)
 
     def available_rungs(self) -> list[Rung]:
         """The rungs of the ladder still to try, in order: off, and not found unable to change anything."""
-        return self.ladder.available()
+        return self._ladder.available()
 
     def snapshot_bytes(self) -> int:
         """Device bytes the engine's own copies hold through a training step, for memory budgets.
@@ -280,7 +313,7 @@ class MicroBatchEngine:
         Before each batch the engine copies what a failed attempt must not change (BatchNorm statistics,
         torchmetrics tensor states); 0 until it is installed.
         """
-        return self._loop.side_effects.nbytes() if self._installed else 0
+        return self._loop.steps.side_effects.nbytes() if self._installed else 0
 
     # ------------------------------------------------------------------ change it
 
@@ -290,51 +323,29 @@ class MicroBatchEngine:
         Precedence: a proposal from ``"oom"`` raises k and always wins; any proposal that lowers k is
         capped so the micro-batch stays within :attr:`max_micro_batch_size` (when ``batch_size`` is known).
         """
-        positive_int("k", k, unit="micro-batches")
-        source = _as_source(source)  # a caller's own source stays
-        if k < self.k and source is not Source.OOM and self.max_micro_batch_size and batch_size:
-            k = max(k, math.ceil(batch_size / self.max_micro_batch_size))
-        if k != self.k:
-            change = KChange(self.trainer.global_step, self.k, k, batch_size or 0, source, reason)
-            self.k = k
-            self._notify(change)
-        return self.k
+        return self._splits.propose(k, source, reason, batch_size)
 
-    def set_eval_k(self, stage: str, k: int, reason: str, batch_size: int) -> None:
-        """Split ``stage``'s batches into ``k`` chunks from now on (the attempt loop's, after an agreed OOM)."""
-        change = KChange(
-            self.trainer.global_step, self.eval_k.get(stage, 1), k, batch_size, Source.OOM, reason, stage
-        )
-        self.eval_k[stage] = k
-        self._notify(change)
-
-    def _notify(self, change: KChange) -> None:
-        self.history.append(change)
-        for listener in self.listeners:
-            listener(change)
+    def restore_eval_k(self, eval_k: Mapping[str, int]) -> None:
+        """Take evaluation k's a callback restored from an older checkpoint, for stages that have none yet."""
+        self._splits.restore_eval_k(dict(eval_k))
 
     def add_rung(self, rung: Rung) -> None:
         """Add ``rung`` to the end of the recovery ladder (once per name); a rung restored on resume needs to be
         added before :meth:`resume`."""
-        self.ladder.add(rung)
+        self._ladder.add(rung)
 
     def turn_on(self, name: str, reason: str, state: dict[str, Any] | None = None) -> bool:
         """Turn the rung ``name`` on now, on this rank (the engine does it on every rank after an agreed OOM);
         returns whether anything changed."""
-        index = self.ladder.index(name)
+        index = self._ladder.index(name)
         if state:
-            self.rungs[index].load_state_dict(state)
-        return self.ladder.turn_on((index,), reason)
+            self._ladder.rungs[index].load_state_dict(state)
+        return self._ladder.turn_on((index,), reason)
 
-    @property
-    def compile_cause(self) -> str | None:
-        """Why the next training attempt may recompile besides a new micro-batch size (a precision switch sets
-        it); set, it holds for the next attempt of every stage (each stage's compiled frames recompile once)."""
-        return self.compile_watch.cause("train")
-
-    @compile_cause.setter
-    def compile_cause(self, cause: str | None) -> None:
-        self.compile_watch.set_cause(cause, ("train", *EVAL_STAGES))
+    def expect_recompile(self, cause: str) -> None:
+        """The next attempt of every stage may recompile because of ``cause`` (a precision switch says so), besides
+        a new micro-batch size (which the engine notes itself); each stage's compiled frames recompile once."""
+        self._compile_watch.set_cause(cause, ("train", *EVAL_STAGES))
 
     def leave_no_trace(self) -> contextlib.AbstractContextManager[None]:
         """Run extra forwards whose side effects are undone (the loss-weighting check uses it).
@@ -342,84 +353,85 @@ class MicroBatchEngine:
         Values logged with ``self.log`` inside are dropped, and torchmetrics states and BatchNorm
         statistics are restored on exit, with the same snapshot a failed attempt is undone with.
         """
-        return self._loop.leave_no_trace()
+        return self._loop.steps.leave_no_trace()
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         """The engine's decisions, plain values: k, the evaluation k per stage, the active rungs."""
         return {
-            "k": self.k,
-            "eval_k": [[stage, k] for stage, k in sorted(self.eval_k.items())],
-            "rungs": list(self.active_rungs),
-            "rung_state": {rung.name: rung.state_dict() for rung in self.rungs if rung.active},
+            "k": self._splits.k,
+            "eval_k": [[stage, k] for stage, k in sorted(self._splits.eval_k.items())],
+            "rungs": list(self._ladder.active),
+            "rung_state": {rung.name: rung.state_dict() for rung in self._ladder.rungs if rung.active},
         }
 
     def resume(self) -> dict[str, Any] | None:
         """Apply the state restored from a checkpoint, once; returns that state to every caller (``None``: none).
 
-        The callbacks call it once their listeners are in place, so that the change is announced like any
-        other; the rungs named in the state are turned on again (those added with :meth:`add_rung` by then).
+        The callbacks call it once they attached, so that the change is announced to the users like any other;
+        the rungs named in the state are turned on again (those added with :meth:`add_rung` by then).
         """
-        holder = EngineState.of(self.trainer)
+        holder = EngineState.of(self._trainer)
         state = holder.restored if holder is not None else None
         if state is None:
             return self._resumed
         holder.restored = None
         self._resumed = state
-        for stage, k in state.get("eval_k", []):
-            self.eval_k.setdefault(str(stage), int(k))
+        self._splits.restore_eval_k({str(stage): int(k) for stage, k in state.get("eval_k", [])})
         k = int(state.get("k", 1))
-        if k != self.k:
+        if k != self._splits.k:
             self.propose(k, Source.RESUME, "restored from checkpoint")
         for name in state.get("rungs", []):
-            if name in self.ladder.names() and not self.rungs[self.ladder.index(name)].active:
+            if name in self._ladder.names() and not self._ladder.rungs[self._ladder.index(name)].active:
                 self.turn_on(name, "restored from checkpoint", state.get("rung_state", {}).get(name))
         return state
 
     # ------------------------------------------------------------------ installation
 
     def _install(self, training: bool) -> None:
-        trainer, module = self.trainer, self.trainer.lightning_module
-        strategy = trainer.strategy
+        trainer, module = self._trainer, self._trainer.lightning_module
+        strategy, loop = trainer.strategy, self._loop
         if not self._installed:
-            self._loop.patch_evaluation(module)
-            self.compile_watch.compiled = is_compiled_anywhere(module)
+            loop.patch_evaluation(module)
+            self._compile_watch.compiled = is_compiled_anywhere(module)
             self._installed.add("eval")
             if isinstance(strategy, ModelParallelStrategy):  # evaluation all-gathers too: the ranks vote
                 check_strategy(strategy, module)
-                self.exchange = make_exchange(strategy)
+                loop.exchange = make_exchange(strategy)
         if training and "train" not in self._installed:
             check_supported(trainer, module)
-            if not isinstance(self.exchange, FSDP2Exchange):
-                self.exchange = make_exchange(strategy)
-            self._loop.patch_training(strategy.model if isinstance(self.exchange, DDPExchange) else None)
-            self.step_hook = OptimizerStepHook.attach(trainer, self)
-            self.step_hook.recovery = self._step_recovery
+            if not isinstance(loop.exchange, FSDP2Exchange):
+                loop.exchange = make_exchange(strategy)
+            loop.patch_training(strategy.model if isinstance(loop.exchange, DDPExchange) else None)
+            self._step_hook = OptimizerStepHook.attach(trainer, self)
+            self._step_hook.recovery = self._step_recovery
             self._installed.add("train")
 
     def _uninstall(self) -> None:
         if not self._installed:
             return
-        self.ladder.turn_off()
+        self._ladder.turn_off()
         if "train" in self._installed:
-            if self.step_hook.recovery == self._step_recovery:
-                self.step_hook.recovery = None
-            self.step_hook.release(self)
-        if isinstance(self.exchange, FSDP2Exchange):
-            self.exchange.uninstall()
+            if self._step_hook.recovery == self._step_recovery:
+                self._step_hook.recovery = None
+            self._step_hook.release(self)
+        if isinstance(self._loop.exchange, FSDP2Exchange):
+            self._loop.exchange.uninstall()
         self._loop.unpatch()
-        self.exchange = LocalExchange()
+        self._loop.exchange = LocalExchange()
         self._installed = set()
 
     def _step_recovery(self) -> Callable[[int, int], list[Vote]] | None:
-        """How the optimizer step's OOM recovery votes; ``None`` while no OOM handler is set."""
-        return self.exchange.vote if self.oom_handler is not None else None
+        """How the optimizer step's OOM recovery votes; ``None`` while no user decides on OOMs."""
+        return self._loop.exchange.vote if self._users.decide_oom is not None else None
 
 
-def _as_source(source: Source | str) -> Source | str:
-    """``source`` as a :class:`Source` when it names one; a caller's own source as it is."""
-    try:
-        return Source(source)
-    except ValueError:
-        return source
+def _read_only(name: str) -> str:
+    """Why ``MicroBatchEngine.<name>`` cannot be set, and what to do instead."""
+    instead = _NOW.get(name)
+    how = f"use {instead}" if instead else "attach a MicroBatchUser that answers the engine's question"
+    return (
+        f"MicroBatchEngine.{name} cannot be set from outside: the engine asks its users "
+        f"(MicroBatchEngine.attach(trainer, user)) and changes its own state; {how}."
+    )

@@ -43,8 +43,9 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
@@ -71,15 +72,27 @@ from lightning_gpuopt.microbatch.loss_weighting_rules import (
 )
 from lightning_gpuopt.microbatch.replay import HostRandom, PartRun, RandomDraws
 
-if TYPE_CHECKING:
-    from lightning_gpuopt.microbatch.engine import MicroBatchEngine
-
-__all__ = ["LossReduction", "LossWeighting", "OnMismatch", "quiet_forward"]
+__all__ = ["CheckSite", "LossReduction", "LossWeighting", "OnMismatch", "quiet_forward"]
 
 #: What ``OOMRecovery(loss_reduction=...)`` accepts.
 LossReduction = Literal["auto", "mean", "tokens", "sum"]
 #: What ``OOMRecovery(on_mismatch=...)`` accepts.
 OnMismatch = Literal["raise", "warn"]
+
+
+@dataclass(frozen=True)
+class CheckSite:
+    """What the loss-weighting check runs with: the few things of the engine it uses, not the engine.
+
+    Attributes:
+        trainer: the Trainer (its module, precision, rank; the decisions are recorded on it).
+        leave_no_trace: runs extra forwards whose side effects are undone (the engine's).
+        votes_inside_step: the ranks vote before each collective (FSDP2): an OOM in the check is the attempt's.
+    """
+
+    trainer: pl.Trainer
+    leave_no_trace: Callable[[], contextlib.AbstractContextManager[None]]
+    votes_inside_step: bool = False
 
 
 @contextlib.contextmanager
@@ -96,7 +109,7 @@ def _eager() -> Any:
 def quiet_forward(module: torch.nn.Module, no_trace: contextlib.AbstractContextManager) -> Any:
     """Run forwards that leave no trace: no gradients, dropout off, BatchNorm on running statistics.
 
-    ``no_trace`` is the engine's :meth:`~lightning_gpuopt.microbatch.MicroBatchEngine.leave_no_trace`
+    ``no_trace`` is :attr:`CheckSite.leave_no_trace`'s
     (``self.log`` captured and dropped, torchmetrics and BatchNorm states restored). torch's RNG is forked
     (CPU and the module's CUDA devices), Python's and NumPy's global states are put back on exit, and
     ``torch.compile`` runs eagerly. Warnings the step gives there are not shown: they would be the check's
@@ -255,10 +268,15 @@ class LossWeighting:
 
     # ------------------------------------------------------------------ what the engine asks
 
+    @property
+    def settings(self) -> tuple[Any, ...]:
+        """What the weighting was given (two weightings with the same settings decide alike)."""
+        return (self.mode, self.weight_fn, self.token_key, self.ignore_index, self.on_mismatch, self.check)
+
     def weights(
         self,
-        engine: MicroBatchEngine,
         chunks: list[Any],
+        site: CheckSite,
         run_piece: Callable[[Any], Any] | None = None,
         batch: Any = None,
     ) -> list[float]:
@@ -277,11 +295,11 @@ class LossWeighting:
                 source = first_rank_where(not _weigh_alike(self._alike, chunks))
                 if source is None:
                     return self._alike[0].weights(chunks)
-            self._decide(engine, chunks, run_piece, batch, source)
-        return (self.decided or (self._alike or [None])[0] or self._fallback(engine)).weights(chunks)
+            self._decide(site, chunks, run_piece, batch, source)
+        return (self.decided or (self._alike or [None])[0] or self._fallback(site.trainer)).weights(chunks)
 
-    def _fallback(self, engine: MicroBatchEngine) -> Candidate:
-        head = hf_head(engine.trainer.lightning_module)
+    def _fallback(self, trainer: pl.Trainer) -> Candidate:
+        head = hf_head(trainer.lightning_module)
         if head is not None and head is not HFHead.SEQUENCE_CLASSIFICATION:
             kind = HEAD_WEIGHTING[head]
             where = f"{self.token_key} != {self.ignore_index}"
@@ -291,13 +309,13 @@ class LossWeighting:
 
     def _decide(
         self,
-        engine: MicroBatchEngine,
+        site: CheckSite,
         chunks: list[Any],
         run_piece: Callable[[Any], Any],
         batch: Any,
         source_rank: int = 0,
     ) -> None:
-        trainer = engine.trainer
+        trainer = site.trainer
         module = trainer.lightning_module
         head = hf_head(module)
         source = batch if batch is not None else chunks[0]
@@ -317,10 +335,10 @@ class LossWeighting:
             out_of_memory: str | None = None
             free_memory(generation=1)  # the young cycles earlier steps left (the last OOM freed the rest)
             try:
-                with quiet_forward(module, engine.leave_no_trace()):
+                with quiet_forward(module, site.leave_no_trace()):
                     measured = _measure(run_piece, piece, m, bounds, parts)
             except Exception as err:
-                if not is_oom_error(err) or engine.exchange.votes_inside_step:
+                if not is_oom_error(err) or site.votes_inside_step:
                     raise  # FSDP2: an OOM here is the attempt's, voted on like any other (the check runs again)
                 # Every rank still reaches the broadcast below; rank 0's outcome is every rank's.
                 out_of_memory = _first_line(err)
@@ -334,7 +352,7 @@ class LossWeighting:
             elif not math.isfinite(measured.piece):
                 reason = "your loss was not finite on the checked samples"
                 result = CheckResult(
-                    self.decided or self._fallback(engine), {}, tol, checked=False, reason=reason
+                    self.decided or self._fallback(trainer), {}, tol, checked=False, reason=reason
                 )
             elif not all(math.isfinite(v) for v in measured.parts):
                 # A mean or sum over samples is finite on each sample where it is finite on both: this loss
@@ -345,9 +363,9 @@ class LossWeighting:
         else:
             reason = "the batch has no two samples to check on"
             result = CheckResult(
-                self.decided or self._fallback(engine), {}, 0.0, checked=False, reason=reason
+                self.decided or self._fallback(trainer), {}, 0.0, checked=False, reason=reason
             )
-        pool = [*options, *(c for c in (self.decided, self._fallback(engine)) if c is not None)]
+        pool = [*options, *(c for c in (self.decided, self._fallback(trainer)) if c is not None)]
         result = _from_rank(result, pool, source_rank)
         if result.alike and self.decided is None and len(result.alike) > 1:
             alike = [next(c for c in pool if c.description == d) for d in result.alike]
@@ -356,7 +374,7 @@ class LossWeighting:
                 self._alike = alike  # exact on this batch whichever it is: decide where samples differ
                 return
             if differs != source_rank:  # another rank's samples can tell them apart: its check decides
-                self._decide(engine, chunks, run_piece, batch, differs)
+                self._decide(site, chunks, run_piece, batch, differs)
                 return
         if result.out_of_memory is not None:
             if (
@@ -372,36 +390,36 @@ class LossWeighting:
             return  # the step skipped the piece (on rank 0): decide at the next split
         self.result = result
         self._checked = True
-        self._take(engine, result)
+        self._take(trainer, result)
 
-    def unchecked(self, engine: MicroBatchEngine, where: str, announce: bool = True) -> None:
+    def unchecked(self, trainer: pl.Trainer, where: str, announce: bool = True) -> None:
         """The check cannot run (out of memory ``where``, with no larger k left): split with the fallback, said
         once in one line (``announce=False``: by :meth:`announce_unchecked`, once a batch ran with it). The check
         runs again after a resume."""
-        fallback = self._fallback(engine)
-        tol = tolerance(getattr(engine.trainer, "precision", None))
+        fallback = self._fallback(trainer)
+        tol = tolerance(getattr(trainer, "precision", None))
         reason = f"the check ran out of memory on 2 samples {where}"
         self.result = CheckResult(fallback, {}, tol, checked=False, reason=reason)
         self.decided, self._checked, self._unchecked = fallback, True, True
         self._unannounced = not announce
         if announce:
-            self._announce(engine, fallback, self.result)
+            self._announce(trainer, fallback, self.result)
 
-    def announce_unchecked(self, engine: MicroBatchEngine) -> None:
+    def announce_unchecked(self, trainer: pl.Trainer) -> None:
         """Say the unchecked fallback :meth:`unchecked` kept quiet, now that a batch ran with it (a run that ends
         in an OOM anyway ends with that error alone)."""
         if self._unannounced and self.decided is not None and self.result is not None:
             self._unannounced = False
-            self._announce(engine, self.decided, self.result)
+            self._announce(trainer, self.decided, self.result)
 
-    def _take(self, engine: MicroBatchEngine, result: CheckResult) -> None:
+    def _take(self, trainer: pl.Trainer, result: CheckResult) -> None:
         """Use what the check decided; a given weighting stays, flagged when it does not reproduce the loss."""
         given = self.decided
         if given is not None:  # explicit: used as given, flagged when it does not reproduce the loss
             error = result.errors.get(given.description)
             if result.checked and (error is None or error > result.tolerance):
-                self._mismatch(engine, result, given)
-            self._announce(engine, given, result, explicit=True)
+                self._mismatch(result, given)
+            self._announce(trainer, given, result, explicit=True)
             return
         if (
             result.refusal is not None
@@ -410,11 +428,11 @@ class LossWeighting:
             self.decided = Candidate(Weighting.SAMPLES, "sample shares")  # only reached with "warn"
             return
         if result.chosen is None:
-            self._mismatch(engine, result, None)
+            self._mismatch(result, None)
             self.decided = Candidate(Weighting.SAMPLES, "sample shares")  # only reached with "warn"
             return
         self.decided = result.chosen
-        if (result.tied or len(result.alike) > 1) and hf_head(engine.trainer.lightning_module) is None:
+        if (result.tied or len(result.alike) > 1) and hf_head(trainer.lightning_module) is None:
             tied = [d for d, e in result.errors.items() if e <= result.tolerance]
             why = "they count them alike" if result.alike else "their losses are too close to tell them apart"
             warn(
@@ -422,10 +440,10 @@ class LossWeighting:
                 f"keeping {result.chosen.description}. Pass `loss_reduction=` or `weight_fn=` to OOMRecovery to "
                 "choose."
             )
-        self._announce(engine, result.chosen, result)
+        self._announce(trainer, result.chosen, result)
 
     def _announce(
-        self, engine: MicroBatchEngine, chosen: Candidate, result: CheckResult, explicit: bool = False
+        self, trainer: pl.Trainer, chosen: Candidate, result: CheckResult, explicit: bool = False
     ) -> None:
         if result.reason is not None:
             how = f"not checked: {result.reason}"
@@ -433,7 +451,7 @@ class LossWeighting:
             how = f"matches your loss to {result.errors.get(chosen.description, math.nan):.1g}"
             if result.replayed:
                 how += " (with the step's random draws replayed on the parts)"
-        head = hf_head(engine.trainer.lightning_module)
+        head = hf_head(trainer.lightning_module)
         if result.tied and head is not None and not explicit:
             how += f" (a tie, decided by the Hugging Face {head.value} head)"
         message = f"loss weighting: {chosen.description}{' (given)' if explicit else ''} — {how}"
@@ -444,7 +462,7 @@ class LossWeighting:
                 "your training. " + _ASK_FOR_REDUCTION
             )
         record_decision(
-            engine.trainer,
+            trainer,
             "loss weighting",
             self.source,
             message,
@@ -455,14 +473,12 @@ class LossWeighting:
             checked=result.checked,
         )
         if unchecked:
-            if getattr(
-                engine.trainer, "is_global_zero", True
-            ):  # every rank holds rank 0's decision: one line
+            if getattr(trainer, "is_global_zero", True):  # every rank holds rank 0's decision: one line
                 warn(message)
         elif self.verbose:
             rank_zero_info(message)
 
-    def _mismatch(self, engine: MicroBatchEngine, result: CheckResult, given: Candidate | None) -> None:
+    def _mismatch(self, result: CheckResult, given: Candidate | None) -> None:
         measured = ", ".join(f"{d}: {e:.2g}" for d, e in result.errors.items())
         better = ""
         if given is not None and result.chosen is not None and result.chosen != given:

@@ -57,8 +57,7 @@ class OptimizerStepHook:
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
-        #: Asked before each step, in order (see :data:`StepGuard`).
-        self.guards: list[StepGuard] = []
+        self._guards: tuple[StepGuard, ...] = ()
         #: ``() -> vote`` for OOM recovery inside the step: ``None`` lets an OOM there propagate unchanged. The
         #: engine sets it when OOMRecovery is attached; ``vote(status, k)`` returns every rank's vote.
         self.recovery: Callable[[], Callable[[int, int], list[Vote]] | None] | None = None
@@ -67,6 +66,19 @@ class OptimizerStepHook:
         self._users: set[int] = set()
         self._wrapped: list[tuple[torch.optim.Optimizer, bool, Any]] = []
         self._strategy_step: Any = None
+
+    @property
+    def guards(self) -> tuple[StepGuard, ...]:
+        """Asked before each step, in the order they were added (see :data:`StepGuard`)."""
+        return self._guards
+
+    def add_guard(self, guard: StepGuard) -> None:
+        """Ask ``guard`` before each step, after the guards added before it (once)."""
+        if guard not in self._guards:
+            self._guards = (*self._guards, guard)
+
+    def remove_guard(self, guard: StepGuard) -> None:
+        self._guards = tuple(g for g in self._guards if g != guard)
 
     # ------------------------------------------------------------------ attach and release
 
@@ -176,7 +188,7 @@ class OptimizerStepHook:
         if closure is not None:  # run it here, so the step can still be held back after seeing the gradients
             with torch.enable_grad():
                 loss = closure()
-        for guard in list(self.guards):
+        for guard in self._guards:
             if guard(optimizer, loss):
                 return loss
         if self.recovery is None or self.recovery() is None:

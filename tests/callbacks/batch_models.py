@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpuopt import GPUOptDataModule
 from lightning_gpuopt.memory import get_probe
-from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch import MicroBatchEngine, MicroBatchUser
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.oom_models import Run, StepPeaks
 from tests.helpers import TRAINER_QUIET
@@ -188,7 +188,7 @@ def fit(
     return Run(model, trainer, memory, callbacks)
 
 
-class ChunkProbe(pl.Callback):
+class ChunkProbe(MicroBatchUser, pl.Callback):
     """Steady-state peak of real training steps whose micro-batches hold ``size`` samples, for sizes chosen on the fly.
 
     Step 0 creates the optimizer state (not steady); every later step runs at ``next_size(peaks)``
@@ -200,6 +200,10 @@ class ChunkProbe(pl.Callback):
         self.next_size = next_size
         self.peaks: dict[int, int] = {}
         self.size: int | None = None
+        self.cap: int | None = None
+
+    def micro_batch_cap(self) -> int | None:
+        return self.cap
 
     def on_fit_start(self, trainer, pl_module):
         self.engine = MicroBatchEngine.attach(trainer, self)
@@ -211,8 +215,7 @@ class ChunkProbe(pl.Callback):
         if self.size is None:
             trainer.should_stop = True
             self.size = n
-        pl_module.chunk = min(self.size, n)
-        self.engine.max_micro_batch_size = pl_module.chunk
+        pl_module.chunk = self.cap = min(self.size, n)
         self.engine.propose(math.ceil(n / pl_module.chunk), "test", "probe", batch_size=n)
         get_probe().reset_peak()
 

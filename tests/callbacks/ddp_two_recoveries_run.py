@@ -30,6 +30,20 @@ STEPS = 6
 BATCH = 128
 
 
+class RecordingRecovery(OOMRecovery):
+    """OOMRecovery that records what it decides after each failure: (step, failed k, proposed k)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.proposals: list[tuple[int, int, int | None]] = []
+
+    def decide_oom(self, failure, smallest_failed, splittable):
+        recovery = super().decide_oom(failure, smallest_failed, splittable)
+        k = recovery.k if isinstance(recovery, Recovery) else recovery
+        self.proposals.append((failure.step, failure.k, k))
+        return recovery
+
+
 class TwoLimits(RankRecorder):
     """Rank r's limit becomes ``fractions[r]`` × its own largest step peak at step ``LIMIT_AFTER``."""
 
@@ -39,21 +53,8 @@ class TwoLimits(RankRecorder):
         super().__init__(out_dir)
         self.fractions = fractions
         self.peaks: list[int] = []
-        self.proposals: list[tuple[int, int, int | None]] = []  # (step, failed k, proposed k)
         self.batches: list[tuple[int, int]] = []
         self.ids: list[list[int]] = []  # the samples of each batch (Lightning's distributed sampler shuffles)
-
-    def on_train_start(self, trainer, pl_module):
-        engine = MicroBatchEngine.get(trainer)
-        handler = engine.oom_handler
-
-        def recording(failure, smallest_failed, splittable):
-            recovery = handler(failure, smallest_failed, splittable)
-            k = recovery.k if isinstance(recovery, Recovery) else recovery
-            self.proposals.append((failure.step, failure.k, k))
-            return recovery
-
-        engine.oom_handler = recording
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.mem.reset_peak()
@@ -71,7 +72,7 @@ class TwoLimits(RankRecorder):
         return {
             "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
             "history": [(c.step, c.k_before, c.k_after, c.source) for c in engine.history] if engine else [],
-            "proposals": self.proposals,
+            "proposals": next(c for c in trainer.callbacks if isinstance(c, RecordingRecovery)).proposals,
             "batches": self.batches,
             "steps": trainer.global_step,
             "ids": self.ids,
@@ -87,7 +88,7 @@ def main(out: Path, fractions: tuple[float, float]) -> None:
         devices=2,
         max_steps=STEPS,
         precision="64-true",
-        callbacks=[TwoLimits(str(out), fractions), OOMRecovery(verbose=False)],
+        callbacks=[TwoLimits(str(out), fractions), RecordingRecovery(verbose=False)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

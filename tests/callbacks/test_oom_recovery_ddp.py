@@ -245,7 +245,8 @@ class RemoteOOM(pl.Callback):
                     return [Vote(status, k), Vote(STATUS_OOM, 4)]
                 return [Vote(status, k), Vote(0, k)]
 
-        MicroBatchEngine.get(trainer).exchange = TwoRanks()
+        # The engine's own exchange (a LocalExchange on one device) hears a second rank's votes from now on.
+        MicroBatchEngine.get(trainer).exchange.__class__ = TwoRanks
 
 
 class EpochLogged(WideRegressor):

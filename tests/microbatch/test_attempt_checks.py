@@ -1,4 +1,5 @@
-"""The micro-batch engine's ``attempt_checks``: a kept attempt can be sent back, and leaves no trace."""
+"""The micro-batch engine's attempt checks (``MicroBatchUser.check_attempt``): a kept attempt can be sent back, and
+leaves no trace."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpuopt.microbatch import MicroBatchEngine
+from lightning_gpuopt.microbatch import MicroBatchEngine, MicroBatchUser
 from tests.helpers import TRAINER_QUIET
 
 
@@ -51,7 +52,7 @@ class Switchable(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-class Engine(pl.Callback):
+class Engine(MicroBatchUser, pl.Callback):
     """Attaches the engine with one attempt check; ``flip_at``: the batch whose first attempt is sent back."""
 
     def __init__(self, flip_at: int | None = None, always: bool = False) -> None:
@@ -61,9 +62,8 @@ class Engine(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         self.engine = MicroBatchEngine.attach(trainer, self)
-        self.engine.attempt_checks.append(self.check)
 
-    def check(self, batch_idx: int, loss: torch.Tensor) -> bool:
+    def check_attempt(self, batch_idx: int, loss: torch.Tensor) -> bool:
         self.asked.append(batch_idx)
         module = self.engine.trainer.lightning_module
         if self.always or (batch_idx == self.flip_at and module.mode == 1.0):
