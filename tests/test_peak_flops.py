@@ -143,3 +143,32 @@ def test_on_a_known_gpu_the_report_has_an_mfu(tmp_path):
     pl.Trainer(max_steps=4, callbacks=[report], **trainer_args).fit(BoringModel())
     assert report.report["run"]["peak_flops"] == device_peak_flops(name, "bf16-mixed")
     assert any(s["mfu"] for s in report.report["steps"])
+
+
+def test_the_table_is_kept_while_lightnings_misses_or_misreads_boards(monkeypatch):
+    """Why the pack keeps its own table (docs/architecture.md, "Automation and what it pays"): for bf16 Lightning's
+    `get_available_flops` has no figure for 3 of the table's boards and a wrong one for 3 more. When this test
+    fails, Lightning caught up: use its table and drop ours."""
+    import warnings
+
+    from lightning.fabric.utilities import throughput
+
+    current = [""]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: current[0])
+    differs = {}
+    for name in DATASHEET:
+        current[0] = name
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning warns where it has no figure
+            theirs = throughput.get_available_flops(torch.device("cuda", 0), torch.bfloat16)
+        ours = peak_flops_of(name).bf16
+        if theirs is None or abs(theirs / ours - 1) > 0.01:
+            differs[name] = None if theirs is None else round(theirs / ours, 2)
+    assert differs == {
+        "NVIDIA H200": None,
+        "NVIDIA H200 NVL": None,
+        "NVIDIA B200": None,
+        "NVIDIA H100 NVL": 2.37,  # the sparse figure
+        "NVIDIA L40S": 0.33,  # the L4's
+        "NVIDIA GeForce RTX 4090": 0.5,
+    }
