@@ -208,9 +208,9 @@ def main() -> int:
     )
     print_table(table)
     print(f"\nstart-up CPU s (pack, plain): { {n: round(c, 2) for n, (_, c) in start.items()} }")
-    print(f"search: micro-batch {search.micro_batch_size}, {search.trials} trials; {search.prediction_note}")
+    print(f"search: micro-batch {search.micro_batch_size}, {search.trials} trials")
     env = common.environment(job="full" if args.full else "short", repeats=args.repeats, workers=WORKERS)
-    extra = {"search": {"trials": search.trials, "path": search.prediction_note}, "start_cpu": start}
+    extra = {"search": {"trials": search.trials}, "start_cpu": start}
     result = {"environment": env, "costs": costs, "times": times, **extra}
     common.write_json(args.out, "overheads.json", result, started)
     return 0 if all(c["met"] or c["reason"] for c in costs) else 1

@@ -35,14 +35,6 @@ def _own_main_port(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
 
 
-@pytest.fixture(autouse=True)
-def _no_kept_traces() -> None:
-    # MemoryAwareBatchSize keeps traces for the process: each test starts cold, as a fresh process would.
-    from lightning_gpuopt.batch_size.trace import forget_traces
-
-    forget_traces()
-
-
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test: ResNet steps stay fast when the CI machine's cores are busy (OpenMP

@@ -2,8 +2,7 @@
 
 Every line of a run is collected (log records, warnings, what is printed: the report's table included): a
 `gpuopt fit` with its default callbacks, and a fit with every callback of the pack through the Python API,
-under SimulatedMemory, with the batch-size search on both of its paths and an OOM that makes OOMRecovery split
-the batch. No line may hold one of the pack's internal words (how the search predicts, the engine's parts) or a
+under SimulatedMemory, with the batch-size search and an OOM that makes OOMRecovery split the batch. No line may hold one of the pack's internal words (how the search predicts, the engine's parts) or a
 private name (an identifier that starts with ``_``).
 """
 
@@ -25,7 +24,6 @@ from lightning_gpuopt import (
     OOMRecovery,
     PrecisionSwitch,
 )
-from lightning_gpuopt.batch_size.trace import forget_traces
 from lightning_gpuopt.cli import main
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.testing import SimulatedMemory
@@ -82,7 +80,6 @@ class Lines:
         self.caught: list[warnings.WarningMessage] = []
 
     def run(self, fit) -> None:
-        forget_traces()  # a fresh process's search: no prediction kept from another test
         with self.caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fit()
@@ -150,12 +147,11 @@ class LowerTheLimit(pl.Callback):
             probe.limit_bytes = self.start + int(0.75 * (probe.peak_bytes - self.start))
 
 
-@pytest.mark.parametrize("predict", [None, True], ids=["auto", "predicted"])
-def test_the_lines_of_a_fit_with_every_callback_and_an_oom(tmp_path, caplog, capsys, predict):
+def test_the_lines_of_a_fit_with_every_callback_and_an_oom(tmp_path, caplog, capsys):
     lines = Lines(caplog, capsys)
     callbacks = [
         PrecisionSwitch(),
-        MemoryAwareBatchSize(predict=predict),
+        MemoryAwareBatchSize(),
         OOMRecovery(),
         DataStallMonitor(),
         GradientNoiseScale(),

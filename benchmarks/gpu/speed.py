@@ -245,12 +245,12 @@ def overhead_section(sizes: dict[str, Any]) -> dict[str, Any]:
         f"min..max {percent['min']:+.1f}..{percent['max']:+.1f} %)"
     )
     met = percent["median"] <= sizes["target_percent"] if device.current().kind == "cuda" else None
-    finder = MemoryAwareBatchSize(verbose=False)  # the default search: which start it took here, and its time
+    finder = MemoryAwareBatchSize(verbose=False)  # the default search: its time and its trial steps here
     gpt_fit(sizes, 1, [finder], steps, precision=precision)
-    search = {"seconds": finder.search_seconds, "trials": finder.trials, "path": finder.prediction_note}
+    search = {"seconds": finder.search_seconds, "trials": finder.trials}
     details = {"batch_size_search": search, "seconds_per_step": {k: spread(v) for k, v in per_fit.items()}}
     details.update(overhead_percent=percent, model={k: sizes[k] for k in MODEL_KEYS})
-    what = f"MemoryAwareBatchSize() search wall time, {search['path'].split(',')[0]}"
+    what = f"MemoryAwareBatchSize() search wall time, {search['trials']} trial steps"
     figures = [figure(name, percent["median"], "%", f"<= {sizes['target_percent']} %", met)]
     return {"figures": [*figures, figure(what, search["seconds"], "s")], "details": details}
 

@@ -3,8 +3,7 @@
 :class:`SizeSearch` picks which sizes to measure (at most four real steps), fits
 :class:`~lightning_gpuopt.batch_size.peak_model.PeakModel` to what they used, and answers the largest
 size whose *measured* step stays within the budget.
-:class:`~lightning_gpuopt.batch_size.predicted.PredictedSearch` is the same search started from a
-prediction. :func:`run_trials` drives either with a source of trial steps (:class:`Trials`: the real
+:func:`run_trials` drives it with a source of trial steps (:class:`Trials`: the real
 :class:`~lightning_gpuopt.batch_size.trial.TrialSteps`, or a test's stand-in).
 
 Pure Python: no torch, no Lightning, no device; the trial steps measure and these functions decide.

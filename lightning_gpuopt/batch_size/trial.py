@@ -41,11 +41,14 @@ from torch import Tensor
 from lightning_gpuopt._compat import local_shard
 from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, mark_batch_dynamic
 from lightning_gpuopt.batch_size.peak_model import StepMeasurement
-from lightning_gpuopt.memory import MemoryProbe, free_memory, is_oom_error
+from lightning_gpuopt.memory import MemoryProbe, forensics, free_memory, is_oom_error
 from lightning_gpuopt.microbatch.exchange import FSDP2Exchange, PeerFailure
 from lightning_gpuopt.oom_policy import Status
 
-__all__ = ["NoLossInTrial", "TrainingState", "TrialSteps", "local_bytes"]
+__all__ = ["TRIAL_OOM_ACTION", "NoLossInTrial", "TrainingState", "TrialSteps", "local_bytes"]
+
+#: What the search did about a trial step that ran out of memory (the OOM record's action).
+TRIAL_OOM_ACTION = "MemoryAwareBatchSize's search counted this size as too big and went on below it"
 
 
 class NoLossInTrial(RuntimeError):
@@ -335,7 +338,7 @@ class TrialSteps:
             self._state.restore()
             self._state = None
         # The trials' own cycles are young (a trial that ran out of memory collected in full already): a
-        # full collection here cost 0.17 s of a 0.28 s search in a process with a large heap.
+        # full collection here can cost more than the search itself in a process with a large heap.
         free_memory(generation=1)
 
     def _step_kwargs(self, batch: Any) -> dict[str, Any]:
@@ -376,6 +379,7 @@ class TrialSteps:
         failed = False
         error: BaseException | None = None
         peer_votes = None
+        phase = "forward"
         try:
             with torch.enable_grad():
                 with self.precision.train_step_context():
@@ -386,9 +390,11 @@ class TrialSteps:
                         "MemoryAwareBatchSize: training_step returned no loss for a trial step (None or a dict without "
                         "'loss'), so the step's memory cannot be measured"
                     )
+                phase = "backward"
                 type(module).backward(module, loss)
             forward_backward = probe.peak - start
             probe.reset_peak()
+            phase = "optimizer step"
             self.optimizer.step()
             step_peak = probe.peak
         except PeerFailure as err:
@@ -402,6 +408,7 @@ class TrialSteps:
             else:
                 failed = True
                 self.last_error = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                forensics.failure_caught(err, stage="trial", phase=phase, step=self.trainer.global_step)
         out = loss = None  # outside the except block: the traceback no longer pins the step's tensors
         if self.compiled:
             self.frames_compiled += compiled_frames() - frames
@@ -409,6 +416,7 @@ class TrialSteps:
             return None
         if failed:
             free_memory()
+            forensics.action_taken(TRIAL_OOM_ACTION)
             return StepMeasurement(size, None, None)
         held = probe.allocated
         self.held_bytes = held - batch_bytes

@@ -4,15 +4,16 @@ It is the process's OOM listener (:mod:`lightning_gpuopt.memory.forensics`) whil
 build a record:
 
 1. the allocator's observer, inside the failing allocation (CUDA's, or SimulatedMemory's): the memory
-   by category then, the stage and phase from the stack's code, and on CUDA the fragmentation, the
-   memory outside the allocator and the snapshot pickle;
-2. the micro-batch engine, inside its ``except`` block: the stage, the phase, what the attempt ran and the
-   memory in use when it began, which splits the bytes into those held before the step and those it
-   allocated (when no observer spoke, e.g. a CPU without SimulatedMemory, the memory is read here instead);
-3. the engine again, once the ranks agreed: what the pack did (``action``).
+   by category then, the phase from the stack's code, and on CUDA the fragmentation, the memory outside
+   the allocator and the snapshot pickle;
+2. whoever caught it, inside its ``except`` block (the micro-batch engine, or a trial step of
+   MemoryAwareBatchSize's search): the stage, the phase, what the attempt ran and (the engine) the memory
+   in use when it began, which splits the bytes into those held before the step and those it allocated
+   (when no observer spoke, e.g. a CPU without SimulatedMemory, the memory is read here instead);
+3. the catcher again, once it decided (the engine: once the ranks agreed): what the pack did (``action``).
 
-An OOM that no engine call claims (a step of MemoryAwareBatchSize's search, an OOM caught by user code)
-keeps the stage the stack gave it. The modules that own the activations are measured at the next
+An OOM that no catcher claims (one caught by user code) is of stage ``"other"``, its phase from the stack.
+The modules that own the activations are measured at the next
 training batch after an OOM (:class:`~lightning_gpuopt.memory.forensics.ActivationOwners`, entered for
 that one batch).
 """
@@ -37,11 +38,8 @@ __all__ = ["NOT_MEASURED", "OOMLog", "memory_limit", "state_tensors"]
 #: ``modules["how"]`` of a record whose owners are still to be measured.
 NOT_MEASURED = "not measured yet"
 
-#: What the pack did about an OOM no engine call claimed, by stage.
-_UNCLAIMED = {
-    "trial": "MemoryAwareBatchSize's search counted this size as too big and went on below it",
-    "other": "caught outside the pack's recovery",
-}
+#: What the pack did about an OOM that no catcher claimed.
+_UNCLAIMED = "caught outside the pack's recovery"
 
 
 def memory_limit(probe: Any) -> int | None:
@@ -110,7 +108,7 @@ class OOMLog:
             event.allocated_bytes,
             event.reserved_bytes,
             event.limit_bytes if event.limit_bytes is not None else memory_limit(probe),
-            event.frames,
+            forensics.phase_of_frames(event.frames),
         )
         if probe.kind == "cuda":
             self._cuda_figures(record, dump=True)
@@ -125,11 +123,11 @@ class OOMLog:
             allocated = reserved = probe.allocated
             if probe.kind == "cuda":
                 reserved = probe.reserved
-            record = self._capture(tried, allocated, reserved, memory_limit(probe), forensics.stack_frames())
+            phase = context.get("phase", "forward")
+            record = self._capture(tried, allocated, reserved, memory_limit(probe), phase)
             if probe.kind == "cuda":
                 self._cuda_figures(record, dump=True)
-        if record.stage == "other":  # a stage marked on the stack (a trial step) stays
-            record.stage = context.get("stage", record.stage)
+        record.stage = context.get("stage", record.stage)
         record.phase = context.get("phase", record.phase)
         if record.stage in ("validation", "test", "predict") and record.modules.get("how") == NOT_MEASURED:
             record.modules = {"how": "none: evaluation saves nothing for a backward", "top": []}
@@ -156,10 +154,10 @@ class OOMLog:
     # ------------------------------------------------------------------ from the report's hooks
 
     def flush(self) -> None:
-        """Every OOM heard so far becomes a record (the ones no engine call claimed keep the stack's stage)."""
+        """Every OOM heard so far becomes a record (the ones no catcher claimed: stage ``"other"``)."""
         self._close_awaiting()
         for record in self._pending:
-            record.action = _UNCLAIMED.get(record.stage, _UNCLAIMED["other"])
+            record.action = _UNCLAIMED
             self._keep(record)
         self._pending = []
 
@@ -210,13 +208,11 @@ class OOMLog:
         allocated: int,
         reserved: int,
         limit: int | None,
-        frames: Any,
+        phase: str,
     ) -> OOMRecord:
         trainer = self.trainer
         params, grads, state = state_tensors(trainer)
         categories = forensics.categories_now(allocated, self.device, params, grads, state)
-        phase = forensics.phase_of_frames(frames)
-        stage = forensics.stage_of_frames(frames) or "other"
         if self._owners is not None:
             modules = {"how": "measured at the OOM", "top": ActivationOwners.top(self._owners.by_module)}
         elif phase == "optimizer step":
@@ -226,7 +222,7 @@ class OOMLog:
         return OOMRecord(
             step=trainer.global_step,
             rank=trainer.global_rank,
-            stage=stage,
+            stage="other",
             phase=phase,
             requested_bytes=requested,
             allocated_bytes=int(allocated),

@@ -1,12 +1,13 @@
 """MemoryAwareBatchSize: measure what a batch costs, pick the largest micro-batch (or batch) that fits the memory budget.
 
 The callback holds the hooks, the arguments, the state and the agreement across ranks; the search itself
-(trial steps, traces, the pure size search) lives in :mod:`lightning_gpuopt.batch_size`.
+(trial steps, the pure size search) lives in :mod:`lightning_gpuopt.batch_size`.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,8 +53,7 @@ def _check_size(name: str, value: Any, allow_none: bool = False) -> None:
 class MemoryAwareBatchSize(MicroBatchUser, Callback):
     """Picks the largest micro-batch (``mode="max"``: batch size) whose real training step fits the memory budget.
 
-    At the first training batch a few real training steps (three from a traced prediction, four without)
-    measure the peak at a few sizes and leave no trace; each batch then runs as k = ceil(batch_size / n)
+    At the first training batch a few real training steps (at most four) measure the peak at a few sizes and leave no trace; each batch then runs as k = ceil(batch_size / n)
     micro-batches, the optimizer batch kept. ``mode="max"`` sets ``batch_size`` itself (the optimizer batch
     changes; it says so). Every rank uses the smallest answer; ``state_dict`` keeps it. Long form: docs/batch-size.md.
 
@@ -65,9 +65,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         max_batch_size: the largest to consider; ``None``: the batch size (``"micro"``), the dataset's share per device.
         lr_scaling: ``mode="max"`` only: ``"linear"`` or ``"sqrt"`` scales the learning rate with the batch size.
         verbose: log the result once on rank zero.
-        predict: ``None`` (auto): one real step timed against one trace, the traced start only where it saves
-            wall time; ``True``: start from a traced prediction; ``False``: measure only. :attr:`prediction_note`
-            says which path ran and why.
+        predict: deprecated and ignored (the search measures real steps only); removed in the next release.
 
     Raises:
         ValueError: an argument is out of range.
@@ -84,7 +82,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         ...     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
         >>> with SimulatedMemory(limit_bytes=64 * 2**20):  # a 64 MiB "GPU" on the CPU
         ...     trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 256), batch_size=64))
-        >>> finder.micro_batch_size, finder.k, finder.trials  # a step is cheaper than a trace: measured
+        >>> finder.micro_batch_size, finder.k, finder.trials
         (64, 1, 4)
     """
 
@@ -127,11 +125,13 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         self.max_batch_size = max_batch_size
         self.lr_scaling = lr_scaling
         self.verbose = verbose
-        if predict is not None and not isinstance(predict, bool):
-            raise ValueError(f"`predict` must be None (auto), True or False, got {predict!r}")
-        self.predict = predict
-        #: How the prediction served the last search, or why the search ran without it (``""``: no search yet).
-        self.prediction_note = ""
+        if predict is not None:
+            warnings.warn(
+                "MemoryAwareBatchSize(predict=...) is deprecated and ignored: the search measures real training "
+                "steps only. Remove the argument; it goes in the next release.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         #: The largest micro-batch that fits (``mode="max"``: the batch size chosen); ``None`` before a search.
         self.micro_batch_size: int | None = None
         #: The batch size the answer is for (``mode="max"``: the one set).
@@ -164,6 +164,17 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
     def k(self) -> int:
         """Micro-batches per training batch now in force."""
         return self._engine.k if self._engine is not None else self._k
+
+    @property
+    def prediction_note(self) -> str:
+        """Deprecated: always ``""`` (the search no longer starts from a traced prediction); goes in the next release."""
+        warnings.warn(
+            "MemoryAwareBatchSize.prediction_note is deprecated and always '': the search measures real training "
+            "steps only. It goes in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ""
 
     def remeasure(self) -> None:
         """Measure again at the next training batch that starts an accumulation window."""
@@ -378,7 +389,6 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             space,
             target_fraction=self.target_fraction,
             multiple_of=self._resolved_multiple,
-            predict=self.predict,
             engine_bytes=engine.snapshot_bytes(),
             exchange=engine.exchange if sharded else None,
         )
@@ -393,7 +403,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         try:
             run = self._find(trainer, module, probe, space)
             self._run, self.result = run, run.result
-            self.prediction_note, self.budget_bytes = run.note, run.budget_bytes
+            self.budget_bytes = run.budget_bytes
             self.search_seconds = run.elapsed
             local = self.result.size or 0
         except Exception as err:  # raised below, once every rank knows
@@ -441,7 +451,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             f"MemoryAwareBatchSize ({why}): the largest {noun} that fits is {self.micro_batch_size} sample(s), predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} of a budget {format_bytes(self.budget_bytes)} "
             f"(target_fraction {self.target_fraction:g} x {format_bytes(limit)}), from {self.trials} measured "
-            f"step(s) [{sizes}] in {self._run.elapsed:.2f} s ({self.prediction_note}); {change}"
+            f"step(s) [{sizes}] in {self._run.elapsed:.2f} s; {change}"
         )
         compiled = self._run.frames_compiled
         if compiled is not None:
@@ -457,7 +467,6 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             predicted_peak_bytes=self.predicted_peak_bytes,
             trials=self.trials,
             mode=self.mode,
-            prediction=self.prediction_note,
             search_seconds=self.search_seconds,
             compiled_frames=compiled,
         )

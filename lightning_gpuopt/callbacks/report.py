@@ -16,7 +16,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt import _validate
 from lightning_gpuopt._metrics import is_logging_step, log_metrics
 from lightning_gpuopt._warnings import warn
-from lightning_gpuopt.batch_size.trial import TrialSteps
 from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.callbacks._oom_log import OOMLog, memory_limit, state_tensors
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
@@ -45,9 +44,6 @@ from lightning_gpuopt.report import (
 )
 
 __all__ = ["GPUOptReport"]
-
-# An OOM inside a trial step of MemoryAwareBatchSize's search is a record of stage "trial".
-forensics.mark_stage(TrialSteps.measure, "trial")
 
 
 class GPUOptReport(Callback):

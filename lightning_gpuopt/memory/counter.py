@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,47 +16,7 @@ from lightning_gpuopt.memory._ops import alias_mask
 from lightning_gpuopt.memory.prediction import MemoryCategory, Phase
 from lightning_gpuopt.memory.walk import tensors
 
-__all__ = [
-    "StorageCounter",
-    "TraceTimeout",
-    "check_deadline",
-    "storage_key",
-    "time_limit",
-]
-
-
-def check_deadline(deadline: float | None = None) -> None:
-    """Raise :class:`TraceTimeout` past ``deadline`` (``None``: the :func:`time_limit` in force now)."""
-    deadline = _deadline if deadline is None else deadline
-    if deadline is not None and time.perf_counter() > deadline:
-        raise TraceTimeout("the trace ran past its time limit")
-
-
-class TraceTimeout(Exception):
-    """A trace ran past its :func:`time_limit`: it was stopped at the next phase or module."""
-
-
-#: ``time.perf_counter()`` after which a counter started now stops its trace (``None``: no limit).
-_deadline: float | None = None
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Traces started inside stop with :class:`TraceTimeout` once ``seconds`` have passed.
-
-    Checked while the parameters are swapped for fakes (per module), at each phase and at each module's
-    forward (:meth:`StorageCounter.check_deadline`), so a trace stops within one module's forward (or one
-    backward) of the limit.
-
-    A trace costs what its operators cost; this bounds what finding out costs where only "is a trace cheaper
-    than X?" matters.
-    """
-    global _deadline
-    previous, _deadline = _deadline, time.perf_counter() + seconds
-    try:
-        yield
-    finally:
-        _deadline = previous
+__all__ = ["StorageCounter", "storage_key"]
 
 
 _DATA_DEPENDENT = {
@@ -122,7 +80,6 @@ class StorageCounter(TorchDispatchMode):
         self.scale: int = 1  # sharded optimizer steps: every allocation is a shard
         self.host_phase = False  # offloaded optimizer steps: allocations live on the host
         self.guessed: set[str] = set()  # data-dependent operators answered with a guess
-        self.deadline = _deadline  # time.perf_counter() past which the trace stops (time_limit)
 
     # --- accounting --------------------------------------------------------------------------------
     def default_category(self) -> MemoryCategory:
@@ -233,17 +190,8 @@ class StorageCounter(TorchDispatchMode):
         if self._peak_pending:
             self._snapshot()
 
-    def check_deadline(self) -> None:
-        """Raise :class:`TraceTimeout` past the :func:`time_limit` this counter started under.
-
-        Called where Python runs between operators (a phase starting, a module's forward starting): an
-        exception raised from inside an operator's dispatch can cross C++ that does not pass it on.
-        """
-        check_deadline(self.deadline)
-
     def start_phase(self, phase: Phase) -> None:
         """Close the running phase (its peak is kept) and start ``phase`` with a fresh peak."""
-        self.check_deadline()
         self.finish()
         if self.peak_state[1]:  # a step's phase: keep its peak
             self.phase_peaks.append((self.peak, self.peak_state, self.transient_peak))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_gpuopt._compat import module_tables
-from lightning_gpuopt.memory.counter import check_deadline, storage_key
+from lightning_gpuopt.memory.counter import storage_key
 from lightning_gpuopt.memory.walk import rebuild
 
 __all__ = [
@@ -74,7 +74,6 @@ class FakeState:
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real storage -> (real, its fake)
         modules = list(self.model.modules())
         for module in modules:
-            check_deadline()  # a trace under a time_limit stops here too (swapping is a trace's set-up cost)
             tables = module_tables(module)
             for table, is_param in ((tables["parameters"], True), (tables["buffers"], False)):
                 for name, t in list(table.items()):

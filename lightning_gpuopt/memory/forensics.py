@@ -28,7 +28,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -58,12 +58,10 @@ __all__ = [
     "fold_categories",
     "held_before_step",
     "listener",
-    "mark_stage",
     "memory_outside_allocator",
     "phase_of_frames",
     "saved_activations",
     "stack_frames",
-    "stage_of_frames",
     "storages",
     "unwatch",
     "watch",
@@ -261,19 +259,9 @@ def held_before_step(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Where the program was: read from code objects only (a frame's locals are never touched)
+# Where the program was, for an OOM that no catcher describes: read from code objects only (a frame's locals
+# are never touched). The engine and the search's trial steps say their stage and phase when they catch one.
 # ---------------------------------------------------------------------------------------------------
-_STAGE_MARKS: dict[CodeType, str] = {}
-
-
-def mark_stage(function: Callable[..., Any], stage: str) -> None:
-    """An OOM raised while ``function`` runs belongs to ``stage`` (e.g. the batch-size search's trial step)."""
-    code = getattr(inspect.unwrap(function), "__code__", None)
-    if code is None:
-        raise TypeError(f"`function` must be a Python function, got {function!r}")
-    _STAGE_MARKS[code] = stage
-
-
 def stack_frames() -> list[FrameType]:
     """The frames of this thread and of the main thread, innermost first (a backward on CUDA runs on its own
     thread, while the Python code that called it waits on the main thread)."""
@@ -287,15 +275,6 @@ def stack_frames() -> list[FrameType]:
             out.append(frame)
             frame = frame.f_back
     return out
-
-
-def stage_of_frames(frames: Iterable[FrameType]) -> str | None:
-    """The stage a function marked with :func:`mark_stage` gives, innermost first; ``None``: none runs."""
-    for frame in frames:
-        stage = _STAGE_MARKS.get(frame.f_code)
-        if stage is not None:
-            return stage
-    return None
 
 
 _OPTIMIZER_DIR = os.path.dirname(torch.optim.__file__)
@@ -493,8 +472,9 @@ def _cuda_observer(device: int, requested: int, limit: int, free: int) -> None:
 
 
 def failure_caught(error: BaseException, **context: Any) -> None:
-    """The micro-batch engine caught ``error`` (an OOM) inside its ``except`` block; ``context``: stage, phase,
-    step and what the attempt ran (the listener's :meth:`OOMListener.oom_caught`). A no-op without a listener."""
+    """The micro-batch engine (or a trial step of the batch-size search) caught ``error`` (an OOM) inside its
+    ``except`` block; ``context``: stage, phase, step and what the attempt ran (the listener's
+    :meth:`OOMListener.oom_caught`). A no-op without a listener."""
     who = listener()
     if who is not None:
         who.oom_caught(error, **context)

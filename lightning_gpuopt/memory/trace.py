@@ -148,7 +148,6 @@ def trace_step(
         gathered.pop(id(unit), None)
 
     def pre_hook(module: nn.Module, args: Any) -> None:
-        counter.check_deadline()
         counter.module_stack.append(names.get(id(module), ""))
         if id(module) in unit_of:
             gather(module, unit_of[id(module)][0])

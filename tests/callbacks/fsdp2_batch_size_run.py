@@ -198,7 +198,6 @@ def search_fit(finder: MemoryAwareBatchSize, limits: list[int]) -> dict:
         "measured": [(m.size, m.out_of_memory) for m in result.measurements] if result is not None else [],
         "k": finder.k,
         "trials": finder.trials,
-        "note": finder.prediction_note,
         "ooms_in_search": limit.ooms_in_search,
         "ooms": limit.ooms,
         "steps": trainer.global_step,

@@ -48,7 +48,6 @@ def test_two_fsdp2_ranks_under_different_limits_agree_on_90_percent_of_the_small
     for r in searched:  # training went on at the agreed micro-batch, without an OOM after the search
         assert r["steps"] == 4 and r["ooms"] == r["ooms_in_search"], r
         assert r["history"] == [(0, 1, -(-64 // size), "memory")], r["history"]
-        assert "FSDP2" in r["note"]
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.report import summary_rows
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.batch_models import FAMILIES, fit, peaks_at, true_maxima
-from tests.callbacks.test_batch_size_predicted import MLP
+from tests.callbacks.test_batch_size_models import MLP
 from tests.helpers import TRAINER_QUIET, assert_same_training, parameters_of
 
 pytestmark = pytest.mark.filterwarnings(
@@ -274,7 +274,7 @@ def test_a_warning_before_dynamo_stops_compiling():
 
 
 class CompiledMLP(MLP):
-    """test_batch_size_predicted's MLP with its network a compiled submodule (aot_eager)."""
+    """test_batch_size_models's MLP with its network a compiled submodule (aot_eager)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -290,11 +290,11 @@ def test_memory_aware_batch_size_on_a_compiled_model_reaches_90_percent_in_at_mo
     limit = (peaks[8] + peaks[56]) // 2
     torch._dynamo.reset()
     counters.clear()
-    # The traced start (which runs no step that does not fit); the default measures a step this cheap.
-    finder = MemoryAwareBatchSize(target_fraction=1.0, predict=True)
+    finder = MemoryAwareBatchSize(target_fraction=1.0)
     run = fit("compiled_mlp", [finder], limit=limit, steps=2, batch_size=64)
     frames = counters["frames"]["ok"]
-    assert run.trainer.global_step == 2 and run.memory.num_ooms == 0
+    assert run.trainer.global_step == 2  # every simulated OOM was a trial step's:
+    assert run.memory.num_ooms == sum(m.out_of_memory for m in finder.result.measurements)
     assert finder.trials <= 4, finder.result.measurements
     truth = true_maxima("compiled_mlp", [limit], 32)[limit]
     assert 0.9 * truth <= finder.micro_batch_size <= truth, (finder.micro_batch_size, truth)

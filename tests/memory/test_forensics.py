@@ -55,7 +55,7 @@ def test_a_checkpointed_block_is_not_recomputed_and_its_inputs_are_not_its_activ
     out.sum().backward()
 
 
-def test_phase_and_stage_from_the_code_on_the_stack():
+def test_phase_from_the_code_on_the_stack():
     seen = {}
 
     class Probe(torch.autograd.Function):
@@ -69,13 +69,8 @@ def test_phase_and_stage_from_the_code_on_the_stack():
             seen["backward"] = forensics.phase_of_frames(forensics.stack_frames())
             return g
 
-    def trial(t):
-        seen["stage"] = forensics.stage_of_frames(forensics.stack_frames())
-        return Probe.apply(t)
-
-    forensics.mark_stage(trial, "trial")
     w = nn.Parameter(torch.ones(3))
-    trial(w).sum().backward()
+    Probe.apply(w).sum().backward()
 
     class Watching(torch.optim.SGD):
         def step(self, closure=None):
@@ -84,14 +79,10 @@ def test_phase_and_stage_from_the_code_on_the_stack():
 
     Watching([w], lr=0.1).step()
     assert seen == {
-        "stage": "trial",
         "forward": "forward",
         "backward": "backward",
         "optimizer": "optimizer step",
     }
-    assert forensics.stage_of_frames(forensics.stack_frames()) is None
-    with pytest.raises(TypeError, match="a Python function"):
-        forensics.mark_stage(len, "trial")
 
 
 class Listener:
