@@ -3,6 +3,9 @@ HF head detection, the two samples the check runs on; and LossWeighting's argume
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_gpuopt.batching import batch_size_of
-from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
+from lightning_gpuopt.microbatch.loss_weighting import CheckSite, LossWeighting
 from lightning_gpuopt.microbatch.loss_weighting_rules import (
     Candidate,
     HFHead,
@@ -315,3 +318,43 @@ def test_the_pair_tells_apart_every_two_candidates_that_any_pair_tells_apart(len
     long = max(reversed(valid), key=lambda v: float(counts[v]))  # ties: the last
     if counts[short] < counts[long] and separates(short, long):
         assert (float(counts[i]), float(counts[j])) == (float(counts[short]), float(counts[long]))
+
+
+def _fake_hf(name: str) -> nn.Module:
+    return type(name, (type("PreTrainedModel", (nn.Module,), {}),), {})()
+
+
+@pytest.mark.parametrize(
+    ("head", "expected"),
+    [
+        ("GPT2LMHeadModel", [1 / 6, 5 / 6]),  # tokens, labels shifted by one
+        ("BertForMaskedLM", [2 / 9, 7 / 9]),  # tokens
+        ("BertForTokenClassification", [2 / 9, 7 / 9]),
+        ("BertForSequenceClassification", [1 / 3, 2 / 3]),  # one label per sample: sample shares
+        (None, [1 / 3, 2 / 3]),
+    ],
+)
+def test_before_any_check_the_weighting_follows_the_hugging_face_head(head, expected):
+    """Evaluation chunks (and a split the check cannot run on) use the fallback: the head's own reduction."""
+    module = _fake_hf(head) if head else nn.Linear(2, 2)
+    site = CheckSite(SimpleNamespace(lightning_module=module, precision="32-true"), contextlib.nullcontext)
+    chunks = [
+        {"labels": torch.tensor([[1, 2, -100, -100]])},
+        {"labels": torch.tensor([[1, 2, 3, 4], [5, 6, 7, -100]])},
+    ]
+    assert LossWeighting().weights(chunks, site) == pytest.approx(expected)
+
+
+def test_a_given_weight_fn_is_named_by_its_name_else_its_repr():
+    def tokens(batch):
+        return 1
+
+    class Count:
+        def __call__(self, batch):
+            return 1
+
+        def __repr__(self) -> str:
+            return "Count()"
+
+    assert LossWeighting(weight_fn=tokens).decided.description == "weight_fn (tokens)"
+    assert LossWeighting(weight_fn=Count()).decided.description == "weight_fn (Count())"
