@@ -335,7 +335,7 @@ class TrialSteps:
             self._state.restore()
             self._state = None
         # The trials' own cycles are young (a trial that ran out of memory collected in full already): a
-        # full collection here cost 0.17 s of a 0.28 s search in a process with a large heap.
+        # full collection here would cost a large share of a search in a process with a large heap.
         free_memory(generation=1)
 
     def _step_kwargs(self, batch: Any) -> dict[str, Any]:
