@@ -34,7 +34,9 @@ def test_the_initial_precision_and_why(initial, info, expected, why):
 
 
 def test_a_precision_the_device_cannot_run_is_refused_naming_what_to_do():
-    with pytest.raises(ValueError, match=r"`initial='bf16-mixed'`: this device cannot run it .*initial='auto'"):
+    with pytest.raises(
+        ValueError, match=r"`initial='bf16-mixed'`: this device cannot run it .*initial='auto'"
+    ):
         initial_precision("bf16-mixed", "32-true", V100, cpu_bf16=False, fp8=False)
     with pytest.raises(ValueError, match=r"Leave it out \(ladder=\('16-mixed', '32-true'\)\)"):
         check_ladder_runs(LADDER, V100)
@@ -57,7 +59,9 @@ def test_switching_down_follows_the_ladder_and_ends_in_an_error_that_says_why():
     assert record.down_target("non-finite loss", rungs, LADDER, None) == "bf16-mixed"
     assert fallbacks("16-mixed", LADDER, A100, "a fixed policy") == ()  # FSDP2's policy: no fallback
     record.precision = "32-true"
-    with pytest.raises(FloatingPointError, match=r"no more stable precision is left .*not a precision problem"):
+    with pytest.raises(
+        FloatingPointError, match=r"no more stable precision is left .*not a precision problem"
+    ):
         record.down_target("non-finite loss", (), LADDER, None)
     with pytest.raises(FloatingPointError, match="no precision to fall back to: a fixed policy"):
         record.down_target("non-finite loss", (), LADDER, "a fixed policy")
