@@ -6,11 +6,12 @@ A leaf module like ``_warnings``: every layer may import it, it imports nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-__all__ = ["choice", "fraction", "positive_int", "versioned_json"]
+__all__ = ["choice", "fraction", "keep_options", "positive_int", "versioned_json"]
 
 
 def positive_int(name: str, value: Any, *, unit: str = "", allow_none: bool = False, hint: str = "") -> Any:
@@ -70,6 +71,15 @@ def choice(name: str, value: Any, choices: Any) -> Any:
     if value not in options or (isinstance(value, bool) and True not in options and False not in options):
         raise ValueError(f"`{name}` must be one of {options}, got {value!r}")
     return value
+
+
+def keep_options(owner: object, options: Any) -> None:
+    """Set every field of the checked ``options`` dataclass as the attribute of the same name on ``owner``.
+
+    A callback with many arguments checks them in one options dataclass and keeps reading them as attributes.
+    """
+    for field in dataclasses.fields(options):
+        setattr(owner, field.name, getattr(options, field.name))
 
 
 def versioned_json(file: Path, fmt: str, hint: str = "") -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 No Lightning here. :func:`device_info` is the one function that asks torch about the device (so
 the selection table is unit-tested with mocked queries); :func:`choose_precision`,
-:func:`fallback_ladder` and :class:`StabilityWatch` decide from plain values; :func:`enable_tf32` /
-:func:`restore_tf32`, :func:`grad_norms` and :func:`any_nonfinite` are the few torch-global and tensor operations
-the callback needs.
+:func:`fallback_ladder` and :class:`StabilityWatch` decide from plain values; :func:`grad_norms` and
+:func:`any_nonfinite` are the few tensor operations the callback needs. The global TF32 switch, a side effect,
+is ``tf32_switch.py``'s.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ __all__ = [
     "check_ladder",
     "choose_precision",
     "device_info",
-    "enable_tf32",
     "fallback_ladder",
     "faster_rung",
     "fp8_available",
     "fsdp2_mixed_precision",
     "grad_norms",
     "grads_nonfinite",
+    "is_faster",
     "precision_index",
-    "restore_tf32",
     "tf32_wanted",
     "unsupported_reason",
 ]
@@ -461,37 +460,27 @@ def grads_nonfinite(grads: Iterable[Tensor | None], device: torch.device) -> Ten
     return any_nonfinite(grad_norms(grads), device)
 
 
-def _new_tf32_api() -> bool:
-    """torch >= 2.9 sets TF32 per backend with ``fp32_precision``; older torch with ``allow_tf32``."""
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+def is_faster(a: str, b: str) -> bool:
+    """Whether ladder precision ``a`` is faster (earlier in the ladder) than ``b``."""
+    return a in LADDER and b in LADDER and LADDER.index(a) < LADDER.index(b)
 
 
-def enable_tf32() -> str | bool | None:
-    """Turn TF32 matmuls on unless something already chose; returns the setting to restore (``None``: unchanged).
-
-    On torch >= 2.9 through ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, only while it (and
-    ``torch.backends.fp32_precision``) is still ``"none"``, the untouched default; on older torch
-    through ``torch.backends.cuda.matmul.allow_tf32``, only while it is off.
-    """
-    matmul = torch.backends.cuda.matmul
-    if _new_tf32_api():
-        before = matmul.fp32_precision
-        if before != "none" or getattr(torch.backends, "fp32_precision", "none") != "none":
-            return None
-        matmul.fp32_precision = "tf32"
-        return before
-    if matmul.allow_tf32:
-        return None
-    matmul.allow_tf32 = True
-    return False
+_MOVED = {"enable_tf32": "turn_on_tf32", "restore_tf32": "restore_tf32"}
 
 
-def restore_tf32(previous: str | bool | None) -> None:
-    """Undo :func:`enable_tf32` with the value it returned."""
-    if previous is None:
-        return
-    matmul = torch.backends.cuda.matmul
-    if isinstance(previous, str):
-        matmul.fp32_precision = previous
-    else:
-        matmul.allow_tf32 = previous
+def __getattr__(name: str) -> object:
+    # The global TF32 switch is a side effect, not a decision: it moved to ``tf32_switch.py``.
+    if name in _MOVED:
+        import warnings
+
+        from lightning_gpuopt import tf32_switch
+
+        new = _MOVED[name]
+        warnings.warn(
+            f"`lightning_gpuopt.precision.{name}` moved to `lightning_gpuopt.tf32_switch.{new}`; the old name goes "
+            "in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(tf32_switch, new)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import (
     XLAStrategy,
 )
 
-from lightning_gpuopt.precision import LADDER
+from lightning_gpuopt.precision import is_faster
 from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 
 __all__ = ["SpentScaler", "is_faster", "plugin_for", "why_precision_fixed"]
@@ -60,11 +60,6 @@ class SpentScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         return None
-
-
-def is_faster(a: str, b: str) -> bool:
-    """Whether ladder precision ``a`` is faster (earlier in the ladder) than ``b``."""
-    return a in LADDER and b in LADDER and LADDER.index(a) < LADDER.index(b)
 
 
 def why_precision_fixed(strategy: Strategy, module: pl.LightningModule) -> str | None:

@@ -489,66 +489,7 @@ def _oom_figure(plt: Any, record: dict[str, Any], peak: dict[str, Any] | None) -
     """The OOM picture's figure (closed here if drawing fails)."""
     fig, (bars, words) = plt.subplots(1, 2, figsize=OOM_PNG_SIZE, dpi=PNG_DPI, width_ratios=(1.1, 1))
     try:
-        requested = record.get("requested_bytes") or 0
-        limit = record.get("limit_bytes")
-        heights = [record["allocated_bytes"] + requested, limit or 0]
-        if peak:
-            heights.append(peak["peak_bytes"])
-        unit, unit_name = _unit(max(heights))
-        label_min = 0.06 * max(heights) / unit
-        split = record.get("held_before_step") is not None
-        columns = [("at the OOM", oom_parts(record))]
-        if peak:
-            columns.append((f"highest peak\n(step {peak['step']})", _peak_categories(peak)))
-        for i, (_, categories) in enumerate(columns):
-            top = _stacked_bar(bars, i, categories, unit, label_min)
-            if i == 0 and requested:
-                bars.bar(
-                    0,
-                    requested / unit,
-                    bottom=top,
-                    width=0.6,
-                    color="none",
-                    edgecolor="#d62728",
-                    hatch="///",
-                    linewidth=1.2,
-                )
-                bars.text(
-                    0.34,
-                    top + requested / unit / 2,
-                    f"requested\n{format_bytes(requested)}",
-                    ha="left",
-                    va="center",
-                    fontsize=8,
-                    color="#d62728",
-                )
-        if limit:
-            bars.axhline(limit / unit, color="black", ls="--", lw=1.2)
-            bars.annotate(
-                f"limit {format_bytes(limit)}",
-                xy=(0.01, limit / unit),
-                xycoords=("axes fraction", "data"),
-                xytext=(0, 2),
-                textcoords="offset points",
-                ha="left",
-                va="bottom",
-                fontsize=8,
-            )
-        bars.set_xticks(range(len(columns)))
-        bars.set_xticklabels([name for name, _ in columns], fontsize=9)
-        bars.set_xlim(-0.6, len(columns) + 1.3)  # the legend's own band, right of the bars
-        bars.set_ylim(0, 1.12 * max(heights) / unit)
-        bars.set_ylabel(f"memory ({unit_name})")
-        bars.grid(axis="y", alpha=0.25)
-        shown = [c for c in CATEGORY_COLORS if any(cats.get(c) for _, cats in columns)]
-        handles = [plt.Rectangle((0, 0), 1, 1, color=CATEGORY_COLORS[c]) for c in shown]
-        bars.legend(
-            handles,
-            [_legend_label(c, split) for c in shown],
-            fontsize=8,
-            loc="upper right",
-            frameon=False,
-        )
+        _oom_bars(plt, bars, record, peak)
         words.axis("off")
         words.text(
             0.0,
@@ -572,6 +513,66 @@ def _oom_figure(plt: Any, record: dict[str, Any], peak: dict[str, Any] | None) -
         plt.close(fig)
         raise
     return fig
+
+
+def _oom_bars(plt: Any, bars: Any, record: dict[str, Any], peak: dict[str, Any] | None) -> None:
+    """The OOM's bar by category (the request hatched on top) beside the highest peak's, under the limit line."""
+    requested = record.get("requested_bytes") or 0
+    limit = record.get("limit_bytes")
+    heights = [record["allocated_bytes"] + requested, limit or 0]
+    if peak:
+        heights.append(peak["peak_bytes"])
+    unit, unit_name = _unit(max(heights))
+    label_min = 0.06 * max(heights) / unit
+    columns = [("at the OOM", oom_parts(record))]
+    if peak:
+        columns.append((f"highest peak\n(step {peak['step']})", _peak_categories(peak)))
+    for i, (_, categories) in enumerate(columns):
+        top = _stacked_bar(bars, i, categories, unit, label_min)
+        if i == 0 and requested:
+            bars.bar(
+                0,
+                requested / unit,
+                bottom=top,
+                width=0.6,
+                color="none",
+                edgecolor="#d62728",
+                hatch="///",
+                linewidth=1.2,
+            )
+            bars.text(
+                0.34,
+                top + requested / unit / 2,
+                f"requested\n{format_bytes(requested)}",
+                ha="left",
+                va="center",
+                fontsize=8,
+                color="#d62728",
+            )
+    if limit:
+        bars.axhline(limit / unit, color="black", ls="--", lw=1.2)
+        bars.annotate(
+            f"limit {format_bytes(limit)}",
+            xy=(0.01, limit / unit),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 2),
+            textcoords="offset points",
+            ha="left",
+            va="bottom",
+            fontsize=8,
+        )
+    bars.set_xticks(range(len(columns)))
+    bars.set_xticklabels([name for name, _ in columns], fontsize=9)
+    bars.set_xlim(-0.6, len(columns) + 1.3)  # the legend's own band, right of the bars
+    bars.set_ylim(0, 1.12 * max(heights) / unit)
+    bars.set_ylabel(f"memory ({unit_name})")
+    bars.grid(axis="y", alpha=0.25)
+    shown = [c for c in CATEGORY_COLORS if any(cats.get(c) for _, cats in columns)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=CATEGORY_COLORS[c]) for c in shown]
+    split = record.get("held_before_step") is not None
+    bars.legend(
+        handles, [_legend_label(c, split) for c in shown], fontsize=8, loc="upper right", frameon=False
+    )
 
 
 def _peak_categories(peak: dict[str, Any]) -> dict[str, int]:

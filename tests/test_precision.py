@@ -17,12 +17,10 @@ from lightning_gpuopt.precision import (
     check_ladder,
     choose_precision,
     device_info,
-    enable_tf32,
     fallback_ladder,
     faster_rung,
     grads_nonfinite,
     precision_index,
-    restore_tf32,
     tf32_wanted,
     unsupported_reason,
 )
@@ -299,46 +297,6 @@ def test_grads_nonfinite_finds_every_inf_and_nan_and_leaves_gradients_alone():
     assert any_nonfinite([torch.tensor(1.0), torch.tensor(float("nan"))], cpu).item() == 1.0
     assert any_nonfinite([torch.tensor(1.0), torch.tensor(2.0, dtype=torch.float16)], cpu).item() == 0.0
     assert any_nonfinite([], cpu).item() == 0.0
-
-
-@pytest.fixture
-def tf32_untouched():
-    matmul = torch.backends.cuda.matmul
-    saved = matmul.fp32_precision if precision_module._new_tf32_api() else matmul.allow_tf32
-    yield
-    if isinstance(saved, str):
-        matmul.fp32_precision = saved
-    else:
-        matmul.allow_tf32 = saved
-
-
-@pytest.mark.usefixtures("tf32_untouched")
-def test_tf32_through_the_new_api_and_restored():
-    if not precision_module._new_tf32_api():
-        pytest.skip(f"torch {torch.__version__} has no torch.backends.cuda.matmul.fp32_precision")
-    matmul = torch.backends.cuda.matmul
-    assert matmul.fp32_precision == "none"
-    previous = enable_tf32()
-    assert matmul.fp32_precision == "tf32" and previous == "none"
-    restore_tf32(previous)
-    assert matmul.fp32_precision == "none"
-    assert torch.get_float32_matmul_precision() == "highest"  # no mix of APIs left behind
-    matmul.fp32_precision = "ieee"  # someone chose: leave it
-    assert enable_tf32() is None and matmul.fp32_precision == "ieee"
-
-
-@pytest.mark.usefixtures("tf32_untouched")
-def test_tf32_through_the_legacy_flag_on_old_torch(monkeypatch):
-    monkeypatch.setattr(precision_module, "_new_tf32_api", lambda: False)
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        matmul.fp32_precision = "none"
-    previous = enable_tf32()
-    assert previous is False and matmul.allow_tf32 is True
-    assert enable_tf32() is None  # already on
-    restore_tf32(previous)
-    assert matmul.allow_tf32 is False
-    restore_tf32(None)  # nothing changed: nothing to undo
 
 
 def test_docstring_examples_run():

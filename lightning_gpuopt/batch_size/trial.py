@@ -338,7 +338,7 @@ class TrialSteps:
             self._state.restore()
             self._state = None
         # The trials' own cycles are young (a trial that ran out of memory collected in full already): a
-        # full collection here can cost more than the search itself in a process with a large heap.
+        # full collection here would cost a large share of a search in a process with a large heap.
         free_memory(generation=1)
 
     def _step_kwargs(self, batch: Any) -> dict[str, Any]:

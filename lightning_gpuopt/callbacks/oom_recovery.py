@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt._validate import choice, fraction, positive_int
+from lightning_gpuopt._validate import choice, fraction, keep_options, positive_int
 from lightning_gpuopt.activation_checkpointing import describe_module_types, matching_modules
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import format_bytes, get_probe
@@ -45,7 +46,7 @@ from lightning_gpuopt.oom_policy import (
 )
 from lightning_gpuopt.support import Feature, refuse_unsupported
 
-__all__ = ["MicroBatchOOMError", "OOMRecovery", "TokenCount"]
+__all__ = ["MicroBatchOOMError", "OOMRecovery", "OOMRecoveryOptions", "TokenCount"]
 
 
 class TokenCount:
@@ -84,6 +85,90 @@ class TokenCount:
 
     def __repr__(self) -> str:
         return f"TokenCount(key={self.key!r}, ignore_index={self.ignore_index})"
+
+
+@dataclass(frozen=True)
+class OOMRecoveryOptions:
+    """OOMRecovery's arguments, checked once (:class:`OOMRecovery` documents each one).
+
+    ``OOMRecovery(**fields)`` builds one; a wrong value raises the ``ValueError`` or ``TypeError`` that
+    names the argument, here and nowhere else.
+    """
+
+    loss_reduction: LossReduction = "auto"
+    weight_fn: WeightFn | None = None
+    token_key: str | int = "labels"
+    ignore_index: int = -100
+    on_mismatch: OnMismatch = "raise"
+    unsplittable: bool | Callable[[Any], bool] = False
+    #: Normalised to a ``frozenset``.
+    sum_log_keys: Iterable[str] = ()
+    max_micro_batches: int | None = None
+    #: Normalised to a ``float``.
+    headroom: float = 0.9
+    grow_back: bool = True
+    grow_back_after: int = 50
+    #: Normalised to a ``tuple``.
+    checkpoint_modules: Sequence[str | type[nn.Module]] = ()
+    verbose: bool = True
+    min_micro_batch_size: int | None = None
+    #: Normalised to a ``tuple``.
+    rungs: Sequence[Rung] = ()
+
+    def __post_init__(self) -> None:
+        self._check_weighting()
+        if isinstance(self.sum_log_keys, str):
+            raise TypeError(
+                f"`sum_log_keys` must be a collection of names, got the string {self.sum_log_keys!r}"
+            )
+        positive_int("max_micro_batches", self.max_micro_batches, allow_none=True)
+        positive_int("min_micro_batch_size", self.min_micro_batch_size, unit="samples", allow_none=True)
+        fraction("headroom", self.headroom)
+        if not isinstance(self.grow_back, bool):
+            raise ValueError(f"`grow_back` must be True or False, got {self.grow_back!r}")
+        positive_int("grow_back_after", self.grow_back_after, unit="steps")
+        self._check_rungs()
+        object.__setattr__(self, "sum_log_keys", frozenset(self.sum_log_keys))
+        object.__setattr__(self, "headroom", float(self.headroom))
+        object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
+
+    def _check_weighting(self) -> None:
+        choice("loss_reduction", self.loss_reduction, LossReduction)
+        weight_fn = self.weight_fn
+        if weight_fn is not None and not callable(weight_fn):
+            raise TypeError(
+                f"`weight_fn` must be a callable(micro_batch) -> count, got {type(weight_fn).__name__}"
+            )
+        if weight_fn is not None and self.loss_reduction == "sum":
+            raise ValueError(
+                "`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'"
+            )
+        choice("on_mismatch", self.on_mismatch, OnMismatch)
+        if not isinstance(self.unsplittable, bool) and not callable(self.unsplittable):
+            raise TypeError(
+                "`unsplittable` must be a bool or a callable(batch) -> bool, got "
+                f"{type(self.unsplittable).__name__}"
+            )
+
+    def _check_rungs(self) -> None:
+        modules = self.checkpoint_modules
+        if isinstance(modules, (str, type)) or not all(
+            isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module)) for t in modules
+        ):
+            raise TypeError(
+                "`checkpoint_modules` must be a list of module classes or class names (e.g. "
+                f"['TransformerBlock', torch.nn.TransformerEncoderLayer]), got {modules!r}"
+            )
+        rungs = tuple(self.rungs)
+        if not all(isinstance(r, Rung) and r.name for r in rungs):
+            raise TypeError(
+                "`rungs` must be a list of named `lightning_gpuopt.Rung` objects (subclass it, set `name`, implement "
+                f"`apply`), got {list(rungs)!r}"
+            )
+        names = [r.name for r in rungs] + ([ActivationCheckpointing.name] if modules else [])
+        if len(set(names)) != len(names):
+            raise ValueError(f"every recovery rung needs its own `name`, got {names}")
+        object.__setattr__(self, "rungs", rungs)
 
 
 class OOMRecovery(MicroBatchUser, Callback):
@@ -148,62 +233,29 @@ class OOMRecovery(MicroBatchUser, Callback):
         min_micro_batch_size: int | None = None,
         rungs: Sequence[Rung] = (),
     ) -> None:
-        choice("loss_reduction", loss_reduction, LossReduction)
-        if weight_fn is not None and not callable(weight_fn):
-            raise TypeError(
-                f"`weight_fn` must be a callable(micro_batch) -> count, got {type(weight_fn).__name__}"
-            )
-        if weight_fn is not None and loss_reduction == "sum":
-            raise ValueError(
-                "`weight_fn` gives shares of a mean loss; it cannot be combined with loss_reduction='sum'"
-            )
-        choice("on_mismatch", on_mismatch, OnMismatch)
-        if not isinstance(unsplittable, bool) and not callable(unsplittable):
-            raise TypeError(
-                f"`unsplittable` must be a bool or a callable(batch) -> bool, got {type(unsplittable).__name__}"
-            )
-        if isinstance(sum_log_keys, str):
-            raise TypeError(f"`sum_log_keys` must be a collection of names, got the string {sum_log_keys!r}")
-        positive_int("max_micro_batches", max_micro_batches, allow_none=True)
-        positive_int("min_micro_batch_size", min_micro_batch_size, unit="samples", allow_none=True)
-        fraction("headroom", headroom)
-        if not isinstance(grow_back, bool):
-            raise ValueError(f"`grow_back` must be True or False, got {grow_back!r}")
-        positive_int("grow_back_after", grow_back_after, unit="steps")
-        if isinstance(checkpoint_modules, (str, type)) or not all(
-            isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module))
-            for t in checkpoint_modules
-        ):
-            raise TypeError(
-                "`checkpoint_modules` must be a list of module classes or class names (e.g. "
-                f"['TransformerBlock', torch.nn.TransformerEncoderLayer]), got {checkpoint_modules!r}"
-            )
-        rungs = list(rungs)
-        if not all(isinstance(r, Rung) and r.name for r in rungs):
-            raise TypeError(
-                "`rungs` must be a list of named `lightning_gpuopt.Rung` objects (subclass it, set `name`, implement "
-                f"`apply`), got {rungs!r}"
-            )
-        names = [r.name for r in rungs] + ([ActivationCheckpointing.name] if checkpoint_modules else [])
-        if len(set(names)) != len(names):
-            raise ValueError(f"every recovery rung needs its own `name`, got {names}")
-        self.loss_reduction = loss_reduction
-        self.weight_fn = weight_fn
-        self.token_key = token_key
-        self.ignore_index = ignore_index
-        self.on_mismatch = on_mismatch
+        options = OOMRecoveryOptions(
+            loss_reduction=loss_reduction,
+            weight_fn=weight_fn,
+            token_key=token_key,
+            ignore_index=ignore_index,
+            on_mismatch=on_mismatch,
+            unsplittable=unsplittable,
+            sum_log_keys=sum_log_keys,
+            max_micro_batches=max_micro_batches,
+            headroom=headroom,
+            grow_back=grow_back,
+            grow_back_after=grow_back_after,
+            checkpoint_modules=checkpoint_modules,
+            verbose=verbose,
+            min_micro_batch_size=min_micro_batch_size,
+            rungs=rungs,
+        )
+        #: The arguments, checked (each is also an attribute of the same name).
+        self.options = options
+        keep_options(self, options)
         #: The weighting the engine uses (its decision is kept in checkpoints).
         self.loss_weighting = LossWeighting(loss_reduction, weight_fn, token_key, ignore_index, on_mismatch)
-        self.unsplittable = unsplittable
-        self.sum_log_keys = frozenset(sum_log_keys)
-        self.max_micro_batches = max_micro_batches
-        self.headroom = float(headroom)
-        self.grow_back = grow_back
-        self.grow_back_after = grow_back_after
-        self.checkpoint_modules = list(checkpoint_modules)
-        self.verbose = verbose
         self.loss_weighting.verbose = verbose
-        self.min_micro_batch_size = min_micro_batch_size
         #: Every failed attempt of this fit, in order (training and evaluation).
         self.failures: list[OOMFailure] = []
         self._k = 1
@@ -211,7 +263,7 @@ class OOMRecovery(MicroBatchUser, Callback):
         self._checkpointing = False
         #: The recovery ladder past more micro-batches, in order: activation checkpointing of
         #: ``checkpoint_modules`` (when given), then ``rungs``.
-        self.ladder: list[Rung] = list(rungs)
+        self.ladder: list[Rung] = list(options.rungs)
         if self.checkpoint_modules:
             self.ladder.insert(0, ActivationCheckpointing(self.checkpoint_modules))
         self._wait = grow_back_after

@@ -1,66 +1,59 @@
-"""PrecisionSwitch: the fastest precision the hardware does well, and a safe fallback on numerical trouble."""
+"""PrecisionSwitch: the fastest precision the hardware does well, and a safe fallback on numerical trouble.
+
+A thin callback: its decisions are ``precision_switching.py``'s (the choice, switching down and up, the resume,
+the non-finite guard's rule, the record), the ladder ``precision.py``'s, the plugins ``precision_plugins.py``'s
+and the global TF32 switch ``tf32_switch.py``'s.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import (
-    Strategy,
-)
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt._metrics import log_metrics
-from lightning_gpuopt._validate import choice, positive_int
+from lightning_gpuopt._validate import keep_options
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.microbatch import MicroBatchEngine, MicroBatchUser
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.precision import (
-    LADDER,
     DeviceInfo,
     StabilityWatch,
     StepOutcome,
     any_nonfinite,
-    check_ladder,
-    choose_precision,
     device_info,
-    enable_tf32,
-    fallback_ladder,
-    faster_rung,
-    fp8_available,
-    fsdp2_mixed_precision,
     grad_norms,
     precision_index,
-    restore_tf32,
     tf32_wanted,
-    unsupported_reason,
 )
-from lightning_gpuopt.precision_plugins import SpentScaler, is_faster, plugin_for, why_precision_fixed
+from lightning_gpuopt.precision_plugins import SpentScaler, plugin_for, why_precision_fixed
+from lightning_gpuopt.precision_switching import (
+    Initial,
+    PrecisionChange,
+    PrecisionSwitchOptions,
+    SwitchRecord,
+    check_ladder_runs,
+    fallback_note,
+    fallbacks,
+    fsdp2_policy_plan,
+    initial_precision,
+    switch_verdict,
+)
 from lightning_gpuopt.strategy import FSDP2Strategy
 from lightning_gpuopt.support import StrategyKind, strategy_kind
+from lightning_gpuopt.tf32_switch import restore_tf32, turn_on_tf32
 
-__all__ = ["PrecisionChange", "PrecisionSwitch"]
+__all__ = ["Initial", "PrecisionChange", "PrecisionSwitch", "PrecisionSwitchOptions"]
 
-#: What ``initial`` may be: the Trainer's own precision kept, the device's best, or a rung of the ladder.
-Initial = Literal["auto", "keep", "16-mixed", "bf16-mixed", "32-true"]
 _METRIC = "gpuopt/precision_index"
-
-
-@dataclass(frozen=True)
-class PrecisionChange:
-    """One change of precision during a fit, as :attr:`PrecisionSwitch.switches` lists it."""
-
-    step: int
-    before: str
-    after: str
-    reason: str
 
 
 class PrecisionSwitch(MicroBatchUser, Callback):
@@ -124,57 +117,26 @@ class PrecisionSwitch(MicroBatchUser, Callback):
         fsdp2_policy: bool = True,
         verbose: bool = True,
     ) -> None:
-        choice("initial", initial, Initial)
-        rungs = LADDER if ladder is None else check_ladder(ladder)
-        positive_int("patience", patience, unit="troubled steps in a row")
-        if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or not min_scale > 0:
-            raise ValueError(f"`min_scale` must be a number > 0, got {min_scale!r}")
-        positive_int("retry_after", retry_after, unit="optimizer steps", allow_none=True)
-        for name, value in (
-            ("rerun", rerun),
-            ("cpu_bf16", cpu_bf16),
-            ("tf32", tf32),
-            ("fp8", fp8),
-            ("fsdp2_policy", fsdp2_policy),
-            ("verbose", verbose),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}")
-        if fp8 and not fp8_available():
-            raise ImportError(
-                "PrecisionSwitch(fp8=True) needs NVIDIA Transformer Engine: `pip install transformer-engine[pytorch]` "
-                "(and a GPU with compute capability 8.9 or newer), or leave fp8=False."
-            )
-        self.initial = initial
-        self.ladder = rungs
-        self.patience = patience
-        self.min_scale = float(min_scale)
-        self.retry_after = retry_after
-        self.rerun = rerun
-        self.cpu_bf16 = cpu_bf16
-        self.tf32 = tf32
-        self.fp8 = fp8
-        self.fsdp2_policy = fsdp2_policy
-        self.verbose = verbose
+        options = PrecisionSwitchOptions(
+            initial=initial,
+            ladder=ladder,
+            patience=patience,
+            min_scale=min_scale,
+            retry_after=retry_after,
+            rerun=rerun,
+            cpu_bf16=cpu_bf16,
+            tf32=tf32,
+            fp8=fp8,
+            fsdp2_policy=fsdp2_policy,
+            verbose=verbose,
+        )
+        #: The arguments, checked (each is also an attribute of the same name).
+        self.options = options
+        keep_options(self, options)
         self._ladder_given = ladder is not None
-        self._reset_record()
-        self._reset_runtime()
-
-    def _reset_record(self) -> None:
-        """What the state dict carries: the precision and what happened to get there."""
-        #: Every change of precision of this fit (resumed ones included), in order.
-        self.switches: list[PrecisionChange] = []
-        #: Optimizer steps not applied: skipped by the GradScaler or held back for non-finite values.
-        self.skipped_steps = 0
-        #: Of :attr:`skipped_steps`, those held back by this callback (non-finite values without a GradScaler).
-        self.nonfinite_steps = 0
-        #: Batches run again in a new precision after a switch (``accumulate_grad_batches`` = 1).
-        self.rerun_batches = 0
-        self._precision: str | None = None
-        self._start: str | None = None
-        self._retry_interval = self.retry_after
-        self._last_switch_step: int | None = None
         self._resume: str | None = None
+        self._record = SwitchRecord(retry_after)
+        self._reset_runtime()
 
     def _reset_runtime(self) -> None:
         self._trainer: pl.Trainer | None = None
@@ -198,32 +160,34 @@ class PrecisionSwitch(MicroBatchUser, Callback):
     @property
     def precision(self) -> str | None:
         """The precision in force (``None`` before the first fit)."""
-        return self._precision
+        return self._record.precision
+
+    @property
+    def switches(self) -> list[PrecisionChange]:
+        """Every change of precision of this fit (resumed ones included), in order."""
+        return self._record.switches
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps not applied: skipped by the GradScaler or held back for non-finite values."""
+        return self._record.skipped_steps
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Of :attr:`skipped_steps`, those held back by this callback (non-finite values without a GradScaler)."""
+        return self._record.nonfinite_steps
+
+    @property
+    def rerun_batches(self) -> int:
+        """Batches run again in a new precision after a switch (``accumulate_grad_batches`` = 1)."""
+        return self._record.rerun_batches
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "precision": self._precision,
-            "start": self._start,
-            "switches": [[c.step, c.before, c.after, c.reason] for c in self.switches],
-            "skipped_steps": self.skipped_steps,
-            "nonfinite_steps": self.nonfinite_steps,
-            "rerun_batches": self.rerun_batches,
-            "retry_interval": self._retry_interval,
-            "last_switch_step": self._last_switch_step,
-        }
+        return self._record.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._precision = state_dict.get("precision")
-        self._resume = self._precision
-        self._start = state_dict.get("start")
-        self.switches = [
-            PrecisionChange(int(s), str(b), str(a), str(r)) for s, b, a, r in state_dict.get("switches", [])
-        ]
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.nonfinite_steps = int(state_dict.get("nonfinite_steps", 0))
-        self.rerun_batches = int(state_dict.get("rerun_batches", 0))
-        self._retry_interval = state_dict.get("retry_interval", self.retry_after)
-        self._last_switch_step = state_dict.get("last_switch_step")
+        self._record.load_state_dict(state_dict)
+        self._resume = self._record.precision
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -231,90 +195,56 @@ class PrecisionSwitch(MicroBatchUser, Callback):
         if stage != "fit":
             return
         if self._resume is None:  # a state loaded before this fit (not from its checkpoint) is kept
-            self._reset_record()
+            self._record = SwitchRecord(self.retry_after)
         self._reset_runtime()
         self._trainer = trainer
         strategy = trainer.strategy
         info = self._info = device_info(strategy.root_device)
         if self._ladder_given:
-            for rung in self.ladder:
-                why = unsupported_reason(rung, info)
-                if why is not None:
-                    others = tuple(r for r in self.ladder if r != rung)
-                    raise ValueError(
-                        f"`ladder` {self.ladder} names {rung!r}, which this device cannot run: {why}. "
-                        f"Leave it out (ladder={others}), or leave `ladder` unset for the device's own."
-                    )
+            check_ladder_runs(self.ladder, info)
         before = trainer.precision
-        if self.initial == "keep":
-            target, reason = before, f"initial='keep' on {info.label}"
-        elif self.initial == "auto":
-            choice = choose_precision(
-                info, cpu_bf16=self.cpu_bf16, fp8=self.fp8, fp8_installed=fp8_available()
-            )
-            target, reason = choice.precision, f"auto: {choice.reason}"
-        else:
-            why = unsupported_reason(self.initial, info)
-            if why is not None:
-                raise ValueError(
-                    f"`initial={self.initial!r}`: this device cannot run it ({why}). Use initial='auto' to pick "
-                    "the fastest precision the device runs natively."
-                )
-            target, reason = self.initial, f"initial={self.initial!r} on {info.label}"
+        target, reason = initial_precision(self.initial, before, info, cpu_bf16=self.cpu_bf16, fp8=self.fp8)
         if target != before:
             plugin = plugin_for(target, strategy)
             if plugin is None:
                 reason += f"; kept {before}: {type(strategy).__name__} cannot take {target}"
-                target = before
             else:
                 strategy.precision_plugin = plugin
-        self._precision = trainer.precision
-        if self._start is None:
-            self._start = self._precision
+        record = self._record
+        record.precision = trainer.precision
+        if record.start is None:
+            record.start = record.precision
         policy_note = self._set_fsdp2_policy(strategy, pl_module)
-        if tf32_wanted(info, self._precision, self.tf32):
-            self._tf32_previous = enable_tf32()
+        if tf32_wanted(info, record.precision, self.tf32):
+            self._tf32_previous = turn_on_tf32()
         self._why_fixed = why_precision_fixed(strategy, pl_module)
-        change = f"{before} → {self._precision}" if self._precision != before else self._precision
+        change = f"{before} → {record.precision}" if record.precision != before else record.precision
+        tf32_note = "TF32 matmuls on (torch.backends.cuda.matmul), restored at teardown"
         self._say(
             f"PrecisionSwitch: precision {change} ({reason})",
             policy_note,
-            self._tf32_note(),
-            self._fallback_note(),
+            tf32_note if self._tf32_previous is not None else "",
+            fallback_note(self._why_fixed, self._policy, record.precision, self._fallbacks()),
         )
 
     def _set_fsdp2_policy(self, strategy: Strategy, pl_module: pl.LightningModule) -> str:
         """Under the pack's FSDP2Strategy, hand ``bf16-mixed`` to FSDP2's ``MixedPrecisionPolicy`` (before it shards)."""
         if not isinstance(strategy, FSDP2Strategy) or strategy_kind(strategy) is not StrategyKind.FSDP2:
             return ""
-        policy = fsdp2_mixed_precision(self._precision)
-        if strategy.mp_policy is not None and strategy.mp_policy != policy:
-            self._policy = (
-                f"FSDP2Strategy's own mp_policy ({strategy.mp_policy}) is fixed once the model is sharded"
-            )
-            return f"FSDP2: the strategy's own mp_policy kept ({strategy.mp_policy})"
-        if policy is None:
-            return ""
-        if is_overridden("configure_model", pl_module):
-            return (
-                f"{type(pl_module).__name__} shards itself in configure_model: {self._precision} is autocast over "
-                "its own sharding (pass `mp_policy=` to your fully_shard calls for bfloat16 all-gathers)"
-            )
-        if not self.fsdp2_policy:
-            return "FSDP2: bfloat16 autocast over float32 sharded parameters (fsdp2_policy=False)"
-        strategy.mp_policy = policy
-        self._policy = (
-            "FSDP2's MixedPrecisionPolicy is fixed once the model is sharded (fsdp2_policy=False: bfloat16 "
-            "autocast over float32 parameters, which can fall back at runtime)"
-        )
-        return "FSDP2 MixedPrecisionPolicy: bfloat16 parameters all-gathered, float32 reductions"
+        shards_itself = type(pl_module).__name__ if is_overridden("configure_model", pl_module) else None
+        plan = fsdp2_policy_plan(self._record.precision, strategy.mp_policy, shards_itself, self.fsdp2_policy)
+        if plan.policy is not None:
+            strategy.mp_policy = plan.policy
+        self._policy = plan.fixed
+        return plan.note
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trainer is not trainer:
             return
         self._resume_precision(trainer)
-        if self._start is None:
-            self._start = self._precision
+        record = self._record
+        if record.start is None:
+            record.start = record.precision
         if self._why_fixed is not None:
             return
         if any(isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers):
@@ -324,7 +254,7 @@ class PrecisionSwitch(MicroBatchUser, Callback):
         self._hook = OptimizerStepHook.attach(trainer, self)
         self._hook.add_guard(self._guard)
         self._watching = True
-        can_switch = bool(self._fallbacks(self._start)) or self._start != self._precision
+        can_switch = bool(self._fallbacks(record.start)) or record.start != record.precision
         if self.rerun and can_switch and trainer.accumulate_grad_batches == 1:
             try:
                 engine = MicroBatchEngine.attach(trainer, self)
@@ -338,9 +268,10 @@ class PrecisionSwitch(MicroBatchUser, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._trainer is trainer and self._precision != self._logged:
-            self._logged = self._precision
-            log_metrics(trainer, {_METRIC: float(precision_index(self._precision))})
+        precision = self._record.precision
+        if self._trainer is trainer and precision != self._logged:
+            self._logged = precision
+            log_metrics(trainer, {_METRIC: float(precision_index(precision))})
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._watching:
@@ -368,14 +299,19 @@ class PrecisionSwitch(MicroBatchUser, Callback):
         if applied:
             self._watch.record(StepOutcome(applied=True))
             self._maybe_retry(trainer)
-            return
+        else:
+            self._not_applied(trainer, losses)
+
+    def _not_applied(self, trainer: pl.Trainer, losses: list[Tensor]) -> None:
+        """A step not applied: count it; switch down when the watch says so, else say it was held back."""
         # A step not applied is the same event on every rank (all-reduced gradients): read what is known once.
         scaler = self._scaler()
         loss_finite = not self._agreed(any_nonfinite(losses, trainer.strategy.root_device))[0]
         scale = float(scaler.get_scale()) if scaler is not None else None
-        self.skipped_steps += 1
+        record = self._record
+        record.skipped_steps += 1
         if scaler is None:
-            self.nonfinite_steps += 1
+            record.nonfinite_steps += 1
         outcome = StepOutcome(applied=False, scaler=scaler is not None, loss_finite=loss_finite, scale=scale)
         reason = self._watch.observe(outcome)
         if trainer.strategy.reduce_boolean_decision(reason is not None, all=False):
@@ -383,7 +319,7 @@ class PrecisionSwitch(MicroBatchUser, Callback):
         elif scaler is None:
             what = "loss" if not loss_finite else "gradients"
             held = (
-                f"step {trainer.global_step - 1} not applied: non-finite {what} in {self._precision} "
+                f"step {trainer.global_step - 1} not applied: non-finite {what} in {record.precision} "
                 f"({self._watch.consecutive} in a row; patience {self.patience})"
             )
             record_decision(
@@ -397,15 +333,8 @@ class PrecisionSwitch(MicroBatchUser, Callback):
             self._say(f"PrecisionSwitch: {held}")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._trainer is not trainer or not (self.switches or self.skipped_steps):
-            return
-        scaler_skips = self.skipped_steps - self.nonfinite_steps
-        self._say(
-            f"PrecisionSwitch: fit ended in {self._precision} after {len(self.switches)} switch"
-            f"{'es' if len(self.switches) != 1 else ''}; {self.skipped_steps} optimizer step(s) not applied "
-            f"({scaler_skips} skipped by the GradScaler, {self.nonfinite_steps} held back for non-finite values), "
-            f"{self.rerun_batches} batch(es) run again"
-        )
+        if self._trainer is trainer:
+            self._say(self._record.summary() or "")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._trainer is not trainer:
@@ -462,15 +391,13 @@ class PrecisionSwitch(MicroBatchUser, Callback):
                 [any_nonfinite([loss], device), any_nonfinite(grad_norms(self._grads(optimizer)), device)]
             )
         )
-        if not (loss_bad or grads_bad):
-            return False
-        predicted = None
-        if scaler is not None and self._watch.last_scale is not None:
-            predicted = self._watch.last_scale * scaler.get_backoff_factor()
-        outcome = StepOutcome(
-            applied=False, scaler=scaler is not None, loss_finite=not loss_bad, scale=predicted
+        reason = switch_verdict(
+            self._watch,
+            scaler=scaler is not None,
+            loss_bad=loss_bad,
+            grads_bad=grads_bad,
+            backoff=scaler.get_backoff_factor() if scaler is not None else None,
         )
-        reason = self._watch.verdict(outcome)
         # Same inputs on every rank (all-reduced flags, the same history): the same answer everywhere.
         if reason is None or not self._fallbacks():
             return False  # the step is skipped or held back, and counted (or raises) at the batch's end
@@ -483,31 +410,17 @@ class PrecisionSwitch(MicroBatchUser, Callback):
     def _switch_down(
         self, trainer: pl.Trainer, reason: str, rerun: bool, batch_idx: int | None = None
     ) -> None:
-        before = self._precision
-        rungs = self._fallbacks()
-        if not rungs:
-            if self._policy is not None:
-                raise FloatingPointError(
-                    f"PrecisionSwitch: {reason} in {before}, and there is no precision to fall back to: {self._policy}. "
-                    "Check the learning rate, the data "
-                    "(inf/NaN inputs or labels) and the loss; or raise `patience` to skip more bad steps."
-                )
-            raise FloatingPointError(
-                f"PrecisionSwitch: {reason} in {before}, and no more stable precision is left "
-                f"(ladder {self.ladder}). This is not a precision problem: check the learning rate, the data "
-                "(inf/NaN inputs or labels) and the loss; or raise `patience` to skip more bad steps."
-            )
+        record = self._record
+        before = record.precision
+        target = record.down_target(reason, self._fallbacks(), self.ladder, self._policy)
         step = trainer.global_step
-        last = self.switches[-1] if self.switches else None
-        if last is not None and self._retry_interval and is_faster(last.after, last.before):
-            self._retry_interval *= 2  # the faster precision failed again: wait longer before the next try
         old = trainer.precision_plugin
-        self._install(trainer, rungs[0], reason)
+        self._install(trainer, target, reason)
         if rerun:
             if getattr(old, "scaler", None) is not None:
                 old.scaler = SpentScaler()  # its optimizer step is still running, on the new gradients
-            self.rerun_batches += 1
-            what = f"batch {batch_idx} runs again in {rungs[0]}"
+            record.rerun_batches += 1
+            what = f"batch {batch_idx} runs again in {target}"
         else:
             accumulate = trainer.accumulate_grad_batches
             what = (
@@ -515,46 +428,39 @@ class PrecisionSwitch(MicroBatchUser, Callback):
                 if accumulate == 1
                 else f"the window of step {step - 1} ({accumulate} batches) was not applied"
             )
-            what += f" ({self.skipped_steps} step(s) not applied in this fit)"
-        self._say(f"PrecisionSwitch: precision {before} → {rungs[0]} at step {step}: {reason}; {what}")
+            what += f" ({record.skipped_steps} step(s) not applied in this fit)"
+        self._say(f"PrecisionSwitch: precision {before} → {target} at step {step}: {reason}; {what}")
 
     def _maybe_retry(self, trainer: pl.Trainer) -> None:
-        if self.retry_after is None or self._precision == self._start or self._last_switch_step is None:
-            return
-        if trainer.global_step - self._last_switch_step < self._retry_interval:
-            return
-        target = faster_rung(self._precision, self._start, self.ladder, self._info)
+        record = self._record
+        target = record.retry_target(trainer.global_step, self.ladder, self._info)
         if target is None or not trainer.strategy.reduce_boolean_decision(True, all=True):
             return
-        before = self._precision
-        reason = f"trying the faster precision again after {self._retry_interval} stable steps"
+        before = record.precision
+        reason = f"trying the faster precision again after {record.retry_interval} stable steps"
         self._install(trainer, target, reason)
         self._say(f"PrecisionSwitch: precision {before} → {target} at step {trainer.global_step}: {reason}")
 
     def _install(self, trainer: pl.Trainer, precision: str, reason: str) -> None:
         trainer.strategy.precision_plugin = plugin_for(precision, trainer.strategy)
-        self.switches.append(PrecisionChange(trainer.global_step, self._precision, precision, reason))
+        before = self._record.precision
         record_decision(
             trainer,
             "precision",
             "PrecisionSwitch",
-            f"precision {self._precision} -> {precision}: {reason}",
-            before=self._precision,
+            f"precision {before} -> {precision}: {reason}",
+            before=before,
             after=precision,
         )
         engine = MicroBatchEngine.get(trainer)
         if engine is not None:  # under torch.compile the next step may recompile for the new autocast state
-            engine.expect_recompile(f"precision switch {self._precision} → {precision}")
-        self._precision = precision
-        self._last_switch_step = trainer.global_step
+            engine.expect_recompile(f"precision switch {before} → {precision}")
+        self._record.switched(trainer.global_step, precision, reason)
         self._watch.reset()
 
     def _resume_precision(self, trainer: pl.Trainer) -> None:
         restored, self._resume = self._resume, None
-        if restored is None:
-            self._precision = trainer.precision
-            return
-        if restored != trainer.precision:
+        if restored is not None and restored != trainer.precision:
             fixed = self._why_fixed or self._policy
             plugin = plugin_for(restored, trainer.strategy) if fixed is None else None
             if plugin is None:
@@ -566,15 +472,13 @@ class PrecisionSwitch(MicroBatchUser, Callback):
                 before = trainer.precision
                 trainer.strategy.precision_plugin = plugin
                 self._say(f"PrecisionSwitch: precision {before} → {restored} (restored from the checkpoint)")
-        self._precision = trainer.precision
+        self._record.precision = trainer.precision
 
     # ------------------------------------------------------------------ helpers
 
     def _fallbacks(self, current: str | None = None) -> tuple[str, ...]:
         """The precisions this run can still fall back to from ``current`` (default: the one in force)."""
-        if self._policy is not None:
-            return ()
-        return fallback_ladder(current or self._precision, self.ladder, self._info)
+        return fallbacks(current or self._record.precision, self.ladder, self._info, self._policy)
 
     def _scaler(self) -> Any:
         return getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
@@ -596,21 +500,8 @@ class PrecisionSwitch(MicroBatchUser, Callback):
             flags = trainer.strategy.reduce(flags.clone(), reduce_op="sum")
         return [value > 0 for value in flags.reshape(-1).tolist()]
 
-    def _tf32_note(self) -> str:
-        if self._tf32_previous is not None:
-            return "TF32 matmuls on (torch.backends.cuda.matmul), restored at teardown"
-        return ""
-
-    def _fallback_note(self) -> str:
-        if self._why_fixed is not None:
-            return f"no runtime fallback: {self._why_fixed}"
-        if self._policy is not None:
-            return f"no runtime fallback: {self._policy}; non-finite steps are held back on every rank"
-        rungs = self._fallbacks()
-        if not rungs:
-            return f"no more stable precision below {self._precision}: non-finite steps are held back"
-        return f"falls back to {' → '.join(rungs)} on persistent non-finite values"
-
     def _say(self, *parts: str) -> None:
         if self.verbose:
-            rank_zero_info("; ".join(p for p in parts if p))
+            line = "; ".join(p for p in parts if p)
+            if line:
+                rank_zero_info(line)

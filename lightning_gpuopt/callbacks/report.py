@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
@@ -43,7 +44,47 @@ from lightning_gpuopt.report import (
     write_report,
 )
 
-__all__ = ["GPUOptReport"]
+__all__ = ["GPUOptReport", "GPUOptReportOptions"]
+
+
+@dataclass(frozen=True)
+class GPUOptReportOptions:
+    """GPUOptReport's arguments, checked once (:class:`GPUOptReport` documents each); ``fields`` becomes a tuple."""
+
+    dirpath: str | None = None
+    plot: bool | Literal["auto"] = "auto"
+    table: bool = True
+    every_n_steps: int = 1
+    peak_flops: float | None = None
+    fields: Sequence[ReportField] = ()
+    memory_history: bool | Literal["after-oom"] = "after-oom"
+    history_entries: int = 100_000
+    max_oom_files: int = 5
+
+    def __post_init__(self) -> None:
+        plot, table, every_n_steps, peak_flops = self.plot, self.table, self.every_n_steps, self.peak_flops
+        if plot != "auto" and not isinstance(plot, bool):
+            raise ValueError(f"`plot` must be True, False or 'auto', got {plot!r}")
+        if not isinstance(table, bool):
+            raise ValueError(f"`table` must be True or False, got {table!r}")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}")
+        if peak_flops is not None and (
+            isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0
+        ):
+            raise ValueError(f"`peak_flops` must be a positive number of FLOP/s or None, got {peak_flops!r}")
+        fields = tuple(self.fields)
+        if not all(isinstance(f, ReportField) for f in fields):
+            raise ValueError(
+                f"`fields` must be ReportField objects, got {[type(f).__name__ for f in fields]}"
+            )
+        names = [f.name for f in fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"`fields` must have distinct names, got {names}")
+        _validate.choice("memory_history", self.memory_history, (True, False, "after-oom"))
+        _validate.positive_int("history_entries", self.history_entries, unit="allocation events")
+        _validate.positive_int("max_oom_files", self.max_oom_files, unit="files per rank")
+        object.__setattr__(self, "fields", fields)
 
 
 class GPUOptReport(Callback):
@@ -105,36 +146,20 @@ class GPUOptReport(Callback):
         history_entries: int = 100_000,
         max_oom_files: int = 5,
     ) -> None:
-        if plot != "auto" and not isinstance(plot, bool):
-            raise ValueError(f"`plot` must be True, False or 'auto', got {plot!r}")
-        if not isinstance(table, bool):
-            raise ValueError(f"`table` must be True or False, got {table!r}")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}")
-        if peak_flops is not None and (
-            isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0
-        ):
-            raise ValueError(f"`peak_flops` must be a positive number of FLOP/s or None, got {peak_flops!r}")
-        fields = tuple(fields)
-        if not all(isinstance(f, ReportField) for f in fields):
-            raise ValueError(
-                f"`fields` must be ReportField objects, got {[type(f).__name__ for f in fields]}"
-            )
-        names = [f.name for f in fields]
-        if len(set(names)) != len(names):
-            raise ValueError(f"`fields` must have distinct names, got {names}")
-        _validate.choice("memory_history", memory_history, (True, False, "after-oom"))
-        _validate.positive_int("history_entries", history_entries, unit="allocation events")
-        _validate.positive_int("max_oom_files", max_oom_files, unit="files per rank")
-        self.memory_history = memory_history
-        self.history_entries = history_entries
-        self.max_oom_files = max_oom_files
-        self.fields = fields
-        self.peak_flops = peak_flops
-        self.dirpath = dirpath
-        self.plot = plot
-        self.table = table
-        self.every_n_steps = every_n_steps
+        options = GPUOptReportOptions(
+            dirpath=dirpath,
+            plot=plot,
+            table=table,
+            every_n_steps=every_n_steps,
+            peak_flops=peak_flops,
+            fields=fields,
+            memory_history=memory_history,
+            history_entries=history_entries,
+            max_oom_files=max_oom_files,
+        )
+        #: The arguments, checked (each is also an attribute of the same name).
+        self.options = options
+        _validate.keep_options(self, options)
         #: The record of the last ``fit`` (what ``gpuopt_report.json`` holds); empty before.
         self.report: dict[str, Any] = {}
         #: Where the last ``fit`` wrote its JSON and PNG (``None`` for a picture not drawn).

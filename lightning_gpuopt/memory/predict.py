@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 
+# over 80 lines: the public docstring documents its 11 arguments, with a doctest
 def predict_peak(
     model: nn.Module,
     batch: Any,
@@ -119,14 +120,7 @@ def predict_peak(
     layout = layout or ParallelLayout()
     weight_dtype, autocast_dtype = precision_dtypes(precision)
     dev = torch.device(device)
-    workspaces = StepWorkspaces(workspace_bytes or 0, 0)
-    if dev.type == "cuda":
-        from lightning_gpuopt.memory.allocator import cuda_block_bytes
-
-        rounding = rounding or cuda_block_bytes
-        if workspace_bytes is None:
-            held = [*model.parameters(), *model.buffers()]
-            workspaces = workspaces_for(dev, held + [p.grad for p in held if p.grad is not None])
+    rounding, workspaces = _allocator_of(dev, model, rounding, workspace_bytes)
     n = samples_in(batch)
     if optimizer is None and not callable(getattr(model, "configure_optimizers", None)):
         raise ValueError(
@@ -136,11 +130,10 @@ def predict_peak(
     # with the CPU's kernels (the same saved tensors for matmuls and attention, in the same dtypes).
     traced_on = dev if dev.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     state = FakeState(model, traced_on, weight_dtype)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     scratch, scratch_note = _kernel_scratch(kernel_scratch, dev, traced_on)
     counter = StorageCounter(traced_on.type, rounding, scratch)
     try:
-        with fake_mode:
+        with FakeTensorMode(allow_non_fake_inputs=False):
             state.swap()
             inputs = fake_batch(batch, traced_on, weight_dtype)
             with counter:
@@ -164,28 +157,7 @@ def predict_peak(
         return _estimated(model, batch, optimizer, precision, layout, n, dev, err)
     finally:
         state.restore()
-    phases = []
-    for peak, state_at, transient in counter.phase_peaks:
-        categories, modules = counter.peak_breakdown(state_at)
-        phase, step_index, module, host, _, _ = state_at
-        if phase is not Phase.OTHER:
-            # The backward's workspace (autograd's thread) is taken in the first backward and kept.
-            first_forward = phase is Phase.FORWARD and step_index == 1
-            extra = workspaces.forward + (0 if first_forward else workspaces.backward)
-            categories[MemoryCategory.WORKSPACES.value] += extra
-            modules = {**modules, "": modules.get("", 0) + extra} if extra else modules
-            phases.append(
-                PhasePeak(
-                    phase.value,
-                    step_index,
-                    peak + extra,
-                    categories,
-                    modules,
-                    module,
-                    host,
-                    transient,
-                )
-            )
+    phases = _phase_peaks(counter, workspaces)
     best = max(phases, key=lambda ph: ph.peak_bytes)
     return PeakPrediction(
         **best.at_peak(),
@@ -193,31 +165,67 @@ def predict_peak(
         batch_size=n,
         method=PredictionMethod.TRACED,
         device=dev.type,
-        decision="; ".join(
-            (
-                [f"traced with {traced_on.type} kernels (no {dev.type} device here)"]
-                if traced_on != dev
-                else []
-            )
-            + (
-                [
-                    f"data-dependent values guessed ({', '.join(sorted(counter.guessed))}): masks taken as checked, counts as 1"
-                ]
-                if counter.guessed
-                else []
-            )
-            + ([scratch_note] if scratch_note else [])
-            + (
-                [
-                    "kernel scratch not measured for "
-                    + ", ".join(f"{op} ({why})" for op, why in sorted(scratch.skipped.items()))
-                ]
-                if scratch is not None and scratch.skipped
-                else []
-            )
-        )
-        or None,
+        decision=_traced_decision(dev, traced_on, counter, scratch, scratch_note),
     )
+
+
+def _allocator_of(
+    dev: torch.device, model: nn.Module, rounding: Callable[[int], int] | None, workspace_bytes: int | None
+) -> tuple[Callable[[int], int] | None, StepWorkspaces]:
+    """The device's rounding of a request and the kernel workspaces of a step (CUDA's when not given)."""
+    workspaces = StepWorkspaces(workspace_bytes or 0, 0)
+    if dev.type == "cuda":
+        from lightning_gpuopt.memory.allocator import cuda_block_bytes
+
+        rounding = rounding or cuda_block_bytes
+        if workspace_bytes is None:
+            held = [*model.parameters(), *model.buffers()]
+            workspaces = workspaces_for(dev, held + [p.grad for p in held if p.grad is not None])
+    return rounding, workspaces
+
+
+def _phase_peaks(counter: StorageCounter, workspaces: StepWorkspaces) -> list[PhasePeak]:
+    """The peak of each phase of each traced step, with the kernel workspaces alive in it."""
+    phases = []
+    for peak, state_at, transient in counter.phase_peaks:
+        categories, modules = counter.peak_breakdown(state_at)
+        phase, step_index, module, host, _, _ = state_at
+        if phase is Phase.OTHER:
+            continue
+        # The backward's workspace (autograd's thread) is taken in the first backward and kept.
+        first_forward = phase is Phase.FORWARD and step_index == 1
+        extra = workspaces.forward + (0 if first_forward else workspaces.backward)
+        categories[MemoryCategory.WORKSPACES.value] += extra
+        modules = {**modules, "": modules.get("", 0) + extra} if extra else modules
+        phases.append(
+            PhasePeak(phase.value, step_index, peak + extra, categories, modules, module, host, transient)
+        )
+    return phases
+
+
+def _traced_decision(
+    dev: torch.device,
+    traced_on: torch.device,
+    counter: StorageCounter,
+    scratch: Any,
+    scratch_note: str | None,
+) -> str | None:
+    """What a traced prediction should say about how it was made (``None``: nothing)."""
+    notes = []
+    if traced_on != dev:
+        notes.append(f"traced with {traced_on.type} kernels (no {dev.type} device here)")
+    if counter.guessed:
+        notes.append(
+            f"data-dependent values guessed ({', '.join(sorted(counter.guessed))}): masks taken as checked, counts as 1"
+        )
+    if scratch_note:
+        notes.append(scratch_note)
+    if scratch is not None and scratch.skipped:
+        notes.append(
+            "kernel scratch not measured for "
+            + ", ".join(f"{op} ({why})" for op, why in sorted(scratch.skipped.items()))
+        )
+    return "; ".join(notes) or None
 
 
 def _kernel_scratch(

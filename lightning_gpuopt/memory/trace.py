@@ -90,25 +90,42 @@ def trace_step(
     dev: torch.device,
     target_cuda: bool,
 ) -> None:
-    import warnings
-
+    """Trace two training steps of ``model`` on the fake ``batch`` into ``counter``, ``layout`` emulated."""
     params = [p for p in dict.fromkeys(model.parameters())]
-    world = layout.shard_size
-    sharded = layout.sharded
-    offload = layout.cpu_offload
-    # --- what exists before the first step: parameters, buffers, the batch, DDP's buckets ---
+    _count_held(model, params, batch, layout, state, counter)
+    emulation = _Emulation(model, layout, counter, dev)
+    handles = emulation.install(model, [p for p in params if p.requires_grad])
+    try:
+        opt = build_optimizer(model, optimizer, state, counter)
+        if target_cuda:
+            for group in opt.param_groups:  # on CUDA, torch's optimizers default to their foreach kernels
+                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                    group["foreach"] = True
+        _first_step(model, batch, step, opt, emulation, autocast_dtype)
+    finally:
+        for h in handles:
+            h.remove()
+        counter.module_stack.clear()
+
+
+def _count_held(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    batch: Any,
+    layout: ParallelLayout,
+    state: FakeState,
+    counter: StorageCounter,
+) -> None:
+    """Count what exists before the first step: parameters (sharded, offloaded), buffers, tensor attributes, the batch."""
     for p in params:
         counter.add(
             p,
             MemoryCategory.PARAMETERS,
-            nbytes=_shard_bytes(p, world) if sharded else None,
-            host=offload,
+            nbytes=_shard_bytes(p, layout.shard_size) if layout.sharded else None,
+            host=layout.cpu_offload,
             module="",
         )
-    param_owner = {}
     for name, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            param_owner.setdefault(id(p), name)
         for b in module.buffers(recurse=False):
             counter.add(b, MemoryCategory.BUFFERS, module=name)
     for t in state.attributes:  # plain tensor attributes' storages: held like buffers
@@ -116,153 +133,173 @@ def trace_step(
     state.attributes = []  # the module holds them: replaced during the step, they are freed
     for t in tensors(batch):
         counter.add(t, MemoryCategory.INPUTS, module="")
-    keep: list[Any] = []
-    trainable = [p for p in params if p.requires_grad]
-    bucket_views: dict[int, torch.Tensor] = {}
-    if layout.kind == "ddp":
-        for size, members in _ddp_buckets(trainable, layout.bucket_cap_bytes):
-            flat = torch.empty(size // members[0].element_size(), dtype=members[0].dtype, device=dev)
-            counter.update(flat, MemoryCategory.GRADIENTS, module="")
-            keep.append(flat)
+
+
+class _Emulation:
+    """The hooks that emulate the strategy during the trace: the module stack, FSDP2's units gathered and
+    released, gradients classified when accumulated (DDP copies them into its buckets, FSDP2 reduce-scatters).
+    """
+
+    def __init__(self, model: nn.Module, layout: ParallelLayout, counter: StorageCounter, dev: torch.device):
+        self.layout, self.counter, self.dev = layout, counter, dev
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.units = _fsdp_units(model, layout.units) if layout.sharded else []
+        self.unit_of = {id(u): (name, u) for name, u in self.units}
+        self.unit_params = {id(p): (name, u) for name, u in self.units for p in u.parameters()}
+        self.pending: dict[int, int] = {id(u): len(list(u.parameters())) for _, u in self.units}
+        self.gathered: dict[int, torch.Tensor] = {}
+        self.bucket_views: dict[int, torch.Tensor] = {}
+        self.buckets: list[torch.Tensor] = []  # DDP's flat buckets, alive through the step
+
+    def install(self, model: nn.Module, trainable: list[nn.Parameter]) -> list[Any]:
+        """DDP's buckets made, every hook registered; returns the handles to remove."""
+        if self.layout.kind == "ddp":
+            self._make_buckets(trainable)
+        handles = []
+        for m in model.modules():
+            handles.append(m.register_forward_pre_hook(self.pre_hook))
+            handles.append(m.register_forward_hook(self.post_hook))
+        for p in trainable:
+            handles.append(p.register_post_accumulate_grad_hook(self.grad_ready))
+        return handles
+
+    def _make_buckets(self, trainable: list[nn.Parameter]) -> None:
+        for size, members in _ddp_buckets(trainable, self.layout.bucket_cap_bytes):
+            flat = torch.empty(size // members[0].element_size(), dtype=members[0].dtype, device=self.dev)
+            self.counter.update(flat, MemoryCategory.GRADIENTS, module="")
+            self.buckets.append(flat)
             offset = 0
             for p in members:
-                bucket_views[id(p)] = flat[offset : offset + p.numel()].view_as(p)
+                self.bucket_views[id(p)] = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
 
-    # --- module stack (forward hooks; the backward is one phase) and FSDP2 units ---
-    names = {id(m): name for name, m in model.named_modules()}
-    units = _fsdp_units(model, layout.units) if sharded else []
-    unit_of = {id(u): (name, u) for name, u in units}
-    gathered: dict[int, torch.Tensor] = {}
-
-    def gather(unit: nn.Module, name: str) -> None:
-        if id(unit) in gathered:
+    def gather(self, unit: nn.Module, name: str) -> None:
+        if id(unit) in self.gathered:
             return
         numel = sum(p.numel() for p in unit.parameters())
         dtype = next(unit.parameters()).dtype
-        buf = torch.empty(numel, dtype=dtype, device=dev)
-        counter.update(buf, MemoryCategory.GATHERED, host=False, module=name)
-        gathered[id(unit)] = buf
+        buf = torch.empty(numel, dtype=dtype, device=self.dev)
+        self.counter.update(buf, MemoryCategory.GATHERED, host=False, module=name)
+        self.gathered[id(unit)] = buf
 
-    def release(unit: nn.Module) -> None:
-        gathered.pop(id(unit), None)
+    def release(self, unit: nn.Module) -> None:
+        self.gathered.pop(id(unit), None)
 
-    def pre_hook(module: nn.Module, args: Any) -> None:
-        counter.module_stack.append(names.get(id(module), ""))
-        if id(module) in unit_of:
-            gather(module, unit_of[id(module)][0])
+    def release_all(self) -> None:
+        for _, u in self.units:
+            self.release(u)
 
-    def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    def pre_hook(self, module: nn.Module, args: Any) -> None:
+        counter = self.counter
+        counter.module_stack.append(self.names.get(id(module), ""))
+        if id(module) in self.unit_of:
+            self.gather(module, self.unit_of[id(module)][0])
+
+    def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        counter = self.counter
         if counter.module_stack:
             counter.module_stack.pop()
-        if id(module) in unit_of and not counter.in_backward:
-            if layout.reshard_after_forward:
-                release(module)
-            name = unit_of[id(module)][0]
+        if id(module) in self.unit_of and not counter.in_backward:
+            if self.layout.reshard_after_forward:
+                self.release(module)
+            name = self.unit_of[id(module)][0]
             # The unit is gathered again when the gradient of its output arrives, before its own backward.
             for t in tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda g, module=module, name=name: gather(module, name))
+                    t.register_hook(lambda g, module=module, name=name: self.gather(module, name))
 
-    handles = []
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(pre_hook))
-        handles.append(m.register_forward_hook(post_hook))
-
-    # --- gradients: classified when accumulated; DDP copies them into buckets, FSDP2 reduce-scatters ---
-    unit_params = {id(p): (name, u) for name, u in units for p in u.parameters()}
-    pending: dict[int, int] = {id(u): len(list(u.parameters())) for _, u in units}
-
-    def grad_ready(p: nn.Parameter) -> None:
-        g = p.grad
+    def grad_ready(self, p: nn.Parameter) -> None:
+        g, layout, counter = p.grad, self.layout, self.counter
         if g is None:
             return
         if layout.kind == "ddp":
-            view = bucket_views.get(id(p))
+            view = self.bucket_views.get(id(p))
             if view is not None:
                 view.copy_(g)
                 if layout.gradient_as_bucket_view:
                     p.grad = view
                     return
-        if sharded:
-            _, unit = unit_params[id(p)]
-            pending[id(unit)] -= 1
+        if not layout.sharded:
             counter.update(g, MemoryCategory.GRADIENTS)
-            if pending[id(unit)] == 0:  # the unit's backward is done: reduce-scatter its gradients
-                release(unit)
-                for q in unit.parameters():
-                    if q.grad is not None:
-                        counter.update(
-                            q.grad, MemoryCategory.GRADIENTS, nbytes=_shard_bytes(q.grad, world), host=offload
-                        )
             return
+        _, unit = self.unit_params[id(p)]
+        self.pending[id(unit)] -= 1
         counter.update(g, MemoryCategory.GRADIENTS)
+        if self.pending[id(unit)] == 0:  # the unit's backward is done: reduce-scatter its gradients
+            self.release(unit)
+            for q in unit.parameters():
+                if q.grad is not None:
+                    counter.update(
+                        q.grad,
+                        MemoryCategory.GRADIENTS,
+                        nbytes=_shard_bytes(q.grad, layout.shard_size),
+                        host=layout.cpu_offload,
+                    )
 
-    for p in trainable:
-        handles.append(p.register_post_accumulate_grad_hook(grad_ready))
 
-    try:
-        opt = build_optimizer(model, optimizer, state, counter)
-        if target_cuda:
-            for group in opt.param_groups:  # on CUDA, torch's optimizers default to their foreach kernels
-                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                    group["foreach"] = True
-        counter.step = 1
-        grads_before = counter.by_category.get(MemoryCategory.GRADIENTS, 0)
-        counter.start_phase(Phase.FORWARD)
-        ctx = (
-            torch.autocast(dev.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else contextlib.nullcontext()
+def _first_step(
+    model: nn.Module,
+    batch: Any,
+    step: Callable[[nn.Module, Any], Any] | None,
+    opt: torch.optim.Optimizer,
+    emulation: _Emulation,
+    autocast_dtype: torch.dtype | None,
+) -> None:
+    """Run the first step in Lightning's order, phase by phase, and add what the second one holds more."""
+    import warnings
+
+    counter, layout, dev = emulation.counter, emulation.layout, emulation.dev
+    counter.step = 1
+    grads_before = counter.by_category.get(MemoryCategory.GRADIENTS, 0)
+    counter.start_phase(Phase.FORWARD)
+    ctx = (
+        torch.autocast(dev.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with ctx, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _run_step(model, batch, step)
+    loss = _loss_of(out)
+    if loss is None:
+        raise PredictionInputError(
+            "The training step must return a loss (a tensor, a dict with 'loss', or an object with "
+            f"`.loss`), got {type(out).__name__}: pass `step=` returning the loss"
         )
-        with ctx, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = _run_step(model, batch, step)
-        loss = _loss_of(out)
-        if loss is None:
-            raise PredictionInputError(
-                "The training step must return a loss (a tensor, a dict with 'loss', or an object with "
-                f"`.loss`), got {type(out).__name__}: pass `step=` returning the loss"
-            )
-        counter.start_phase(Phase.OTHER)
-        opt.zero_grad(set_to_none=True)
-        counter.start_phase(Phase.BACKWARD)
-        counter.in_backward = True
-        loss.backward()
-        counter.in_backward = False
-        del loss, out
-        for _, u in units:
-            release(u)
-        counter.start_phase(Phase.OPTIMIZER)
-        if sharded:
-            counter.scale = world
-            counter.host_phase = offload
-        opt.step()
-        counter.scale = 1
-        counter.host_phase = False
-        for st in opt.state.values():
-            for v in st.values() if isinstance(st, Mapping) else ():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    counter.update(v, MemoryCategory.OPTIMIZER_STATE)
-        counter.start_phase(Phase.OTHER)
-        # The second step runs the same operators with more alive: the first step's gradients during
-        # its forward (zero_grad comes after it, Lightning's order), the optimizer state throughout,
-        # and no state to create in its optimizer step.
-        state_bytes = counter.by_category.get(MemoryCategory.OPTIMIZER_STATE, 0)
-        grads_bytes = counter.by_category.get(MemoryCategory.GRADIENTS, 0) - grads_before
-        counter.add_second_step(
-            {
-                Phase.FORWARD: {
-                    MemoryCategory.GRADIENTS: grads_bytes,
-                    MemoryCategory.OPTIMIZER_STATE: state_bytes,
-                },
-                Phase.BACKWARD: {MemoryCategory.OPTIMIZER_STATE: state_bytes},
-            }
-        )
-    finally:
-        for h in handles:
-            h.remove()
-        counter.module_stack.clear()
+    counter.start_phase(Phase.OTHER)
+    opt.zero_grad(set_to_none=True)
+    counter.start_phase(Phase.BACKWARD)
+    counter.in_backward = True
+    loss.backward()
+    counter.in_backward = False
+    del loss, out
+    emulation.release_all()
+    counter.start_phase(Phase.OPTIMIZER)
+    if layout.sharded:
+        counter.scale = layout.shard_size
+        counter.host_phase = layout.cpu_offload
+    opt.step()
+    counter.scale = 1
+    counter.host_phase = False
+    for st in opt.state.values():
+        for v in st.values() if isinstance(st, Mapping) else ():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                counter.update(v, MemoryCategory.OPTIMIZER_STATE)
+    counter.start_phase(Phase.OTHER)
+    # The second step runs the same operators with more alive: the first step's gradients during
+    # its forward (zero_grad comes after it, Lightning's order), the optimizer state throughout,
+    # and no state to create in its optimizer step.
+    state_bytes = counter.by_category.get(MemoryCategory.OPTIMIZER_STATE, 0)
+    grads_bytes = counter.by_category.get(MemoryCategory.GRADIENTS, 0) - grads_before
+    counter.add_second_step(
+        {
+            Phase.FORWARD: {
+                MemoryCategory.GRADIENTS: grads_bytes,
+                MemoryCategory.OPTIMIZER_STATE: state_bytes,
+            },
+            Phase.BACKWARD: {MemoryCategory.OPTIMIZER_STATE: state_bytes},
+        }
+    )
 
 
 def _run_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], Any] | None) -> Any:

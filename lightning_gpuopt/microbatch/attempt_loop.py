@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -74,6 +75,37 @@ _MAX_RECHECKS = 8
 
 #: ``vote(status, k)``: every rank's vote, in rank order.
 VoteFn = Callable[[int, int], list[Vote]]
+
+
+@dataclass
+class _Run:
+    """One batch's attempts so far."""
+
+    probe: MemoryProbe
+    measured: bool
+    #: The smallest micro-batch (samples) that failed, for the OOM decider.
+    smallest_failed: int
+    rechecks: int = 0
+    #: A size error taken for an OOM once; a second one re-raises it.
+    first_size_error: BaseException | None = None
+
+
+@dataclass
+class _Tried:
+    """What one attempt left: its output, or why it failed."""
+
+    k: int
+    output: Any = None
+    #: This rank's OOM (or a size error taken for one), described.
+    failure: OOMFailure | None = None
+    #: The votes at which another rank's failure stopped this attempt (FSDP2).
+    peer_votes: list[Vote] | None = None
+    #: The loss-weighting check refused to split, where only a measurement asked for the split.
+    refused: LossWeightingError | None = None
+    #: The check ran out of memory where no decider can split further (or a measurement asked for the split).
+    check_failed: WeightingCheckOutOfMemory | None = None
+    #: The attempt failed in the loss-weighting check (alike on every rank).
+    in_check: bool = False
 
 
 class AttemptLoop:
@@ -221,166 +253,178 @@ class AttemptLoop:
         and memory freed outside the ``except`` block, the OOM decider says what this rank wants, and every
         rank takes the same decision from the votes: retry, or stop with an error on every rank.
         """
-        users, n, stage, watch = self.users, batch.n, batch.stage, self.watch
         probe = get_probe(self.trainer.strategy.root_device)
-        measured = probe.kind != "cpu"  # host RSS says nothing about one step; read device figures only
-        smallest_failed = n + 1
-        rechecks = 0
-        first_size_error: BaseException | None = None
-        refused: LossWeightingError | None = None
-        # The loss-weighting check ran out of memory where no decider can split further (or while a measurement
-        # asked for the split): handled outside the except block.
-        check_failed: WeightingCheckOutOfMemory | None = None
+        # Host RSS says nothing about one step: read device figures only.
+        run = _Run(probe, measured=probe.kind != "cpu", smallest_failed=batch.n + 1)
         while True:
-            in_check = False  # this attempt failed in the loss-weighting check (alike on every rank)
-            k = self._k_of(batch)
-            baseline = probe.allocated if measured else None
-            failure: OOMFailure | None = None
-            # The votes at which another rank's failure stopped this attempt (FSDP2).
-            peer_votes: list[Vote] | None = None
-            output = None
-            marker = watch.before_attempt()
-            try:
-                output = batch.attempt(k)
-            except PeerFailure as err:
-                peer_votes = err.votes
-            except LossWeightingError as err:  # the check refused to split: not an OOM to retry
-                if not batch.measuring:
-                    batch.give_up()
-                    raise
-                refused = err.with_traceback(None)  # only a measurement asked for the split: run whole
-            except WeightingCheckOutOfMemory as err:
-                if batch.measuring or users.decide_oom is None:
-                    check_failed = err.with_traceback(None)
-                else:  # the attempt's OOM: a larger k, and the check again
-                    in_check = True
-                    failure = _describe(
-                        err,
-                        probe if measured else None,
-                        self.trainer.global_step,
-                        batch,
-                        "forward",
-                        k,
-                        baseline,
-                    )
-                    _tell_caught(err, failure, batch, stage)
-            except Exception as err:
-                # cuDNN's CUDNN_STATUS_NOT_SUPPORTED is often a size limit: shrink once, then re-raise the original.
-                size_error = (
-                    batch.retries_size_errors
-                    and is_maybe_size_error(err)
-                    and users.decide_oom is not None
-                    and k < n
-                )
-                if size_error and first_size_error is not None:
-                    batch.give_up()
-                    raise first_size_error from None
-                if users.decide_oom is None or not (is_oom_error(err) or size_error):
-                    batch.give_up()
-                    self._raise_if_too_small(err, n, k, stage)
-                    raise
-                if size_error:  # re-raised later: its frames must not pin memory
-                    first_size_error = err.with_traceback(None)
-                if stage != "train":  # an evaluation failure's phase is its stage
-                    self.steps.phase = stage
-                failure = _describe(
-                    err,
-                    probe if measured else None,
-                    self.trainer.global_step,
-                    batch,
-                    self.steps.phase,
-                    k,
-                    baseline,
-                )
-                _tell_caught(
-                    err, failure, batch, stage
-                )  # inside the except: the failed attempt's tensors live
-            finally:
-                watch.after_attempt(self.trainer, marker, stage, n, k)
-            if refused is not None:
+            tried = self._attempt(batch, run)
+            if tried.refused is not None:
                 batch.drop()
-                self._stop_measuring(batch, refused)
-                refused = None
+                self._stop_measuring(batch, tried.refused)
                 continue
-            if check_failed is not None:
-                batch.drop()
-                free_memory()
-                if (
-                    batch.measuring
-                ):  # only a measurement asked for the split: this batch runs whole, unchecked
-                    batch.measuring = False
-                else:  # nothing may split further here: the fallback, said in one line
-                    batch.weighting.unchecked(
-                        self.trainer, _unchecked_where(n, k, "and without OOMRecovery nothing splits further")
-                    )
-                check_failed = None
+            if tried.check_failed is not None:
+                self._run_unchecked(batch, tried.k)
                 continue
-            fatal: BaseException | None = None
-            if failure is not None or peer_votes is not None:
+            if tried.failure is not None or tried.peer_votes is not None:
                 # Outside the except block: the traceback and the activations it pinned are gone.
-                output = None
+                tried.output = None
                 batch.drop()
                 free_memory()
-            if failure is None:
-                proposal = batch.proposal
-                status, voted_k = (proposal.status, proposal.k) if proposal is not None else (Status.NONE, k)
-                if batch.skipped and peer_votes is None:
-                    status |= Status.SKIP
-            else:
-                smallest_failed = min(smallest_failed, failure.micro_batch_size)
-                # The check's OOM climbs the ladder like the step's: a rung that frees memory the model holds (a
-                # cache) helps it too, and where the check cannot fit, the training step rarely does.
-                status, recovery, fatal = self._ask_decider(failure, smallest_failed, batch.batch)
-                voted_k = batch.voted_k(recovery, k)
+            status, voted_k, fatal = self._vote_of(batch, tried, run)
             try:
-                agreement = agree_or_stop(batch.vote, status, voted_k, k, peer_votes, fatal, batch.where())
+                agreement = agree_or_stop(
+                    batch.vote, status, voted_k, tried.k, tried.peer_votes, fatal, batch.where()
+                )
             except torch.OutOfMemoryError as stop:
-                if in_check:  # every rank failed in the check (rank 0's outcome is theirs): the fallback
-                    # The error's frames hold this one and its batch: they must not outlive the step.
-                    stop.with_traceback(None)
-                    fatal = None
-                    where = _unchecked_where(n, k, "and no larger k is left")
-                    forensics.action_taken(
-                        f"loss weighting used unchecked: the check ran out of memory {where}"
-                    )
-                    # Said once a batch runs with it: where the step cannot fit either, the run ends with its error.
-                    batch.weighting.unchecked(self.trainer, where, announce=False)
-                    self.exchange.recover()  # as before any retry, on every rank alike
-                    continue
-                if failure is not None:
-                    forensics.action_taken(stop_reason(stop))
+                if not tried.in_check:
+                    if tried.failure is not None:
+                        forensics.action_taken(stop_reason(stop))
+                    batch.give_up()
+                    raise
+                # The error's frames hold this one and its batch: they must not outlive the step.
+                stop.with_traceback(None)
+                self._check_ran_out(batch, tried.k)
+                continue
+            done, output = self._settle(batch, tried, agreement, run)
+            if done:
+                return output
+
+    def _attempt(self, batch: TrainingBatch | EvalBatch, run: _Run) -> _Tried:
+        """Run one attempt as k micro-batches; a failure is described inside its ``except`` block."""
+        users, n, stage = self.users, batch.n, batch.stage
+        tried = _Tried(self._k_of(batch))
+        k = tried.k
+        baseline = run.probe.allocated if run.measured else None
+        marker = self.watch.before_attempt()
+        try:
+            tried.output = batch.attempt(k)
+        except PeerFailure as err:
+            tried.peer_votes = err.votes
+        except LossWeightingError as err:  # the check refused to split: not an OOM to retry
+            if not batch.measuring:
                 batch.give_up()
                 raise
-            if failure is not None:
-                rungs = [self.ladder.rungs[i].name for i in agreement.rungs]
-                forensics.action_taken(describe_action(stage, n, k, agreement.k, rungs))
-            if not agreement.retry:
-                if agreement.skip:  # a step returned None (on any rank): the batch is skipped on every rank
-                    return self._apply(batch, batch.skip(agreement, k), k)
-                # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
-                # may all-reduce its own flags, and answers alike on every rank).
-                if not self._sent_back(batch, output):
-                    batch.weighting.announce_unchecked(self.trainer)
-                    return self._apply(batch, batch.keep(output, agreement, k), k)
-                rechecks += 1
-                if rechecks > _MAX_RECHECKS:
-                    batch.give_up()
-                    raise RuntimeError(
-                        f"The micro-batch engine's attempt checks sent batch {batch.batch_idx} back {_MAX_RECHECKS} "
-                        "times; a check must change what the batch runs under before it asks again."
-                    )
-                output = None
-                batch.drop()
-                continue
-            if failure is None and peer_votes is None:  # another rank failed: this attempt is redone too
-                output = None
-                batch.drop()
-            # On every rank alike (FSDP2: reshard, reset FSDP's step state, drop its unsharded gradients).
-            self.exchange.recover()
-            if watch.at_cap(n, k, stage):  # 2 samples a micro-batch did not fit: 1 may now
-                watch.allow_single(stage)
-            if self._apply(batch, batch.retry(agreement, failure, k), k):
-                smallest_failed = n + 1  # a sample needs less memory now: sizes that failed may fit
+            tried.refused = err.with_traceback(None)  # only a measurement asked for the split: run whole
+        except WeightingCheckOutOfMemory as err:
+            if batch.measuring or users.decide_oom is None:
+                tried.check_failed = err.with_traceback(None)
+            else:  # the attempt's OOM: a larger k, and the check again
+                tried.in_check = True
+                tried.failure = self._caught(err, batch, run, "forward", k, baseline)
+        except Exception as err:
+            # cuDNN's CUDNN_STATUS_NOT_SUPPORTED is often a size limit: shrink once, then re-raise the original.
+            size_error = (
+                batch.retries_size_errors
+                and is_maybe_size_error(err)
+                and users.decide_oom is not None
+                and k < n
+            )
+            if size_error and run.first_size_error is not None:
+                batch.give_up()
+                raise run.first_size_error from None
+            if users.decide_oom is None or not (is_oom_error(err) or size_error):
+                batch.give_up()
+                self._raise_if_too_small(err, n, k, stage)
+                raise
+            if size_error:  # re-raised later: its frames must not pin memory
+                run.first_size_error = err.with_traceback(None)
+            if stage != "train":  # an evaluation failure's phase is its stage
+                self.steps.phase = stage
+            tried.failure = self._caught(err, batch, run, self.steps.phase, k, baseline)
+        finally:
+            self.watch.after_attempt(self.trainer, marker, stage, n, k)
+        return tried
+
+    def _caught(
+        self,
+        err: BaseException,
+        batch: TrainingBatch | EvalBatch,
+        run: _Run,
+        phase: str,
+        k: int,
+        baseline: int | None,
+    ) -> OOMFailure:
+        """Describe a failed attempt and tell the OOM listener, inside the ``except`` block: its tensors live."""
+        probe = run.probe if run.measured else None
+        failure = _describe(err, probe, self.trainer.global_step, batch, phase, k, baseline)
+        _tell_caught(err, failure, batch, batch.stage)
+        return failure
+
+    def _run_unchecked(self, batch: TrainingBatch | EvalBatch, k: int) -> None:
+        """The loss-weighting check ran out of memory where nothing splits further: the batch runs unchecked."""
+        batch.drop()
+        free_memory()
+        if batch.measuring:  # only a measurement asked for the split: this batch runs whole, unchecked
+            batch.measuring = False
+        else:  # nothing may split further here: the fallback, said in one line
+            batch.weighting.unchecked(
+                self.trainer, _unchecked_where(batch.n, k, "and without OOMRecovery nothing splits further")
+            )
+
+    def _check_ran_out(self, batch: TrainingBatch | EvalBatch, k: int) -> None:
+        """Every rank failed in the loss-weighting check with no larger k left: the weighting runs unchecked."""
+        where = _unchecked_where(batch.n, k, "and no larger k is left")
+        forensics.action_taken(f"loss weighting used unchecked: the check ran out of memory {where}")
+        # Said once a batch runs with it: where the step cannot fit either, the run ends with its error.
+        batch.weighting.unchecked(self.trainer, where, announce=False)
+        self.exchange.recover()  # as before any retry, on every rank alike
+
+    def _vote_of(
+        self, batch: TrainingBatch | EvalBatch, tried: _Tried, run: _Run
+    ) -> tuple[Status, int, BaseException | None]:
+        """This rank's vote after an attempt: its status, the k it asks for, and an error that stops the run."""
+        if tried.failure is None:
+            proposal = batch.proposal
+            status, voted_k = (
+                (proposal.status, proposal.k) if proposal is not None else (Status.NONE, tried.k)
+            )
+            if batch.skipped and tried.peer_votes is None:
+                status |= Status.SKIP
+            return status, voted_k, None
+        run.smallest_failed = min(run.smallest_failed, tried.failure.micro_batch_size)
+        # The check's OOM climbs the ladder like the step's: a rung that frees memory the model holds (a
+        # cache) helps it too, and where the check cannot fit, the training step rarely does.
+        status, recovery, fatal = self._ask_decider(tried.failure, run.smallest_failed, batch.batch)
+        return status, batch.voted_k(recovery, tried.k), fatal
+
+    def _settle(
+        self, batch: TrainingBatch | EvalBatch, tried: _Tried, agreement: Agreement, run: _Run
+    ) -> tuple[bool, Any]:
+        """Act on what the ranks agreed: keep or skip the batch (done, with Lightning's output), or run it again."""
+        n, k, stage = batch.n, tried.k, batch.stage
+        if tried.failure is not None:
+            rungs = [self.ladder.rungs[i].name for i in agreement.rungs]
+            forensics.action_taken(describe_action(stage, n, k, agreement.k, rungs))
+        if not agreement.retry:
+            if agreement.skip:  # a step returned None (on any rank): the batch is skipped on every rank
+                return True, self._apply(batch, batch.skip(agreement, k), k)
+            # Every rank kept its attempt, so every rank asks the checks here, at the same point (a check
+            # may all-reduce its own flags, and answers alike on every rank).
+            if not self._sent_back(batch, tried.output):
+                batch.weighting.announce_unchecked(self.trainer)
+                return True, self._apply(batch, batch.keep(tried.output, agreement, k), k)
+            run.rechecks += 1
+            if run.rechecks > _MAX_RECHECKS:
+                batch.give_up()
+                raise RuntimeError(
+                    f"The micro-batch engine's attempt checks sent batch {batch.batch_idx} back {_MAX_RECHECKS} "
+                    "times; a check must change what the batch runs under before it asks again."
+                )
+            tried.output = None
+            batch.drop()
+            return False, None
+        if (
+            tried.failure is None and tried.peer_votes is None
+        ):  # another rank failed: this attempt is redone too
+            tried.output = None
+            batch.drop()
+        # On every rank alike (FSDP2: reshard, reset FSDP's step state, drop its unsharded gradients).
+        self.exchange.recover()
+        if self.watch.at_cap(n, k, stage):  # 2 samples a micro-batch did not fit: 1 may now
+            self.watch.allow_single(stage)
+        if self._apply(batch, batch.retry(agreement, tried.failure, k), k):
+            run.smallest_failed = n + 1  # a sample needs less memory now: sizes that failed may fit
+        return False, None
 
     # ------------------------------------------------------------------ what the loop applies
 

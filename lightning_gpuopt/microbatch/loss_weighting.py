@@ -5,35 +5,14 @@ each micro-batch's loss is weighted by its share of what the loss averages over:
 per-sample mean, tokens for a token mean over padded sequences (shifted by one for a causal LM),
 nothing for a sum. The engine asks :class:`LossWeighting` for the weights of every split.
 
-With ``mode="auto"`` (the default), the first split of a run runs the user's ``training_step`` on a
-piece of the real batch and on that piece's two parts, without gradients, with dropout off and BatchNorm
-on its running statistics, under ``fork_rng``, eagerly under ``torch.compile``, and leaving no trace
-(logged values, torchmetrics states and BatchNorm statistics are restored). The piece is two samples,
-the shortest and the longest (:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.check_pair`): the
-smallest piece whose parts tell the candidates apart, and the cheapest to run where memory is short.
-Each candidate's weighted combination of the parts' losses is compared with the piece's own loss; the
-one that matches within the precision's rounding
-(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.tolerance`) is used for the rest of the run.
-When several still match (the parts' losses are too close to tell them apart), a Hugging Face
-``transformers`` head inside the module decides
-(:func:`~lightning_gpuopt.microbatch.loss_weighting_rules.hf_head`); without one sample shares are kept,
-with a warning. When none matches (in-batch negatives, batch statistics), the split is refused before it
-runs (or, with ``on_mismatch="warn"``, warned about once). An explicit ``mode`` or ``weight_fn`` is used
-as given and checked the same way. The rules of the check are plain functions in
-``loss_weighting_rules.py``.
-
-Memory is freed before the check runs. Where the check itself runs out of memory, that is the attempt's
-OOM (:class:`~lightning_gpuopt.microbatch.errors.WeightingCheckOutOfMemory`): the batch is retried at a
-larger k and checked again; where no larger k is left, the attempt loop calls :meth:`LossWeighting.unchecked`,
-which splits with the fallback (the HF head's weighting, else sample shares) and says so in one warning.
-A split never runs on an unchecked weighting without a line saying so.
-
-A step that draws random numbers (diffusion noise, flow-matching times) is checked with the piece's draws
-replayed on its parts (``replay.py``), so the same comparison applies. Where replay is impossible (Python's
-or NumPy's generator, a random shape that is not batch-major, a loop over samples), and where the loss
-averages over tokens the step selects at random, the check refuses in one line and asks for
-``loss_reduction=``; a given ``loss_reduction`` is then used unchecked. A piece or part for which the step
-returns ``None`` (a skipped batch) leaves the decision to the next split.
+With ``mode="auto"`` (the default) the first split runs the user's ``training_step`` on a piece of two
+samples of the real batch and on each sample, without gradients and leaving no trace, and keeps the
+candidate whose weighted combination matches the piece's loss within the precision's rounding; a
+``transformers`` head decides between candidates that still match, and a loss that no weighting
+reproduces is refused before the split runs (:class:`~lightning_gpuopt.microbatch.errors.LossWeightingError`).
+A check that runs out of memory is the attempt's OOM (a larger k, then :meth:`LossWeighting.unchecked`, said
+in one line); random draws are replayed on the parts (``replay.py``). The plain rules are in
+``loss_weighting_rules.py``; docs/oom-recovery.md ("Loss weighting") has the long form.
 """
 
 from __future__ import annotations
@@ -329,37 +308,7 @@ class LossWeighting:
         except (UnsplittableBatchError, ValueError, TypeError, KeyError, IndexError):
             m = 0
         if m == 2:
-            bounds = [(0, 1), (1, 2)]
-            parts = [slice_samples(piece, m, lo, hi) for lo, hi in bounds]
-            measured: _Measured | None = None
-            out_of_memory: str | None = None
-            free_memory(generation=1)  # the young cycles earlier steps left (the last OOM freed the rest)
-            try:
-                with quiet_forward(module, site.leave_no_trace()):
-                    measured = _measure(run_piece, piece, m, bounds, parts)
-            except Exception as err:
-                if not is_oom_error(err) or site.votes_inside_step:
-                    raise  # FSDP2: an OOM here is the attempt's, voted on like any other (the check runs again)
-                # Every rank still reaches the broadcast below; rank 0's outcome is every rank's.
-                out_of_memory = _first_line(err)
-            if out_of_memory is not None:
-                free_memory()  # outside the except block: the traceback no longer pins the check's tensors
-                result = CheckResult(None, {}, tol, checked=False, out_of_memory=out_of_memory)
-            elif measured.skipped:  # the step returned None: decide at the next split
-                result = CheckResult(None, {}, tol, checked=False)
-            elif measured.unreplayable is not None:
-                result = _unreplayable(measured.unreplayable, tol)
-            elif not math.isfinite(measured.piece):
-                reason = "your loss was not finite on the checked samples"
-                result = CheckResult(
-                    self.decided or self._fallback(trainer), {}, tol, checked=False, reason=reason
-                )
-            elif not all(math.isfinite(v) for v in measured.parts):
-                # A mean or sum over samples is finite on each sample where it is finite on both: this loss
-                # couples them (a statistic of the batch), and no weighting of micro-batch losses reproduces it.
-                result = CheckResult(None, {o.description: math.inf for o in options}, tol)
-            else:
-                result = _compare(measured, parts, options, tol, head)
+            result = self._check_two_samples(site, run_piece, piece, options, tol, head)
         else:
             reason = "the batch has no two samples to check on"
             result = CheckResult(
@@ -391,6 +340,46 @@ class LossWeighting:
         self.result = result
         self._checked = True
         self._take(trainer, result)
+
+    def _check_two_samples(
+        self,
+        site: CheckSite,
+        run_piece: Callable[[Any], Any],
+        piece: Any,
+        options: list[Candidate],
+        tol: float,
+        head: HFHead | None,
+    ) -> CheckResult:
+        """This rank's check: the user's loss on a piece of two samples, and on each, against each candidate."""
+        trainer = site.trainer
+        bounds = [(0, 1), (1, 2)]
+        parts = [slice_samples(piece, 2, lo, hi) for lo, hi in bounds]
+        measured: _Measured | None = None
+        out_of_memory: str | None = None
+        free_memory(generation=1)  # the young cycles earlier steps left (the last OOM freed the rest)
+        try:
+            with quiet_forward(trainer.lightning_module, site.leave_no_trace()):
+                measured = _measure(run_piece, piece, 2, bounds, parts)
+        except Exception as err:
+            if not is_oom_error(err) or site.votes_inside_step:
+                raise  # FSDP2: an OOM here is the attempt's, voted on like any other (the check runs again)
+            # Every rank still reaches the broadcast after the check; rank 0's outcome is every rank's.
+            out_of_memory = _first_line(err)
+        if out_of_memory is not None:
+            free_memory()  # outside the except block: the traceback no longer pins the check's tensors
+            return CheckResult(None, {}, tol, checked=False, out_of_memory=out_of_memory)
+        if measured.skipped:  # the step returned None: decide at the next split
+            return CheckResult(None, {}, tol, checked=False)
+        if measured.unreplayable is not None:
+            return _unreplayable(measured.unreplayable, tol)
+        if not math.isfinite(measured.piece):
+            reason = "your loss was not finite on the checked samples"
+            return CheckResult(self.decided or self._fallback(trainer), {}, tol, checked=False, reason=reason)
+        if not all(math.isfinite(v) for v in measured.parts):
+            # A mean or sum over samples is finite on each sample where it is finite on both: this loss
+            # couples them (a statistic of the batch), and no weighting of micro-batch losses reproduces it.
+            return CheckResult(None, {o.description: math.inf for o in options}, tol)
+        return _compare(measured, parts, options, tol, head)
 
     def unchecked(self, trainer: pl.Trainer, where: str, announce: bool = True) -> None:
         """The check cannot run (out of memory ``where``, with no larger k left): split with the fallback, said

@@ -240,6 +240,7 @@ def _make_strategy(candidate: Candidate, units: list[nn.Module], static_graph: b
     )
 
 
+# over 80 lines: the public docstring documents its 14 arguments, with four doctests
 def select_strategy(
     model: nn.Module,
     devices: int = 1,
@@ -320,43 +321,23 @@ def select_strategy(
         device_memory = get_probe(probe_device).total
     budget = int(headroom * device_memory)
     units = shard_units(model, shard_modules)
-    counts = count_parameters(model, units or None)
-    if activation_bytes is not None:
-        activations, note = int(activation_bytes), f"{format_bytes(activation_bytes)} measured"
-    elif sample_batch is not None:
-        try:
-            per_sample = _activations_per_sample(model, sample_batch)
-        except (
-            Exception
-        ) as err:  # planning must not stop a run: say why and leave activations to the headroom
-            activations, note = 0, f"not estimated ({type(err).__name__}: {err}); left to the headroom"
-        else:
-            activations = per_sample * micro_batch_size
-            note = (
-                f"{format_bytes(per_sample)} per sample estimated (saved for backward) x {micro_batch_size}"
-            )
-    else:
-        activations, note = 0, "not estimated (no sample batch): plan leaves them to the headroom"
-    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    candidates = [
-        c
-        for c in CANDIDATES
-        if (c.multi_device or world == 1)
-        and (world > 1 or c.offload or not c.multi_device)
-        and (not c.hybrid or (num_nodes > 1 and devices > 1))  # HSDP: shard within a node of several devices
-    ]
+    activations, note = _activations(model, activation_bytes, sample_batch, micro_batch_size)
     device_type = (
         probe_device.type if probe_device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
+    counts = count_parameters(model, units or None)
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
     rows = []
-    for candidate in candidates:
+    for candidate in CANDIDATES:
+        if not _plannable(candidate, world, devices, num_nodes):
+            continue
         e = estimate(
             counts, candidate, devices if candidate.hybrid else world, precision, optimizer, activations
         )
-        available, why = True, ""
         if candidate.deepspeed and not has_deepspeed:
-            available, why = False, "estimate only (deepspeed not installed)"
-        row = PlanRow(e, e.total <= budget, available, why)
+            row = PlanRow(e, e.total <= budget, False, "estimate only (deepspeed not installed)")
+        else:
+            row = PlanRow(e, e.total <= budget, True, "")
         if sample_batch is not None and activation_bytes is None and not candidate.deepspeed:
             row = _predicted_row(
                 row,
@@ -372,73 +353,122 @@ def select_strategy(
                 num_nodes,
             )
         rows.append(row)
-    optimizer_name = _optimizer_name(optimizer)
     plan_args = dict(
         device_memory=device_memory,
         budget=budget,
         world_size=world,
         num_nodes=num_nodes,
         precision=str(precision),
-        optimizer=optimizer_name,
+        optimizer=_optimizer_name(optimizer),
         activation_note=note,
     )
-    notes = []
-    if units:
-        kinds = Counter(type(u).__name__ for u in units)
-        if len(kinds) == 1:
-            notes.append(f"full sharding gathers one {next(iter(kinds))} at a time ({len(units)} units)")
-        else:  # an encoder's and a decoder's layers
-            each = ", ".join(f"{n} {name}" for name, n in kinds.items())
-            notes.append(f"full sharding gathers one unit at a time ({len(units)} units: {each})")
-    fitting = [r for r in rows if r.fits and r.available]
-    split = None
-    if (
-        not fitting
-    ):  # the pack splits each batch into micro-batches: a candidate where a smaller one fits will do
-        fitting = [r for r in rows if r.available and (r.largest_micro_batch or 0) >= 1]
-        if fitting:
-            split = min(fitting, key=lambda r: r.estimate.candidate.cost)
-            notes.append(
-                f"{split.name} fits micro-batches of {split.largest_micro_batch} (predicted), not "
-                f"{micro_batch_size}: each batch is split into {-(-micro_batch_size // split.largest_micro_batch)} "
-                "micro-batches (OOMRecovery / MemoryAwareBatchSize)"
-            )
+    notes = _unit_notes(units)
+    fitting, split = _fitting(rows, micro_batch_size, notes)
     if not fitting:
         plan = StrategyPlan(rows, None, "no candidate fits", None, notes=notes, **plan_args)
-        smallest = min(rows, key=_row_bytes)
-        raise StrategyPlanError(
-            f"No way of training this model fits {world} device(s) of {format_bytes(device_memory)} (budget "
-            f"{format_bytes(budget)}): the smallest, {smallest.name}, needs {format_bytes(_row_bytes(smallest))} per "
-            "device. Use more devices, a lower-memory precision (bf16), a smaller optimizer state (SGD), "
-            f"or a smaller model.\n{plan.table()}",
-            plan,
-        )
+        raise _nothing_fits(plan, rows, world, device_memory, budget)
     features = [Feature(f) for f in features]
     refused = {r.name: _refused(r.estimate.candidate, features) for r in rows}
     best = min(fitting, key=lambda r: (len(refused[r.name]), r.estimate.candidate.cost))
-    cheaper = [r for r in rows if r.estimate.candidate.cost < best.estimate.candidate.cost and r.available]
-    if split is not None:
-        reason = (
-            f"nothing fits micro-batches of {micro_batch_size}; {best.name} has the least communication among "
-            f"those that fit smaller ones ({best.largest_micro_batch} samples predicted to fit)"
-        )
-    elif cheaper:
-        last = max(cheaper, key=lambda r: r.estimate.candidate.cost)
-        reason = (
-            f"{last.name} would need {format_bytes(_row_bytes(last))} per device, over the budget; "
-            f"{best.name} needs {format_bytes(_row_bytes(best))}"
-        )
-        hybrid = next((r for r in cheaper if r.estimate.candidate.hybrid and r is not last), None)
-        if hybrid is not None:  # the rule for several nodes: HSDP whenever sharding within a node fits
-            reason += (
-                f" (sharding within a node, {hybrid.name}, would need {format_bytes(_row_bytes(hybrid))})"
-            )
-    else:
-        reason = f"fits with the least communication: {format_bytes(_row_bytes(best))} of {format_bytes(budget)} per device"
+    reason = _reason(best, rows, split, micro_batch_size, budget)
     for name, why in refused[best.name]:
         reason += f"; {name} does not run under {best.name}: {why}"
     strategy = _make_strategy(best.estimate.candidate, units, static_graph)
     return StrategyPlan(rows, best.name, reason, strategy, notes=notes, **plan_args)
+
+
+def _activations(
+    model: nn.Module, activation_bytes: int | None, sample_batch: Any, micro_batch_size: int
+) -> tuple[int, str]:
+    """The activations of one micro-batch to plan for, and how they were found: measured, estimated or not."""
+    if activation_bytes is not None:
+        return int(activation_bytes), f"{format_bytes(activation_bytes)} measured"
+    if sample_batch is None:
+        return 0, "not estimated (no sample batch): plan leaves them to the headroom"
+    try:
+        per_sample = _activations_per_sample(model, sample_batch)
+    except Exception as err:  # planning must not stop a run: say why and leave activations to the headroom
+        return 0, f"not estimated ({type(err).__name__}: {err}); left to the headroom"
+    return (
+        per_sample * micro_batch_size,
+        f"{format_bytes(per_sample)} per sample estimated (saved for backward) x {micro_batch_size}",
+    )
+
+
+def _plannable(candidate: Candidate, world: int, devices: int, num_nodes: int) -> bool:
+    """Whether ``candidate`` is a way to run on ``world`` devices (HSDP: shard within a node of several)."""
+    return (
+        (candidate.multi_device or world == 1)
+        and (world > 1 or candidate.offload or not candidate.multi_device)
+        and (not candidate.hybrid or (num_nodes > 1 and devices > 1))
+    )
+
+
+def _unit_notes(units: list[nn.Module]) -> list[str]:
+    """What full sharding gathers at a time, said once."""
+    if not units:
+        return []
+    kinds = Counter(type(u).__name__ for u in units)
+    if len(kinds) == 1:
+        return [f"full sharding gathers one {next(iter(kinds))} at a time ({len(units)} units)"]
+    each = ", ".join(f"{n} {name}" for name, n in kinds.items())  # an encoder's and a decoder's layers
+    return [f"full sharding gathers one unit at a time ({len(units)} units: {each})"]
+
+
+def _fitting(
+    rows: list[PlanRow], micro_batch_size: int, notes: list[str]
+) -> tuple[list[PlanRow], PlanRow | None]:
+    """The rows that fit, and, when none fits whole, the cheapest that fits smaller micro-batches (noted)."""
+    fitting = [r for r in rows if r.fits and r.available]
+    if fitting:
+        return fitting, None
+    # The pack splits each batch into micro-batches: a candidate where a smaller one fits will do.
+    fitting = [r for r in rows if r.available and (r.largest_micro_batch or 0) >= 1]
+    if not fitting:
+        return [], None
+    split = min(fitting, key=lambda r: r.estimate.candidate.cost)
+    notes.append(
+        f"{split.name} fits micro-batches of {split.largest_micro_batch} (predicted), not "
+        f"{micro_batch_size}: each batch is split into {-(-micro_batch_size // split.largest_micro_batch)} "
+        "micro-batches (OOMRecovery / MemoryAwareBatchSize)"
+    )
+    return fitting, split
+
+
+def _nothing_fits(
+    plan: StrategyPlan, rows: list[PlanRow], world: int, device_memory: int, budget: int
+) -> StrategyPlanError:
+    smallest = min(rows, key=_row_bytes)
+    return StrategyPlanError(
+        f"No way of training this model fits {world} device(s) of {format_bytes(device_memory)} (budget "
+        f"{format_bytes(budget)}): the smallest, {smallest.name}, needs {format_bytes(_row_bytes(smallest))} per "
+        "device. Use more devices, a lower-memory precision (bf16), a smaller optimizer state (SGD), "
+        f"or a smaller model.\n{plan.table()}",
+        plan,
+    )
+
+
+def _reason(
+    best: PlanRow, rows: list[PlanRow], split: PlanRow | None, micro_batch_size: int, budget: int
+) -> str:
+    """Why ``best`` was picked: the cheaper ones over the budget, or what a split made fit."""
+    if split is not None:
+        return (
+            f"nothing fits micro-batches of {micro_batch_size}; {best.name} has the least communication among "
+            f"those that fit smaller ones ({best.largest_micro_batch} samples predicted to fit)"
+        )
+    cheaper = [r for r in rows if r.estimate.candidate.cost < best.estimate.candidate.cost and r.available]
+    if not cheaper:
+        return f"fits with the least communication: {format_bytes(_row_bytes(best))} of {format_bytes(budget)} per device"
+    last = max(cheaper, key=lambda r: r.estimate.candidate.cost)
+    reason = (
+        f"{last.name} would need {format_bytes(_row_bytes(last))} per device, over the budget; "
+        f"{best.name} needs {format_bytes(_row_bytes(best))}"
+    )
+    hybrid = next((r for r in cheaper if r.estimate.candidate.hybrid and r is not last), None)
+    if hybrid is not None:  # the rule for several nodes: HSDP whenever sharding within a node fits
+        reason += f" (sharding within a node, {hybrid.name}, would need {format_bytes(_row_bytes(hybrid))})"
+    return reason
 
 
 def _row_bytes(row: PlanRow) -> int:

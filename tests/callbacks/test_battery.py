@@ -10,6 +10,7 @@ the same k, the same precision, the same RNG) and end where the uninterrupted ru
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import inspect
 import pickle
@@ -362,3 +363,17 @@ def test_survives_fit_twice(cls, tmp_path):
     _, first, _ = _fit(callback, None, tmp_path, steps=2)
     _, second, _ = _fit(callback, None, tmp_path, steps=3)
     assert first.global_step == 2 and second.global_step == 3
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [c for c in CALLBACKS if len(inspect.signature(c).parameters) > 8],
+    ids=lambda c: c.__name__,
+)
+def test_a_callback_of_many_arguments_checks_them_in_one_options_dataclass(callback):
+    # `gpuopt fit` reads the constructor's signature: it must name exactly the options' fields, in order.
+    made = callback()
+    fields = [f.name for f in dataclasses.fields(made.options)]
+    assert fields == list(inspect.signature(callback).parameters)
+    assert all(getattr(made, name) == getattr(made.options, name) for name in fields)
+    assert callback(**vars(made.options)).options == made.options
