@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
+from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.decisions import decisions
 from lightning_gpuopt.memory import format_bytes, get_probe
 from lightning_gpuopt.report import StepClock, run_peak_bytes, run_samples_per_s

@@ -1,4 +1,4 @@
-"""Pure decisions behind OOM recovery: how many micro-batches to try next, and what to tell the user.
+"""Pure decisions behind OOM recovery: how many micro-batches to try next, when to grow back.
 
 No Lightning and no device calls here: the micro-batch engine gathers the figures (from the memory
 probe and the OOM message) and these functions decide, so every rule is unit-tested on its own.
@@ -6,44 +6,21 @@ probe and the OOM message) and these functions decide, so every rule is unit-tes
 
 from __future__ import annotations
 
-import enum
 import math
 import re
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "OOM_PARTS",
-    "STATUS_FATAL",
-    "STATUS_GROW",
-    "STATUS_OOM",
-    "STATUS_THRASH",
-    "Agreement",
     "OOMFailure",
-    "OOMRecord",
-    "Proposal",
     "Recovery",
-    "Source",
-    "Status",
-    "Vote",
-    "agree",
     "allocator_thrashing",
-    "describe_action",
     "grow_back_micro_batch_count",
-    "largest_part",
     "next_micro_batch_count",
-    "oom_parts",
     "parse_tried_bytes",
-    "part_advice",
-    "part_label",
     "recently_failed_size",
-    "rung_bits",
-    "rung_indices",
-    "smaller_may_fit",
     "smaller_micro_batch_count",
     "smallest_split_cannot_fit",
-    "stop_reason",
 ]
 
 _UNITS = {
@@ -330,341 +307,43 @@ class Recovery:
     rungs: tuple[str, ...] = ()
 
 
-class Status(enum.IntFlag):
-    """A rank's say on a batch, as flags (they travel as one int in the ranks' vote)."""
-
-    NONE = 0
-    OOM = 1  #: the attempt ran out of memory: the batch is retried
-    FATAL = 2  #: out of memory with nothing left to try: every rank stops
-    CHECKPOINT = 4  #: unused since the rungs have their own bits (:data:`RUNG`); kept for its value
-    GROW = 8  #: the k proposed for the next batch is smaller: memory to spare
-    THRASH = 16  #: the k proposed for the next batch is larger: the allocator is thrashing
-    SKIP = 32  #: ``training_step`` returned ``None`` (or no loss): every rank skips the batch
-    RUNG = 256  #: turn on the first recovery rung past more micro-batches; rung ``i`` is ``RUNG << i``
-
-
-#: The flags under their former names.
-STATUS_OOM = Status.OOM
-STATUS_FATAL = Status.FATAL
-STATUS_GROW = Status.GROW
-STATUS_THRASH = Status.THRASH
-
-
-class Source(str, enum.Enum):
-    """Why k changes (a :class:`~lightning_gpuopt.microbatch.KChange`'s ``source``); equal to its string."""
-
-    NONE = ""
-    OOM = "oom"
-    GROW_BACK = "grow back"
-    THRASH = "thrash"
-    RESUME = "resume"
-    MEMORY = "memory"  #: MemoryAwareBatchSize's measured budget
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """What a callback proposes for the batch after the next vote: ``k`` micro-batches, flagged ``status``
-    (:attr:`Status.GROW` or :attr:`Status.THRASH`), because of ``reason`` (shown to the user)."""
-
-    k: int
-    status: Status
-    reason: str
-
-
-@dataclass(frozen=True)
-class Vote:
-    """One rank's say on a batch: its status flags and the k it proposes (for the retry, or the next batch)."""
-
-    status: Status | int
-    k: int
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What every rank does after a batch's votes.
-
-    Attributes:
-        fatal_ranks: ranks that ran out of memory with nothing left to try (every rank stops).
-        retry: some rank ran out of memory: every rank runs the batch again with ``k``.
-        k: the k for the retry, or for the next batch.
-        rungs: the recovery rungs (their indices in the engine's ladder) any rank asked for: every rank turns
-            them on before the retry.
-        source: why k changes (:class:`Source`; ``Source.NONE`` when it does not).
-        ranks: the ranks that asked for the change.
-        skip: some rank's ``training_step`` returned ``None`` (no retry pending): every rank skips the batch.
-    """
-
-    fatal_ranks: tuple[int, ...]
-    retry: bool
-    k: int
-    rungs: tuple[int, ...]
-    source: Source
-    ranks: tuple[int, ...]
-    skip: bool = False
-
-
-def agree(votes: list[Vote], k: int) -> Agreement:
-    """The decision every rank takes from the same votes, so that ranks stay in step.
-
-    Any fatal vote stops every rank. Else any OOM makes every rank retry the batch with the largest k
-    an OOM-ing rank proposed (the most cautious split wins). Else each rank's proposal for the next
-    batch counts, the current ``k`` for a rank without one: the largest wins, so k shrinks (grows
-    back) only when every rank can afford it, and grows when any rank thrashes. A rank whose step
-    returned ``None`` makes every rank skip the batch (after any retry an OOM asks for).
-
-    Example:
-        >>> agree([Vote(0, 2), Vote(1, 4)], k=2)  # rank 1 ran out of memory and asks for 4
-        Agreement(fatal_ranks=(), retry=True, k=4, rungs=(), source=<Source.OOM: 'oom'>, ranks=(1,), skip=False)
-        >>> agree([Vote(32, 2), Vote(0, 2)], k=2).skip  # rank 0's step returned None
-        True
-        >>> agree([Vote(8, 1), Vote(0, 2)], k=2).k  # rank 0 could grow back, rank 1 cannot
-        2
-    """
-    fatal = tuple(r for r, v in enumerate(votes) if v.status & STATUS_FATAL)
-    oom = [(r, v) for r, v in enumerate(votes) if v.status & STATUS_OOM and not v.status & STATUS_FATAL]
-    if fatal:
-        return Agreement(fatal, False, k, (), Source.OOM, fatal)
-    if oom:
-        new_k = max(v.k for _, v in oom)
-        asked = 0
-        for _, v in oom:
-            asked |= int(v.status)
-        return Agreement((), True, new_k, rung_indices(asked), Source.OOM, tuple(r for r, _ in oom))
-    skip = any(v.status & Status.SKIP for v in votes)
-    proposals = [v.k if v.status & (STATUS_GROW | STATUS_THRASH) else k for v in votes]
-    new_k = max(proposals)
-    if new_k == k:
-        return Agreement((), False, k, (), Source.NONE, (), skip)
-    bit = STATUS_THRASH if new_k > k else STATUS_GROW
-    asked = tuple(r for r, v in enumerate(votes) if v.status & bit)
-    return Agreement((), False, new_k, (), Source.THRASH if new_k > k else Source.GROW_BACK, asked, skip)
-
-
-def rung_bits(indices: Iterable[int]) -> Status:
-    """The vote's flags asking for the recovery rungs at ``indices`` of the engine's ladder.
-
-    Example:
-        >>> int(rung_bits([0, 2]))
-        1280
-        >>> rung_indices(int(Status.OOM | rung_bits([0, 2])))
-        (0, 2)
-    """
-    bits = 0
-    for i in indices:
-        bits |= int(Status.RUNG) << i
-    return Status(bits)
-
-
-def rung_indices(status: int) -> tuple[int, ...]:
-    """The ladder indices of the rungs a vote's flags ask for, in order."""
-    bits, out, i = int(status) >> (int(Status.RUNG).bit_length() - 1), [], 0
-    while bits:
-        if bits & 1:
-            out.append(i)
-        bits >>= 1
-        i += 1
-    return tuple(out)
-
-
-@dataclass
-class OOMRecord:
-    """One out-of-memory error the pack handled, as ``gpuopt_report.json["ooms"]`` keeps it (docs/report.md,
-    "Reading an OOM record").
-
-    Attributes:
-        step: ``trainer.global_step`` when it happened.
-        rank: the process's global rank.
-        stage: ``"train"``, ``"validation"``, ``"test"``, ``"predict"``, ``"trial"`` (a step of
-            MemoryAwareBatchSize's search) or ``"other"`` (caught outside the pack).
-        phase: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
-        requested_bytes: the allocation that failed (``None`` when the error does not say).
-        allocated_bytes: bytes held by live tensors then.
-        reserved_bytes: bytes the allocator held then (its cache included).
-        limit_bytes: the memory the process may use (``None``: unknown).
-        categories: ``allocated_bytes`` by what it was for (``parameters``, ``gradients``, ``optimizer_state``,
-            ``activations``, ``other``), summing to it.
-        activations_measured: whether ``activations`` was measured (else it is 0 and they are in ``other``).
-        held_before_step_bytes: of ``allocated_bytes``, what was in use when the step's attempt began (``None``:
-            not known, outside the engine's attempts: the optimizer step, trial steps).
-        allocated_during_step_bytes: the rest of ``allocated_bytes``: what the step allocated.
-        held_before_step: ``held_before_step_bytes`` by category; the rest of each category was allocated during
-            the step.
-        modules: the modules owning the most activations: ``{"how": ..., "top": [{"module", "bytes"}]}``.
-        action: what the pack did next (``"micro-batch 64 → 32 (k 1 → 2)"``, ``"gave up: ..."``).
-        message: the first line of the error.
-        k, batch_size, micro_batch_size: what the failed attempt ran (``None`` outside the engine).
-        fragmentation: on CUDA, ``{"free_in_reserved_bytes", "largest_free_block_bytes"}``.
-        outside_allocator_bytes: on CUDA, device bytes this process holds outside the allocator.
-        outside_allocator_source: how they were read (NVML for this process, or the whole device).
-        snapshot: the memory snapshot pickle written for it (a file name beside the report), if any.
-        picture: its picture (``oom_<step>_rank<r>.png``), if drawn.
-        time_s: seconds since the fit started.
-    """
-
-    step: int
-    rank: int
-    stage: str
-    phase: str
-    requested_bytes: int | None
-    allocated_bytes: int
-    reserved_bytes: int
-    limit_bytes: int | None
-    categories: dict[str, int]
-    activations_measured: bool = True
-    held_before_step_bytes: int | None = None
-    allocated_during_step_bytes: int | None = None
-    held_before_step: dict[str, int] | None = None
-    modules: dict[str, Any] = field(default_factory=lambda: {"how": "not measured", "top": []})
-    action: str = ""
-    message: str = ""
-    k: int | None = None
-    batch_size: int | None = None
-    micro_batch_size: int | None = None
-    fragmentation: dict[str, int] | None = None
-    outside_allocator_bytes: int | None = None
-    outside_allocator_source: str | None = None
-    snapshot: str | None = None
-    picture: str | None = None
-    time_s: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        """The record as plain values (what the JSON holds)."""
-        return asdict(self)
-
-
-#: The parts an OOM's memory is told in: the record's categories, with ``other`` split into what was held
-#: before the step (``other_held``) and what the step allocated, where the record has the split.
-OOM_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "other_held", "other")
-
-_PART_LABELS = {
-    "parameters": "parameters",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations",
-    "other_held": "other, held before the step",
+#: Names that moved out of this module (issue 35): the ranks' vote to ``votes.py``, the OOM record to
+#: ``oom_record.py``. Importing them from here still works for one release, with a ``DeprecationWarning``.
+_MOVED = {
+    "Status": "lightning_gpuopt.votes",
+    "STATUS_OOM": "lightning_gpuopt.votes",
+    "STATUS_FATAL": "lightning_gpuopt.votes",
+    "STATUS_GROW": "lightning_gpuopt.votes",
+    "STATUS_THRASH": "lightning_gpuopt.votes",
+    "Source": "lightning_gpuopt.votes",
+    "Proposal": "lightning_gpuopt.votes",
+    "Vote": "lightning_gpuopt.votes",
+    "Agreement": "lightning_gpuopt.votes",
+    "agree": "lightning_gpuopt.votes",
+    "rung_bits": "lightning_gpuopt.votes",
+    "rung_indices": "lightning_gpuopt.votes",
+    "OOMRecord": "lightning_gpuopt.oom_record",
+    "OOM_PARTS": "lightning_gpuopt.oom_record",
+    "oom_parts": "lightning_gpuopt.oom_record",
+    "part_label": "lightning_gpuopt.oom_record",
+    "largest_part": "lightning_gpuopt.oom_record",
+    "smaller_may_fit": "lightning_gpuopt.oom_record",
+    "part_advice": "lightning_gpuopt.oom_record",
+    "describe_action": "lightning_gpuopt.oom_record",
+    "stop_reason": "lightning_gpuopt.oom_record",
 }
 
-#: What lowers each part: (while a smaller micro-batch may still fit, once none does).
-_ADVICE = {
-    "parameters": ("a lower-memory precision (bf16-true), or sharding (FSDP2Strategy)",) * 2,
-    "gradients": ("sharding the gradients (FSDP2Strategy), or fewer trainable parameters",) * 2,
-    "optimizer_state": ("sharding or offloading it (FSDP2Strategy), or an 8-bit optimizer",) * 2,
-    "activations": (
-        "smaller micro-batches (OOMRecovery does it), activation checkpointing, bf16-mixed",
-        "activation checkpointing (OOMRecovery(checkpoint_modules=[...])), bf16-mixed",
-    ),
-    "other_held": (
-        "keep on the CPU, or free before fit, what the program holds on the device besides the training state "
-        "(a dataset, saved outputs, caches): it was in use before the step began",
+
+def __getattr__(name: str) -> object:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(
+        f"lightning_gpuopt.oom_policy.{name} moved to {home}.{name}; the old path goes in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
     )
-    * 2,
-    "other during": (
-        "smaller micro-batches (the batch, temporaries); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-        "bf16-mixed (smaller inputs and temporaries); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-    ),
-    "other": (
-        "smaller micro-batches (the batch, temporaries), or keeping on the CPU what the program holds on the "
-        "device; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-        "keeping on the CPU what the program holds on the device, or bf16-mixed (smaller temporaries); "
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-    ),
-}
-
-
-def oom_parts(record: dict[str, Any]) -> dict[str, int]:
-    """An OOM record's bytes in use by part (:data:`OOM_PARTS`): its categories, with ``other`` split into what
-    was held before the step and what the step allocated when the record has the split.
-
-    Example:
-        >>> record = {"categories": {"parameters": 10, "gradients": 0, "optimizer_state": 20, "activations": 40,
-        ...                          "other": 130}, "held_before_step": {"parameters": 10, "other": 120}}
-        >>> oom_parts(record)
-        {'parameters': 10, 'gradients': 0, 'optimizer_state': 20, 'activations': 40, 'other_held': 120, 'other': 10}
-    """
-    categories = record.get("categories") or {}
-    parts = {name: int(categories.get(name, 0)) for name in OOM_PARTS if name not in ("other_held", "other")}
-    other = int(categories.get("other", 0))
-    held = record.get("held_before_step")
-    if held is not None:
-        parts["other_held"] = min(other, int(held.get("other", 0)))
-        other -= parts["other_held"]
-    parts["other"] = other
-    return parts
-
-
-def part_label(part: str, split: bool = False) -> str:
-    """A part's name for people; ``split``: the record tells ``other`` held before the step apart.
-
-    Example:
-        >>> part_label("optimizer_state"), part_label("other"), part_label("other", split=True)
-        ('optimizer state', 'other', 'other, allocated during the step')
-    """
-    if part == "other":
-        return "other, allocated during the step" if split else "other"
-    return _PART_LABELS[part]
-
-
-def largest_part(parts: dict[str, int]) -> str:
-    """The part holding the most bytes (the first of equals, in :data:`OOM_PARTS` order)."""
-    return max(parts, key=lambda name: (parts[name], -OOM_PARTS.index(name)))
-
-
-def smaller_may_fit(record: dict[str, Any]) -> bool:
-    """Whether a smaller micro-batch may still fit after this OOM: not after the pack gave up, nor at one sample.
-
-    Example:
-        >>> smaller_may_fit({"micro_batch_size": 8, "action": "micro-batch 8 → 4 (k 8 → 16)"})
-        True
-        >>> smaller_may_fit({"micro_batch_size": 8, "action": "gave up: Out of memory ..."})
-        False
-    """
-    return record.get("micro_batch_size") != 1 and not str(record.get("action") or "").startswith("gave up")
-
-
-def part_advice(part: str, smaller_fits: bool = True, split: bool = False) -> str:
-    """What lowers ``part``; ``smaller_fits``: whether a smaller micro-batch may still fit (else it is not advised).
-
-    Example:
-        >>> part_advice("activations", smaller_fits=False)
-        'activation checkpointing (OOMRecovery(checkpoint_modules=[...])), bf16-mixed'
-    """
-    key = "other during" if part == "other" and split else part
-    return _ADVICE[key][0 if smaller_fits else 1]
-
-
-def describe_action(stage: str, n: int, k: int, new_k: int, rungs: Iterable[str] = ()) -> str:
-    """What the ranks agreed to do after an OOM, in a few words, for :attr:`OOMRecord.action`.
-
-    Example:
-        >>> describe_action("train", n=64, k=1, new_k=2)
-        'micro-batch 64 → 32 (k 1 → 2)'
-        >>> describe_action("train", n=64, k=64, new_k=64, rungs=["activation checkpointing"])
-        'activation checkpointing on; micro-batch 1 kept'
-        >>> describe_action("validation", n=64, k=1, new_k=4)
-        'validation batches in 4 chunks of 16'
-    """
-    turned_on = "; ".join(f"{name} on" for name in rungs)
-    if stage != "train":
-        return f"{stage} batches in {new_k} chunks of {math.ceil(n / new_k)}"
-    before, after = math.ceil(n / k), math.ceil(n / new_k)
-    if new_k == k:
-        return f"{turned_on or 'retried'}; micro-batch {after} kept"
-    split = f"micro-batch {before} → {after} (k {k} → {new_k})"
-    return f"{turned_on}; {split}" if turned_on else split
-
-
-def stop_reason(error: BaseException) -> str:
-    """``"gave up: "`` and the first sentence of ``error``, whole, for an OOM the pack could not recover from.
-
-    Example:
-        >>> stop_reason(RuntimeError("Out of memory at step 3 (forward) with micro-batches of 1. Next steps: ..."))
-        'gave up: Out of memory at step 3 (forward) with micro-batches of 1'
-    """
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return "gave up: " + text.split(". ")[0].rstrip(".")
+    return getattr(importlib.import_module(home), name)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gpuopt.memory import format_bytes
-from lightning_gpuopt.oom_policy import largest_part, oom_parts, part_advice, part_label, smaller_may_fit
+from lightning_gpuopt.oom_record import largest_part, oom_parts, part_advice, part_label, smaller_may_fit
 from lightning_gpuopt.report import (
     PNG_DPI,
     PNG_SIZE,
@@ -67,7 +67,7 @@ _LINES = {"stop": ("#000000", "--", "stopped"), "resume": ("#1f77b4", "-", "resu
 #: Kinds the picture leaves out (no step of their own worth a mark).
 _UNMARKED = {"strategy", "recompilation"}
 
-#: The OOM picture's colours, by part (``oom_policy.OOM_PARTS``: the categories, ``other`` split into what was
+#: The OOM picture's colours, by part (``oom_record.OOM_PARTS``: the categories, ``other`` split into what was
 #: held before the step and the rest) and for a step whose activations were not measured apart.
 CATEGORY_COLORS = {
     "parameters": "#1f77b4",

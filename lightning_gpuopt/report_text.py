@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_gpuopt.memory import format_bytes
-from lightning_gpuopt.oom_policy import (
+from lightning_gpuopt.oom_record import (
     OOM_PARTS,
     largest_part,
     oom_parts,

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_gpuopt.microbatch import MicroBatchEngine, MicroBatchUser
-from lightning_gpuopt.oom_policy import Proposal, Status
+from lightning_gpuopt.votes import Proposal, Status
 from tests.helpers import REPO as ROOT
 
 sys.path.append(str(ROOT / "benchmarks"))  # the benchmarks' import root, as gpu_check.sh sets it

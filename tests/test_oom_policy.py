@@ -9,16 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_gpuopt.memory import format_bytes
-from lightning_gpuopt.oom_policy import (
-    OOMFailure,
-    Status,
-    Vote,
-    agree,
-    next_micro_batch_count,
-    parse_tried_bytes,
-    rung_bits,
-    rung_indices,
-)
+from lightning_gpuopt.oom_policy import OOMFailure, next_micro_batch_count, parse_tried_bytes
+from lightning_gpuopt.votes import Status, Vote, agree, rung_bits, rung_indices
 
 
 def _failure(**overrides) -> OOMFailure:
@@ -103,14 +95,14 @@ def test_format_bytes():
 
 
 def test_agreement_everyone_fine_keeps_k():
-    from lightning_gpuopt.oom_policy import Vote, agree
+    from lightning_gpuopt.votes import Vote, agree
 
     assert agree([Vote(0, 3), Vote(0, 3)], k=3) == agree([Vote(0, 3)], k=3)
     assert not agree([Vote(0, 3), Vote(0, 3)], k=3).retry and agree([Vote(0, 3)], k=3).source == ""
 
 
 def test_agreement_one_oom_makes_every_rank_retry_with_the_most_cautious_k():
-    from lightning_gpuopt.oom_policy import STATUS_OOM, Vote, agree, rung_bits
+    from lightning_gpuopt.votes import STATUS_OOM, Vote, agree, rung_bits
 
     a = agree([Vote(0, 2), Vote(STATUS_OOM, 5), Vote(STATUS_OOM, 4)], k=2)
     assert (a.retry, a.k, a.ranks, a.source, a.rungs) == (True, 5, (1, 2), "oom", ())
@@ -121,7 +113,7 @@ def test_agreement_one_oom_makes_every_rank_retry_with_the_most_cautious_k():
 
 
 def test_agreement_fatal_anywhere_stops_everyone():
-    from lightning_gpuopt.oom_policy import STATUS_FATAL, STATUS_OOM, Vote, agree
+    from lightning_gpuopt.votes import STATUS_FATAL, STATUS_OOM, Vote, agree
 
     a = agree([Vote(STATUS_OOM, 4), Vote(STATUS_FATAL, 64)], k=2)
     assert a.fatal_ranks == (1,) and not a.retry
@@ -141,7 +133,7 @@ def test_agreement_fatal_anywhere_stops_everyone():
     ids=["all-grow", "one-cannot", "thrash-wins"],
 )
 def test_agreement_on_the_next_k(votes, k, expected):
-    from lightning_gpuopt.oom_policy import Vote, agree
+    from lightning_gpuopt.votes import Vote, agree
 
     a = agree([Vote(*v) for v in votes], k=k)
     assert (a.k, a.source, a.ranks) == expected and not a.retry
@@ -423,3 +415,16 @@ def test_the_k_of_each_attempt_when_every_attempt_fails(n, min_size, expected):
     memory = Memory(base=0, gradients=0, per_sample=1, limit=0, figures=False)
     ks, fit = _attempts(memory, n, expected[0], min_size)
     assert (ks, fit) == (expected, False)
+
+
+def test_the_names_that_moved_out_still_import_from_here_with_a_warning():
+    import lightning_gpuopt.oom_policy as oom_policy
+    from lightning_gpuopt import oom_record, votes
+
+    with pytest.warns(DeprecationWarning, match=r"oom_policy\.Vote moved to lightning_gpuopt\.votes\.Vote"):
+        assert oom_policy.Vote is votes.Vote
+    with pytest.warns(DeprecationWarning, match="moved to lightning_gpuopt.oom_record.OOMRecord"):
+        from lightning_gpuopt.oom_policy import OOMRecord
+    assert OOMRecord is oom_record.OOMRecord
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        oom_policy.nothing  # noqa: B018

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.batch_size.search import TrialBatch
-from lightning_gpuopt.batching import SPLIT_HOOK, first_samples
+from lightning_gpuopt.batch_split import SPLIT_HOOK, first_samples
 from lightning_gpuopt.data.prefetch import batch_nbytes
 from lightning_gpuopt.memory import get_probe
 

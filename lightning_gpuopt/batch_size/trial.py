@@ -43,7 +43,7 @@ from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, ma
 from lightning_gpuopt.batch_size.peak_model import StepMeasurement
 from lightning_gpuopt.memory import MemoryProbe, forensics, free_memory, is_oom_error
 from lightning_gpuopt.microbatch.exchange import FSDP2Exchange, PeerFailure
-from lightning_gpuopt.oom_policy import Status
+from lightning_gpuopt.votes import Status
 
 __all__ = ["TRIAL_OOM_ACTION", "NoLossInTrial", "TrainingState", "TrialSteps", "local_bytes"]
 

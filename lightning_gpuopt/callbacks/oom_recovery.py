@@ -30,21 +30,17 @@ from lightning_gpuopt.microbatch.loss_weighting import LossReduction, LossWeight
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Rung
 from lightning_gpuopt.oom_policy import (
     OOMFailure,
-    Proposal,
     Recovery,
-    Source,
-    Status,
     allocator_thrashing,
     grow_back_micro_batch_count,
-    largest_part,
     next_micro_batch_count,
-    part_advice,
-    part_label,
     recently_failed_size,
     smaller_micro_batch_count,
     smallest_split_cannot_fit,
 )
+from lightning_gpuopt.oom_record import largest_part, part_advice, part_label
 from lightning_gpuopt.support import Feature, refuse_unsupported
+from lightning_gpuopt.votes import Proposal, Source, Status
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "OOMRecoveryOptions", "TokenCount"]
 

@@ -17,11 +17,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gpuopt import _validate
 from lightning_gpuopt._metrics import is_logging_step, log_metrics
 from lightning_gpuopt._warnings import warn
-from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
-from lightning_gpuopt.callbacks._oom_log import OOMLog, memory_limit, state_tensors
+from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
 from lightning_gpuopt.callbacks.exact_resume import ExactResume
 from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
+from lightning_gpuopt.callbacks.oom_log import OOMLog, memory_limit, state_tensors
 from lightning_gpuopt.decisions import decisions, record_decision
 from lightning_gpuopt.memory import forensics, get_probe, is_oom_error
 from lightning_gpuopt.memory.forensics import MemoryHistory

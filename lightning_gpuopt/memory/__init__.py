@@ -15,7 +15,7 @@ from lightning_gpuopt.memory.oom import (
     is_oom_error,
 )
 from lightning_gpuopt.memory.predict import predict_peak
-from lightning_gpuopt.memory.prediction import (
+from lightning_gpuopt.memory.prediction_types import (
     MemoryCategory,
     ParallelLayout,
     PeakPrediction,

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpuopt._compat import scalar_read_op, storage_id
 from lightning_gpuopt.memory._ops import alias_mask
-from lightning_gpuopt.memory.prediction import MemoryCategory, Phase
+from lightning_gpuopt.memory.prediction_types import MemoryCategory, Phase
 from lightning_gpuopt.memory.walk import tensors
 
 __all__ = ["StorageCounter", "storage_key"]

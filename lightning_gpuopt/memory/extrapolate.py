@@ -16,7 +16,12 @@ from torch import nn
 from lightning_gpuopt._compat import first_items
 from lightning_gpuopt.memory.blocks import block_list
 from lightning_gpuopt.memory.predict import predict_peak
-from lightning_gpuopt.memory.prediction import MemoryCategory, PeakPrediction, PhasePeak, PredictionMethod
+from lightning_gpuopt.memory.prediction_types import (
+    MemoryCategory,
+    PeakPrediction,
+    PhasePeak,
+    PredictionMethod,
+)
 
 __all__ = [
     "BATCH_CATEGORIES",

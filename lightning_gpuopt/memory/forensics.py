@@ -41,7 +41,7 @@ from lightning_gpuopt._compat import (
     saved_tensors,
     thread_frames,
 )
-from lightning_gpuopt.memory.prediction import MemoryCategory
+from lightning_gpuopt.memory.prediction_types import MemoryCategory
 
 __all__ = [
     "CATEGORIES",

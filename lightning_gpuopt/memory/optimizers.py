@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_gpuopt.memory.counter import StorageCounter
 from lightning_gpuopt.memory.fake_state import FakeState
-from lightning_gpuopt.memory.prediction import MemoryCategory, PredictionInputError
+from lightning_gpuopt.memory.prediction_types import MemoryCategory, PredictionInputError
 
 __all__ = [
     "build_optimizer",

@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_gpuopt.memory.counter import StorageCounter
 from lightning_gpuopt.memory.fake_state import FakeState, fake_batch, precision_dtypes
-from lightning_gpuopt.memory.prediction import (
+from lightning_gpuopt.memory.prediction_types import (
     MemoryCategory,
     ParallelLayout,
     PeakPrediction,

@@ -14,7 +14,12 @@ from torch import nn
 from lightning_gpuopt.memory.counter import StorageCounter
 from lightning_gpuopt.memory.fake_state import FakeState
 from lightning_gpuopt.memory.optimizers import build_optimizer
-from lightning_gpuopt.memory.prediction import MemoryCategory, ParallelLayout, Phase, PredictionInputError
+from lightning_gpuopt.memory.prediction_types import (
+    MemoryCategory,
+    ParallelLayout,
+    Phase,
+    PredictionInputError,
+)
 from lightning_gpuopt.memory.walk import tensors
 
 __all__ = [

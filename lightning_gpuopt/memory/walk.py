@@ -1,6 +1,6 @@
 """Walk a batch: its parts, its leaves, its tensors, its samples, and a copy with the leaves replaced.
 
-The one walker of the pack: micro-batch splitting (:mod:`lightning_gpuopt.batching`), device
+The one walker of the pack: micro-batch splitting (:mod:`lightning_gpuopt.batch_split`), device
 prefetch, torch.compile's dynamic batch dimension, the peak prediction and the activation estimate
 all read a batch through it, so that they agree on what a batch is made of. Containers are
 mappings, lists and tuples (namedtuples too) and dataclass instances; everything else is a leaf.

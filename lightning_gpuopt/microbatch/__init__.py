@@ -14,6 +14,7 @@ retries alike. Evaluation steps split the same way. docs/oom-recovery.md ("How i
 has the long form.
 """
 
+from lightning_gpuopt._compiled import RecompileBudget
 from lightning_gpuopt.microbatch.engine import (
     CHECKPOINTING,
     EVAL_STAGES,
@@ -48,6 +49,7 @@ __all__ = [
     "OptimizerStepHook",
     "OptimizerStepOOMError",
     "RankOutOfMemoryError",
+    "RecompileBudget",
     "Rung",
     "WeightFn",
     "unsupported_strategy",

@@ -6,7 +6,7 @@ vote per rank (``exchange.py``), from which every rank takes the same decision: 
 the batch again (a larger k, a recovery rung turned on, or an attempt check that changed what the batch
 runs under), or stop. The batch says what the decision means (its :class:`~.batches.Outcome`); the loop
 alone applies it: the k change, the rungs, the logs replayed. A dropped attempt leaves no trace
-(``attempt.py``).
+(``side_effects.py``).
 
 :class:`AttemptLoop` also holds the patches that bring the Trainer's steps here: the strategy's step
 methods, and the module's ``log``, ``backward`` and ``optimizer_zero_grad``.
@@ -31,8 +31,7 @@ from lightning_gpuopt.memory import (
     is_maybe_size_error,
     is_oom_error,
 )
-from lightning_gpuopt.microbatch.attempt import SideEffects, emit_logs
-from lightning_gpuopt.microbatch.batches import (
+from lightning_gpuopt.microbatch.batch_runs import (
     EvalBatch,
     Exchange,
     Outcome,
@@ -49,20 +48,12 @@ from lightning_gpuopt.microbatch.errors import (
 )
 from lightning_gpuopt.microbatch.exchange import LocalExchange, PeerFailure
 from lightning_gpuopt.microbatch.rungs import Ladder
+from lightning_gpuopt.microbatch.side_effects import SideEffects, emit_logs
 from lightning_gpuopt.microbatch.splits import Splits
 from lightning_gpuopt.microbatch.users import Users
-from lightning_gpuopt.oom_policy import (
-    Agreement,
-    OOMFailure,
-    Recovery,
-    Status,
-    Vote,
-    agree,
-    describe_action,
-    parse_tried_bytes,
-    rung_bits,
-    stop_reason,
-)
+from lightning_gpuopt.oom_policy import OOMFailure, Recovery, parse_tried_bytes
+from lightning_gpuopt.oom_record import describe_action, stop_reason
+from lightning_gpuopt.votes import Agreement, Status, Vote, agree, rung_bits
 
 __all__ = ["EVAL_STAGES", "AttemptLoop", "agree_or_stop"]
 

@@ -2,7 +2,7 @@
 
 See :mod:`lightning_gpuopt.microbatch` for what the engine does and its contract. Callbacks attach to it as
 its users and answer its questions (``users.py``); nothing outside the engine writes into it. The batches
-run in ``attempt_loop.py`` (an attempt's side effects in ``attempt.py``); k lives in ``splits.py``; the
+run in ``attempt_loop.py`` (an attempt's side effects in ``side_effects.py``); k lives in ``splits.py``; the
 setups it refuses are in ``setup_checks.py``, the optimizer step in ``step.py``, the recovery rungs in
 ``rungs.py``, torch.compile's part in ``compile_watch.py``.
 """
@@ -21,9 +21,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_gpuopt._compiled import RecompileBudget, is_compiled_anywhere
-from lightning_gpuopt.microbatch.attempt import batch_samples
 from lightning_gpuopt.microbatch.attempt_loop import EVAL_STAGES, AttemptLoop
-from lightning_gpuopt.microbatch.batches import Exchange, MicroBatchBackward
+from lightning_gpuopt.microbatch.batch_runs import Exchange, MicroBatchBackward
 from lightning_gpuopt.microbatch.compile_watch import CompileWatch
 from lightning_gpuopt.microbatch.exchange import (
     DDPExchange,
@@ -35,10 +34,11 @@ from lightning_gpuopt.microbatch.exchange import (
 from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
 from lightning_gpuopt.microbatch.rungs import ActivationCheckpointing, Ladder, Rung
 from lightning_gpuopt.microbatch.setup_checks import check_strategy, check_supported
+from lightning_gpuopt.microbatch.side_effects import batch_samples
 from lightning_gpuopt.microbatch.splits import KChange, Splits
 from lightning_gpuopt.microbatch.step import OptimizerStepHook
 from lightning_gpuopt.microbatch.users import MicroBatchUser, Users
-from lightning_gpuopt.oom_policy import Source, Vote
+from lightning_gpuopt.votes import Source, Vote
 
 __all__ = [
     "CHECKPOINTING",

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt.microbatch.errors import Refused
-from lightning_gpuopt.oom_policy import Vote
+from lightning_gpuopt.votes import Vote
 
 __all__ = [
     "DDPExchange",

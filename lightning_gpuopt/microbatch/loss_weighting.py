@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lightning_gpuopt._validate import choice
 from lightning_gpuopt._warnings import warn
-from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of, slice_samples
+from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of, slice_samples
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory.oom import free_memory, is_oom_error
 from lightning_gpuopt.microbatch.errors import LossWeightingError, WeightingCheckOutOfMemory

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gpuopt.batching import (
+from lightning_gpuopt.batch_split import (
     UnsplittableBatchError,
     batch_size_of,
     first_samples,

@@ -98,7 +98,7 @@ class ActivationCheckpointing(Rung):
 class Ladder:
     """One engine's recovery rungs past more micro-batches, in order: which are on, which could change nothing.
 
-    A rung's index here is its bit in the ranks' votes (:func:`~lightning_gpuopt.oom_policy.rung_bits`), so every
+    A rung's index here is its bit in the ranks' votes (:func:`~lightning_gpuopt.votes.rung_bits`), so every
     callback's rungs must be added alike on every rank.
     """
 

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 
 from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.microbatch.compile_watch import CompileWatch
-from lightning_gpuopt.oom_policy import Source
+from lightning_gpuopt.votes import Source
 
 __all__ = ["KChange", "Splits"]
 

@@ -36,7 +36,8 @@ from lightning_gpuopt import _compat
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import forensics, format_bytes, free_memory, is_oom_error
 from lightning_gpuopt.microbatch.errors import OptimizerStepOOMError
-from lightning_gpuopt.oom_policy import Status, Vote, stop_reason
+from lightning_gpuopt.oom_record import stop_reason
+from lightning_gpuopt.votes import Status, Vote
 
 __all__ = ["OptimizerStepHook", "StepGuard"]
 

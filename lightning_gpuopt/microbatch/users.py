@@ -32,11 +32,12 @@ from torch import Tensor
 from lightning_gpuopt.microbatch.errors import Refused
 
 if TYPE_CHECKING:
-    from lightning_gpuopt.microbatch.batches import MicroBatchBackward
+    from lightning_gpuopt.microbatch.batch_runs import MicroBatchBackward
     from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
     from lightning_gpuopt.microbatch.rungs import Rung
     from lightning_gpuopt.microbatch.splits import KChange
-    from lightning_gpuopt.oom_policy import OOMFailure, Proposal, Recovery
+    from lightning_gpuopt.oom_policy import OOMFailure, Recovery
+    from lightning_gpuopt.votes import Proposal
 
 __all__ = ["QUESTIONS", "MicroBatchUser", "Users"]
 

@@ -32,7 +32,7 @@ from lightning_gpuopt.memory.estimate import (
 )
 from lightning_gpuopt.memory.extrapolate import predict_peak_deep, scale_to_batch
 from lightning_gpuopt.memory.optimizers import optimizer_in
-from lightning_gpuopt.memory.prediction import ParallelLayout, PeakPrediction, PredictionMethod
+from lightning_gpuopt.memory.prediction_types import ParallelLayout, PeakPrediction, PredictionMethod
 from lightning_gpuopt.strategy.fsdp2 import FSDP2Strategy, shard_units
 from lightning_gpuopt.support import Feature, StrategyKind, supports
 

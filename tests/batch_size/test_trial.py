@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 from lightning_gpuopt.batch_size.trial import TrialSteps
 from lightning_gpuopt.microbatch.exchange import PeerFailure
-from lightning_gpuopt.oom_policy import Status, Vote
 from lightning_gpuopt.testing import SimulatedMemory
+from lightning_gpuopt.votes import Status, Vote
 
 # --- the protocol that keeps the ranks' trial steps in step (one process, the other rank's votes given) ---
 

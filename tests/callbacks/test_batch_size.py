@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.microbatch import MicroBatchEngine
-from lightning_gpuopt.microbatch.attempt import SideEffects
+from lightning_gpuopt.microbatch.side_effects import SideEffects
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.callbacks.batch_models import FAMILIES, batch_peak, fit, peaks_at, true_maxima
 from tests.callbacks.oom_models import Waves, WideRegressor, optimizer_step_ids

@@ -14,7 +14,7 @@ import torch
 
 from lightning_gpuopt import GPUOptReport, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.memory import get_probe
-from lightning_gpuopt.oom_policy import OOM_PARTS, largest_part, oom_parts, part_advice, part_label
+from lightning_gpuopt.oom_record import OOM_PARTS, largest_part, oom_parts, part_advice, part_label
 from lightning_gpuopt.report import format_oom
 from lightning_gpuopt.report_plot import _oom_text
 from lightning_gpuopt.testing import SimulatedMemory

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_gpuopt.oom_policy import stop_reason
+from lightning_gpuopt.oom_record import stop_reason
 from lightning_gpuopt.report import format_oom, oom_listing, oom_rows
 from lightning_gpuopt.report_plot import OOM_TEXT_WIDTH, _oom_text
 

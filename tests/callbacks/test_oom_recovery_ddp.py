@@ -232,7 +232,7 @@ class RemoteOOM(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         from lightning_gpuopt.microbatch.exchange import LocalExchange
-        from lightning_gpuopt.oom_policy import STATUS_OOM, Vote
+        from lightning_gpuopt.votes import STATUS_OOM, Vote
 
         callback = self
 
@@ -315,7 +315,7 @@ def test_an_oom_in_the_optimizer_step_on_one_rank_ends_every_rank_with_the_same_
 @pytest.mark.slow
 def test_two_ranks_out_of_memory_at_once_agree_on_the_larger_split(tmp_path):
     """Both ranks run out of memory at step 2 under their own limits: rank 0 alone would split in 2, rank 1 asks
-    for more. Every rank takes the larger k (oom_policy.agree: the most cautious split wins), the ranks stay in
+    for more. Every rank takes the larger k (votes.agree: the most cautious split wins), the ranks stay in
     step, and the parameters equal an unsplit run on the same samples (64-true)."""
     from tests.callbacks import ddp_two_recoveries_run as script
 

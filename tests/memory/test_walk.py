@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_gpuopt._compiled import mark_batch_dynamic
-from lightning_gpuopt.batching import batch_size_of
+from lightning_gpuopt.batch_split import batch_size_of
 from lightning_gpuopt.data.prefetch import batch_nbytes
 from lightning_gpuopt.memory.estimate import activation_bytes_per_sample
 from lightning_gpuopt.memory.walk import BatchSizeError, leaves, rebuild, sample_count, samples_in, tensors

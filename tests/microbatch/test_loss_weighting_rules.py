@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_gpuopt.batching import batch_size_of
+from lightning_gpuopt.batch_split import batch_size_of
 from lightning_gpuopt.microbatch.loss_weighting import CheckSite, LossWeighting
 from lightning_gpuopt.microbatch.loss_weighting_rules import (
     Candidate,

@@ -21,7 +21,7 @@ from lightning.pytorch import Callback
 from torch.nn import functional as F
 
 from lightning_gpuopt import OOMRecovery
-from lightning_gpuopt.batching import split_sizes
+from lightning_gpuopt.batch_split import split_sizes
 from lightning_gpuopt.decisions import decisions
 from tests.helpers import training_distance
 from tests.microbatch.stochastic_models import (

@@ -16,7 +16,7 @@ from lightning_gpuopt.microbatch import MicroBatchEngine, MicroBatchUser
 from lightning_gpuopt.microbatch.errors import Refused
 from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
 from lightning_gpuopt.microbatch.users import QUESTIONS, Users
-from lightning_gpuopt.oom_policy import Proposal, Status
+from lightning_gpuopt.votes import Proposal, Status
 from tests.helpers import TRAINER_QUIET
 
 

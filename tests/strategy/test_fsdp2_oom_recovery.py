@@ -98,7 +98,7 @@ def test_nothing_left_to_split_on_one_rank_stops_both_without_hanging(tmp_path):
 def test_ranks_that_would_run_different_numbers_of_micro_batches_stop_alike_with_the_reason():
     """Each micro-batch all-gathers and reduce-scatters: different counts would pair mismatched collectives."""
     from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
-    from lightning_gpuopt.oom_policy import Vote
+    from lightning_gpuopt.votes import Vote
 
     exchange = FSDP2Exchange.__new__(FSDP2Exchange)  # the check alone: one process, the ranks' counts given
     exchange.prepare = exchange.install = lambda: None

@@ -85,7 +85,7 @@ TARGETS = (
     Target("weighting-rules", "lightning_gpuopt/microbatch/loss_weighting_rules.py", _WEIGHTING_TESTS),
     Target(
         "skip",
-        "lightning_gpuopt/microbatch/batches.py",
+        "lightning_gpuopt/microbatch/batch_runs.py",
         (
             "tests/microbatch/test_skipped_batches.py",
             "tests/callbacks/test_oom_recovery.py",
@@ -114,6 +114,16 @@ TARGETS = (
             "tests/callbacks/test_oom_recovery.py",
             "tests/callbacks/test_oom_recovery_adaptive.py",
         ),
+    ),
+    Target(  # oom_policy.py's vote protocol, moved out of it (issue 35)
+        "votes",
+        "lightning_gpuopt/votes.py",
+        ("tests/test_oom_policy.py", "tests/callbacks/test_oom_recovery.py"),
+    ),
+    Target(  # oom_policy.py's OOM record, moved out of it (issue 35)
+        "oom-record",
+        "lightning_gpuopt/oom_record.py",
+        ("tests/callbacks/test_oom_record_parts.py", "tests/callbacks/test_oom_record_text.py"),
     ),
     Target(
         "noise-scale",

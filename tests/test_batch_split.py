@@ -6,7 +6,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
-from lightning_gpuopt.batching import (
+from lightning_gpuopt.batch_split import (
     BatchSplit,
     UnsplittableBatchError,
     batch_size_of,
@@ -167,7 +167,7 @@ def test_invalid_k_is_a_clear_error(k, message):
 
 
 def test_merge_outputs_is_the_inverse_of_the_split_for_what_steps_return():
-    from lightning_gpuopt.batching import merge_outputs
+    from lightning_gpuopt.batch_split import merge_outputs
 
     batch = {"ids": torch.arange(10), "names": [f"s{i}" for i in range(10)], "scale": torch.tensor(2.0)}
     chunks = split_batch(batch, 3)
@@ -192,7 +192,7 @@ def test_merge_outputs_keeps_tuples_namedtuples_and_dataclasses():
     import dataclasses
     from typing import NamedTuple
 
-    from lightning_gpuopt.batching import merge_outputs
+    from lightning_gpuopt.batch_split import merge_outputs
 
     class Pair(NamedTuple):
         pred: torch.Tensor
@@ -213,7 +213,7 @@ def test_merge_outputs_keeps_tuples_namedtuples_and_dataclasses():
 
 
 def test_merge_outputs_bad_input():
-    from lightning_gpuopt.batching import merge_outputs
+    from lightning_gpuopt.batch_split import merge_outputs
 
     with pytest.raises(ValueError, match="at least one micro-batch output"):
         merge_outputs([])
@@ -230,3 +230,17 @@ def test_first_samples_keeps_structure_and_views():
         ValueError, match=r"`n` \(samples\) must be an int in \[1, 6\] for a batch of 6 samples, got 7"
     ):
         first_samples(x, 7)
+
+
+def test_the_old_module_path_still_imports_with_a_warning():
+    import importlib
+    import sys
+
+    import lightning_gpuopt.batch_split as batch_split
+
+    sys.modules.pop("lightning_gpuopt.batching", None)
+    with pytest.warns(
+        DeprecationWarning, match="lightning_gpuopt.batching is lightning_gpuopt.batch_split now"
+    ):
+        old = importlib.import_module("lightning_gpuopt.batching")
+    assert old.split_batch is batch_split.split_batch and old.__all__ == batch_split.__all__

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt.batching import UnsplittableBatchError, batch_size_of
+from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of
 
 __all__ = [
     "Attempt",

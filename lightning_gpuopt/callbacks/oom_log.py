@@ -1,4 +1,4 @@
-"""GPUOptReport's OOM log: one :class:`~lightning_gpuopt.oom_policy.OOMRecord` per out-of-memory error on this rank.
+"""GPUOptReport's OOM log: one :class:`~lightning_gpuopt.oom_record.OOMRecord` per out-of-memory error on this rank.
 
 It is the process's OOM listener (:mod:`lightning_gpuopt.memory.forensics`) while a fit runs. Three calls
 build a record:
@@ -31,7 +31,8 @@ from torch import Tensor
 from lightning_gpuopt._compiled import is_compiled_anywhere
 from lightning_gpuopt.memory import forensics, get_probe
 from lightning_gpuopt.memory.forensics import ActivationOwners, MemoryHistory, OOMEvent
-from lightning_gpuopt.oom_policy import OOMRecord, parse_tried_bytes
+from lightning_gpuopt.oom_policy import parse_tried_bytes
+from lightning_gpuopt.oom_record import OOMRecord
 
 __all__ = ["NOT_MEASURED", "OOMLog", "memory_limit", "state_tensors"]
 

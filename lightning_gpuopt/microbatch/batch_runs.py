@@ -22,8 +22,11 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt.batching import SPLIT_HOOK, merge_outputs, split_batch
-from lightning_gpuopt.microbatch.attempt import (
+from lightning_gpuopt.batch_split import SPLIT_HOOK, merge_outputs, split_batch
+from lightning_gpuopt.microbatch.compile_watch import CompileWatch
+from lightning_gpuopt.microbatch.exchange import DDPExchange, FSDP2Exchange, LocalExchange
+from lightning_gpuopt.microbatch.loss_weighting import CheckSite, LossWeighting
+from lightning_gpuopt.microbatch.side_effects import (
     Attempt,
     LogCall,
     SideEffects,
@@ -33,10 +36,8 @@ from lightning_gpuopt.microbatch.attempt import (
     restore_grads,
     split_output,
 )
-from lightning_gpuopt.microbatch.compile_watch import CompileWatch
-from lightning_gpuopt.microbatch.exchange import DDPExchange, FSDP2Exchange, LocalExchange
-from lightning_gpuopt.microbatch.loss_weighting import CheckSite, LossWeighting
-from lightning_gpuopt.oom_policy import Agreement, OOMFailure, Proposal, Recovery, Source, Vote
+from lightning_gpuopt.oom_policy import OOMFailure, Recovery
+from lightning_gpuopt.votes import Agreement, Proposal, Source, Vote
 
 __all__ = [
     "EvalBatch",
