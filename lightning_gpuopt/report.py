@@ -32,12 +32,22 @@ from lightning_gpuopt.oom_policy import (
     part_label,
     smaller_may_fit,
 )
+from lightning_gpuopt.report_series import (
+    PNG_DPI,
+    PNG_SIZE,
+    THROUGHPUT_WINDOW,
+    precision_code,
+    windowed_samples_per_s,
+)
 
 __all__ = [
     "FORMAT",
     "JSON_NAME",
+    "PNG_DPI",
     "PNG_NAME",
+    "PNG_SIZE",
     "RANK_JSON_NAME",
+    "THROUGHPUT_WINDOW",
     "ReportField",
     "StepClock",
     "format_oom",
@@ -65,11 +75,6 @@ JSON_NAME = "gpuopt_report.json"
 PNG_NAME = "gpuopt_report.png"
 #: After an error, each other rank's part beside rank zero's JSON (``{rank}``: its global rank).
 RANK_JSON_NAME = "gpuopt_report_rank{rank}.json"
-#: Picture size in inches at PNG_DPI dots per inch: 1200 x 800 pixels.
-PNG_SIZE = (12.0, 8.0)
-PNG_DPI = 100
-#: Steps in the moving window of the throughput curve.
-THROUGHPUT_WINDOW = 10
 
 
 #: The per-step fields GPUOptReport records itself: a :class:`ReportField` may not take these names.
@@ -190,27 +195,6 @@ def mfu(
     return flops_per_batch / seconds_per_batch / peak_flops
 
 
-def windowed_samples_per_s(
-    steps: Sequence[dict[str, Any]], window: int = THROUGHPUT_WINDOW
-) -> list[float | None]:
-    """Samples/s over the last ``window`` steps at each step (``None`` where no time was measured yet).
-
-    A window smooths the per-step wall time, which on a GPU is the host's, not the device's: the host
-    may queue a few steps ahead and then wait.
-
-    Example:
-        >>> windowed_samples_per_s([{"samples": 10, "step_time_s": None}, {"samples": 10, "step_time_s": 0.5},
-        ...                         {"samples": 10, "step_time_s": 1.5}], window=2)
-        [None, 20.0, 10.0]
-    """
-    out: list[float | None] = []
-    for i in range(len(steps)):
-        recent = [s for s in steps[max(0, i - window + 1) : i + 1] if s.get("step_time_s")]
-        seconds = sum(s["step_time_s"] for s in recent)
-        out.append(sum(s["samples"] for s in recent) / seconds if seconds > 0 else None)
-    return out
-
-
 class StepClock:
     """The wall time of each training step, as the report and the ``gpuopt fit`` summary both count it.
 
@@ -272,24 +256,6 @@ def run_peak_bytes(steps: Sequence[dict[str, Any]]) -> int | None:
 def _median(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return statistics.median(present) if present else None
-
-
-#: Significand bits of each precision's compute dtype: ``gpuopt/precision`` in the loggers.
-_SIGNIFICAND_BITS = (("64", 53), ("32", 24), ("bf16", 8), ("16", 11), ("transformer-engine", 4))
-
-
-def precision_code(precision: str) -> float | None:
-    """A Lightning precision as a number for the loggers: the significand bits of its compute dtype (53
-    float64, 24 float32, 11 float16, 8 bfloat16, 4 FP8); ``None`` for one it does not know.
-
-    Example:
-        >>> [precision_code(p) for p in ("32-true", "bf16-mixed", "16-mixed", "64-true", "mystery")]
-        [24.0, 8.0, 11.0, 53.0, None]
-    """
-    for prefix, bits in _SIGNIFICAND_BITS:
-        if str(precision).startswith(prefix):
-            return float(bits)
-    return None
 
 
 def _share(record: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning_gpuopt.memory import format_bytes
 from lightning_gpuopt.oom_policy import largest_part, oom_parts, part_advice, part_label, smaller_may_fit
-from lightning_gpuopt.report import (
+from lightning_gpuopt.report_series import (
     PNG_DPI,
     PNG_SIZE,
     THROUGHPUT_WINDOW,
