@@ -385,6 +385,18 @@ def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         ImportError: matplotlib is missing (the message names the extra to install).
     """
     plt = require_matplotlib()
+    fig = _run_figure(plt, report)
+    try:
+        path = Path(path)
+        fig.savefig(path, dpi=PNG_DPI)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _run_figure(plt: Any, report: dict[str, Any]) -> Any:
+    """The run picture's figure, panels top to bottom: decisions, memory, k and precision, speed (closed here if
+    drawing fails)."""
     steps = report.get("steps", [])
     kinds = {k if k in MARKERS else "other" for k, _, _ in _decision_steps(report) if k not in _LINES}
     fig, (lanes, mem, split, speed) = plt.subplots(
@@ -424,11 +436,10 @@ def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
                     frameon=False,
                     borderaxespad=0.0,
                 )
-        path = Path(path)
-        fig.savefig(path, dpi=PNG_DPI)
-    finally:
+    except BaseException:
         plt.close(fig)
-    return path
+        raise
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------------
