@@ -34,7 +34,11 @@ def _failure(phase: str) -> OOMFailure:
 
 def test_a_rung_by_default_helps_forward_and_backward_only_and_keeps_no_state():
     rung = Recording("r")
-    assert [rung.applies(_failure(p)) for p in ("forward", "backward", "optimizer step")] == [True, True, False]
+    assert [rung.applies(_failure(p)) for p in ("forward", "backward", "optimizer step")] == [
+        True,
+        True,
+        False,
+    ]
     assert rung.state_dict() == {} and rung.describe() == "r" and rung.active is False
     with pytest.raises(NotImplementedError):
         Rung().apply(SimpleNamespace(), "why")
@@ -63,7 +67,9 @@ def test_turn_on_applies_tells_the_listeners_and_a_rung_that_changes_nothing_is_
     told = []
     ladder.listeners.append(lambda rung, reason: told.append((rung.name, reason)))
     assert ladder.available() == [a, idle, b]
-    assert ladder.turn_on([1], "OOM at step 3") is False  # nothing changed: spent, not asked again in this fit
+    assert (
+        ladder.turn_on([1], "OOM at step 3") is False
+    )  # nothing changed: spent, not asked again in this fit
     assert ladder.available() == [a, b] and not idle.active and told == []
     assert ladder.turn_on([2, 0], "OOM at step 4") is True
     assert ladder.active == ["b", "a"] and a.active and b.active  # in the order they were turned on
