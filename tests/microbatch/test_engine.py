@@ -103,9 +103,9 @@ def test_the_state_is_plain_values_and_a_resume_announces_it_once():
     assert engine.k == 4 and dict(engine.eval_k) == {"validation": 2} and engine.active_rungs == ("halves",)
     assert fresh.active and fresh.factor == 3 and fresh.applied == 1
     assert user.told == [("k", 1, 4, Source.RESUME), ("rung", "halves", "restored from checkpoint")]
-    assert (
-        engine.resume() == state and len(user.told) == 2
-    )  # once: a second caller gets the state, no new change
+    engine.propose(8, Source.OOM, "OOM after the resume")
+    assert engine.resume() == state  # once: a second caller gets the state...
+    assert engine.k == 8 and len(user.told) == 3  # ...and k is not put back
     engine.release(user)
 
 
