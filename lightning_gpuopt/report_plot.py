@@ -385,7 +385,11 @@ def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         ImportError: matplotlib is missing (the message names the extra to install).
     """
     plt = require_matplotlib()
-    fig = _run_figure(plt, report)
+    return _saved(plt, _run_figure(plt, report), path)
+
+
+def _saved(plt: Any, fig: Any, path: str | os.PathLike[str]) -> Path:
+    """``fig`` written as a PNG at ``path``, and closed."""
     try:
         path = Path(path)
         fig.savefig(path, dpi=PNG_DPI)
@@ -487,13 +491,7 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
         ImportError: matplotlib is missing.
     """
     plt = require_matplotlib()
-    fig = _oom_figure(plt, record, peak)
-    try:
-        path = Path(path)
-        fig.savefig(path, dpi=PNG_DPI)
-    finally:
-        plt.close(fig)
-    return path
+    return _saved(plt, _oom_figure(plt, record, peak), path)
 
 
 def _oom_figure(plt: Any, record: dict[str, Any], peak: dict[str, Any] | None) -> Any:
