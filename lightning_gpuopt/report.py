@@ -22,8 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_gpuopt.report_text import (
+from lightning_gpuopt.report_series import (
+    PNG_DPI,
+    PNG_SIZE,
     THROUGHPUT_WINDOW,
+    precision_code,
+    windowed_samples_per_s,
+)
+from lightning_gpuopt.report_text import (
     format_oom,
     format_table,
     oom_listing,
@@ -33,13 +39,14 @@ from lightning_gpuopt.report_text import (
     run_samples_per_s,
     summarize_values,
     summary_rows,
-    windowed_samples_per_s,
 )
 
 __all__ = [
     "FORMAT",
     "JSON_NAME",
+    "PNG_DPI",
     "PNG_NAME",
+    "PNG_SIZE",
     "RANK_JSON_NAME",
     "THROUGHPUT_WINDOW",
     "ReportField",
@@ -70,9 +77,6 @@ JSON_NAME = "gpuopt_report.json"
 PNG_NAME = "gpuopt_report.png"
 #: After an error, each other rank's part beside rank zero's JSON (``{rank}``: its global rank).
 RANK_JSON_NAME = "gpuopt_report_rank{rank}.json"
-#: Picture size in inches at PNG_DPI dots per inch: 1200 x 800 pixels.
-PNG_SIZE = (12.0, 8.0)
-PNG_DPI = 100
 
 
 #: The per-step fields GPUOptReport records itself: a :class:`ReportField` may not take these names.
@@ -207,24 +211,6 @@ class StepClock:
         seconds = now - self.last_end if self.last_end is not None and batch_idx > 0 else None
         self.last_end = now
         return now, seconds
-
-
-#: Significand bits of each precision's compute dtype: ``gpuopt/precision`` in the loggers.
-_SIGNIFICAND_BITS = (("64", 53), ("32", 24), ("bf16", 8), ("16", 11), ("transformer-engine", 4))
-
-
-def precision_code(precision: str) -> float | None:
-    """A Lightning precision as a number for the loggers: the significand bits of its compute dtype (53
-    float64, 24 float32, 11 float16, 8 bfloat16, 4 FP8); ``None`` for one it does not know.
-
-    Example:
-        >>> [precision_code(p) for p in ("32-true", "bf16-mixed", "16-mixed", "64-true", "mystery")]
-        [24.0, 8.0, 11.0, 53.0, None]
-    """
-    for prefix, bits in _SIGNIFICAND_BITS:
-        if str(precision).startswith(prefix):
-            return float(bits)
-    return None
 
 
 def write_report(

@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning_gpuopt.memory import format_bytes
 from lightning_gpuopt.oom_record import largest_part, oom_parts, part_advice, part_label, smaller_may_fit
-from lightning_gpuopt.report import (
+from lightning_gpuopt.report_series import (
     PNG_DPI,
     PNG_SIZE,
     THROUGHPUT_WINDOW,
@@ -385,6 +385,22 @@ def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         ImportError: matplotlib is missing (the message names the extra to install).
     """
     plt = require_matplotlib()
+    return _saved(plt, _run_figure(plt, report), path)
+
+
+def _saved(plt: Any, fig: Any, path: str | os.PathLike[str]) -> Path:
+    """``fig`` written as a PNG at ``path``, and closed."""
+    try:
+        path = Path(path)
+        fig.savefig(path, dpi=PNG_DPI)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _run_figure(plt: Any, report: dict[str, Any]) -> Any:
+    """The run picture's figure, panels top to bottom: decisions, memory, k and precision, speed (closed here if
+    drawing fails)."""
     steps = report.get("steps", [])
     kinds = {k if k in MARKERS else "other" for k, _, _ in _decision_steps(report) if k not in _LINES}
     fig, (lanes, mem, split, speed) = plt.subplots(
@@ -424,11 +440,10 @@ def render_png(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
                     frameon=False,
                     borderaxespad=0.0,
                 )
-        path = Path(path)
-        fig.savefig(path, dpi=PNG_DPI)
-    finally:
+    except BaseException:
         plt.close(fig)
-    return path
+        raise
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -476,13 +491,7 @@ def render_oom_png(record: dict[str, Any], peak: dict[str, Any] | None, path: st
         ImportError: matplotlib is missing.
     """
     plt = require_matplotlib()
-    fig = _oom_figure(plt, record, peak)
-    try:
-        path = Path(path)
-        fig.savefig(path, dpi=PNG_DPI)
-    finally:
-        plt.close(fig)
-    return path
+    return _saved(plt, _oom_figure(plt, record, peak), path)
 
 
 def _oom_figure(plt: Any, record: dict[str, Any], peak: dict[str, Any] | None) -> Any:

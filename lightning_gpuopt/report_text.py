@@ -21,9 +21,9 @@ from lightning_gpuopt.oom_record import (
     part_label,
     smaller_may_fit,
 )
+from lightning_gpuopt.report_series import windowed_samples_per_s
 
 __all__ = [
-    "THROUGHPUT_WINDOW",
     "format_oom",
     "format_table",
     "oom_listing",
@@ -33,11 +33,7 @@ __all__ = [
     "run_samples_per_s",
     "summarize_values",
     "summary_rows",
-    "windowed_samples_per_s",
 ]
-
-#: Steps in the moving window of the throughput curve.
-THROUGHPUT_WINDOW = 10
 
 
 def summarize_values(values: Sequence[Any]) -> str:
@@ -58,27 +54,6 @@ def summarize_values(values: Sequence[Any]) -> str:
         return f"{present[-1]:.4g} at the last step (min {low:.4g}, median {mid:.4g}, max {high:.4g})"
     changes = [v for i, v in enumerate(present) if i == 0 or v != present[i - 1]]
     return " -> ".join(str(v) for v in changes)
-
-
-def windowed_samples_per_s(
-    steps: Sequence[dict[str, Any]], window: int = THROUGHPUT_WINDOW
-) -> list[float | None]:
-    """Samples/s over the last ``window`` steps at each step (``None`` where no time was measured yet).
-
-    A window smooths the per-step wall time, which on a GPU is the host's, not the device's: the host
-    may queue a few steps ahead and then wait.
-
-    Example:
-        >>> windowed_samples_per_s([{"samples": 10, "step_time_s": None}, {"samples": 10, "step_time_s": 0.5},
-        ...                         {"samples": 10, "step_time_s": 1.5}], window=2)
-        [None, 20.0, 10.0]
-    """
-    out: list[float | None] = []
-    for i in range(len(steps)):
-        recent = [s for s in steps[max(0, i - window + 1) : i + 1] if s.get("step_time_s")]
-        seconds = sum(s["step_time_s"] for s in recent)
-        out.append(sum(s["samples"] for s in recent) / seconds if seconds > 0 else None)
-    return out
 
 
 def run_samples_per_s(steps: Sequence[dict[str, Any]]) -> float | None:
