@@ -22,7 +22,7 @@ import torchvision
 from common import arguments, clocked, labelled, positive_int, print_table, spread, write_json
 from torch import nn
 
-from lightning_gpuopt.memory._native import native_status
+from lightning_gpuopt.memory.counting_allocator import native_status
 from lightning_gpuopt.testing import SimulatedMemory
 
 TARGET = 1.1

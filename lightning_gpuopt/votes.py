@@ -16,6 +16,7 @@ __all__ = [
     "STATUS_OOM",
     "STATUS_THRASH",
     "Agreement",
+    "PeerFailure",
     "Proposal",
     "Source",
     "Status",
@@ -172,3 +173,15 @@ def rung_indices(status: int) -> tuple[int, ...]:
         bits >>= 1
         i += 1
     return tuple(out)
+
+
+class PeerFailure(RuntimeError):
+    """Another rank's attempt failed; raised on this rank at the vote before one of FSDP's collectives.
+
+    ``votes`` is that vote: the attempt's agreement, already taken (no further vote for this attempt).
+    """
+
+    def __init__(self, votes: list[Vote]) -> None:
+        failed = [r for r, v in enumerate(votes) if v.status]
+        super().__init__(f"rank(s) {', '.join(map(str, failed))} ran out of memory during this attempt")
+        self.votes = votes

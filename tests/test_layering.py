@@ -1,9 +1,11 @@
 """The layers of docs/architecture.md, checked over the whole package from its syntax trees.
 
-1. ``memory/`` imports only ``memory/`` of the pack (plus the leaves ``_warnings``, ``_compat``, ``_validate``), and
-   no Lightning.
-2. Nothing outside ``callbacks/``, ``cli.py`` and the package ``__init__`` imports a callback.
-3. No pack module reads a private name of another module: an attribute ``x._name`` (or ``getattr(x, "_name")``,
+1. Every import between two pack modules is one that docs/architecture.md's allowed-imports table allows
+   (imports inside functions and type-only imports included); every module is in one layer of the table.
+2. The imports between the pack's modules form no circle.
+3. The rules layer is pure: no function takes a Trainer, none sets an attribute of torch or uses ``global``.
+4. ``memory/`` never imports Lightning.
+5. No pack module reads a private name of another module: an attribute ``x._name`` (or ``getattr(x, "_name")``,
    ``hasattr``/``setattr``/``delattr`` alike) whose name the module does not define itself, or
    ``from m import _name`` of something that is not a module. Private names of torch, Lightning and the
    standard library are read in ``_compat.py`` and ``_compiled.py`` only.
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +28,7 @@ PACKAGE = REPO / "lightning_gpuopt"
 PRIVATE_GATES = {"_compat.py", "_compiled.py"}
 #: Underscore names that are documented, public API of their owners (namedtuple and ``os``).
 DOCUMENTED = {"_fields", "_asdict", "_replace", "_make", "_exit"}
-#: The pack modules that ``memory/`` may import besides its own.
-MEMORY_MAY_IMPORT = {"lightning_gpuopt._warnings", "lightning_gpuopt._compat", "lightning_gpuopt._validate"}
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 
 @dataclass(frozen=True)
@@ -133,30 +135,191 @@ def private_reads(source: Source) -> list[str]:
     return found
 
 
-def test_memory_imports_only_memory():
-    offenders = []
-    for source in SOURCES:
-        if not source.rel.startswith("memory/"):
-            continue
-        for line, name in _imported_modules(source):
-            pack = name.startswith("lightning_gpuopt")
-            if pack and not name.startswith("lightning_gpuopt.memory") and name not in MEMORY_MAY_IMPORT:
-                offenders.append(f"{source.rel}:{line}: imports {name}")
-            if name == "lightning" or name.startswith(("lightning.", "lightning_utilities")):
-                offenders.append(f"{source.rel}:{line}: imports {name} (memory/ runs without Lightning)")
-    assert not offenders, "memory/ reaches out of its layer:\n" + "\n".join(offenders)
+# ---------------------------------------------------------------------------- the allowed-imports table
 
 
-def test_only_callbacks_cli_and_the_package_import_callbacks():
-    allowed = ("callbacks/", "cli.py", "__init__.py")
-    offenders = [
-        f"{source.rel}:{line}: imports {name}"
-        for source in SOURCES
-        if not (source.rel.startswith(allowed[0]) or source.rel in allowed[1:])
-        for line, name in _imported_modules(source)
-        if name == "lightning_gpuopt.callbacks" or name.startswith("lightning_gpuopt.callbacks.")
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    members: tuple[str, ...]  # paths relative to the package: "x.py" or a folder "x/"
+    may_import: frozenset[str]
+
+
+def layers(page: str | None = None) -> list[Layer]:
+    """docs/architecture.md's allowed-imports table, between its ``<!-- layers -->`` markers."""
+    page = ARCHITECTURE.read_text() if page is None else page
+    table = page.split("<!-- layers: tests/test_layering.py reads this table -->")[1].split(
+        "<!-- /layers -->"
+    )[0]
+    found = []
+    for row in table.strip().splitlines()[2:]:
+        label, members, may = (cell.strip() for cell in row.strip("|").split("|"))
+        name = label.split(" (")[0]  # the words in brackets say what the layer is
+        allowed = frozenset() if may == "—" else frozenset(m.strip() for m in may.split(","))
+        found.append(Layer(name, tuple(re.findall(r"`([^`]+)`", members)), allowed))
+    return found
+
+
+LAYERS = layers()
+
+
+def layer_of(rel: str, table: list[Layer] = LAYERS) -> list[str]:
+    """The layers whose members hold the module at ``rel`` (a path relative to the package)."""
+    return [
+        layer.name
+        for layer in table
+        if any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in layer.members)
     ]
-    assert not offenders, "a layer below the callbacks imports one:\n" + "\n".join(offenders)
+
+
+def _rel(module: str) -> str:
+    """``lightning_gpuopt.a.b`` as the path of its file relative to the package."""
+    path = REPO.joinpath(*module.split("."))
+    return (
+        (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).relative_to(PACKAGE).as_posix()
+    )
+
+
+def pack_edges(sources: list[Source] = SOURCES) -> list[tuple[str, int, str]]:
+    """(file, line, imported file) for every import of a pack module by a pack module, as paths relative to the
+    package. ``from a import b`` is an edge to ``a.b`` where that is a module, else to ``a``."""
+    edges = []
+    for source in sources:
+        for line, base, names in _imports(source):
+            modules = [f"{base}.{n}" for n in names if _is_pack_module(f"{base}.{n}")]
+            if len(modules) < len(names) or not names:
+                modules.append(base)
+            for name in modules:
+                if (name == "lightning_gpuopt" or name.startswith("lightning_gpuopt.")) and _is_pack_module(
+                    name
+                ):
+                    target = _rel(name)
+                    if target != source.rel:
+                        edges.append((source.rel, line, target))
+    return edges
+
+
+def forbidden_edges(edges: list[tuple[str, int, str]], table: list[Layer] = LAYERS) -> list[str]:
+    by_name = {layer.name: layer for layer in table}
+    found = []
+    for rel, line, target in edges:
+        (mine,), (theirs,) = layer_of(rel, table), layer_of(target, table)
+        if mine != theirs and theirs not in by_name[mine].may_import:
+            found.append(f"{rel}:{line}: imports {target} ({mine} -> {theirs})")
+    return found
+
+
+def test_every_module_is_in_one_layer_and_every_listed_file_exists():
+    modules = [s.rel for s in SOURCES]
+    assert {rel: layer_of(rel) for rel in modules if len(layer_of(rel)) != 1} == {}
+    listed = [m for layer in LAYERS for m in layer.members]
+    assert [m for m in listed if not (PACKAGE / m).exists()] == [], "the table names files that are gone"
+    names = {layer.name for layer in LAYERS}
+    assert all(layer.may_import <= names for layer in LAYERS), "a row may import a layer the table lacks"
+
+
+def test_every_import_is_one_the_table_allows():
+    offenders = forbidden_edges(pack_edges())
+    assert not offenders, (
+        "imports docs/architecture.md's allowed-imports table does not allow:\n" + "\n".join(offenders)
+    )
+
+
+def import_circles(edges: list[tuple[str, int, str]]) -> list[list[str]]:
+    """The circles of the import graph: its strongly connected components of more than one module."""
+    graph: dict[str, set[str]] = {}
+    for rel, _, target in edges:
+        graph.setdefault(rel, set()).add(target)
+        graph.setdefault(target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_the_imports_form_no_circle():
+    assert import_circles(pack_edges()) == []
+
+
+def impurities(source: Source) -> list[str]:
+    """What makes a rules module impure: a parameter called or typed ``trainer``/``Trainer``, an assignment to an
+    attribute of ``torch...`` (or of a name bound to one), a ``global`` statement."""
+    torch_names = {
+        target.id
+        for node in ast.walk(source.tree)
+        if isinstance(node, ast.Assign) and ast.unparse(node.value).startswith("torch.")
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+    def of_torch(target: ast.AST) -> bool:
+        root = target
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return (
+            isinstance(target, ast.Attribute)
+            and isinstance(root, ast.Name)
+            and root.id in {"torch", *torch_names}
+        )
+
+    found = []
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.arg):
+            annotation = ast.unparse(node.annotation) if node.annotation is not None else ""
+            if node.arg == "trainer" or "Trainer" in annotation:
+                found.append((node.lineno, f"takes a Trainer ({node.arg})"))
+        elif isinstance(node, ast.Global):
+            found.append((node.lineno, f"global {', '.join(node.names)}"))
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if of_torch(target):
+                    found.append((node.lineno, f"sets {ast.unparse(target)}"))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args:
+            if of_torch(ast.Attribute(node.args[0], "x")):
+                found.append((node.lineno, ast.unparse(node)[:60]))
+    return [f"{source.rel}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_the_rules_are_pure():
+    rules = [s for s in SOURCES if layer_of(s.rel) == ["rules"]]
+    assert rules
+    offenders = [line for source in rules for line in impurities(source)]
+    assert not offenders, "the rules layer takes a Trainer or changes global state:\n" + "\n".join(offenders)
+
+
+def test_memory_never_imports_lightning():
+    offenders = [
+        f"{source.rel}:{line}: imports {name} (memory/ runs without Lightning)"
+        for source in SOURCES
+        if source.rel.startswith("memory/")
+        for line, name in _imported_modules(source)
+        if name == "lightning" or name.startswith(("lightning.", "lightning_utilities"))
+    ]
+    assert not offenders, "\n".join(offenders)
 
 
 def test_no_module_reads_another_modules_private_names():
@@ -202,3 +365,37 @@ def _check(code: str, rel: str = "callbacks/x.py") -> list[str]:
 )
 def test_the_checker_flags_what_it_should(code, flagged):
     assert bool(_check(code)) is flagged
+
+
+def test_the_table_checker_flags_what_it_should():
+    page = """<!-- layers: tests/test_layering.py reads this table -->
+| layer | modules | may import |
+|---|---|---|
+| low | `memory/` | — |
+| high | `callbacks/`, `cli.py` | low |
+<!-- /layers -->"""
+    table = layers(page)
+    assert layer_of("memory/probe.py", table) == ["low"] and layer_of("cli.py", table) == ["high"]
+    edges = [("cli.py", 1, "memory/probe.py"), ("memory/probe.py", 2, "callbacks/x.py")]
+    assert forbidden_edges(edges, table) == ["memory/probe.py:2: imports callbacks/x.py (low -> high)"]
+    assert import_circles([("a.py", 1, "b.py"), ("b.py", 1, "a.py"), ("b.py", 2, "c.py")]) == [
+        ["a.py", "b.py"]
+    ]
+
+
+def test_a_type_only_import_inside_a_function_is_an_edge():
+    code = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_gpuopt import _compat\n"
+        "def f():\n    from lightning_gpuopt.memory import probe\n"
+    )
+    edges = pack_edges([Source(PACKAGE / "report.py", ast.parse(code))])
+    assert [(line, target) for _, line, target in edges] == [(3, "_compat.py"), (5, "memory/probe.py")]
+
+
+def test_the_purity_check_flags_what_it_should():
+    code = (
+        "import torch\ndef f(trainer): pass\ndef g(t: 'pl.Trainer'): pass\n"
+        "torch.backends.cuda.matmul.allow_tf32 = True\ndef h():\n    global X\n"
+    )
+    found = impurities(Source(PACKAGE / "precision.py", ast.parse(code)))
+    assert [line.split(":")[1] for line in found] == ["2", "3", "4", "6"]

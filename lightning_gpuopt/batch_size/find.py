@@ -17,9 +17,8 @@ import lightning.pytorch as pl
 from lightning_gpuopt.batch_size.modes import SearchSpace
 from lightning_gpuopt.batch_size.peak_model import memory_budget
 from lightning_gpuopt.batch_size.search import SearchResult, SizeSearch, run_trials
-from lightning_gpuopt.batch_size.trial import TrialSteps, local_bytes
+from lightning_gpuopt.batch_size.trial import RankVotes, TrialSteps, local_bytes
 from lightning_gpuopt.memory import MemoryProbe, format_bytes
-from lightning_gpuopt.microbatch.exchange import FSDP2Exchange
 
 __all__ = ["STEP_SLACK_BYTES", "SearchRun", "find_largest_size", "no_fit_message"]
 
@@ -60,7 +59,7 @@ def find_largest_size(
     target_fraction: float,
     multiple_of: int,
     engine_bytes: int,
-    exchange: FSDP2Exchange | None = None,
+    exchange: RankVotes | None = None,
 ) -> SearchRun:
     """Measure real training steps until the search is over; every byte they leave is put back.
 

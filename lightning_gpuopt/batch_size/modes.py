@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpuopt.batch_size.search import TrialBatch
 from lightning_gpuopt.batch_split import SPLIT_HOOK, first_samples
-from lightning_gpuopt.data.prefetch import batch_nbytes
 from lightning_gpuopt.memory import get_probe
+from lightning_gpuopt.memory.walk import batch_nbytes
 
 __all__ = ["SearchSpace", "max_mode_space", "micro_mode_space", "scale_learning_rate"]
 

@@ -31,7 +31,7 @@ import copy
 import ctypes
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -42,13 +42,27 @@ from lightning_gpuopt._compat import local_shard
 from lightning_gpuopt._compiled import compiled_frames, is_compiled_anywhere, mark_batch_dynamic
 from lightning_gpuopt.batch_size.peak_model import StepMeasurement
 from lightning_gpuopt.memory import MemoryProbe, forensics, free_memory, is_oom_error
-from lightning_gpuopt.microbatch.exchange import FSDP2Exchange, PeerFailure
-from lightning_gpuopt.votes import Status
+from lightning_gpuopt.votes import PeerFailure, Status, Vote
 
-__all__ = ["TRIAL_OOM_ACTION", "NoLossInTrial", "TrainingState", "TrialSteps", "local_bytes"]
+__all__ = ["TRIAL_OOM_ACTION", "NoLossInTrial", "RankVotes", "TrainingState", "TrialSteps", "local_bytes"]
 
 #: What the search did about a trial step that ran out of memory (the OOM record's action).
 TRIAL_OOM_ACTION = "MemoryAwareBatchSize's search counted this size as too big and went on below it"
+
+
+class RankVotes(Protocol):
+    """What the trial steps need of the ranks under FSDP2 (the micro-batch engine's exchange gives it): the ranks
+    vote before each collective, so one rank's OOM stops every rank's step alike."""
+
+    k: int
+
+    def prepare(self) -> None: ...
+
+    def install(self) -> None: ...
+
+    def vote(self, status: Status, k: int) -> list[Vote]: ...
+
+    def recover(self) -> None: ...
 
 
 class NoLossInTrial(RuntimeError):
@@ -270,7 +284,7 @@ class TrialSteps:
         module: pl.LightningModule,
         probe: MemoryProbe,
         batch_idx: int = 0,
-        exchange: FSDP2Exchange | None = None,
+        exchange: RankVotes | None = None,
     ) -> None:
         self.trainer = trainer
         self.exchange = exchange

@@ -21,7 +21,8 @@ from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.goodput.schedule import held_because, lr_factor, next_accumulation
 from lightning_gpuopt.microbatch import MicroBatchEngine
-from lightning_gpuopt.support import Feature, refuse_unsupported
+from lightning_gpuopt.refusals import refuse_unsupported
+from lightning_gpuopt.support import Feature
 
 __all__ = ["AdaptiveBatchSize", "LRScaling"]
 

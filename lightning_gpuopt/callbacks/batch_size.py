@@ -31,7 +31,8 @@ from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
 from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine, MicroBatchOOMError, MicroBatchUser
-from lightning_gpuopt.support import Feature, StrategyKind, setup_refusal, strategy_kind, supports
+from lightning_gpuopt.refusals import setup_refusal
+from lightning_gpuopt.support import Feature, StrategyKind, strategy_kind, supports
 from lightning_gpuopt.votes import Source
 
 __all__ = ["MemoryAwareBatchSize"]

@@ -33,7 +33,8 @@ from lightning_gpuopt.microbatch import (
     MicroBatchUser,
 )
 from lightning_gpuopt.microbatch.replay import RandomDraws
-from lightning_gpuopt.support import Feature, refuse_unsupported
+from lightning_gpuopt.refusals import refuse_unsupported
+from lightning_gpuopt.support import Feature
 
 __all__ = ["GradientNoiseScale"]
 

@@ -39,7 +39,8 @@ from lightning_gpuopt.oom_policy import (
     smallest_split_cannot_fit,
 )
 from lightning_gpuopt.oom_record import largest_part, part_advice, part_label
-from lightning_gpuopt.support import Feature, refuse_unsupported
+from lightning_gpuopt.refusals import refuse_unsupported
+from lightning_gpuopt.support import Feature
 from lightning_gpuopt.votes import Proposal, Source, Status
 
 __all__ = ["MicroBatchOOMError", "OOMRecovery", "OOMRecoveryOptions", "TokenCount"]

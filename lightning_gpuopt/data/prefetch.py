@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.memory import format_bytes, free_memory, is_oom_error
-from lightning_gpuopt.memory.walk import leaves
+from lightning_gpuopt.memory.walk import batch_nbytes, leaves
 
 __all__ = [
     "BatchTransfer",
@@ -104,20 +104,6 @@ class PrefetchStats:
 def _leaves(obj: Any) -> Iterator[Any]:
     """The leaves of a batch: what is not a mapping, list, tuple or dataclass instance."""
     return (leaf for _, leaf in leaves(obj))
-
-
-def batch_nbytes(batch: Any, device_type: str | None = None) -> int:
-    """Bytes held by the tensors of a batch (those on ``device_type`` only, when given).
-
-    Example:
-        >>> batch_nbytes({"x": torch.zeros(4, 3), "y": [torch.zeros(4, dtype=torch.int64)], "id": "a"})
-        80
-    """
-    return sum(
-        t.nbytes
-        for t in _leaves(batch)
-        if isinstance(t, Tensor) and (device_type is None or t.device.type == device_type)
-    )
 
 
 def _only_tensors_move(batch: Any) -> bool:

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpuopt._compat import scalar_read_op, storage_id
-from lightning_gpuopt.memory._ops import alias_mask
+from lightning_gpuopt.memory.op_outputs import alias_mask
 from lightning_gpuopt.memory.prediction_types import MemoryCategory, Phase
 from lightning_gpuopt.memory.walk import tensors
 

@@ -1,5 +1,5 @@
 
-// Counting CPU allocator for lightning_gpuopt.testing.SimulatedMemory (built by _native.py).
+// Counting CPU allocator for lightning_gpuopt.testing.SimulatedMemory (built by counting_allocator.py).
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>

@@ -68,14 +68,14 @@ _LOCK = threading.Lock()  # one measurement at a time: the counting allocator co
 
 
 def _lib() -> Any:
-    from lightning_gpuopt.memory._native import load_native
+    from lightning_gpuopt.memory.counting_allocator import load_native
 
     return load_native()
 
 
 def kernel_scratch_unavailable() -> str | None:
     """Why kernel scratch cannot be measured in this process (no C++ compiler, no torch headers), or None."""
-    from lightning_gpuopt.memory._native import native_status
+    from lightning_gpuopt.memory.counting_allocator import native_status
 
     return native_status()
 
@@ -91,7 +91,7 @@ def _counting(lib: Any) -> Iterator[None]:
             lib.simmem_set_limit(limit)
             lib.simmem_set_peak(peak)
         return
-    from lightning_gpuopt.memory._native import NativeCounter
+    from lightning_gpuopt.memory.counting_allocator import NativeCounter
 
     session = NativeCounter()
     session.begin(None)  # raises, saying why, when the allocator cannot be installed

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "BatchSizeError",
+    "batch_nbytes",
     "is_dataclass_instance",
     "is_namedtuple",
     "is_per_sample_list",
@@ -101,6 +102,20 @@ def leaves(
         return
     for step, child in children:
         yield from leaves(child, stop, path + step)
+
+
+def batch_nbytes(batch: Any, device_type: str | None = None) -> int:
+    """Bytes held by the tensors of a batch (those on ``device_type`` only, when given).
+
+    Example:
+        >>> batch_nbytes({"x": torch.zeros(4, 3), "y": [torch.zeros(4, dtype=torch.int64)], "id": "a"})
+        80
+    """
+    return sum(
+        t.nbytes
+        for _, t in leaves(batch)
+        if isinstance(t, torch.Tensor) and (device_type is None or t.device.type == device_type)
+    )
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:

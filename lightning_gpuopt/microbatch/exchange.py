@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt.microbatch.errors import Refused
-from lightning_gpuopt.votes import Vote
+from lightning_gpuopt.votes import PeerFailure, Vote
 
 __all__ = [
     "DDPExchange",
@@ -218,18 +218,6 @@ def _all_reduce_votes(
     dist.all_reduce(tensor, group=group)
     values = tensor.tolist()
     return [Vote(int(values[2 * r]), int(values[2 * r + 1])) for r in range(world_size)], values[n:]
-
-
-class PeerFailure(RuntimeError):
-    """Another rank's attempt failed; raised on this rank at the vote before one of FSDP's collectives.
-
-    ``votes`` is that vote: the attempt's agreement, already taken (no further vote for this attempt).
-    """
-
-    def __init__(self, votes: list[Vote]) -> None:
-        failed = [r for r, v in enumerate(votes) if v.status]
-        super().__init__(f"rank(s) {', '.join(map(str, failed))} ran out of memory during this attempt")
-        self.votes = votes
 
 
 def fsdp2_roots(module: torch.nn.Module) -> list[torch.nn.Module]:

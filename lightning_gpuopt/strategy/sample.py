@@ -23,11 +23,12 @@ def sample_batch_of(datamodule: Any, samples: int = 2, scan: int = 256) -> Any:
     collated as the loaders do, so that variable-length data padded per batch is planned at the longest
     of those. Samples of one size give the first ones. The random streams are left as they were, and a
     sample that fails to load is passed over. Only the pack's datamodule is read: it gives its dataset
-    without building loaders (no worker processes).
+    without building loaders (no worker processes): any object with its ``stage_dataset`` and ``collate_fn``.
     """
-    from lightning_gpuopt.data import GPUOptDataModule
-
-    if not isinstance(datamodule, GPUOptDataModule):
+    if not (
+        callable(getattr(datamodule, "stage_dataset", None))
+        and callable(getattr(datamodule, "collate_fn", None))
+    ):
         return None
     try:
         dataset = datamodule.stage_dataset("train")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gpuopt.memory._ops import alias_mask
+from lightning_gpuopt.memory.op_outputs import alias_mask
 
 __all__ = ["DispatchCounter", "format_bytes", "format_oom_message"]
 

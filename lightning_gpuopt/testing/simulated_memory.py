@@ -28,7 +28,7 @@ from torch.optim import optimizer as _optim
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt.memory import forensics
-from lightning_gpuopt.memory._native import NativeCounter, NativeUnavailableError
+from lightning_gpuopt.memory.counting_allocator import NativeCounter, NativeUnavailableError
 from lightning_gpuopt.memory.probe import CpuMemoryProbe, MemoryProbe, pop_active_probe, push_active_probe
 from lightning_gpuopt.memory.units import parse_bytes
 from lightning_gpuopt.testing._dispatch import DispatchCounter

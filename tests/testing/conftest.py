@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gpuopt.memory._native import native_status
+from lightning_gpuopt.memory.counting_allocator import native_status
 
 BACKENDS = ("allocator", "dispatch")
 

@@ -78,10 +78,10 @@ def test_a_cached_build_needs_no_compiler(tmp_path):
     # The library this process built, put where a fresh process with this cache directory looks.
     import shutil
 
-    from lightning_gpuopt.memory import _native
+    from lightning_gpuopt.memory import counting_allocator as native
 
-    include, _ = _native._torch_dirs()
-    cached = os.path.join(_native._cache_dir(), f"simmem_{_native._build_key(include)}.so")
+    include, _ = native._torch_dirs()
+    cached = os.path.join(native._cache_dir(), f"simmem_{native._build_key(include)}.so")
     target = tmp_path / "simulated_memory" / os.path.basename(cached)
     target.parent.mkdir()
     shutil.copy(cached, target)
@@ -105,7 +105,7 @@ def test_a_built_wheel_ships_the_allocator_source_that_simulated_memory_builds_f
     import zipfile
     from pathlib import Path
 
-    from lightning_gpuopt.memory import _native
+    from lightning_gpuopt.memory import counting_allocator as native
 
     pytest.importorskip(
         "setuptools", reason="building the wheel without network needs setuptools in this env"
@@ -131,5 +131,5 @@ def test_a_built_wheel_ships_the_allocator_source_that_simulated_memory_builds_f
     (wheel,) = tmp_path.glob("lightning_gpuopt-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         shipped = archive.read("lightning_gpuopt/memory/counting_allocator.cpp").decode()
-    assert shipped == _native._SOURCE  # the allocator is built from this very text
-    assert "SetCPUAllocator" in shipped and "_SOURCE = r" not in Path(_native.__file__).read_text()
+    assert shipped == native._SOURCE  # the allocator is built from this very text
+    assert "SetCPUAllocator" in shipped and "_SOURCE = r" not in Path(native.__file__).read_text()

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpuopt.memory import is_oom_error
-from lightning_gpuopt.memory._native import native_status
+from lightning_gpuopt.memory.counting_allocator import native_status
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.testing.conftest import require_native
 from tests.testing.test_simulated_memory_accuracy import simulated_phases
