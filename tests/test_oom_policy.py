@@ -424,7 +424,7 @@ def test_the_names_that_moved_out_still_import_from_here_with_a_warning():
     with pytest.warns(DeprecationWarning, match=r"oom_policy\.Vote moved to lightning_gpuopt\.votes\.Vote"):
         assert oom_policy.Vote is votes.Vote
     with pytest.warns(DeprecationWarning, match="moved to lightning_gpuopt.oom_record.OOMRecord"):
-        from lightning_gpuopt.oom_record import OOMRecord
+        from lightning_gpuopt.oom_policy import OOMRecord
     assert OOMRecord is oom_record.OOMRecord
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         oom_policy.nothing  # noqa: B018

@@ -333,7 +333,7 @@ class OOMRecovery(MicroBatchUser, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.checkpoint_modules and not matching_modules(pl_module, self.checkpoint_modules):
             raise ValueError(
-                f"`checkpoint_modules` names {self.checkpoint_modules}, but {type(pl_module).__name__} has no such "
+                f"`checkpoint_modules` names {list(self.checkpoint_modules)}, but {type(pl_module).__name__} has no such "
                 f"submodule; its module types are: {describe_module_types(pl_module)}."
             )
         EngineState.ensure(trainer)
