@@ -237,6 +237,16 @@ def test_in_batch_negatives_are_refused_before_any_split():
     assert all(torch.equal(before[n], after[n]) for n in before), "nothing may have trained"
 
 
+def test_code_that_catches_out_of_memory_does_not_catch_a_refused_split():
+    """A refusal about the loss is a configuration error: an `except torch.OutOfMemoryError` around the fit (a user's
+    own retry) lets it through."""
+    with pytest.raises(LossWeightingError, match="no weighting of micro-batch losses reproduces your loss"):
+        try:
+            _fit(InBatchNegatives(), Regression(), [_forced()])
+        except torch.OutOfMemoryError:
+            pytest.fail("the refusal was caught as an out-of-memory error")
+
+
 class BatchSpread(MeanRegressor):
     """A loss with a batch statistic: the spread of the predictions across the batch (undefined on one sample)."""
 
