@@ -162,15 +162,20 @@ class SizeSearch:
     @property
     def result(self) -> SearchResult:
         """The largest size measured within the budget (rounded to ``multiple_of``), with the model's prediction there."""
-        best, _ = self._bounds()
+        best, worst = self._bounds()
         model = self.model
         size = measured = None
+        predicted = None
         if best is not None:
             size = self._round(best)
             measured = max(
                 self.measured_peak(m) for m in self.measurements if m.size == best and self.fits(m)
             )
-        predicted = model.peak(size) if model is not None and size is not None else None
+            between = self._between(best, worst, measured)
+            if between is not None:
+                size, predicted = self._round(between[0]), between[1]
+        if predicted is None:
+            predicted = model.peak(size) if model is not None and size is not None else None
         if (
             self.whole_largest and size == self.largest
         ):  # the model is of micro-batch steps: this one was measured
@@ -185,6 +190,22 @@ class SizeSearch:
         )
 
     # ------------------------------------------------------------------ policy
+
+    def _between(self, best: int, worst: int, best_peak: int) -> tuple[int, int] | None:
+        """Between the largest size that fitted and the smallest measured over the budget (a real step ran at
+        each, so the peak between them is interpolated, not extrapolated): the largest size whose peak on the
+        line through the two stays within the budget, with that peak. ``None`` when no step ran at ``worst``
+        (an OOM, or not measured) or no size lies between."""
+        if worst - best < 2:
+            return None
+        peaks = [self.measured_peak(m) for m in self.measurements if m.size == worst and not m.out_of_memory]
+        if not peaks or (self.whole_largest and worst == self.largest):
+            return None
+        slope = (min(peaks) - best_peak) / (worst - best)
+        if slope <= 0:
+            return None
+        n = min(worst - 1, best + math.floor((self.budget_bytes - best_peak) / slope))
+        return (n, math.ceil(best_peak + slope * (n - best))) if n > best else None
 
     def _bounds(self) -> tuple[int | None, int]:
         """(largest size that fitted or None, smallest size that did not or ``largest + 1``)."""

@@ -217,3 +217,20 @@ def test_ranks_run_the_same_sizes_at_most_four_steps_and_the_smaller_one_leads()
     answers = [s.result.size for s in searches]
     assert min(answers) == answers[1] == alone.result.size, (answers, alone.result.size, ranks.rounds)
     assert 0.9 * 300 <= answers[1] <= 300
+
+
+def test_between_a_size_that_fitted_and_one_measured_over_the_budget_the_answer_is_interpolated():
+    """The last trial ran over the budget (a real step, no OOM): the answer is the largest size whose peak on the
+    line through the two measured peaks stays within the budget, not the smaller measured one; the verified size
+    stays the measured one. After an OOM at the larger size (no peak known) the answer is the measured size."""
+    search = SizeSearch(budget_bytes=1000 + 10 * 70, base_bytes=1000, smallest=1, largest=200, max_trials=2)
+    search.record(StepMeasurement(59, 10 * 59, 0))
+    search.record(StepMeasurement(74, 10 * 74, 0))  # over the budget by 40 bytes
+    assert search.next_size() is None
+    result = search.result
+    assert (result.size, result.verified_size) == (70, 59)
+    assert result.predicted_peak_bytes == 1000 + 10 * 70 <= search.budget_bytes
+    oom = SizeSearch(budget_bytes=1700, base_bytes=1000, smallest=1, largest=200, max_trials=2)
+    oom.record(StepMeasurement(59, 590, 0))
+    oom.record(StepMeasurement(74, None, None))
+    assert oom.result.size == 59
