@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_gpuopt._warnings import moved_names
+
 __all__ = [
     "OOMFailure",
     "Recovery",
@@ -310,40 +312,11 @@ class Recovery:
 #: Names that moved out of this module (issue 35): the ranks' vote to ``votes.py``, the OOM record to
 #: ``oom_record.py``. Importing them from here still works for one release, with a ``DeprecationWarning``.
 _MOVED = {
-    "Status": "lightning_gpuopt.votes",
-    "STATUS_OOM": "lightning_gpuopt.votes",
-    "STATUS_FATAL": "lightning_gpuopt.votes",
-    "STATUS_GROW": "lightning_gpuopt.votes",
-    "STATUS_THRASH": "lightning_gpuopt.votes",
-    "Source": "lightning_gpuopt.votes",
-    "Proposal": "lightning_gpuopt.votes",
-    "Vote": "lightning_gpuopt.votes",
-    "Agreement": "lightning_gpuopt.votes",
-    "agree": "lightning_gpuopt.votes",
-    "rung_bits": "lightning_gpuopt.votes",
-    "rung_indices": "lightning_gpuopt.votes",
-    "OOMRecord": "lightning_gpuopt.oom_record",
-    "OOM_PARTS": "lightning_gpuopt.oom_record",
-    "oom_parts": "lightning_gpuopt.oom_record",
-    "part_label": "lightning_gpuopt.oom_record",
-    "largest_part": "lightning_gpuopt.oom_record",
-    "smaller_may_fit": "lightning_gpuopt.oom_record",
-    "part_advice": "lightning_gpuopt.oom_record",
-    "describe_action": "lightning_gpuopt.oom_record",
-    "stop_reason": "lightning_gpuopt.oom_record",
+    "lightning_gpuopt.votes": "Status STATUS_OOM STATUS_FATAL STATUS_GROW STATUS_THRASH Source Proposal Vote "
+    "Agreement agree rung_bits rung_indices",
+    "lightning_gpuopt.oom_record": "OOMRecord OOM_PARTS oom_parts part_label largest_part smaller_may_fit "
+    "part_advice describe_action stop_reason",
 }
-
-
-def __getattr__(name: str) -> object:
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(
-        f"lightning_gpuopt.oom_policy.{name} moved to {home}.{name}; the old path goes in the next release.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(home), name)
+__getattr__ = moved_names(
+    __name__, {n: f"{home}.{n}" for home, names in _MOVED.items() for n in names.split()}
+)

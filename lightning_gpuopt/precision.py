@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt._compat import local_shard
+from lightning_gpuopt._warnings import moved_names
 
 __all__ = [
     "LADDER",
@@ -465,23 +466,11 @@ def is_faster(a: str, b: str) -> bool:
     return a in LADDER and b in LADDER and LADDER.index(a) < LADDER.index(b)
 
 
-_MOVED = {"enable_tf32": "turn_on_tf32", "restore_tf32": "restore_tf32"}
-
-
-def __getattr__(name: str) -> object:
-    # The global TF32 switch is a side effect, not a decision: it moved to ``tf32_switch.py``.
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        # Resolved by name: a deprecated alias for one release, not an import of the layer above.
-        tf32_switch = importlib.import_module("lightning_gpuopt.tf32_switch")
-        new = _MOVED[name]
-        warnings.warn(
-            f"`lightning_gpuopt.precision.{name}` moved to `lightning_gpuopt.tf32_switch.{new}`; the old name goes "
-            "in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(tf32_switch, new)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The global TF32 switch is a side effect, not a decision: it moved to ``tf32_switch.py`` (issue 35).
+__getattr__ = moved_names(
+    __name__,
+    {
+        "enable_tf32": "lightning_gpuopt.tf32_switch.turn_on_tf32",
+        "restore_tf32": "lightning_gpuopt.tf32_switch.restore_tf32",
+    },
+)
