@@ -74,10 +74,12 @@ def choice(name: str, value: Any, choices: Any) -> Any:
 
 
 def keep_options(owner: object, options: Any) -> None:
-    """Set every field of the checked ``options`` dataclass as the attribute of the same name on ``owner``.
+    """Keep the checked ``options`` dataclass as ``owner.options``, and each of its fields as the attribute of the
+    same name on ``owner``.
 
     A callback with many arguments checks them in one options dataclass and keeps reading them as attributes.
     """
+    owner.options = options
     for field in dataclasses.fields(options):
         setattr(owner, field.name, getattr(options, field.name))
 

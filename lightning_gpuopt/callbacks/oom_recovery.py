@@ -247,9 +247,7 @@ class OOMRecovery(MicroBatchUser, Callback):
             min_micro_batch_size=min_micro_batch_size,
             rungs=rungs,
         )
-        #: The arguments, checked (each is also an attribute of the same name).
-        self.options = options
-        keep_options(self, options)
+        keep_options(self, options)  # as .options, and each as an attribute
         #: The weighting the engine uses (its decision is kept in checkpoints).
         self.loss_weighting = LossWeighting(loss_reduction, weight_fn, token_key, ignore_index, on_mismatch)
         self.loss_weighting.verbose = verbose

@@ -130,9 +130,7 @@ class PrecisionSwitch(MicroBatchUser, Callback):
             fsdp2_policy=fsdp2_policy,
             verbose=verbose,
         )
-        #: The arguments, checked (each is also an attribute of the same name).
-        self.options = options
-        keep_options(self, options)
+        keep_options(self, options)  # as .options, and each as an attribute
         self._ladder_given = ladder is not None
         self._resume: str | None = None
         self._record = SwitchRecord(retry_after)

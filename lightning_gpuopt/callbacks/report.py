@@ -157,9 +157,7 @@ class GPUOptReport(Callback):
             history_entries=history_entries,
             max_oom_files=max_oom_files,
         )
-        #: The arguments, checked (each is also an attribute of the same name).
-        self.options = options
-        _validate.keep_options(self, options)
+        _validate.keep_options(self, options)  # as .options, and each as an attribute
         #: The record of the last ``fit`` (what ``gpuopt_report.json`` holds); empty before.
         self.report: dict[str, Any] = {}
         #: Where the last ``fit`` wrote its JSON and PNG (``None`` for a picture not drawn).
