@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_gpuopt._warnings import moved_names
+from lightning_gpuopt.memory.units import parse_bytes
 
 __all__ = [
     "OOMFailure",
@@ -25,17 +26,6 @@ __all__ = [
     "smallest_split_cannot_fit",
 ]
 
-_UNITS = {
-    "B": 1,
-    "BYTES": 1,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-}
 _TRIED = re.compile(r"Tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B|bytes)\b", re.IGNORECASE)
 
 
@@ -51,7 +41,11 @@ def parse_tried_bytes(message: str) -> int | None:
     match = _TRIED.search(message)
     if match is None:
         return None
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    number, unit = match.groups()
+    try:
+        return parse_bytes(number + ("B" if unit.lower() == "bytes" else unit))
+    except ValueError:  # "0 bytes", or more than any device has: not a size to plan with
+        return None
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,26 @@ in test_cli_resume.py and test_cli_same_command.py."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import fsspec
 import pytest
 import torch
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, Timer
 
-from lightning_gpuopt._cli_resume import FINGERPRINT_KEY, ResumeRefused, _finished, plan_resume, run_identity
+from lightning_gpuopt._cli_resume import (
+    FINGERPRINT_KEY,
+    ResumeRefused,
+    _finished,
+    declared_defaults,
+    fingerprint_differences,
+    last_checkpoint,
+    plan_resume,
+    run_identity,
+)
 
 
 def _trainer(max_steps: int = -1, max_epochs: int | None = None, callbacks=()) -> SimpleNamespace:
@@ -101,3 +112,132 @@ def test_a_checkpoint_the_safe_load_cannot_read_is_left_to_lightning_unopened(tm
 def test_paths_lightning_names_itself_are_passed_on(tmp_path):
     for name in ("best", "hpc", "registry", "registry:model:v1", str(Path(tmp_path) / "missing.ckpt")):
         assert plan_resume(_trainer(), name, _fingerprint()).path == name
+
+
+def test_a_checkpoint_without_lightnings_counters_resumes_at_zero_and_is_not_finished(tmp_path):
+    """A checkpoint that lacks the step, the epoch and the loops' counters (a hand-made or stripped one) counts as
+    step 0, epoch 0, nothing seen: it is not taken for a finished run even at limits of one step or one epoch."""
+    path = tmp_path / "last.ckpt"
+    torch.save({FINGERPRINT_KEY: _fingerprint()}, path)
+    plan = plan_resume(_trainer(max_steps=1, max_epochs=1), str(path), _fingerprint())
+    assert not plan.finished
+    assert (
+        plan.message
+        == f"gpuopt fit: resuming from {path} at step 0, epoch 0, 0 batches of the epoch already seen."
+    )
+
+
+def test_max_epochs_0_finishes_a_run_at_once():
+    assert _finished(_at(0, 0), _trainer(max_epochs=0)) == "max_epochs=0 reached"
+    assert _finished(_at(0, 0), _trainer(max_epochs=1)) is None
+
+
+@pytest.mark.parametrize(
+    ("state", "why"),
+    [
+        (
+            {"stopping_reason": 1, "stopping_reason_message": "val_loss did not improve"},
+            "val_loss did not improve",
+        ),
+        ({"stopping_reason": 1}, "its monitored metric stopped improving"),
+    ],
+)
+def test_a_run_early_stopping_ended_says_why(state, why):
+    checkpoint = {**_at(3, 1), "callbacks": {"EarlyStopping{'monitor': 'val_loss'}": state}}
+    assert _finished(checkpoint, _trainer(max_epochs=10)) == f"EarlyStopping stopped it: {why}"
+
+
+class _Data:
+    """A datamodule whose checkpoint state holds the loader's position (as GPUOptDataModule's does)."""
+
+
+@pytest.mark.parametrize(
+    ("loader", "epoch", "seen"),
+    [
+        ({"batches": 3, "batch_size": 4}, 1, "12 samples"),  # no epoch or world size: this epoch, one rank
+        ({"batches": 3, "batch_size": 4, "world_size": 2, "epoch": 1}, 1, "24 samples"),
+        ({"batches": 3, "batch_size": 4, "epoch": 0}, 1, "0 samples"),  # a position from an earlier epoch
+        ({"batches": 2, "batch_size": 4, "epoch": 0}, None, "8 samples"),  # no epoch saved: epoch 0
+        ({"epoch": 1}, 1, "5 batches"),  # no position: Lightning's own batch count
+        (None, 1, "5 batches"),
+    ],
+)
+def test_the_resume_line_counts_what_the_epoch_has_seen(tmp_path, loader, epoch, seen):
+    path = tmp_path / "last.ckpt"
+    progress = {"epoch_loop.batch_progress": {"current": {"completed": 5}}}
+    checkpoint = {"global_step": 9, FINGERPRINT_KEY: _fingerprint(), "loops": {"fit_loop": progress}}
+    if loader is not None:
+        checkpoint[_Data.__qualname__] = {"train_loader": loader}
+    if epoch is not None:
+        checkpoint["epoch"] = epoch
+    torch.save(checkpoint, path)
+    plan = plan_resume(_trainer(max_steps=100), str(path), _fingerprint(), datamodule=_Data())
+    assert plan.message.endswith(f", {seen} of the epoch already seen.")
+
+
+def test_a_sharded_checkpoint_folder_is_read_from_its_metadata_file(tmp_path):
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    torch.save({**_at(7, 1), FINGERPRINT_KEY: _fingerprint()}, folder / "meta.pt")
+    plan = plan_resume(_trainer(max_steps=100), str(folder), _fingerprint())
+    assert "at step 7, epoch 1," in plan.message
+    with pytest.raises(ResumeRefused):
+        plan_resume(_trainer(max_steps=100), str(folder), _fingerprint(model="m.Other"))
+
+
+def test_last_is_the_newest_last_file_and_never_another_checkpoint(tmp_path):
+    fingerprint = _fingerprint()
+    files = {
+        "last.ckpt": 100,
+        "last-v1.ckpt": 300,
+        "last-v2.ckpt": 200,
+        "epoch=1-step=9.ckpt": 400,
+        "last.txt": 500,
+    }
+    for name, when in files.items():
+        torch.save({**_at(when), FINGERPRINT_KEY: fingerprint}, tmp_path / name)
+        os.utime(tmp_path / name, (when, when))
+    trainer = _trainer(max_steps=10**6, callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+    assert last_checkpoint(trainer) == str(tmp_path / "last-v1.ckpt")
+    assert "at step 300," in plan_resume(trainer, "last", fingerprint).message
+
+
+def test_a_last_checkpoint_on_a_remote_filesystem_is_read_through_it():
+    """OnExceptionCheckpoint's file is a candidate for "last" wherever it is (as in Lightning): one on an fsspec
+    filesystem is read through that filesystem."""
+    folder = f"memory://gpuopt-rules-{os.getpid()}"
+    fs = fsspec.filesystem("memory")
+    with fs.open(f"{folder}/on_exception.ckpt", "wb") as f:
+        torch.save({**_at(4), FINGERPRINT_KEY: _fingerprint()}, f)
+    try:
+        trainer = _trainer(max_steps=10, callbacks=[OnExceptionCheckpoint(dirpath=folder)])
+        plan = plan_resume(trainer, "last", _fingerprint())
+        assert plan.path == f"{folder}/on_exception.ckpt" and "at step 4, epoch 0," in plan.message
+    finally:
+        fs.rm(folder, recursive=True)
+
+
+def test_the_identity_does_not_depend_on_the_order_of_the_config():
+    a = {"model": "m.A", "model_args": {"lr": 0.1, "width": 8}, "seed": 1}
+    b = {"seed": 1, "model_args": {"width": 8, "lr": 0.1}, "model": "m.A"}
+    assert run_identity(a) == run_identity(b)
+
+
+def test_declared_defaults_are_the_arguments_that_have_one():
+    class Model:
+        def __init__(self, width, depth=2, act="relu"):
+            pass
+
+    assert declared_defaults(Model) == {"depth": 2, "act": "relu"}
+
+
+@pytest.mark.parametrize("length", [1, 38, 39, 80])
+def test_a_long_value_in_a_refusal_is_cut_to_40_characters_with_an_ellipsis(length):
+    value = "x" * length  # its repr has two quotes more
+    (line,) = fingerprint_differences(
+        _fingerprint(model_args={"p": value}), _fingerprint(model_args={"p": 1})
+    )
+    shown = line.removeprefix("model.p ").removesuffix(" -> 1")
+    assert (
+        shown == repr(value) if length + 2 <= 40 else (len(shown) == 40 and shown == repr(value)[:37] + "...")
+    )

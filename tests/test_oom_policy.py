@@ -31,6 +31,10 @@ def _failure(**overrides) -> OOMFailure:
     return OOMFailure(**values)
 
 
+_EVERY_UNIT = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_EVERY_UNIT |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
 @pytest.mark.parametrize(
     ("message", "expected"),
     [
@@ -42,6 +46,9 @@ def _failure(**overrides) -> OOMFailure:
         ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512 MiB", 512 * 2**20),
         ("Tried to allocate 100 bytes", 100),
         ("Tried to allocate 512 B", 512),
+        *((f"Tried to allocate 3 {unit}", 3 * scale) for unit, scale in _EVERY_UNIT.items()),
+        ("Tried to allocate 1.5 kb", 1500),
+        ("Tried to allocate 0 bytes", None),
         ("CUDA error: out of memory", None),
         ("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)", None),
     ],

@@ -285,7 +285,7 @@ class TrainingBatch:
                 return False  # no further micro-batch: the whole batch is skipped
             extras.append(extra)
             steps.phase = "backward"
-            scaled = loss if weight == 1.0 else loss * weight
+            scaled = loss * weight  # exact at a weight of 1
             if self.accumulate != 1:
                 scaled = scaled / self.accumulate
             if scaler is not None:
@@ -305,7 +305,7 @@ class TrainingBatch:
                 )
                 for listener in listeners:
                     listener(told)
-            part = loss.detach() if weight == 1.0 else loss.detach() * weight
+            part = loss.detach() * weight
             total = part if total is None else total + part
             return True
 

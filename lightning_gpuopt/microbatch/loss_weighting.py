@@ -261,8 +261,9 @@ class LossWeighting:
     ) -> list[float]:
         """The weights of ``chunks`` (the micro-batches of ``batch``), deciding first when still undecided.
 
-        ``run_piece(micro_batch)`` runs the user's training step on a micro-batch and returns its output;
-        ``None`` (evaluation) uses the decision made so far, or the fallback (HF head, else samples).
+        ``run_piece(micro_batch)`` runs the user's training step on a micro-batch and returns its output (given
+        with ``batch``, the whole batch the check picks its two samples from); ``None`` (evaluation) uses the
+        decision made so far, or the fallback (HF head, else samples).
         """
         if len(chunks) == 1:
             return [1.0]
@@ -297,7 +298,7 @@ class LossWeighting:
         trainer = site.trainer
         module = trainer.lightning_module
         head = hf_head(module)
-        source = batch if batch is not None else chunks[0]
+        source = batch
         options = candidates(source, self.token_key, self.ignore_index)
         if self.decided is not None and self.decided not in options:
             options = [self.decided, *options]
@@ -316,8 +317,9 @@ class LossWeighting:
             )
         pool = [*options, *(c for c in (self.decided, self._fallback(trainer)) if c is not None)]
         result = _from_rank(result, pool, source_rank)
-        if result.alike and self.decided is None and len(result.alike) > 1:
-            alike = [next(c for c in pool if c.description == d) for d in result.alike]
+        if result.alike and self.decided is None:
+            named = {c.description: c for c in reversed(pool)}  # the first of each name
+            alike = [named[d] for d in result.alike]
             differs = first_rank_where(not _weigh_alike(alike, chunks))
             if differs is None:
                 self._alike = alike  # exact on this batch whichever it is: decide where samples differ
@@ -421,7 +423,7 @@ class LossWeighting:
             self.decided = Candidate(Weighting.SAMPLES, "sample shares")  # only reached with "warn"
             return
         self.decided = result.chosen
-        if (result.tied or len(result.alike) > 1) and hf_head(trainer.lightning_module) is None:
+        if (result.tied or result.alike) and hf_head(trainer.lightning_module) is None:
             tied = [d for d, e in result.errors.items() if e <= result.tolerance]
             why = "they count them alike" if result.alike else "their losses are too close to tell them apart"
             warn(

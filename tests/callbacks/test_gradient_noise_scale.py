@@ -345,3 +345,21 @@ def test_the_lower_bound_from_the_second_measurement_and_never_below_zero():
     for trace in (1.0, 400.0, 1.0, 400.0):  # tr(Sigma)'s spread reaches below zero at two sigmas
         wide.update(1.0, trace)
     assert wide.lower_bound() is None
+
+
+@pytest.mark.parametrize(("g2", "trace"), [(0.0, 100.0), (1.0, 0.0)])
+def test_a_term_averaging_exactly_zero_gives_no_ratio_error_or_bound(g2, trace):
+    """A gradient term of exactly 0 (a batch at the noise floor) or a noise term of exactly 0 (identical samples)
+    says nothing about the ratio: no value, an unknown error and no bound, never a division by zero."""
+    ema = NoiseScaleEMA(beta=0.9)
+    for _ in range(3):
+        ema.update(g2, trace)
+    assert ema.value is None and ema.relative_error == math.inf and ema.lower_bound() is None
+    assert ema.needed is None and ema.estimate is None
+
+
+def test_no_spread_needs_one_measurement():
+    ema = NoiseScaleEMA(beta=0.9, trust=0.1)
+    for _ in range(3):
+        ema.update(1.0, 100.0)
+    assert ema.relative_error == 0.0 and ema.needed == 1.0

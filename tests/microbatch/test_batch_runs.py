@@ -5,6 +5,7 @@ in order after an OOM there."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
@@ -77,3 +78,73 @@ def test_an_evaluation_batch_runs_as_chunks_put_back_together_in_order():
     assert user.eval_k == {"predict": 2}
     assert len(predictions) == 2
     torch.testing.assert_close(torch.cat(predictions), 2 * torch.stack([data[i] for i in range(16)]))
+
+
+class Splits(Listens):
+    """Splits every training batch into ``k`` micro-batches; records the loss Lightning's hooks see."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k, self.losses, self.before_backward = k, [], []
+
+    def on_fit_start(self, trainer, pl_module):
+        MicroBatchEngine.attach(trainer, self).propose(
+            self.k, "test", f"{self.k} micro-batches", batch_size=8
+        )
+
+    def after_backward(self, told):
+        self.told.append((told.index, told.count, told.measuring))
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.before_backward.append(loss.requires_grad)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+class Records(pl.Callback):
+    def __init__(self) -> None:
+        self.losses, self.before_backward = [], []
+
+    on_before_backward = Splits.on_before_backward
+    on_train_batch_end = Splits.on_train_batch_end
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_sees_the_whole_batchs_loss_at_any_split(accumulate):
+    """The loss Lightning's hooks and progress bar get is the batch's loss, whatever the split (micro-batches of
+    unequal size included: 8 samples in 3 are 3, 3 and 2), and it requires grad in on_before_backward, as the
+    user's own loss does in plain Lightning."""
+    seen = {}
+    for k in (None, 1, 2, 3):
+        pl.seed_everything(0)
+        user = Records() if k is None else Splits(k)
+        trainer = pl.Trainer(
+            max_steps=2, accumulate_grad_batches=accumulate, callbacks=[user], **TRAINER_QUIET
+        )
+        trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 64), batch_size=8))
+        assert user.before_backward == [True] * (2 * accumulate)
+        seen[k] = user.losses
+        if k is not None:
+            assert {count for _, count, _ in user.told} == {k}
+    for k in (1, 2, 3):
+        torch.testing.assert_close(seen[k], seen[None], rtol=1e-6, atol=0)
+
+
+class Measures(Splits):
+    """Asks for a measurement split of every batch, proposing nothing."""
+
+    def on_fit_start(self, trainer, pl_module):
+        MicroBatchEngine.attach(trainer, self)
+
+    def measure_split(self, batch_idx):
+        return True
+
+
+def test_a_backward_is_told_measuring_only_in_a_split_made_for_a_measurement():
+    told = {}
+    for user in (Measures(1), Splits(2)):
+        trainer = pl.Trainer(max_steps=1, callbacks=[user], **TRAINER_QUIET)
+        trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 64), batch_size=8))
+        told[type(user).__name__] = user.told
+    assert told == {"Measures": [(0, 2, True), (1, 2, True)], "Splits": [(0, 2, False), (1, 2, False)]}

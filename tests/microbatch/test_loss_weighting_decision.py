@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import warnings
 
 import pytest
 import torch
 
 from lightning_gpuopt import LossWeightingError, OOMRecovery
 from lightning_gpuopt.decisions import decisions
+from lightning_gpuopt.microbatch.loss_weighting import LossWeighting
 from tests.microbatch.test_loss_weighting_memory import HandWrittenLM, _fit
 
 TOKENS = "loss weighting: tokens (labels != -100) — matches your loss to "
@@ -98,3 +100,14 @@ def test_a_step_that_returns_no_scalar_loss_is_told_so_in_one_line():
     assert re.search(
         r"returned a loss of shape \(\d+, \d+\): .* reduce it \(loss.mean\(\), loss.sum\(\)\)", message
     )
+
+
+def test_warn_mode_says_a_mismatch_once_however_many_checks_find_one():
+    """``on_mismatch="warn"``: the check runs again after a reset (a refused measurement, a resume), and the
+    user hears the first mismatch only, whatever the later ones measured."""
+    weighting = LossWeighting(on_mismatch="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for message in ("loss weighting: first", "loss weighting: second"):
+            weighting._refuse(message)
+    assert [str(w.message) for w in caught] == ["loss weighting: first"]

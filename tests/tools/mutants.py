@@ -191,6 +191,56 @@ EQUIVALENT = (
     ("noise-scale", "trust: float = 0.1", "0.2", "GradientNoiseScale passes its own `trust`"),
     ("noise-scale", "if n >= memory:", "(n > memory)", "only a need of exactly the memory tells them apart"),
     ("oom-policy", "if k <= 1:", "(k < 1)", "at k 1 no k is smaller: None either way"),
+    ("weighting", "p.device.index or 0", "", "the CUDA device list: no CUDA device here"),
+    (
+        "weighting",
+        "generation=1",
+        "generation=2",
+        "a fuller collection: slower, the same memory freed for the check",
+    ),
+    (
+        "weighting",
+        "error > result.tolerance",
+        ">=",
+        "only a difference exactly at the tolerance tells them apart",
+    ),
+    (
+        "weighting",
+        "e <= result.tolerance",
+        "<",
+        "only a difference exactly at the tolerance tells them apart",
+    ),
+    ("weighting", "<= 1e-12", "< 1e-12", "only a difference of exactly 1e-12 tells them apart"),
+    (
+        "weighting",
+        "<= 1e-12",
+        "<= 2e-12",
+        "a rounding tolerance: only weights 1e-12 to 2e-12 apart tell them apart",
+    ),
+    (
+        "weighting",
+        "return self._alike[0].weights(chunks)",
+        "_alike[1]",
+        "reached only where every candidate in it gives these micro-batches the same weights",
+    ),
+    (
+        "cli-resume",
+        "_FORMAT = 1",
+        "_FORMAT = 2",
+        "written for a later release to read: none reads it yet, and the run's name leaves it out",
+    ),
+    (
+        "cli-resume",
+        "mmap=True",
+        "mmap=False",
+        "the same dict read without memory-mapping: only memory differs",
+    ),
+    (
+        "cli-resume",
+        "not timed else -1",
+        "else -2",
+        "any negative max_epochs is no limit, and only a limit is shown",
+    ),
 )
 
 _SWAPS: dict[type, type] = {
