@@ -408,9 +408,10 @@ def _seen(checkpoint: dict[str, Any], datamodule: Any) -> str:
         loader = state.get("train_loader") if isinstance(state, dict) else None
         if isinstance(loader, dict) and "batches" in loader:
             same_epoch = int(loader.get("epoch", epoch)) == epoch
-            samples = (
-                int(loader["batches"]) * int(loader.get("batch_size", 1)) * int(loader.get("world_size", 1))
-            )
+            batches = int(loader["batches"]) * int(loader.get("world_size", 1))
+            if "max_tokens" in loader:  # batches by tokens: their sizes vary
+                return f"{batches if same_epoch else 0} batches of the epoch already seen"
+            samples = batches * int(loader.get("batch_size", 1))
             return f"{samples if same_epoch else 0} samples of the epoch already seen"
     batches = (
         checkpoint.get("loops", {})

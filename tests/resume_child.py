@@ -47,6 +47,8 @@ class Augmented(Dataset):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(length, DIM, generator=g, dtype=torch.float64)
         self.y = self.x @ torch.randn(DIM, 1, generator=g, dtype=torch.float64)
+        #: Token counts for batching by tokens (``--max-tokens``): the samples themselves stay fixed-size.
+        self.lengths = [1 + (i * 7) % 13 for i in range(length)]
 
     def __len__(self) -> int:
         return len(self.x)
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--oom-from", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=BATCH)
+    parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--onecycle", action="store_true")
     parser.add_argument("--epoch-schedule", action="store_true")
     parser.add_argument("--record-epochs", action="store_true")
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=args.batch_size,
         num_workers=args.workers,
         persistent_workers=args.persistent,
+        max_tokens=args.max_tokens,
     )
     trainer.fit(model, data, ckpt_path="last" if args.resume else None)
     rank = trainer.global_rank

@@ -158,6 +158,12 @@ class _Data:
         ({"batches": 3, "batch_size": 4, "world_size": 2, "epoch": 1}, 1, "24 samples"),
         ({"batches": 3, "batch_size": 4, "epoch": 0}, 1, "0 samples"),  # a position from an earlier epoch
         ({"batches": 2, "batch_size": 4, "epoch": 0}, None, "8 samples"),  # no epoch saved: epoch 0
+        (
+            {"batches": 3, "max_tokens": 4096, "world_size": 2, "epoch": 1},
+            1,
+            "6 batches",
+        ),  # batches by tokens
+        ({"batches": 3, "max_tokens": 4096, "epoch": 0}, 1, "0 batches"),
         ({"epoch": 1}, 1, "5 batches"),  # no position: Lightning's own batch count
         (None, 1, "5 batches"),
     ],

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from lightning_gpuopt._validate import positive_int
 from lightning_gpuopt.data.prefetch import (
@@ -26,6 +26,7 @@ from lightning_gpuopt.data.resume import (
     SeededSamples,
     declare_resumable,
 )
+from lightning_gpuopt.data.token_batches import LongSamples, SeededBatches, TokenBatchSampler, sample_length
 
 __all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
 
@@ -163,6 +164,13 @@ class GPUOptDataModule(pl.LightningDataModule):
         resumable: the training loader of a map-style dataset resumes exactly mid-epoch, in the order the
             uninterrupted run used, random augmentation included (docs/resume.md). ``False``: PyTorch's own
             samplers and worker seeds.
+        max_tokens: training batches by tokens instead of samples: each holds at most this many padded tokens
+            (its size times its longest sample), samples of similar length together, the same batch count on
+            every rank and in every epoch (:class:`~lightning_gpuopt.data.token_batches.TokenBatchSampler`).
+            ``batch_size`` then sizes the evaluation loaders only. Lengths come from :meth:`sample_lengths`.
+            ``None``: batches of ``batch_size`` samples.
+        long_samples: with ``max_tokens``, a sample longer than it is refused at setup (``"refuse"``) or gets a
+            batch of its own (``"alone"``).
 
     Raises:
         ValueError: an argument is out of range.
@@ -191,6 +199,8 @@ class GPUOptDataModule(pl.LightningDataModule):
         drop_last: bool = False,
         device_prefetch: bool | Literal["auto"] = "auto",
         resumable: bool = True,
+        max_tokens: int | None = None,
+        long_samples: LongSamples = "refuse",
     ) -> None:
         super().__init__()
         positive_int("batch_size", batch_size)
@@ -206,6 +216,9 @@ class GPUOptDataModule(pl.LightningDataModule):
             raise ValueError(f"`device_prefetch` must be 'auto', True or False, got {device_prefetch!r}")
         if not isinstance(resumable, bool):
             raise ValueError(f"`resumable` must be True or False, got {resumable!r}")
+        positive_int("max_tokens", max_tokens, unit="padded tokens a batch", allow_none=True)
+        if long_samples not in ("refuse", "alone"):
+            raise ValueError(f"`long_samples` must be 'refuse' or 'alone', got {long_samples!r}")
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
@@ -216,6 +229,8 @@ class GPUOptDataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self.device_prefetch = device_prefetch
         self.resumable = resumable
+        self.max_tokens = max_tokens
+        self.long_samples = long_samples
         self._train_sampler: ResumableSampler | None = None
         self._resume_from: dict[str, Any] | None = None
         self._loader_batch_size = batch_size
@@ -276,6 +291,15 @@ class GPUOptDataModule(pl.LightningDataModule):
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """The collate function for every loader; ``None`` uses PyTorch's default."""
         return None
+
+    def sample_lengths(self, dataset: Dataset) -> Sequence[int]:
+        """Each training sample's length in tokens, for ``max_tokens``: the dataset's ``lengths`` attribute, else
+        read once from every sample (:func:`~lightning_gpuopt.data.token_batches.sample_length`). Override it
+        where loading every sample is slow or the length is elsewhere."""
+        lengths = getattr(dataset, "lengths", None)
+        if lengths is not None:
+            return lengths
+        return [sample_length(dataset[i], i) for i in range(len(dataset))]  # type: ignore[arg-type]
 
     def stage_dataset(self, stage: str = "train") -> Dataset:
         """The dataset ``stage``'s loader reads (``"train"``, ``"val"``, ``"test"``, ``"predict"``), built once and kept."""
@@ -389,7 +413,9 @@ class GPUOptDataModule(pl.LightningDataModule):
             pin_memory=self.resolved_pin_memory(),
             collate_fn=self.collate_fn(),
         )
-        if train and self.resumable and not isinstance(dataset, IterableDataset):
+        if train and self.max_tokens is not None:
+            dataset, kwargs = self._token_train(dataset, kwargs)
+        elif train and self.resumable and not isinstance(dataset, IterableDataset):
             dataset, kwargs = self._resumable_train(dataset, kwargs)
         elif not train and self.resumable and not isinstance(dataset, IterableDataset):
             dataset, kwargs = self._seeded_evaluation(dataset, kwargs)
@@ -424,11 +450,16 @@ class GPUOptDataModule(pl.LightningDataModule):
             consumed = int(loop.epoch_loop.batch_progress.current.processed)
             if consumed >= trainer.num_training_batches:  # the epoch is over: a resume starts the next one
                 epoch, consumed = epoch + 1, 0
+        size = (
+            {"max_tokens": sampler.max_tokens}
+            if isinstance(sampler, TokenBatchSampler)
+            else {"batch_size": int(self._loader_batch_size)}
+        )
         return {
             "train_loader": {
                 "epoch": epoch,
                 "batches": consumed,
-                "batch_size": int(self._loader_batch_size),
+                **size,
                 "seed": int(sampler.seed),
                 "world_size": int(sampler.num_replicas),
             }
@@ -450,22 +481,55 @@ class GPUOptDataModule(pl.LightningDataModule):
         sampler = ResumableSampler(
             dataset, num_replicas=world, rank=rank, shuffle=bool(kwargs.pop("shuffle")), seed=seed
         )
-        self._train_sampler = sampler
         self._loader_batch_size = kwargs["batch_size"]
+        return SeededSamples(dataset, seed=seed), self._placed(sampler, kwargs)
+
+    def _token_train(self, dataset: Dataset, kwargs: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"max_tokens needs a map-style training dataset (lengths known before the epoch); "
+                f"{type(self).__name__}.train_dataset() returned an IterableDataset: batch it yourself, or pass "
+                "max_tokens=None"
+            )
+        lengths = self.sample_lengths(dataset)
+        if len(lengths) != len(dataset):  # type: ignore[arg-type]
+            raise ValueError(
+                f"sample_lengths gave {len(lengths)} lengths for {len(dataset)} training samples "  # type: ignore[arg-type]
+                "(one int per sample expected)"
+            )
+        trainer = self.trainer
+        seed = int((self._resume_from or {}).get("seed", _run_seed()))
+        sampler = TokenBatchSampler(
+            lengths,
+            self.max_tokens,  # type: ignore[arg-type]
+            num_replicas=int(getattr(trainer, "world_size", 1) or 1),
+            rank=int(getattr(trainer, "global_rank", 0) or 0),
+            shuffle=bool(kwargs.pop("shuffle")),
+            seed=seed,
+            long_samples=self.long_samples,
+        )
+        kwargs.pop("drop_last")
+        kwargs.update(batch_size=None, collate_fn=kwargs["collate_fn"] or default_collate)
+        return SeededBatches(SeededSamples(dataset, seed=seed)), self._placed(sampler, kwargs)
+
+    def _placed(self, sampler: ResumableSampler, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The training loader's sampler at the epoch (and place) the fit loop runs next, and its generator."""
+        self._train_sampler = sampler
+        trainer = self.trainer
         # Lightning builds the loader's first iterator before it sets the sampler's epoch, and a loader with
         # workers draws its indices then: the sampler must already be at the epoch the fit loop runs next
         # (on a resume past epoch 0 it would otherwise deal epoch 0's order from the resumed offset). On a
         # resume that epoch is the checkpoint's: a schedule reading `estimated_stepping_batches` builds this
         # loader before Lightning restores its loops' progress.
         loop = getattr(trainer, "fit_loop", None)
-        if resume:
+        if self._resume_from:
             self._apply_resume(sampler)
         elif loop is not None:
             sampler.set_epoch(int(loop.epoch_progress.current.processed))
         # The loader's own generator draws the workers' base seed, so building an iterator leaves the
         # global RNG (dropout's stream) where it was.
-        generator = torch.Generator().manual_seed(seed)
-        return SeededSamples(dataset, seed=seed), {**kwargs, "sampler": sampler, "generator": generator}
+        generator = torch.Generator().manual_seed(sampler.seed)
+        return {**kwargs, "sampler": sampler, "generator": generator}
 
     def _seeded_evaluation(self, dataset: Dataset, kwargs: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
         """An evaluation loader that leaves training's random streams alone, whatever its workers.
@@ -491,11 +555,22 @@ class GPUOptDataModule(pl.LightningDataModule):
             sampler.set_epoch(int(resume.get("epoch", 0)))
             return
         epoch = int(resume.get("epoch", 0))
-        samples = int(resume.get("batches", 0)) * int(resume.get("batch_size", self.batch_size))
-        if samples >= len(sampler):  # an epoch-end checkpoint whose state does not say the epoch is over
-            epoch, samples = epoch + 1, 0
+        tokens = sampler.max_tokens if isinstance(sampler, TokenBatchSampler) else None
+        if resume.get("max_tokens") != tokens:
+            rank_zero_info(
+                f"GPUOptDataModule: the checkpoint's batches held max_tokens={resume.get('max_tokens')}, this run's "
+                f"max_tokens={tokens}; the interrupted epoch restarts from its beginning (the batches differ)."
+            )
+            sampler.set_epoch(epoch)
+            return
+        # Items consumed: batches of a token sampler, samples of a plain one.
+        consumed = int(resume.get("batches", 0)) * (
+            1 if tokens else int(resume.get("batch_size", self.batch_size))
+        )
+        if consumed >= len(sampler):  # an epoch-end checkpoint whose state does not say the epoch is over
+            epoch, consumed = epoch + 1, 0
         sampler.set_epoch(epoch)
-        sampler.skip(epoch=epoch, samples=samples)
+        sampler.skip(epoch, consumed)
 
     def _batch_transfer(self, stage: str) -> BatchTransfer | None:
         """How batches of ``stage`` reach the device ahead of use; ``None``: Lightning moves each when used."""

@@ -26,6 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_gpuopt.data.token_batches import TokenBatchSampler
 from tests import resume_child
 from tests.helpers import assert_same_training, parameters_of
 
@@ -45,6 +46,7 @@ class Cell:
     accumulate: int = 1
     schedule: str = "none"  # "none", "onecycle" (per step, reads `estimated_stepping_batches`) or "epoch"
     faults: tuple[tuple[str, int], ...] = (("crash", 14),)  # (kind, batch over the whole run)
+    max_tokens: int | None = None  # batches by tokens (TokenBatchSampler) instead of BATCH samples
 
     def args(self, workers: int) -> list[str]:
         out = ["--length", str(LENGTH), "--epochs", str(EPOCHS), "--workers", str(workers), "--record-epochs"]
@@ -52,6 +54,7 @@ class Cell:
         out += ["--persistent"] * self.persistent
         out += {"none": [], "onecycle": ["--onecycle"], "epoch": ["--epoch-schedule"]}[self.schedule]
         out += {"off": [], "epoch": ["--val"], "mid": ["--val-every", "4"]}[self.validation]
+        out += [] if self.max_tokens is None else ["--max-tokens", str(self.max_tokens)]
         return out
 
     def reference_key(self) -> tuple[str, ...]:
@@ -62,6 +65,7 @@ class Cell:
         resume = "" if self.resume_workers in (None, self.workers) else f"->{self.resume_workers}"
         faults = "+".join(f"{kind}@{batch}" for kind, batch in self.faults)
         return (
+            f"{'' if self.max_tokens is None else f'tokens{self.max_tokens}-'}"
             f"w{self.workers}{resume}{'p' if self.persistent else ''}-val_{self.validation}-A{self.accumulate}"
             f"{'' if self.schedule == 'none' else '-' + self.schedule}-{faults}"
         )
@@ -236,6 +240,25 @@ SEVERAL_FAULTS = [
 
 @pytest.mark.parametrize("cell", ISSUE_CELLS + COVERING + SEVERAL_FAULTS, ids=str)
 def test_resume_continues_the_uninterrupted_order_in_every_cell(cell, references, tmp_path):
+    check_cell(cell, references, tmp_path)
+
+
+#: Batches by tokens: 40 samples of 1 to 13 tokens, at most 24 padded tokens a batch (15 batches an epoch).
+TOKENS = 24
+TOKEN_BATCHES = TokenBatchSampler(resume_child.Augmented(LENGTH).lengths, TOKENS).batches_per_epoch
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        Cell(
+            workers=workers, max_tokens=TOKENS, accumulate=accumulate, faults=((kind, 2 * TOKEN_BATCHES + 5),)
+        )
+        for workers, accumulate, kind in [(0, 1, "crash"), (2, 1, "term"), (2, 3, "crash")]
+    ],
+    ids=str,
+)
+def test_token_batches_resume_mid_epoch_2_in_the_uninterrupted_order(cell, references, tmp_path):
     check_cell(cell, references, tmp_path)
 
 

@@ -1,0 +1,129 @@
+"""GPUOptDataModule(max_tokens=...): a fit on variable-length samples gets batches within the budget, every sample
+once per epoch, the same count each epoch; lengths read from the samples; bad input in one line (issue 36)."""
+
+from __future__ import annotations
+
+import collections
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from lightning_gpuopt import GPUOptDataModule
+from tests.helpers import TRAINER_QUIET
+
+LENGTHS = [3 + (i * 11) % 29 for i in range(60)]
+
+
+class Sentences(Dataset):
+    """Dict samples of different lengths, no `lengths` attribute: the datamodule reads them."""
+
+    def __len__(self):
+        return len(LENGTHS)
+
+    def __getitem__(self, i):
+        return {"id": i, "input_ids": torch.full((LENGTHS[i],), i + 1)}
+
+
+def pad(samples):
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, s in enumerate(samples):
+        ids[row, : len(s["input_ids"])] = s["input_ids"]
+    return {"id": torch.tensor([s["id"] for s in samples]), "input_ids": ids}
+
+
+class Text(GPUOptDataModule):
+    def __init__(self, dataset=None, **kwargs):
+        super().__init__(num_workers=0, **kwargs)
+        self.dataset = dataset or Sentences()
+
+    def train_dataset(self):
+        return self.dataset
+
+    def collate_fn(self):
+        return pad
+
+
+class Embeds(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 4)
+        self.seen = collections.defaultdict(list)
+        self.shapes = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen[self.current_epoch] += batch["id"].tolist()
+        self.shapes.append(tuple(batch["input_ids"].shape))
+        return self.embed(batch["input_ids"]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_fit_batches_by_tokens_within_the_budget_every_sample_once_the_same_count_each_epoch():
+    model, data = Embeds(), Text(max_tokens=96)
+    trainer = pl.Trainer(max_epochs=3, **TRAINER_QUIET)
+    trainer.fit(model, data)
+    assert all(rows * longest <= 96 for rows, longest in model.shapes)
+    assert {epoch: sorted(ids) for epoch, ids in model.seen.items()} == {e: list(range(60)) for e in range(3)}
+    per_epoch = len(model.shapes) // 3
+    assert per_epoch == trainer.num_training_batches and len(model.shapes) == 3 * per_epoch
+    padded = sum(rows * longest for rows, longest in model.shapes)
+    assert 1 - 3 * sum(LENGTHS) / padded < 0.25  # fixed batches of 4 pad 45 % here
+
+
+def test_the_datasets_lengths_attribute_is_used_as_given():
+    dataset = Sentences()
+    dataset.lengths = [5] * 60  # what the user says, not what the samples hold
+    data = Text(dataset, max_tokens=20)
+    data.trainer = pl.Trainer(**TRAINER_QUIET)
+    assert [len(batch["id"]) for batch in data.train_dataloader()] == [4] * 15
+
+
+class Floats(Dataset):
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        return float(i)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
+class Short(Sentences):
+    lengths = [4, 5]
+
+
+@pytest.mark.parametrize(
+    ("dataset", "kwargs", "message"),
+    [
+        (Floats(), {}, "the length of training sample 0 cannot be read from a float"),
+        (Stream(), {}, "max_tokens needs a map-style training dataset"),
+        (Short(), {}, "sample_lengths gave 2 lengths for 60 training samples"),
+        (
+            Sentences(),
+            {"max_tokens": 20},
+            r"sample 21 has 31 tokens, more than max_tokens=20 \(22 sample\(s\) do\)",
+        ),
+    ],
+)
+def test_bad_input_is_said_in_one_line_when_the_loader_is_built(dataset, kwargs, message):
+    data = Text(dataset, **{"max_tokens": 96, **kwargs})
+    data.trainer = pl.Trainer(**TRAINER_QUIET)
+    with pytest.raises(ValueError, match=message) as err:
+        data.train_dataloader()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 8, "long_samples": "cut"}, "`long_samples` must be")],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Text(**kwargs)
