@@ -12,6 +12,7 @@ from lightning_gpuopt.data.prefetch import (
     batch_nbytes,
 )
 from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
+from lightning_gpuopt.data.token_batches import TokenBatchSampler
 from lightning_gpuopt.data.stall import (
     Advice,
     AutotuneStep,
@@ -40,6 +41,7 @@ __all__ = [
     "ResumableSampler",
     "SeededSamples",
     "StallMeasurement",
+    "TokenBatchSampler",
     "auto_num_workers",
     "autotune_num_workers",
     "available_cpus",
