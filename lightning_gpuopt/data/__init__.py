@@ -12,7 +12,6 @@ from lightning_gpuopt.data.prefetch import (
     batch_nbytes,
 )
 from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
-from lightning_gpuopt.data.token_batches import TokenBatchSampler
 from lightning_gpuopt.data.stall import (
     Advice,
     AutotuneStep,
@@ -25,6 +24,7 @@ from lightning_gpuopt.data.stall import (
     stall_advice,
     stall_message,
 )
+from lightning_gpuopt.data.token_batches import TokenBatchSampler
 
 __all__ = [
     "Advice",
