@@ -25,7 +25,7 @@ from lightning_gpuopt.batch_split import SPLIT_HOOK, first_samples
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.memory.walk import batch_nbytes
 
-__all__ = ["SearchSpace", "max_mode_space", "micro_mode_space", "scale_learning_rate"]
+__all__ = ["SearchSpace", "batches_ahead", "max_mode_space", "micro_mode_space", "scale_learning_rate"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def max_mode_space(
         )
     largest = max_batch_size or max(1, len(dataset) // trainer.world_size)
     smallest = min(min_batch_size, largest)
-    ahead = (1 if trainer.strategy.root_device.type == "cpu" else 0) + _device_prefetch_depth(trainer)
+    ahead = batches_ahead(trainer)
 
     def whole_batch(size: int) -> TrialBatch:
         if sized:
@@ -158,8 +158,10 @@ def _train_loader(trainer: pl.Trainer, module: pl.LightningModule) -> DataLoader
     return loader
 
 
-def _device_prefetch_depth(trainer: pl.Trainer) -> int:
-    """Training batches a GPUOptDataModule keeps copied ahead on the device (0 when it does not)."""
+def batches_ahead(trainer: pl.Trainer) -> int:
+    """Training batches held on the device beside the one a step runs: the one Lightning fetched next on CPU
+    (a CPU batch is the device batch), the one a GPUOptDataModule copies ahead on CUDA."""
     datamodule = trainer.datamodule
     resolve = getattr(datamodule, "resolved_device_prefetch", None)
-    return 1 if callable(resolve) and resolve() else 0
+    prefetch = 1 if callable(resolve) and resolve() else 0
+    return (1 if trainer.strategy.root_device.type == "cpu" else 0) + prefetch

@@ -6,8 +6,9 @@ batch at all (weight-gradient temporaries, workspaces)::
 
     forward_backward(b, L) = intercept + per_token · b·L + per_token_length · b·L²
 
-:func:`fit_token_peaks` fits it to a few measured shapes (least squares, no coefficient below zero: memory does
-not shrink with more tokens), and :meth:`TokenPeakModel.max_tokens` turns a memory budget into the largest
+:func:`fit_token_peaks` fits it to a few measured shapes (least squares; neither token term below zero: memory
+does not shrink with more tokens. The intercept may be: measured above what a step holds after it, gradients
+included, a small step's peak can be less than those gradients), and :meth:`TokenPeakModel.max_tokens` turns a memory budget into the largest
 ``max_tokens`` whose costliest batch fits: under a token budget ``T`` a batch at length ``L`` holds at most
 ``T // L`` samples, so its cost is ``intercept + per_token·T + per_token_length·T·L``, largest at the longest
 length the data has (an attention term makes long batches the costly ones; without one, all cost alike).
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ShapeMeasurement", "TokenPeakModel", "fit_token_peaks"]
+__all__ = ["ShapeMeasurement", "TokenPeakModel", "even_batches", "fit_token_peaks"]
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,9 @@ class TokenPeakModel:
         >>> model = TokenPeakModel(intercept_bytes=1000, per_token_bytes=10, per_token_length_bytes=0.5)
         >>> model.added(4, 100)  # 1000 + 10·400 + 0.5·40000
         25000
-        >>> model.max_tokens([50, 100, 200], budget_bytes=25000)  # at 400, two samples of 200 would add 45,000
+        >>> model.max_tokens(even_batches([50, 100, 200]), 200, budget_bytes=25000)  # at 400: 2 x 200 adds 45,000
         399
-        >>> model.costliest(399, [50, 100, 200])
+        >>> model.costliest(even_batches([50, 100, 200])(399))
         (1, 200)
     """
 
@@ -62,27 +63,49 @@ class TokenPeakModel:
             + self.per_token_length_bytes * tokens * length
         )
 
-    def costliest(self, max_tokens: int, lengths: Sequence[int]) -> tuple[int, int]:
-        """The ``(size, length)`` of the costliest batch a ``max_tokens`` budget allows on these lengths."""
-        shapes = {(max(1, max_tokens // n), n) for n in set(lengths) if n <= max_tokens}
+    def costliest(self, shapes: Iterable[tuple[int, int]]) -> tuple[int, int]:
+        """The costliest of ``shapes`` (``(size, length)`` pairs)."""
         return max(shapes, key=lambda shape: (self.added(*shape), shape))
 
-    def max_tokens(self, lengths: Sequence[int], budget_bytes: float) -> int | None:
-        """The largest ``max_tokens`` whose every batch on these lengths adds at most ``budget_bytes``; ``None``
-        when even the longest sample alone does not fit."""
-        longest = max(lengths)
+    def max_tokens(
+        self, shapes_at: Callable[[int], Iterable[tuple[int, int]]], longest: int, budget_bytes: float
+    ) -> int | None:
+        """The largest ``max_tokens`` whose every batch adds at most ``budget_bytes``; ``None`` when even the longest
+        sample alone does not fit.
+
+        Args:
+            shapes_at: the ``(size, length)`` of every batch a budget forms (:func:`even_batches`, or the
+                sampler's own batches).
+            longest: the longest sample's length (the smallest budget worth asking about).
+            budget_bytes: what a step may add.
+        """
         if self.added(1, longest) > budget_bytes:
             return None
+
+        def fits(tokens: int) -> bool:
+            return self.added(*self.costliest(shapes_at(tokens))) <= budget_bytes
+
         lo, hi = longest, longest
-        while self.added(*self.costliest(hi, lengths)) <= budget_bytes and hi < 1 << 40:
+        while fits(hi) and hi < 1 << 40:
             lo, hi = hi, hi * 2
         while lo < hi:  # invariant: lo fits
             mid = (lo + hi + 1) // 2
-            if self.added(*self.costliest(mid, lengths)) <= budget_bytes:
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+
+def even_batches(lengths: Sequence[int]) -> Callable[[int], set[tuple[int, int]]]:
+    """The batches a budget ``T`` allows at each length, as many samples as fit: ``(T // L, L)``.
+
+    Example:
+        >>> sorted(even_batches([50, 100, 100])(300))
+        [(3, 100), (6, 50)]
+    """
+    distinct = set(lengths)
+    return lambda tokens: {(max(1, tokens // n), n) for n in distinct if n <= tokens}
 
 
 def _solve(rows: list[list[float]], values: list[float]) -> list[float] | None:
@@ -106,10 +129,10 @@ def _solve(rows: list[list[float]], values: list[float]) -> list[float] | None:
 
 
 def fit_token_peaks(measurements: Sequence[ShapeMeasurement]) -> TokenPeakModel:
-    """The model that fits the measured shapes best with no coefficient below zero.
+    """The model that fits the measured shapes best with neither token term below zero.
 
     Every subset of the three terms is fitted by least squares, relative to each measurement (a large shape's
-    bytes do not drown a small one's); of the fits with no negative coefficient, the closest wins.
+    bytes do not drown a small one's); of the fits whose token terms are not negative, the closest wins.
 
     Raises:
         ValueError: fewer than two measurements.
@@ -134,7 +157,7 @@ def fit_token_peaks(measurements: Sequence[ShapeMeasurement]) -> TokenPeakModel:
         weights = [1.0 / max(m.added_bytes, 1) for m in measurements]
         rows = [[columns[c](m) * w for c in chosen] for m, w in zip(measurements, weights)]
         solved = _solve(rows, [m.added_bytes * w for m, w in zip(measurements, weights)])
-        if solved is None or min(solved) < 0:
+        if solved is None or any(value < 0 for c, value in zip(chosen, solved) if c > 0):
             continue
         coefficients = [0.0, 0.0, 0.0]
         for c, value in zip(chosen, solved):
@@ -145,5 +168,5 @@ def fit_token_peaks(measurements: Sequence[ShapeMeasurement]) -> TokenPeakModel:
         )
         if best is None or error < best[0] * (1 - 1e-9):
             best = (error, coefficients)
-    assert best is not None  # the intercept alone always solves, at a non-negative mean
+    assert best is not None  # the intercept alone always solves
     return TokenPeakModel(*best[1])

@@ -15,19 +15,23 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.utils.data import default_collate
 
 from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batch_size.find import SearchRun, find_largest_size, no_fit_message
 from lightning_gpuopt.batch_size.modes import (
     SearchSpace,
+    batches_ahead,
     max_mode_space,
     micro_mode_space,
     scale_learning_rate,
 )
 from lightning_gpuopt.batch_size.search import SearchResult
+from lightning_gpuopt.batch_size.token_search import TokenSearchRun, search_max_tokens
 from lightning_gpuopt.batch_size.trial import NoLossInTrial
 from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of
+from lightning_gpuopt.data import TokenBatchSampler
 from lightning_gpuopt.decisions import record_decision
 from lightning_gpuopt.memory import MemoryProbe, format_bytes, get_probe
 from lightning_gpuopt.microbatch import EngineState, MicroBatchEngine, MicroBatchOOMError, MicroBatchUser
@@ -57,6 +61,11 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
     At the first training batch a few real training steps (at most four) measure the peak at a few sizes and leave no trace; each batch then runs as k = ceil(batch_size / n)
     micro-batches, the optimizer batch kept. ``mode="max"`` sets ``batch_size`` itself (the optimizer batch
     changes; it says so). Every rank uses the smallest answer; ``state_dict`` keeps it. Long form: docs/batch-size.md.
+
+    With a ``GPUOptDataModule`` that batches by tokens, the batches differ in shape and no micro-batch size in
+    samples fits them all: there is no micro-batch search. ``max_tokens="auto"`` is chosen at fit start instead,
+    from a few measured shapes (:mod:`~lightning_gpuopt.batch_size.token_search`), so that the costliest batch
+    fits; ``state_dict`` keeps it (a resumed run runs the same batches).
 
     Args:
         mode: ``"micro"`` (the micro-batch size) or ``"max"`` (``batch_size`` itself).
@@ -148,6 +157,10 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         self.budget_bytes: int | None = None
         #: The last search's measurements and model (this process; not saved).
         self.result: SearchResult | None = None
+        #: The ``max_tokens`` chosen for a ``GPUOptDataModule(max_tokens="auto")`` (``None``: none chosen).
+        self.max_tokens: int | None = None
+        #: The last token-budget search on this process (not saved).
+        self.token_search: TokenSearchRun | None = None
         self._k = 1
         self._precision: str | None = None
         self._lr_factor = 1.0
@@ -191,6 +204,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             "trials": self.trials,
             "precision": self._precision,
             "lr_factor": self._lr_factor,
+            "max_tokens": self.max_tokens,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -203,6 +217,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         self._precision = state_dict.get("precision")
         self._lr_factor = float(state_dict.get("lr_factor", 1.0))
         self._apply_pending = self.micro_batch_size is not None
+        self.max_tokens = state_dict.get("max_tokens")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -226,6 +241,11 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
                 "LightningModule (nor its hparams) has one. Give the object whose `train_dataloader` builds the "
                 "loader a `batch_size` attribute it reads, or use mode='micro'."
             )
+        if self.mode == "max" and getattr(trainer.datamodule, "max_tokens", None) is not None:
+            raise RuntimeError(
+                "MemoryAwareBatchSize(mode='max') sets batch_size, which a GPUOptDataModule batching by tokens does "
+                "not use for training: use mode='micro' (the default), with max_tokens='auto' to choose the budget."
+            )
         device = strategy.root_device
         self._resolved_multiple = self.multiple_of or (8 if device.type == "cuda" else 1)
 
@@ -239,6 +259,12 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
                 "remove MemoryAwareBatchSize."
             )
         probe = get_probe(trainer.strategy.root_device)
+        auto_tokens = getattr(trainer.datamodule, "max_tokens", None) == "auto"
+        if probe.kind == "cpu" and auto_tokens:
+            raise RuntimeError(
+                "MemoryAwareBatchSize: max_tokens='auto' is chosen from device memory, and this fit runs on CPU without "
+                "SimulatedMemory: give max_tokens an int."
+            )
         if probe.kind == "cpu":
             rank_zero_info(
                 "MemoryAwareBatchSize: training on CPU without SimulatedMemory, there is no device memory to measure; "
@@ -251,6 +277,8 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             raise RuntimeError(f"MemoryAwareBatchSize: {err}") from None
         self._engine = engine
         engine.resume()  # k as the checkpoint saved it (once, by the engine)
+        if auto_tokens:
+            self._choose_max_tokens(trainer, pl_module, probe)
         if self.mode != "max":
             return
         if self.batch_size is not None and not self._requested:
@@ -266,6 +294,8 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         engine = self._engine
         if engine is None or batch_idx % trainer.accumulate_grad_batches != 0:
             return
+        if getattr(trainer.datamodule, "max_tokens", None) is not None:
+            return  # batches by tokens: no size in samples fits them all (the budget was chosen at fit start)
         precision = _precision_of(trainer)
         switched = self._precision is not None and precision != self._precision
         if (
@@ -438,6 +468,58 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             self.predicted_peak_bytes = result.model.peak(size)
         self._precision = _precision_of(trainer)
         self._apply_pending = False
+
+    def _choose_max_tokens(self, trainer: pl.Trainer, module: pl.LightningModule, probe: MemoryProbe) -> None:
+        """``max_tokens="auto"``: the checkpoint's budget on a resume, else a search at fit start (every rank takes
+        the smallest answer)."""
+        datamodule = trainer.datamodule
+        if self.max_tokens is not None:
+            datamodule.max_tokens = self.max_tokens
+            if self.verbose:
+                rank_zero_info(
+                    f"MemoryAwareBatchSize: max_tokens={self.max_tokens}, kept from the checkpoint."
+                )
+            return
+        dataset = datamodule.stage_dataset("train")
+        lengths = list(datamodule.sample_lengths(dataset))
+        try:
+            run = search_max_tokens(
+                trainer,
+                module,
+                probe,
+                dataset,
+                lengths,
+                datamodule.collate_fn() or default_collate,
+                lambda tokens: TokenBatchSampler(
+                    lengths, tokens, num_replicas=trainer.world_size, long_samples=datamodule.long_samples
+                ).batch_shapes(),
+                target_fraction=self.target_fraction,
+                engine_bytes=self._engine.snapshot_bytes() if self._engine is not None else 0,
+                ahead=batches_ahead(trainer),
+            )
+        except NoLossInTrial as err:
+            raise _no_loss(
+                err, "on samples of the training dataset (max_tokens='auto' measures them at fit start)"
+            ) from None
+        self.token_search = run
+        mine = run.max_tokens or 0
+        tokens = (
+            int(trainer.strategy.reduce(torch.tensor(mine, dtype=torch.float64), reduce_op="min"))
+            if trainer.world_size > 1
+            else mine
+        )
+        if tokens < 1:
+            raise MicroBatchOOMError(
+                f"MemoryAwareBatchSize: {run.line()} (target_fraction {self.target_fraction:g} x "
+                f"{format_bytes(probe.total)}). Shorten the longest samples, or see docs/batch-size.md for what uses less memory."
+            )
+        datamodule.max_tokens = self.max_tokens = tokens
+        message = f"MemoryAwareBatchSize: {run.line()}" + (
+            "" if tokens == mine else f"; every rank takes {tokens}, another rank's answer"
+        )
+        record_decision(trainer, "batch size", "MemoryAwareBatchSize", message, max_tokens=tokens)
+        if self.verbose:
+            rank_zero_info(message)
 
     # ------------------------------------------------------------------ what it says
 

@@ -168,7 +168,8 @@ class GPUOptDataModule(pl.LightningDataModule):
             (its size times its longest sample), samples of similar length together, the same batch count on
             every rank and in every epoch (:class:`~lightning_gpuopt.data.token_batches.TokenBatchSampler`).
             ``batch_size`` then sizes the evaluation loaders only. Lengths come from :meth:`sample_lengths`.
-            ``None``: batches of ``batch_size`` samples.
+            ``"auto"``: ``MemoryAwareBatchSize`` chooses it from memory at fit start. ``None``: batches of
+            ``batch_size`` samples.
         long_samples: with ``max_tokens``, a sample longer than it is refused at setup (``"refuse"``) or gets a
             batch of its own (``"alone"``).
 
@@ -199,7 +200,7 @@ class GPUOptDataModule(pl.LightningDataModule):
         drop_last: bool = False,
         device_prefetch: bool | Literal["auto"] = "auto",
         resumable: bool = True,
-        max_tokens: int | None = None,
+        max_tokens: int | Literal["auto"] | None = None,
         long_samples: LongSamples = "refuse",
     ) -> None:
         super().__init__()
@@ -216,7 +217,13 @@ class GPUOptDataModule(pl.LightningDataModule):
             raise ValueError(f"`device_prefetch` must be 'auto', True or False, got {device_prefetch!r}")
         if not isinstance(resumable, bool):
             raise ValueError(f"`resumable` must be True or False, got {resumable!r}")
-        positive_int("max_tokens", max_tokens, unit="padded tokens a batch", allow_none=True)
+        if max_tokens not in ("auto", None) and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ValueError(
+                "`max_tokens` must be a positive int (padded tokens a batch), 'auto' (chosen from memory) or None, "
+                f"got {max_tokens!r}"
+            )
         if long_samples not in ("refuse", "alone"):
             raise ValueError(f"`long_samples` must be 'refuse' or 'alone', got {long_samples!r}")
         self.batch_size = batch_size
@@ -490,6 +497,11 @@ class GPUOptDataModule(pl.LightningDataModule):
                 f"max_tokens needs a map-style training dataset (lengths known before the epoch); "
                 f"{type(self).__name__}.train_dataset() returned an IterableDataset: batch it yourself, or pass "
                 "max_tokens=None"
+            )
+        if self.max_tokens == "auto":
+            raise ValueError(
+                "max_tokens='auto' is chosen from memory by MemoryAwareBatchSize at fit start: add "
+                "MemoryAwareBatchSize() to the Trainer's callbacks, or give max_tokens an int"
             )
         lengths = self.sample_lengths(dataset)
         if len(lengths) != len(dataset):  # type: ignore[arg-type]

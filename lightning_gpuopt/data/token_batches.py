@@ -4,14 +4,14 @@ A batch of variable-length samples is padded to its longest sample, so its cost 
 (its *padded tokens*). :class:`TokenBatchSampler` forms batches whose padded tokens stay within a budget:
 
 - **Shapes fixed for the run.** The samples are ordered by length rounded up to a *bucket width* ``q`` (a power
-  of two near a sixteenth of the median length), and cut greedily into batches whose rounded cost fits
-  ``max_tokens``. The rounded lengths in that order are the same every epoch, so the batches' sizes, and their
+  of two near a sixteenth of the median length), and cut greedily, from the longest down, into batches whose
+  rounded cost fits ``max_tokens``. The rounded lengths in that order are the same every epoch, so the batches' sizes, and their
   count, are too: the count is known before any epoch starts (schedules reading Lightning's
   ``estimated_stepping_batches`` stay right), and a real batch never exceeds the budget it was planned for.
 - **Random within that.** Each epoch, samples whose rounded lengths are equal trade places at random, and the
   batches run in a random order: both drawn from ``(seed, epoch)``, so the epoch is the same on any resume.
 - **Every sample once, every rank the same count.** Under ``W`` ranks the batch count is raised to a multiple of
-  ``W`` by halving the costliest batches (never by repeating samples), the batches are ranked by cost and cut
+  ``W`` by halving the cheapest batches (never by repeating samples), the batches are ranked by cost and cut
   into groups of ``W`` neighbours, and each rank takes one batch of every group: the ranks' batches at a step
   cost about the same, so none waits long for another.
 
@@ -75,7 +75,7 @@ class TokenBatchSampler(ResumableSampler):
     Example:
         >>> sampler = TokenBatchSampler([3, 5, 4, 2, 8, 7], max_tokens=12, shuffle=False)
         >>> [[i for _, i in batch] for batch in sampler]
-        [[1], [5], [4], [3, 0, 2]]
+        [[3, 0], [5], [4], [2, 1]]
         >>> len(sampler)
         4
     """
@@ -120,12 +120,15 @@ class TokenBatchSampler(ResumableSampler):
         ``num_replicas`` neighbours, cheapest first)."""
         rounded = sorted(self._rounded.tolist())
         bounds: list[tuple[int, int]] = []
-        start = 0
-        for i, n in enumerate(rounded):  # ascending: the newest sample is the batch's longest
-            if i > start and (i - start + 1) * min(n, self.max_tokens) > self.max_tokens:
-                bounds.append((start, i))
-                start = i
-        bounds.append((start, len(rounded)))
+        end = len(rounded)
+        # From the longest down: each batch starts at its longest sample and takes as many as the budget allows,
+        # so the longest batch holds max_tokens // longest samples whatever the budget (its cost grows smoothly
+        # with the budget, which a budget chosen from memory relies on), and the remainder is the shortest.
+        for i in range(len(rounded) - 1, -1, -1):
+            if end - i > 1 and (end - i) * min(rounded[end - 1], self.max_tokens) > self.max_tokens:
+                bounds.append((i + 1, end))
+                end = i + 1
+        bounds.append((0, end))
         world = self.num_replicas
         while len(bounds) % world:
             splittable = [j for j, (s, e) in enumerate(bounds) if e - s >= 2]
@@ -134,10 +137,17 @@ class TokenBatchSampler(ResumableSampler):
                     f"{len(bounds)} batches of one sample each cannot be dealt evenly to {world} ranks: raise "
                     f"max_tokens (now {self.max_tokens}) so that batches hold two samples or more"
                 )
-            j = max(splittable, key=lambda j: ((bounds[j][1] - bounds[j][0]) * rounded[bounds[j][1] - 1], j))
+            # The cheapest: its halves cost alike and fall in one group of ranks (with the epoch's remainder).
+            j = min(splittable, key=lambda j: ((bounds[j][1] - bounds[j][0]) * rounded[bounds[j][1] - 1], j))
             s, e = bounds[j]
             bounds[j : j + 1] = [(s, s + (e - s) // 2), (s + (e - s) // 2, e)]
         return sorted(bounds, key=lambda b: (b[1] - b[0]) * rounded[b[1] - 1])
+
+    def batch_shapes(self) -> list[tuple[int, int]]:
+        """Each batch's ``(size, longest length)``, the length rounded up to the bucket width (a bound on every
+        epoch's batch: the sizes are the same each epoch, the lengths at most this)."""
+        rounded = sorted(self._rounded.tolist())
+        return [(end - start, rounded[end - 1]) for start, end in self._bounds]
 
     @property
     def batches_per_epoch(self) -> int:

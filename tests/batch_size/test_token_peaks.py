@@ -7,7 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpuopt.batch_size.token_peaks import ShapeMeasurement, TokenPeakModel, fit_token_peaks
+from lightning_gpuopt.batch_size.token_peaks import (
+    ShapeMeasurement,
+    TokenPeakModel,
+    even_batches,
+    fit_token_peaks,
+)
 from lightning_gpuopt.data import TokenBatchSampler
 from lightning_gpuopt.testing import SimulatedMemory
 
@@ -21,23 +26,27 @@ def test_the_fit_recovers_the_three_terms():
     assert fit.per_token_length_bytes == pytest.approx(0.75, rel=1e-3)
 
 
-def test_no_term_goes_below_zero():
-    """Points that a line with a negative intercept would pass through get the best fit without it."""
-    shapes = [ShapeMeasurement(b, 10, 100 * b - 150) for b in (2, 4, 8)]
-    fit = fit_token_peaks(shapes)
-    assert min(fit.intercept_bytes, fit.per_token_bytes, fit.per_token_length_bytes) >= 0
+def test_no_token_term_goes_below_zero_and_the_intercept_may():
+    """Memory does not shrink with more tokens; what a step adds above what it holds after it (its gradients
+    included) can start below zero."""
+    falling = fit_token_peaks([ShapeMeasurement(b, 10, 1000 - b) for b in (2, 4, 8)])
+    assert falling.per_token_bytes == 0 and falling.per_token_length_bytes == 0
+    below = fit_token_peaks([ShapeMeasurement(b, 10, 100 * b * 10 - 150) for b in (2, 4, 8)])
+    assert below.intercept_bytes == pytest.approx(-150) and below.per_token_bytes == pytest.approx(100)
     with pytest.raises(ValueError, match="needs 2 measured shapes or more, got 1"):
-        fit_token_peaks(shapes[:1])
+        fit_token_peaks([ShapeMeasurement(2, 10, 100)])
 
 
 def test_max_tokens_is_the_largest_budget_whose_costliest_batch_fits():
     model = TokenPeakModel(1000, 10.0, 0.5)
-    lengths = [17, 40, 40, 90, 130]
+    shapes = even_batches([17, 40, 40, 90, 130])
     budget = 60_000
-    tokens = model.max_tokens(lengths, budget)
-    assert model.added(*model.costliest(tokens, lengths)) <= budget
-    assert model.added(*model.costliest(tokens + 1, lengths)) > budget
-    assert model.max_tokens([10_000], budget) is None  # one sample alone is over the budget
+    tokens = model.max_tokens(shapes, 130, budget)
+    assert model.added(*model.costliest(shapes(tokens))) <= budget
+    assert model.added(*model.costliest(shapes(tokens + 1))) > budget
+    assert (
+        model.max_tokens(even_batches([10_000]), 10_000, budget) is None
+    )  # one sample alone is over the budget
 
 
 class CausalLM(nn.Module):
@@ -137,7 +146,7 @@ def test_the_chosen_max_tokens_fills_85_to_100_percent_of_the_budget_with_its_co
     generator = torch.Generator().manual_seed(0)
     lengths = (torch.randn(400, generator=generator) * 0.6 + 3.6).exp().round().clamp(8, 120).long().tolist()
     budget = _added(model, 6, 96)
-    tokens = fit.max_tokens(lengths, budget)
+    tokens = fit.max_tokens(lambda t: TokenBatchSampler(lengths, t).batch_shapes(), max(lengths), budget)
     sampler = TokenBatchSampler(lengths, tokens, shuffle=False)
     shapes = {(len(batch), max(lengths[i] for i in batch)) for batch in sampler.epoch_batches(0)}
     costliest = sorted(shapes, key=lambda shape: fit.added(*shape))[-3:]

@@ -3,6 +3,8 @@ count every epoch, the same epoch on any resume (issue 36), swept over lengths, 
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -92,7 +94,8 @@ def test_on_the_issues_data_padding_is_small_and_the_ranks_batches_cost_alike():
         assert 1 - sum(lengths) / sum(costs) < 0.06
         steps = [costs[k : k + world] for k in range(0, len(costs), world)]
         ratios = [max(step) / min(step) for step in steps]
-        assert sum(ratios) / len(ratios) < 1.1  # a step's ranks wait on the costliest batch of the step
+        # A step's ranks wait on its costliest batch: within 5 % but for one step an epoch (the remainder's).
+        assert statistics.median(ratios) < 1.05 and sum(r > 1.05 for r in ratios) <= 1, ratios
 
 
 def test_a_sample_over_the_budget_is_refused_in_one_line_or_runs_alone():
