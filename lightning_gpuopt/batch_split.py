@@ -42,6 +42,7 @@ __all__ = [
     "slice_samples",
     "split_batch",
     "split_sizes",
+    "take_samples",
 ]
 
 #: Name of the method a LightningModule or GPUOptDataModule defines to split its own batches.
@@ -180,6 +181,26 @@ def slice_samples(batch: Any, n: int, lo: int, hi: int) -> Any:
         return leaf
 
     return rebuild(batch, cut, stop=is_per_sample_list)
+
+
+def take_samples(batch: Any, n: int, indices: Sequence[int]) -> Any:
+    """Samples ``indices`` of every tensor with a sample dimension and of every per-sample list of ``n`` items, in
+    that order (tensors are copies: a few samples of a large batch).
+
+    Example:
+        >>> take_samples([torch.arange(4) * 10, torch.arange(4)], 4, [3, 0])
+        [tensor([30,  0]), tensor([3, 0])]
+    """
+    rows = torch.tensor(list(indices), dtype=torch.long)
+
+    def pick(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf[rows.to(leaf.device)] if leaf.dim() > 0 else leaf
+        if is_per_sample_list(leaf):
+            return [leaf[i] for i in indices] if len(leaf) == n else leaf
+        return leaf
+
+    return rebuild(batch, pick, stop=is_per_sample_list)
 
 
 def merge_outputs(outputs: Sequence[Any], weights: Sequence[float] | None = None) -> Any:

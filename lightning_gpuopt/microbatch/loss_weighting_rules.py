@@ -20,8 +20,8 @@ from lightning_gpuopt.batch_split import (
     UnsplittableBatchError,
     batch_size_of,
     first_samples,
-    merge_outputs,
     slice_samples,
+    take_samples,
 )
 
 __all__ = [
@@ -146,27 +146,64 @@ def _entry(batch: Any, key: str | int) -> Tensor | None:
     return None
 
 
+def _integer_entries(batch: Any) -> list[tuple[int, Tensor]]:
+    """A tuple or list batch's per-token integer tensors (2 or more dimensions), by position (a dict's entries
+    are found by name)."""
+    if not isinstance(batch, (tuple, list)):
+        return []
+    return [
+        (i, v)
+        for i, v in enumerate(batch)
+        if isinstance(v, Tensor) and v.dim() >= 2 and not v.is_floating_point()
+    ]
+
+
+def _name(key: str | int) -> str:
+    return key if isinstance(key, str) else f"batch[{key}]"
+
+
 def candidates(batch: Any, token_key: str | int = "labels", ignore_index: int = -100) -> list[Candidate]:
     """The weightings that make sense for ``batch``: samples, a sum, and token counts where it has tokens.
 
-    Token candidates need a per-token integer entry (2 or more dimensions): ``batch[token_key]``
-    (labels: tokens ``!= ignore_index``, and the same shifted by one for a causal LM) and
-    ``batch["attention_mask"]`` (tokens ``!= 0``).
+    Token candidates need a per-token integer entry (2 or more dimensions). Labels: ``batch[token_key]`` (tokens
+    ``!= ignore_index``, and the same shifted by one for a causal LM); without it, in a tuple or list batch, any
+    entry that holds ``ignore_index`` somewhere (the padding of hand-written labels). A mask: the
+    ``attention_mask`` entry (tokens ``!= 0``); without it, in a tuple or list batch, any 0/1 entry shaped like
+    another integer entry (the ids it masks). A segmentation map (no ``ignore_index``, not 0/1) or per-sample
+    labels are neither.
 
     Example:
         >>> batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
         >>> [c.kind.value for c in candidates(batch)]
         ['samples', 'tokens', 'tokens-shifted', 'sum']
+        >>> ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
+        >>> [c.description for c in candidates((ids, ids.masked_fill(ids == 0, -100)))][1:3]
+        ['tokens (batch[1] != -100)', 'tokens (batch[1] != -100, shifted by one)']
     """
-    found = [Candidate(Weighting.SAMPLES, "sample shares")]
+    entries = _integer_entries(batch)
     if _entry(batch, token_key) is not None:
-        where = f"{token_key} != {ignore_index}"
-        found.append(Candidate(Weighting.TOKENS, f"tokens ({where})", token_key, ignore_index))
+        labels = [token_key]
+    else:
+        labels = [k for k, v in entries if bool((v == ignore_index).any())]
+    found = [Candidate(Weighting.SAMPLES, "sample shares")]
+    for key in labels:
+        where = f"{_name(key)} != {ignore_index}"
+        found.append(Candidate(Weighting.TOKENS, f"tokens ({where})", key, ignore_index))
         found.append(
-            Candidate(Weighting.TOKENS_SHIFTED, f"tokens ({where}, shifted by one)", token_key, ignore_index)
+            Candidate(Weighting.TOKENS_SHIFTED, f"tokens ({where}, shifted by one)", key, ignore_index)
         )
     if token_key != "attention_mask" and _entry(batch, "attention_mask") is not None:
-        found.append(Candidate(Weighting.MASK_TOKENS, "tokens (attention_mask != 0)", "attention_mask", 0))
+        masks: list[str | int] = ["attention_mask"]
+    else:
+        masks = [
+            k
+            for k, v in entries
+            if k not in labels
+            and bool(((v == 0) | (v == 1)).all())
+            and any(o.shape == v.shape for j, o in entries if j != k)
+        ]
+    for key in masks:
+        found.append(Candidate(Weighting.MASK_TOKENS, f"tokens ({_name(key)} != 0)", key, 0))
     found.append(Candidate(Weighting.SUM, "sum (micro-batch losses added)"))
     return found
 
@@ -308,8 +345,7 @@ def choose(
         for option in matched:
             if option.kind is HEAD_WEIGHTING[head]:
                 return CheckResult(option, errors, tol, tied=True)
-    piece = merge_outputs(list(parts))
-    if all(_same_per_sample(matched[0], o, piece) for o in matched[1:]):
+    if all(_same_per_sample(matched[0], o, parts) for o in matched[1:]):
         # Proportional counts on every checked sample (equal lengths): these samples cannot tell them apart.
         return CheckResult(matched[0], errors, tol, alike=tuple(o.description for o in matched))
     for option in matched:
@@ -338,11 +374,12 @@ def selected_tokens_match(
     return abs(combined - piece_loss) <= tol * max(abs(piece_loss), 1e-30)
 
 
-def _same_per_sample(a: Candidate, b: Candidate, piece: Any) -> bool:
+def _same_per_sample(a: Candidate, b: Candidate, parts: Sequence[Any]) -> bool:
     try:
-        n = batch_size_of(piece)
-        counts_a = [a.count(slice_samples(piece, n, i, i + 1)) for i in range(n)]
-        counts_b = [b.count(slice_samples(piece, n, i, i + 1)) for i in range(n)]
+        sizes = [batch_size_of(part) for part in parts]
+        samples = [slice_samples(part, n, i, i + 1) for part, n in zip(parts, sizes) for i in range(n)]
+        counts_a = [a.count(sample) for sample in samples]
+        counts_b = [b.count(sample) for sample in samples]
     except Exception:
         return False
     total_a, total_b = sum(counts_a), sum(counts_b)
@@ -410,5 +447,4 @@ def piece_of(batch: Any, options: Sequence[Candidate]) -> Any:
     first, second = check_pair(batch, options)
     if (first, second) == (0, 1):
         return first_samples(batch, 2)
-    n = batch_size_of(batch)
-    return merge_outputs([slice_samples(batch, n, i, i + 1) for i in (first, second)])
+    return take_samples(batch, batch_size_of(batch), [first, second])

@@ -249,3 +249,42 @@ def test_ranks_hold_one_weighting_when_the_check_cannot_run_on_one(tmp_path, lim
     assert ranks[0]["lines"] == lines, "the line comes from rank 0"
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+# ----------------------------------------------------------------------------- a hand-written (ids, labels) batch
+
+
+class TupleTokens(PaddedTokens):
+    """The same samples as ``(ids, labels)`` tuples: the most common hand-written language-model batch."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i], self.labels[i]
+
+
+class TupleLM(HandWrittenLM):
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return super().training_step({"input_ids": ids, "labels": labels}, batch_idx)
+
+
+def test_a_tuple_batch_is_weighted_by_its_tokens_with_no_setting():
+    """Issue 36: default OOMRecovery() on (ids, labels) with -100 on the padding and a token-mean loss: the check
+    finds the tokens in the tuple at the first split, and the run ends within 1e-9 of the unsplit run."""
+
+    def fit(limit: int | None, callbacks: list) -> Fit:
+        pl.seed_everything(0, verbose=False)
+        model = TupleLM("token-mean")
+        theta0 = parameters_of(model)
+        trainer = pl.Trainer(max_steps=3, precision="64-true", callbacks=callbacks, **TRAINER_QUIET)
+        with SimulatedMemory(limit) as memory:
+            trainer.fit(model, DataLoader(TupleTokens(), batch_size=BATCH, shuffle=False))
+        return Fit(theta0, parameters_of(model), memory.peak_bytes, trainer)
+
+    ref = fit(None, [])
+    oom = OOMRecovery()
+    run = fit(int(0.75 * ref.peak), [oom])
+    assert oom.failures and oom.k >= 2
+    (weighting,) = [d for d in decisions(run.trainer) if d.kind == "loss weighting"]
+    assert weighting.data["checked"] and weighting.data["weighting"] == "tokens", weighting.message
+    assert "batch[1] != -100" in weighting.message
+    assert_same_training(ref.theta0, run.theta, ref.theta, floor=1e-9, factor=1.0, elementwise=True)

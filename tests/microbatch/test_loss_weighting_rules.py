@@ -358,3 +358,33 @@ def test_a_given_weight_fn_is_named_by_its_name_else_its_repr():
 
     assert LossWeighting(weight_fn=tokens).decided.description == "weight_fn (tokens)"
     assert LossWeighting(weight_fn=Count()).decided.description == "weight_fn (Count())"
+
+
+_IDS = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    ("batch", "found"),
+    [
+        (
+            (_IDS, _IDS.masked_fill(_IDS == 0, -100)),
+            ["tokens (batch[1] != -100)", "tokens (batch[1] != -100, shifted by one)"],
+        ),
+        (
+            [_IDS, (_IDS != 0).long(), torch.tensor([0, 1])],
+            ["tokens (batch[1] != 0)"],
+        ),  # ids, a 0/1 mask, targets
+        ((_IDS, (_IDS != 0)), ["tokens (batch[1] != 0)"]),  # a boolean mask
+        (
+            (torch.randn(2, 3, 4, 4), torch.randint(0, 5, (2, 4, 4))),
+            [],
+        ),  # a segmentation map: no ignore index
+        ((torch.randn(2, 8), torch.tensor([[0], [1]])), []),  # binary labels, one per sample
+        ((_IDS, torch.tensor([[0, 1], [1, 0]])), []),  # 0/1, but shaped like no other integer entry
+        ({"input_ids": _IDS, "mask": (_IDS != 0).long()}, []),  # a dict's entries are found by name only
+    ],
+    ids=["labels", "mask", "bool-mask", "segmentation", "binary-labels", "unshaped-0-1", "dict-by-name"],
+)
+def test_tuple_batches_offer_their_tokens_and_nothing_else_does(batch, found):
+    descriptions = [c.description for c in candidates(batch)]
+    assert descriptions == ["sample shares", *found, "sum (micro-batch losses added)"]
