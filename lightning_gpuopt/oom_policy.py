@@ -169,8 +169,6 @@ def next_micro_batch_count(
     """
     n, size = failure.batch_size, failure.micro_batch_size
     largest_k = max(1, n // max(1, min_size))  # split_sizes: the smallest micro-batch has n // k samples
-    if size <= min_size or smallest_failed_size <= min_size or failure.k >= largest_k:
-        return None
     target = min(size, smallest_failed_size) - 1  # never a size that failed
     demand = failure.demand_bytes
     if demand and failure.limit_bytes and failure.baseline_bytes is not None:
@@ -180,13 +178,12 @@ def next_micro_batch_count(
             # A split runs every micro-batch after the first beside all gradients: those are fixed, not per sample.
             available -= failure.gradient_bytes
             per_sample = max(failure.per_sample_bytes, per_sample_bytes or 0.0)
-        predicted = int(available // per_sample) if available > 0 else 1
-        target = max(1, min(target, predicted))
+        target = max(1, min(target, int(available // per_sample)))  # nothing available: 1
     else:
         target = max(1, min(target, math.ceil(size / 2)))
     target = max(target, min_size)
-    k = max(failure.k + 1, math.ceil(n / target))  # ceil(n / k) <= target: k >= n / target, target whole
-    k = min(k, n, largest_k)
+    # ceil(n / k) <= target: below every size that failed, unless min_size or largest_k hold it up (checked next).
+    k = min(math.ceil(n / target), n, largest_k)
     # Capped at the smallest split (every micro-batch keeps ``min_size`` samples), the micro-batch may be no
     # smaller than one that failed: that split was tried, nothing smaller may run.
     return k if math.ceil(n / k) < min(size, smallest_failed_size) else None

@@ -103,20 +103,19 @@ _PART_LABELS = {
 }
 
 
-#: What lowers each part: (while a smaller micro-batch may still fit, once none does).
-_ADVICE = {
-    "parameters": ("a lower-memory precision (bf16-true), or sharding (FSDP2Strategy)",) * 2,
-    "gradients": ("sharding the gradients (FSDP2Strategy), or fewer trainable parameters",) * 2,
-    "optimizer_state": ("sharding or offloading it (FSDP2Strategy), or an 8-bit optimizer",) * 2,
+#: What lowers each part: one advice, or (while a smaller micro-batch may still fit, once none does).
+_ADVICE: dict[str, str | tuple[str, str]] = {
+    "parameters": "a lower-memory precision (bf16-true), or sharding (FSDP2Strategy)",
+    "gradients": "sharding the gradients (FSDP2Strategy), or fewer trainable parameters",
+    "optimizer_state": "sharding or offloading it (FSDP2Strategy), or an 8-bit optimizer",
     "activations": (
         "smaller micro-batches (OOMRecovery does it), activation checkpointing, bf16-mixed",
         "activation checkpointing (OOMRecovery(checkpoint_modules=[...])), bf16-mixed",
     ),
     "other_held": (
         "keep on the CPU, or free before fit, what the program holds on the device besides the training state "
-        "(a dataset, saved outputs, caches): it was in use before the step began",
-    )
-    * 2,
+        "(a dataset, saved outputs, caches): it was in use before the step began"
+    ),
     "other during": (
         "smaller micro-batches (the batch, temporaries); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
         "bf16-mixed (smaller inputs and temporaries); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
@@ -184,11 +183,13 @@ def part_advice(part: str, smaller_fits: bool = True, split: bool = False) -> st
     """What lowers ``part``; ``smaller_fits``: whether a smaller micro-batch may still fit (else it is not advised).
 
     Example:
+        >>> part_advice("activations")
+        'smaller micro-batches (OOMRecovery does it), activation checkpointing, bf16-mixed'
         >>> part_advice("activations", smaller_fits=False)
         'activation checkpointing (OOMRecovery(checkpoint_modules=[...])), bf16-mixed'
     """
-    key = "other during" if part == "other" and split else part
-    return _ADVICE[key][0 if smaller_fits else 1]
+    advice = _ADVICE["other during" if part == "other" and split else part]
+    return advice if isinstance(advice, str) else advice[0 if smaller_fits else 1]
 
 
 def describe_action(stage: str, n: int, k: int, new_k: int, rungs: Iterable[str] = ()) -> str:

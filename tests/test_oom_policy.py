@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_gpuopt.memory import format_bytes
-from lightning_gpuopt.oom_policy import OOMFailure, next_micro_batch_count, parse_tried_bytes
+from lightning_gpuopt.oom_policy import (
+    OOMFailure,
+    grow_back_micro_batch_count,
+    next_micro_batch_count,
+    parse_tried_bytes,
+    recently_failed_size,
+)
 from lightning_gpuopt.votes import Status, Vote, agree, rung_bits, rung_indices
 
 
@@ -435,3 +441,51 @@ def test_the_names_that_moved_out_still_import_from_here_with_a_warning():
     assert OOMRecord is oom_record.OOMRecord
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         oom_policy.nothing  # noqa: B018
+
+
+def _failed(**changes) -> OOMFailure:
+    base = dict(
+        step=3,
+        batch_idx=3,
+        phase="forward",
+        batch_size=64,
+        k=1,
+        micro_batch_size=64,
+        baseline_bytes=100,
+        allocated_bytes=500,
+        tried_bytes=300,
+        limit_bytes=500,
+        message="",
+    )
+    return OOMFailure(**{**base, **changes})
+
+
+def test_the_per_sample_cost_leaves_out_the_gradients_held():
+    assert _failed(held_gradient_bytes=60).per_sample_bytes == (500 + 300 - 100 - 60) / 64
+
+
+def test_gradients_without_a_per_sample_figure_change_nothing():
+    """The gradients' size alone (no figure of those held at the OOM) does not enter the prediction."""
+    assert next_micro_batch_count(_failed(gradient_bytes=50), 64) == next_micro_batch_count(_failed(), 64)
+
+
+def test_a_split_whose_micro_batch_min_size_holds_at_a_failed_size_is_refused():
+    """min_size 10 caps k at 6 (micro-batches of 11): 10 samples failed before, so nothing is left."""
+    assert next_micro_batch_count(_failed(allocated_bytes=None), smallest_failed_size=10, min_size=10) is None
+    assert next_micro_batch_count(_failed(allocated_bytes=None), smallest_failed_size=12, min_size=10) == 6
+
+
+def test_a_failure_exactly_window_steps_back_is_recent_and_the_smallest_recent_size_wins():
+    assert recently_failed_size({64: 35}, step=45, window=10) == 64
+    assert recently_failed_size({64: 40, 32: 42, 16: 30}, step=45, window=10) == 32
+
+
+def test_grow_back_from_two_micro_batches_to_one_and_below_a_failed_size():
+    assert grow_back_micro_batch_count(2, 128, baseline_bytes=100, peak_bytes=420, limit_bytes=1000) == 1
+    assert grow_back_micro_batch_count(4, 128, 100, 420, 1000, below_size=65) == 2  # 64 samples: below 65
+
+
+def test_the_status_bits_are_distinct_single_bits():
+    """A rank's say travels as one int: each flag must be a bit of its own to be read back."""
+    bits = [int(s) for name, s in Status.__members__.items() if name != "NONE"]  # aliases and composites too
+    assert all(b & (b - 1) == 0 for b in bits) and len(set(bits)) == len(bits)

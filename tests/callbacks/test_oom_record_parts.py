@@ -14,7 +14,15 @@ import torch
 
 from lightning_gpuopt import GPUOptReport, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.memory import get_probe
-from lightning_gpuopt.oom_record import OOM_PARTS, largest_part, oom_parts, part_advice, part_label
+from lightning_gpuopt.oom_record import (
+    OOM_PARTS,
+    describe_action,
+    largest_part,
+    oom_parts,
+    part_advice,
+    part_label,
+    smaller_may_fit,
+)
 from lightning_gpuopt.report import format_oom
 from lightning_gpuopt.report_plot import _oom_text
 from lightning_gpuopt.testing import SimulatedMemory
@@ -67,6 +75,7 @@ def test_the_record_splits_what_was_held_before_the_step_from_what_it_allocated(
         record["allocated_during_step_bytes"] == record["allocated_bytes"] - record["held_before_step_bytes"]
     )
     assert 0 < record["categories"]["activations"] <= record["allocated_during_step_bytes"]
+    assert record["activations_measured"] is True  # the text splits them out of "other"
     text = format_oom(record)
     assert "held before the step" in text and "allocated during it" in text
     parts = oom_parts(record)
@@ -137,3 +146,36 @@ def test_the_advice_fits_the_largest_part(part, smaller):
         assert "smaller micro-batches" not in advice
     others = {part_advice(p, smaller, split=True) for p in OOM_PARTS if p != part}
     assert advice not in others  # each part has advice of its own
+
+
+@pytest.mark.parametrize(
+    ("record", "parts"),
+    [
+        ({"categories": {"activations": 5}}, {"activations": 5}),  # no "other", nothing said held
+        (
+            {"categories": {"activations": 5, "other": 7}, "held_before_step": {}},
+            {"activations": 5, "other_held": 0, "other": 7},
+        ),
+        ({"categories": {"other": 7}, "held_before_step": {"other": 3}}, {"other_held": 3, "other": 4}),
+    ],
+)
+def test_a_record_missing_parts_counts_them_as_zero(record, parts):
+    zero = {name: 0 for name in OOM_PARTS if name != "other_held"}
+    assert oom_parts(record) == {**zero, **parts}
+
+
+@pytest.mark.parametrize(
+    ("record", "fits"),
+    [
+        ({"micro_batch_size": 2, "action": "micro-batch 2 → 1 (k 4 → 8)"}, True),
+        ({"micro_batch_size": 1, "action": "activation checkpointing on; micro-batch 1 kept"}, False),
+        ({"micro_batch_size": 4, "action": "gave up: out of memory at every split"}, False),
+    ],
+)
+def test_a_smaller_micro_batch_may_fit_until_one_sample_or_a_give_up(record, fits):
+    assert smaller_may_fit(record) is fits
+
+
+def test_the_action_names_the_micro_batch_before_and_after():
+    assert describe_action("train", n=64, k=2, new_k=5) == "micro-batch 32 → 13 (k 2 → 5)"
+    assert describe_action("validation", n=10, k=1, new_k=3) == "validation batches in 3 chunks of 4"
