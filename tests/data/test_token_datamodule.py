@@ -4,6 +4,7 @@ once per epoch, the same count each epoch; lengths read from the samples; bad in
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from lightning_gpuopt import GPUOptDataModule
-from tests.helpers import TRAINER_QUIET
+from tests.helpers import TRAINER_QUIET, run_ranks
 
 LENGTHS = [3 + (i * 11) % 29 for i in range(60)]
 
@@ -127,3 +128,14 @@ def test_bad_input_is_said_in_one_line_when_the_loader_is_built(dataset, kwargs,
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Text(**kwargs)
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_runs_as_many_batches_and_together_they_see_every_sample_once(tmp_path):
+    ranks = run_ranks(Path(__file__).with_name("ddp_token_run.py"), tmp_path)
+    counts = {len(rank["shapes"]) for rank in ranks}
+    assert counts == {2 * ranks[0]["batches"]}  # the same count on both ranks, both epochs
+    for epoch in (0, 1):
+        together = sorted(i for rank in ranks for i in rank["seen"][epoch])
+        assert together == list(range(len(LENGTHS)))
+    assert all(rows * longest <= 96 for rank in ranks for rows, longest in rank["shapes"])

@@ -191,6 +191,12 @@ EQUIVALENT = (
     ("noise-scale", "trust: float = 0.1", "0.2", "GradientNoiseScale passes its own `trust`"),
     ("noise-scale", "if n >= memory:", "(n > memory)", "only a need of exactly the memory tells them apart"),
     ("oom-policy", "if k <= 1:", "(k < 1)", "at k 1 no k is smaller: None either way"),
+    (
+        "weighting-rules",
+        "for b in kinds[i + 1 :] if _differ",
+        "kinds[(i - 1) :]",
+        "pairs in both orders and with themselves (never out of proportion): the same gaps",
+    ),
     ("oom-policy", "@dataclass(frozen=True)", "frozen=False", "frozen only refuses assignments none makes"),
     ("votes", "@dataclass(frozen=True)", "frozen=False", "frozen only refuses assignments none makes"),
     (
