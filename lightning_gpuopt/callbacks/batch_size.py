@@ -482,6 +482,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             return
         dataset = datamodule.stage_dataset("train")
         lengths = list(datamodule.sample_lengths(dataset))
+        failure: BaseException | None = None
         try:
             run = search_max_tokens(
                 trainer,
@@ -497,21 +498,26 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
                 engine_bytes=self._engine.snapshot_bytes() if self._engine is not None else 0,
                 ahead=batches_ahead(trainer),
             )
-        except NoLossInTrial as err:
+            self.token_search, mine = run, run.max_tokens or 0
+        except Exception as err:  # raised below, once every rank knows (none waits for this one)
+            failure, mine = err, -1
+        strategy = trainer.strategy
+        tokens = int(strategy.reduce(torch.tensor(mine, device=strategy.root_device), reduce_op="min"))
+        if isinstance(failure, NoLossInTrial):
             raise _no_loss(
-                err, "on samples of the training dataset (max_tokens='auto' measures them at fit start)"
+                failure, "on samples of the training dataset (max_tokens='auto' measures them at fit start)"
             ) from None
-        self.token_search = run
-        mine = run.max_tokens or 0
-        tokens = (
-            int(trainer.strategy.reduce(torch.tensor(mine, dtype=torch.float64), reduce_op="min"))
-            if trainer.world_size > 1
-            else mine
-        )
+        if failure is not None:
+            raise failure
         if tokens < 1:
+            why = (
+                run.line()
+                if mine < 1
+                else "another rank could not measure or fit one sample of the longest length"
+            )
             raise MicroBatchOOMError(
-                f"MemoryAwareBatchSize: {run.line()} (target_fraction {self.target_fraction:g} x "
-                f"{format_bytes(probe.total)}). Shorten the longest samples, or see docs/batch-size.md for what uses less memory."
+                f"MemoryAwareBatchSize: {why} (target_fraction {self.target_fraction:g} x {format_bytes(probe.total)}). "
+                "Shorten the longest samples, or see docs/batch-size.md for what uses less memory."
             )
         datamodule.max_tokens = self.max_tokens = tokens
         message = f"MemoryAwareBatchSize: {run.line()}" + (

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import Dataset
 
-from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize, OOMRecovery
+from lightning_gpuopt import GPUOptDataModule, MemoryAwareBatchSize, MicroBatchOOMError, OOMRecovery
 from lightning_gpuopt.batch_size.peak_model import memory_budget
 from lightning_gpuopt.testing import SimulatedMemory
 from tests.batch_size.test_token_peaks import HandWrittenLM
@@ -119,7 +119,7 @@ def test_a_resumed_run_keeps_the_budget_and_searches_no_more(tmp_path):
         _fit(tmp_path, [first, saves], limit_train_batches=3)
         again = MemoryAwareBatchSize()
         last = str(tmp_path / "ckpt" / "last.ckpt")
-        saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+        saves = ModelCheckpoint(dirpath=tmp_path / "ckpt2", save_last=True)
         _, data = _fit(tmp_path, [again, saves], ckpt_path=last, epochs=2, limit_train_batches=3)
     assert data.max_tokens == first.max_tokens and again.token_search is None
 
@@ -141,3 +141,10 @@ def test_mode_max_with_token_batches_is_refused(tmp_path):
         RuntimeError, match=r"\(mode='max'\) sets batch_size, which a GPUOptDataModule batching by tokens"
     ):
         _fit(tmp_path, [MemoryAwareBatchSize(mode="max")])
+
+
+def test_a_budget_that_no_single_long_sample_fits_stops_the_fit_in_one_line(tmp_path):
+    with SimulatedMemory(5 * 2**20), pytest.raises(MicroBatchOOMError) as err:
+        _fit(tmp_path, [MemoryAwareBatchSize()])
+    message = str(err.value)
+    assert "even one sample of the longest length does not fit" in message and "\n" not in message
