@@ -88,9 +88,8 @@ def _fit(tmp_path, callbacks, ckpt_path=None, epochs=1, **kwargs):
     trainer = pl.Trainer(
         max_epochs=epochs,
         callbacks=callbacks,
-        **{**TRAINER_QUIET, "enable_checkpointing": True},
         default_root_dir=tmp_path,
-        **kwargs,
+        **{**TRAINER_QUIET, "enable_checkpointing": True, **kwargs},
     )
     trainer.fit(LM(), data, ckpt_path=ckpt_path)
     return trainer, data
@@ -112,15 +111,17 @@ def test_auto_chooses_a_budget_whose_epoch_fits_and_whose_costliest_steps_fill_i
     assert f"max_tokens='auto' -> {data.max_tokens} (measured 2x" in line and "\n" not in line
 
 
+def _saves(tmp_path):
+    return ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0, save_last=True)
+
+
 def test_a_resumed_run_keeps_the_budget_and_searches_no_more(tmp_path):
     with SimulatedMemory(LIMIT):
         first = MemoryAwareBatchSize()
-        saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-        _fit(tmp_path, [first, saves], limit_train_batches=3)
+        _fit(tmp_path, [first, _saves(tmp_path)], limit_train_batches=3)
         again = MemoryAwareBatchSize()
         last = str(tmp_path / "ckpt" / "last.ckpt")
-        saves = ModelCheckpoint(dirpath=tmp_path / "ckpt2", save_last=True)
-        _, data = _fit(tmp_path, [again, saves], ckpt_path=last, epochs=2, limit_train_batches=3)
+        _, data = _fit(tmp_path, [again, _saves(tmp_path)], ckpt_path=last, epochs=2, limit_train_batches=3)
     assert data.max_tokens == first.max_tokens and again.token_search is None
 
 
