@@ -87,6 +87,7 @@ TARGETS = (
         "skip",
         "lightning_gpuopt/microbatch/batch_runs.py",
         (
+            "tests/microbatch/test_batch_runs.py",  # the module's own tests: what each backward is told, the loss
             "tests/microbatch/test_skipped_batches.py",
             "tests/callbacks/test_oom_recovery.py",
             "tests/callbacks/test_gradient_noise_scale.py",  # what each micro-batch's backward tells listeners
