@@ -137,6 +137,8 @@ class _Measured:
     replayed: bool = False
     #: What could not be replayed (Python's or NumPy's generator, a part's draws), for the refusal.
     unreplayable: str | None = None
+    #: The error a step that draws nothing raised on one sample (it cannot run alone), for the refusal.
+    alone: str | None = None
 
     @property
     def skipped(self) -> bool:
@@ -168,9 +170,13 @@ def _measure(
                 try:
                     output = run_piece(part)
                 except Exception as err:
-                    if not draws.drew or is_oom_error(err):
+                    if is_oom_error(err):
                         raise
                     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                    if not draws.drew:  # nothing replayed to blame: the step cannot run on one sample
+                        measured.alone = measured.alone or f"{type(err).__name__}: {text}"
+                        output = None
+                        continue
                     run.failure = (
                         f"with the piece's random values replayed on a part, it raised {type(err).__name__}: {text} "
                         "(random indices into the batch, such as a permutation for mixup, couple its samples)"
@@ -370,6 +376,8 @@ class LossWeighting:
         if out_of_memory is not None:
             free_memory()  # outside the except block: the traceback no longer pins the check's tensors
             return CheckResult(None, {}, tol, checked=False, out_of_memory=out_of_memory)
+        if measured.alone is not None:
+            return _cannot_run_alone(measured.alone, tol)
         if measured.skipped:  # the step returned None: decide at the next split
             return CheckResult(None, {}, tol, checked=False)
         if measured.unreplayable is not None:
@@ -561,6 +569,17 @@ def _weigh_alike(options: Sequence[Candidate], chunks: Sequence[Any]) -> bool:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def _cannot_run_alone(error: str, tol: float) -> CheckResult:
+    """The check's answer for a step that draws nothing and fails on one sample (``error``: what it raised)."""
+    message = (
+        "loss weighting: the check runs your training_step on one sample of the batch at a time, and it raised "
+        f"{error}; so it cannot find the weighting of micro-batch losses that reproduces your loss. "
+        + _ASK_FOR_REDUCTION
+    )
+    reason = f"the step cannot run on one sample ({error})"
+    return CheckResult(None, {}, tol, checked=False, refusal=message, reason=reason)
 
 
 def _unreplayable(source: str, tol: float) -> CheckResult:

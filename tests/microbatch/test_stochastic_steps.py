@@ -270,3 +270,33 @@ def test_a_step_that_fails_on_a_part_with_the_replayed_draws_is_refused_naming_t
         r"\(random indices into the batch, such as a permutation for mixup, couple its samples\)",
         message,
     ), message
+
+
+class NeedsTwo(FlowMatching):
+    """A step that draws nothing and refuses a single sample, as a layer that needs batch statistics would."""
+
+    def training_step(self, batch, batch_idx):
+        _, x1 = batch
+        if len(x1) < 2:
+            raise ValueError("this step needs two samples or more")
+        return (self.net(torch.cat([x1, x1[:, :1]], 1)) - x1).square().mean()
+
+
+def test_a_step_that_cannot_run_on_one_sample_is_told_the_check_did_and_what_to_give():
+    """The check runs the step on single samples; a step that refuses one, without drawing anything, gets one
+    line saying so (not a replay refusal, not "the model cannot run micro-batches this small"), and trains
+    with the weighting given."""
+    with pytest.raises(LossWeightingError) as err:
+        _split_fit(NeedsTwo, Points())
+    message = str(err.value)
+    assert message.startswith(
+        "loss weighting: the check runs your training_step on one sample of the batch at a time, and it raised "
+        "ValueError: this step needs two samples or more; "
+    )
+    assert "OOMRecovery(loss_reduction=...)" in message and "\n" not in message
+    run, oom = _split_fit(NeedsTwo, Points(), OOMRecovery(verbose=False, loss_reduction="mean"))
+    assert run.trainer.global_step == 4 and oom.k >= 2
+    (line,) = _weighting(run.trainer)
+    assert line.startswith(
+        "loss weighting: sample shares (given) — not checked: the step cannot run on one sample"
+    )
