@@ -83,7 +83,7 @@ def test_without_figures_k_doubles():
 
 
 @pytest.mark.parametrize("smallest_failed", [64, 40, 17, 2])
-def test_never_a_size_that_already_failed(smallest_failed):
+def test_never_a_size_that_already_failure(smallest_failed):
     f = _failure(allocated_bytes=1001, tried_bytes=1)  # figures that would predict the whole batch fits
     k = next_micro_batch_count(f, smallest_failed_size=smallest_failed)
     assert math.ceil(64 / k) < smallest_failed
@@ -443,36 +443,21 @@ def test_the_names_that_moved_out_still_import_from_here_with_a_warning():
         oom_policy.nothing  # noqa: B018
 
 
-def _failed(**changes) -> OOMFailure:
-    base = dict(
-        step=3,
-        batch_idx=3,
-        phase="forward",
-        batch_size=64,
-        k=1,
-        micro_batch_size=64,
-        baseline_bytes=100,
-        allocated_bytes=500,
-        tried_bytes=300,
-        limit_bytes=500,
-        message="",
-    )
-    return OOMFailure(**{**base, **changes})
-
-
 def test_the_per_sample_cost_leaves_out_the_gradients_held():
-    assert _failed(held_gradient_bytes=60).per_sample_bytes == (500 + 300 - 100 - 60) / 64
+    assert _failure(held_gradient_bytes=60).per_sample_bytes == (5000 + 3000 - 1000 - 60) / 64
 
 
 def test_gradients_without_a_per_sample_figure_change_nothing():
     """The gradients' size alone (no figure of those held at the OOM) does not enter the prediction."""
-    assert next_micro_batch_count(_failed(gradient_bytes=50), 64) == next_micro_batch_count(_failed(), 64)
+    assert next_micro_batch_count(_failure(gradient_bytes=50), 64) == next_micro_batch_count(_failure(), 64)
 
 
 def test_a_split_whose_micro_batch_min_size_holds_at_a_failed_size_is_refused():
     """min_size 10 caps k at 6 (micro-batches of 11): 10 samples failed before, so nothing is left."""
-    assert next_micro_batch_count(_failed(allocated_bytes=None), smallest_failed_size=10, min_size=10) is None
-    assert next_micro_batch_count(_failed(allocated_bytes=None), smallest_failed_size=12, min_size=10) == 6
+    assert (
+        next_micro_batch_count(_failure(allocated_bytes=None), smallest_failed_size=10, min_size=10) is None
+    )
+    assert next_micro_batch_count(_failure(allocated_bytes=None), smallest_failed_size=12, min_size=10) == 6
 
 
 def test_a_failure_exactly_window_steps_back_is_recent_and_the_smallest_recent_size_wins():
