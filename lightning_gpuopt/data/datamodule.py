@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from lightning_gpuopt._validate import positive_int
+from lightning_gpuopt._validate import choice, positive_int
 from lightning_gpuopt.data.prefetch import (
     BatchTransfer,
     CudaStreamTransfer,
@@ -224,8 +224,7 @@ class GPUOptDataModule(pl.LightningDataModule):
                 "`max_tokens` must be a positive int (padded tokens a batch), 'auto' (chosen from memory) or None, "
                 f"got {max_tokens!r}"
             )
-        if long_samples not in ("refuse", "alone"):
-            raise ValueError(f"`long_samples` must be 'refuse' or 'alone', got {long_samples!r}")
+        choice("long_samples", long_samples, LongSamples)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers

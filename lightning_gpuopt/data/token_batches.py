@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset
 
-from lightning_gpuopt._validate import positive_int
+from lightning_gpuopt._validate import choice, positive_int
 from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
 
 __all__ = ["SeededBatches", "TokenBatchSampler", "bucket_width", "sample_length"]
@@ -91,8 +91,7 @@ class TokenBatchSampler(ResumableSampler):
         long_samples: LongSamples = "refuse",
     ) -> None:
         positive_int("max_tokens", max_tokens, unit="padded tokens a batch")
-        if long_samples not in ("refuse", "alone"):
-            raise ValueError(f"`long_samples` must be 'refuse' or 'alone', got {long_samples!r}")
+        choice("long_samples", long_samples, LongSamples)
         values = [int(n) for n in lengths]
         if not values or min(values) < 1:
             raise ValueError(

@@ -116,7 +116,11 @@ def test_a_sample_over_the_budget_is_refused_in_one_line_or_runs_alone():
         ([], {}, "no samples"),
         ([3, 0], {}, "got 0 for sample 1"),
         ([3, 4], {"max_tokens": 0}, "max_tokens"),
-        ([3, 4], {"long_samples": "truncate"}, "`long_samples` must be 'refuse' or 'alone'"),
+        (
+            [3, 4],
+            {"long_samples": "truncate"},
+            "`long_samples` must be one of ('refuse', 'alone'), got 'truncate'",
+        ),
         (
             [9, 9, 9],
             {"max_tokens": 9, "num_replicas": 2},
