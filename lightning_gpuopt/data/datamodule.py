@@ -242,6 +242,7 @@ class GPUOptDataModule(pl.LightningDataModule):
         self._loader_batch_size = batch_size
         self._datasets: dict[str, Dataset] = {}
         self._announced: set[str] = set()
+        self._read_lengths: dict[int, list[int]] = {}
         self._prefetch_stats: dict[str, PrefetchStats] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -300,12 +301,15 @@ class GPUOptDataModule(pl.LightningDataModule):
 
     def sample_lengths(self, dataset: Dataset) -> Sequence[int]:
         """Each training sample's length in tokens, for ``max_tokens``: the dataset's ``lengths`` attribute, else
-        read once from every sample (:func:`~lightning_gpuopt.data.token_batches.sample_length`). Override it
-        where loading every sample is slow or the length is elsewhere."""
+        read once from every sample (:func:`~lightning_gpuopt.data.token_batches.sample_length`) and kept (the
+        ``max_tokens="auto"`` search and the loader both ask). Override it where loading every sample is slow or
+        the length is elsewhere."""
         lengths = getattr(dataset, "lengths", None)
         if lengths is not None:
             return lengths
-        return [sample_length(dataset[i], i) for i in range(len(dataset))]  # type: ignore[arg-type]
+        if id(dataset) not in self._read_lengths:  # the datasets are kept: their ids stay theirs
+            self._read_lengths[id(dataset)] = [sample_length(dataset[i], i) for i in range(len(dataset))]  # type: ignore[arg-type]
+        return self._read_lengths[id(dataset)]
 
     def stage_dataset(self, stage: str = "train") -> Dataset:
         """The dataset ``stage``'s loader reads (``"train"``, ``"val"``, ``"test"``, ``"predict"``), built once and kept."""

@@ -139,3 +139,18 @@ def test_under_ddp_every_rank_runs_as_many_batches_and_together_they_see_every_s
         together = sorted(i for rank in ranks for i in rank["seen"][epoch])
         assert together == list(range(len(LENGTHS)))
     assert all(rows * longest <= 96 for rank in ranks for rows, longest in rank["shapes"])
+
+
+class Counted(Sentences):
+    reads = 0
+
+    def __getitem__(self, i):
+        Counted.reads += 1
+        return super().__getitem__(i)
+
+
+def test_lengths_read_from_the_samples_are_read_once():
+    """max_tokens="auto" asks for the lengths at fit start and the loader asks again: each sample is loaded once."""
+    data, dataset = Text(max_tokens=96), Counted()
+    assert data.sample_lengths(dataset) == LENGTHS and data.sample_lengths(dataset) == LENGTHS
+    assert Counted.reads == len(LENGTHS)
