@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -491,9 +492,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
                 dataset,
                 lengths,
                 datamodule.collate_fn() or default_collate,
-                lambda tokens: TokenBatchSampler(
-                    lengths, tokens, num_replicas=trainer.world_size, long_samples=datamodule.long_samples
-                ).batch_shapes(),
+                _shapes_at(lengths, trainer.world_size, datamodule.long_samples),
                 target_fraction=self.target_fraction,
                 engine_bytes=self._engine.snapshot_bytes() if self._engine is not None else 0,
                 ahead=batches_ahead(trainer),
@@ -569,6 +568,19 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
                 "gpuopt/search_trials": float(self.trials),
             },
         )
+
+
+def _shapes_at(lengths: list[int], world: int, long_samples: str) -> Callable[[int], list[tuple[int, int]]]:
+    """The batches each budget forms on ``lengths`` (the search asks for many): one sampler, sorted once, built at
+    the first budget asked."""
+    planned: list[TokenBatchSampler] = []
+
+    def shapes(tokens: int) -> list[tuple[int, int]]:
+        if not planned:
+            planned.append(TokenBatchSampler(lengths, tokens, num_replicas=world, long_samples=long_samples))
+        return planned[0].batch_shapes(tokens)
+
+    return shapes
 
 
 def _no_loss(err: NoLossInTrial, where: str) -> NoLossInTrial:

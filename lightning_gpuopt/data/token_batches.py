@@ -110,21 +110,22 @@ class TokenBatchSampler(ResumableSampler):
         self.max_tokens = max_tokens
         self.width = bucket_width(values)
         self._rounded = (self.lengths + self.width - 1) // self.width * self.width
-        self._bounds = self._plan_bounds()
+        self._sorted = sorted(self._rounded.tolist())  # the rounded lengths in planning order, every epoch's
+        self._bounds = self._plan_bounds(max_tokens)
 
     # ------------------------------------------------------------------ the run's shapes
 
-    def _plan_bounds(self) -> list[tuple[int, int]]:
+    def _plan_bounds(self, max_tokens: int) -> list[tuple[int, int]]:
         """Each batch's ``[start, end)`` in the samples sorted by rounded length, in dealing order (cost groups of
-        ``num_replicas`` neighbours, cheapest first)."""
-        rounded = sorted(self._rounded.tolist())
+        ``num_replicas`` neighbours, cheapest first), at a budget of ``max_tokens``."""
+        rounded = self._sorted
         bounds: list[tuple[int, int]] = []
         end = len(rounded)
         # From the longest down: each batch starts at its longest sample and takes as many as the budget allows,
         # so the longest batch holds max_tokens // longest samples whatever the budget (its cost grows smoothly
         # with the budget, which a budget chosen from memory relies on), and the remainder is the shortest.
         for i in range(len(rounded) - 1, -1, -1):
-            if end - i > 1 and (end - i) * min(rounded[end - 1], self.max_tokens) > self.max_tokens:
+            if end - i > 1 and (end - i) * min(rounded[end - 1], max_tokens) > max_tokens:
                 bounds.append((i + 1, end))
                 end = i + 1
         bounds.append((0, end))
@@ -134,7 +135,7 @@ class TokenBatchSampler(ResumableSampler):
             if not splittable:
                 raise ValueError(
                     f"{len(bounds)} batches of one sample each cannot be dealt evenly to {world} ranks: raise "
-                    f"max_tokens (now {self.max_tokens}) so that batches hold two samples or more"
+                    f"max_tokens (now {max_tokens}) so that batches hold two samples or more"
                 )
             # The cheapest: its halves cost alike and fall in one group of ranks (with the epoch's remainder).
             j = min(splittable, key=lambda j: ((bounds[j][1] - bounds[j][0]) * rounded[bounds[j][1] - 1], j))
@@ -142,11 +143,18 @@ class TokenBatchSampler(ResumableSampler):
             bounds[j : j + 1] = [(s, s + (e - s) // 2), (s + (e - s) // 2, e)]
         return sorted(bounds, key=lambda b: (b[1] - b[0]) * rounded[b[1] - 1])
 
-    def batch_shapes(self) -> list[tuple[int, int]]:
+    def batch_shapes(self, max_tokens: int | None = None) -> list[tuple[int, int]]:
         """Each batch's ``(size, longest length)``, the length rounded up to the bucket width (a bound on every
-        epoch's batch: the sizes are the same each epoch, the lengths at most this)."""
-        rounded = sorted(self._rounded.tolist())
-        return [(end - start, rounded[end - 1]) for start, end in self._bounds]
+        epoch's batch: the sizes are the same each epoch, the lengths at most this). ``max_tokens``: the batches
+        another budget would form on the same samples (``None``: this sampler's), without another sampler.
+
+        Example:
+            >>> sampler = TokenBatchSampler([3, 5, 4, 2, 8, 7], max_tokens=12)
+            >>> sampler.batch_shapes(), sampler.batch_shapes(16)
+            ([(2, 3), (1, 7), (1, 8), (2, 5)], [(1, 2), (3, 5), (2, 8)])
+        """
+        bounds = self._bounds if max_tokens is None else self._plan_bounds(max_tokens)
+        return [(end - start, self._sorted[end - 1]) for start, end in bounds]
 
     @property
     def batches_per_epoch(self) -> int:
