@@ -50,6 +50,7 @@ from lightning_gpuopt.microbatch.exchange import LocalExchange, PeerFailure
 from lightning_gpuopt.microbatch.rungs import Ladder
 from lightning_gpuopt.microbatch.side_effects import SideEffects, emit_logs
 from lightning_gpuopt.microbatch.splits import Splits
+from lightning_gpuopt.microbatch.step_shares import StepShares
 from lightning_gpuopt.microbatch.users import Users
 from lightning_gpuopt.oom_policy import OOMFailure, Recovery, parse_tried_bytes
 from lightning_gpuopt.oom_record import describe_action, stop_reason
@@ -79,6 +80,10 @@ class _Run:
     rechecks: int = 0
     #: A size error taken for an OOM once; a second one re-raises it.
     first_size_error: BaseException | None = None
+
+
+#: The stages whose logged losses are averaged over the epoch by tokens, where the training loss is a token mean.
+_TOKEN_MEAN_STAGES = ("validation", "test")
 
 
 @dataclass
@@ -121,6 +126,10 @@ class AttemptLoop:
         self._skip_zero_grad = False
         #: The smallest micro-batch (samples) that ran in this fit, per stage.
         self._smallest_ran: dict[str, int] = {}
+        #: The optimizer step's shares of the ranks' and accumulated batches' tokens (``step_shares.py``).
+        self.shares = StepShares()
+        #: The tokens of the evaluation batch running now, where the loss is a token mean (``None``: not counted).
+        self._eval_tokens: int | None = None
         self._skip_recorded = False
 
     @property
@@ -190,9 +199,16 @@ class AttemptLoop:
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         capture = self.steps.capture
         if capture is None:
-            return self.steps.log(name, value, *args, **kwargs)
+            return self._emit(name, value, *args, **kwargs)
         capture.calls.append((name, value, args, kwargs))
         return None
+
+    def _emit(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``self.log``; in evaluation with a token-mean loss, a ``*loss*`` value is weighted by the
+        batch's tokens in the epoch's mean (Lightning weights a batch by its ``batch_size``)."""
+        if self._eval_tokens is not None and "loss" in name:
+            kwargs["batch_size"] = self._eval_tokens
+        return self.steps.log(name, value, *args, **kwargs)
 
     # ------------------------------------------------------------------ the two kinds of batch
 
@@ -203,6 +219,7 @@ class AttemptLoop:
             self.steps, self.exchange, users.weighting, users.backward_listeners, args, kwargs
         )
         batch.start_k = self.splits.k
+        batch.shares = self.shares
         batch.proposal = users.next_proposal()
         # A batch that would run whole runs as 2 micro-batches when a user asks, for a measurement (k unchanged).
         batch.measuring = bool(
@@ -220,11 +237,23 @@ class AttemptLoop:
 
     def _eval_step_for(self, stage: str) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
-            handled = self.users.decide_oom is not None
-            if self.splits.eval_k.get(stage, 1) == 1 and not handled and not self.exchange.votes_inside_step:
-                return self.steps.eval_steps[stage](*args, **kwargs)
-            batch = EvalBatch(self.steps, self.exchange, self.users.weighting, stage, args, kwargs, handled)
-            return self._run_attempts(batch)
+            counting = self.users.weighting.counting if stage in _TOKEN_MEAN_STAGES else None
+            batch = args[0] if args else kwargs.get("batch")
+            self._eval_tokens = _tokens_of(counting, batch)
+            try:
+                handled = self.users.decide_oom is not None
+                if (
+                    self.splits.eval_k.get(stage, 1) == 1
+                    and not handled
+                    and not self.exchange.votes_inside_step
+                ):
+                    return self.steps.eval_steps[stage](*args, **kwargs)
+                batch = EvalBatch(
+                    self.steps, self.exchange, self.users.weighting, stage, args, kwargs, handled
+                )
+                return self._run_attempts(batch)
+            finally:
+                self._eval_tokens = None
 
         return step
 
@@ -436,12 +465,13 @@ class AttemptLoop:
             return changed
         if outcome.logs is not None:  # an evaluation step that ran whole, straight through, captured nothing
             self._ran(n, k, stage)
-            emit_logs(self.steps.log, *outcome.logs, n, self.users.sum_log_keys)
+            emit_logs(self._emit, *outcome.logs, n, self.users.sum_log_keys)
         if stage == "train":
             if outcome.kind is OutcomeKind.SKIP:
                 self.exchange.recover()
             elif batch.boundary:
                 self.exchange.reduce()
+                batch.finish()
         if outcome.source:
             self.splits.propose(outcome.k, outcome.source, outcome.reason, batch_size=n)
         if outcome.skipped_split is not None:
@@ -524,6 +554,17 @@ class AttemptLoop:
         if isinstance(recovery, int):
             recovery = Recovery(recovery)
         return Status.OOM | rung_bits(self.ladder.index(name) for name in recovery.rungs), recovery, None
+
+
+def _tokens_of(counting: Any, batch: Any) -> int | None:
+    """What ``counting`` counts in an evaluation batch (``None``: nothing to count, or an evaluation batch without
+    the training's labels: Lightning's own mean)."""
+    if counting is None or batch is None:
+        return None
+    try:
+        return int(counting.count(batch))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
 
 
 def agree_or_stop(

@@ -36,6 +36,7 @@ from lightning_gpuopt.microbatch.side_effects import (
     restore_grads,
     split_output,
 )
+from lightning_gpuopt.microbatch.step_shares import StepShares
 from lightning_gpuopt.oom_policy import OOMFailure, Recovery
 from lightning_gpuopt.votes import Agreement, Proposal, Source, Vote
 
@@ -236,6 +237,10 @@ class TrainingBatch:
         self.skipped = False
         self.skipped_output: Any = None
         self.skipped_at = (0, 0)
+        #: The optimizer step's token shares among ranks and accumulated batches (set by the loop; ``None``: off).
+        self.shares: StepShares | None = None
+        #: This batch's loss was scaled by its share of the step's tokens (``step_shares.py``).
+        self.counted = False
 
     def vote(self, status: int, k: int) -> list[Vote]:
         return self.exchange.vote(status, k)
@@ -262,11 +267,23 @@ class TrainingBatch:
         # The loss weighting's one call site: at the first split it runs the step on a piece of the batch
         # (forwards: an OOM in it is this attempt's forward OOM).
         steps.phase = "forward"
+        shares = self.shares
+        several = self.exchange.world_size > 1 or self.accumulate > 1
         weights = self.weighting.weights(
             chunks,
             steps.site(self.exchange),
             lambda piece: step(piece, *self.rest, **self.kwargs),
             self.batch,
+            decide_whole=shares is not None
+            and self.weighting.undecided
+            and shares.wants_decision(steps.trainer, self.batch, several, self.weighting),
+        )
+        counting = self.weighting.counting if shares is not None else None
+        self.counted = counting is not None and several
+        share = (
+            shares.factor(counting, self.batch, self.exchange, self.first_in_window, self.accumulate)
+            if self.counted
+            else 1.0
         )
         scaler = getattr(steps.trainer.precision_plugin, "scaler", None)
         listeners = self.listeners
@@ -285,7 +302,7 @@ class TrainingBatch:
                 return False  # no further micro-batch: the whole batch is skipped
             extras.append(extra)
             steps.phase = "backward"
-            scaled = loss * weight  # exact at a weight of 1
+            scaled = loss * (weight * share)  # exact at a weight of 1
             if self.accumulate != 1:
                 scaled = scaled / self.accumulate
             if scaler is not None:
@@ -295,7 +312,7 @@ class TrainingBatch:
                 told = MicroBatchBackward(
                     len(extras) - 1,
                     len(chunks),
-                    weight,
+                    weight * share,
                     self.n,
                     self.first_in_window,
                     self.accumulate,
@@ -344,7 +361,14 @@ class TrainingBatch:
     def keep(self, output: Any, agreement: Agreement, k: int) -> Outcome:
         """The attempt stands: its gradients join the window's; the agreed proposal changes k for the next batch."""
         merge_grads(self.params, self.stash)
+        if self.counted:
+            self.shares.keep()
         return self._outcome(OutcomeKind.KEEP, output, agreement)
+
+    def finish(self) -> None:
+        """At the optimizer step, after the ranks' reduction: the gradients become the step's token mean's."""
+        if self.shares is not None:
+            self.shares.finish(self.params, self.accumulate)
 
     def skip(self, agreement: Agreement, k: int) -> Outcome:
         """Every rank kept its attempt and one step returned no loss: the batch is skipped on every rank.

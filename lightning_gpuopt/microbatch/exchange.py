@@ -82,6 +82,10 @@ class LocalExchange:
     def reduce(self) -> None:
         """Nothing to reduce."""
 
+    def total(self, value: float) -> float:
+        """``value`` summed over the ranks: this process's own."""
+        return value
+
 
 class DDPExchange:
     """Votes and gradient averaging for a ``DistributedDataParallel`` module whose backward never syncs.
@@ -139,6 +143,10 @@ class DDPExchange:
         self._used = [v > 0 for v in extra]
         return votes
 
+    def total(self, value: float) -> float:
+        """``value`` summed over the ranks (one all-reduce; every rank calls it at the same point of a batch)."""
+        return _sum_over_ranks(value, self.device, self.group)
+
     def reduce(self) -> None:
         """Average the gradients over the ranks and give every rank rank 0's buffers (after a successful vote).
 
@@ -194,6 +202,12 @@ class DDPExchange:
                     flush()
         if cursor:
             flush()
+
+
+def _sum_over_ranks(value: float, device: torch.device, group: Any) -> float:
+    summed = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(summed, group=group)
+    return float(summed.item())
 
 
 def _all_reduce_votes(
@@ -398,6 +412,11 @@ class FSDP2Exchange:
 
     def reduce(self) -> None:
         """Nothing: FSDP reduce-scattered the gradients in each backward."""
+
+    def total(self, value: float) -> float:
+        """``value`` summed over the ranks, after a vote (a rank that ran out of memory before it stops them all)."""
+        self.check()
+        return _sum_over_ranks(value, self.device, self.group)
 
 
 def make_exchange(strategy: Any) -> LocalExchange | DDPExchange | FSDP2Exchange:

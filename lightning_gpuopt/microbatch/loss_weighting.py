@@ -264,14 +264,16 @@ class LossWeighting:
         site: CheckSite,
         run_piece: Callable[[Any], Any] | None = None,
         batch: Any = None,
+        decide_whole: bool = False,
     ) -> list[float]:
         """The weights of ``chunks`` (the micro-batches of ``batch``), deciding first when still undecided.
 
         ``run_piece(micro_batch)`` runs the user's training step on a micro-batch and returns its output (given
         with ``batch``, the whole batch the check picks its two samples from); ``None`` (evaluation) uses the
-        decision made so far, or the fallback (HF head, else samples).
+        decision made so far, or the fallback (HF head, else samples). ``decide_whole``: a batch that runs whole
+        is checked too (the optimizer step's shares of ranks and accumulated batches need the decision).
         """
-        if len(chunks) == 1:
+        if len(chunks) == 1 and not decide_whole:
             return [1.0]
         if not self._checked and self.check and run_piece is not None:
             source = 0
@@ -282,7 +284,24 @@ class LossWeighting:
                 if source is None:
                     return self._alike[0].weights(chunks)
             self._decide(site, chunks, run_piece, batch, source)
+        if len(chunks) == 1:
+            return [1.0]
         return (self.decided or (self._alike or [None])[0] or self._fallback(site.trainer)).weights(chunks)
+
+    @property
+    def counting(self) -> Candidate | None:
+        """The decided weighting where the loss is a mean over counted tokens (``weight_fn`` counts too): the
+        optimizer step then shares its loss among ranks and accumulated batches by those counts; ``None`` while
+        undecided, or for sample shares and sums (Lightning's own averaging)."""
+        chosen = self.decided
+        if chosen is None or chosen.kind in (Weighting.SAMPLES, Weighting.SUM):
+            return None
+        return chosen
+
+    @property
+    def undecided(self) -> bool:
+        """The check is still to run (``"auto"``, checking on, nothing decided or loaded)."""
+        return self.check and not self._checked
 
     def _fallback(self, trainer: pl.Trainer) -> Candidate:
         head = hf_head(trainer.lightning_module)

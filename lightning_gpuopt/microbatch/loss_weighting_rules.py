@@ -162,6 +162,15 @@ def _name(key: str | int) -> str:
     return key if isinstance(key, str) else f"batch[{key}]"
 
 
+def has_tokens(batch: Any, token_key: str | int = "labels", ignore_index: int = -100) -> bool:
+    """Whether :func:`candidates` finds a token count in ``batch`` (labels or a mask over tokens)."""
+    try:
+        found = candidates(batch, token_key, ignore_index)
+    except (TypeError, ValueError, KeyError, IndexError):
+        return False
+    return any(c.kind not in (Weighting.SAMPLES, Weighting.SUM) for c in found)
+
+
 def candidates(batch: Any, token_key: str | int = "labels", ignore_index: int = -100) -> list[Candidate]:
     """The weightings that make sense for ``batch``: samples, a sum, and token counts where it has tokens.
 
