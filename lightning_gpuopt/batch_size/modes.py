@@ -100,9 +100,14 @@ def max_mode_space(
     smallest = min(min_batch_size, largest)
     ahead = batches_ahead(trainer)
 
+    # As the DataLoader's fetcher reads a batch: one `__getitems__` call where the dataset has it (a wrapper that
+    # keeps the random streams around each read then does so once per batch, not once per sample).
+    fetch_many = getattr(dataset, "__getitems__", None) if sized else None
+
     def whole_batch(size: int) -> TrialBatch:
         if sized:
-            samples = [dataset[i % len(dataset)] for i in range(size)]
+            indices = [i % len(dataset) for i in range(size)]
+            samples = fetch_many(indices) if fetch_many else [dataset[i] for i in indices]
         else:
             samples = [sample for _, sample in zip(range(size), iter(dataset))]
         host = collate(samples) if collate is not None else samples
