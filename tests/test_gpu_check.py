@@ -78,6 +78,11 @@ def test_dry_run_runs_every_section_on_cpu_without_jsonargparse_or_torchdata(dry
     assert (
         0 < lm["answerable_max"] <= lm["true_max"] and lm["micro_mode"]["micro_batch_run"] <= lm["true_max"]
     )
+    # max_tokens='auto': an epoch at the budget chosen, no OOM, no step above the budget; then the speed arms.
+    auto, speed = status["tokens"]["details"]["auto"], status["tokens"]["details"]["speed"]
+    assert auto["fits"] and auto["steps"] == auto["batches_per_epoch"] > 1 and 0 < auto["padding"] < 1
+    assert auto["peak_of_budget"] <= 1 and auto["costliest"]["measured"] <= auto["budget_bytes"]
+    assert {speed["same_worst_case"], speed["auto"]} <= set(speed["arms"]) and len(speed["arms"]) == 3
     assert status["overhead"]["details"]["overhead_percent"]["n"] >= 2  # pairs of fits, their spread reported
     goodput = status["goodput"]["details"]
     assert (

@@ -78,6 +78,13 @@ _GPT_TINY = {"layers": 2, "width": 32, "heads": 2, "vocab": 128, "seq": 16}
 _OOM = {"models": ["resnet50", "transformer"], "batch": {"resnet50": 96, "transformer": 32}}
 _OOM_DRY = {"models": ["transformer"], "batch": {}}
 _BATCHSIZE, _BATCHSIZE_DRY = {"models": ["lm"], "multiple_of": 8}, {"models": ["lm"], "multiple_of": 1}
+# 32,000 sequences (3.0M tokens): the budget auto chooses under a 12 GiB limit (~70k tokens, from predict_peak's
+# ~150 KB a token) gives ~45 batches an epoch, padding ~5 % (2,000 sequences at that budget: 30 %); the 4 GiB left
+# to the 16 GiB cap hold the speed arms' other two models beside the auto batch. The dry run: a 32 MiB device.
+_TOKENS = dict(samples=32000, vocab=8192, width=512, heads=8, layers=4, precision="bf16-mixed", fixed=64)
+_TOKENS.update(target_fraction=0.9, limit_bytes=12 * 2**30, steps=20, warmup=2)
+_TOKENS_DRY = dict(samples=300, vocab=256, width=32, heads=2, layers=1, precision="32-true", fixed=8)
+_TOKENS_DRY.update(target_fraction=0.9, limit_bytes=32 * 2**20, steps=5, warmup=0)
 _DATA, _DATA_DRY = {"repeats": 1, "steps": 20, "batch": 128}, {"repeats": 1, "steps": 2, "batch": 2}
 _PREDICT = {"batches": [16], "precisions": ["32-true", "bf16-mixed"]}
 _PRECISION = dict(_GPT2, layers=6, seq=512, batch=16, steps=12, warmup=4, repeats=2)
@@ -115,6 +122,10 @@ _WHAT = {
     "cuda_tests": "the cuda-marked tests (pytest -m cuda)",
     "oom": "real OOM recovery: ResNet-50 and a causal transformer under a memory limit",
     "batchsize": "MemoryAwareBatchSize against the bisected true maximum",
+    "tokens": (
+        "batches by tokens: the budget max_tokens='auto' chooses, its costliest batch's peak, padding, real "
+        "tokens/s against fixed batches of 64 at the same worst-case batch"
+    ),
     "precision": "PrecisionSwitch auto against 32-true, TF32, bf16-mixed",
     "data": "data pipeline with and without device prefetch",
     "mfu": "MFU and tokens/s of a GPT-2-124M-shaped model (bf16-mixed, seq 1024); the default job's samples/s",
@@ -139,12 +150,15 @@ _WHAT = {
 #: H200 run (2026-12-04: 158 s of 300), with room for both compiled forms (inductor: ~25 s a form);
 #: ``forensics`` (15 s) took 5 s each from ``mfu`` (used 9 s), ``batchsize`` (used 20 s) and ``overhead`` (which
 #: runs pairs of fits while its slice has room); ``goodput`` (20 s) took 10 s from ``overhead`` (pairs while room) and
-#: 5 s each from ``batchsize`` (used 20 s) and ``precision``. ``batchsize`` holds sizes to the pack's default
-#: multiple on CUDA (8).
+#: 5 s each from ``batchsize`` (used 20 s) and ``precision``; ``tokens`` (20 s, ~10 s estimated: two short fits'
+#: worth of steps, its speed arms stop with 3 s left) took 10 s each from ``cuda_tests`` (was 40 s: a child pytest of
+#: 8 small tests, ~14 s of collection and start-up on a 2-core CPU) and ``oom`` (was 50 s). ``batchsize`` holds sizes
+#: to the pack's default multiple on CUDA (8).
 _ROWS = (
-    Section("cuda_tests", _WHAT["cuda_tests"], 40, cuda_tests, cuda_only=_NO_CUDA_TESTS),
-    Section("oom", _WHAT["oom"], 50, "gpu.oom:section", _OOM, _OOM_DRY),
+    Section("cuda_tests", _WHAT["cuda_tests"], 30, cuda_tests, cuda_only=_NO_CUDA_TESTS),
+    Section("oom", _WHAT["oom"], 40, "gpu.oom:section", _OOM, _OOM_DRY),
     Section("batchsize", _WHAT["batchsize"], 20, "gpu.batchsize:section", _BATCHSIZE, _BATCHSIZE_DRY),
+    Section("tokens", _WHAT["tokens"], 20, "gpu.tokens:section", _TOKENS, _TOKENS_DRY),
     Section("precision", _WHAT["precision"], 20, "gpu.speed:precision_section", _PRECISION, _PRECISION_DRY),
     Section("data", _WHAT["data"], 15, "data_pipeline:gpu_section", _DATA, _DATA_DRY),
     Section("mfu", _WHAT["mfu"], 15, "gpu.speed:mfu_section", _MFU, _MFU_DRY),
