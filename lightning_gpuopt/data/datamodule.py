@@ -170,8 +170,9 @@ class GPUOptDataModule(pl.LightningDataModule):
             ``batch_size`` then sizes the evaluation loaders only. Lengths come from :meth:`sample_lengths`.
             ``"auto"``: ``MemoryAwareBatchSize`` chooses it from memory at fit start. ``None``: batches of
             ``batch_size`` samples.
-        long_samples: with ``max_tokens``, a sample longer than it is refused at setup (``"refuse"``) or gets a
-            batch of its own (``"alone"``).
+        long_samples: with ``max_tokens``, a sample longer than it is refused at setup (``"refuse"``), gets a
+            batch of its own (``"alone"``), or is cut to its first ``max_tokens`` tokens (``"truncate"``: every
+            tensor's first dimension and list of ints in the sample).
 
     Raises:
         ValueError: an argument is out of range.
@@ -525,7 +526,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         )
         kwargs.pop("drop_last")
         kwargs.update(batch_size=None, collate_fn=kwargs["collate_fn"] or default_collate)
-        return SeededBatches(SeededSamples(dataset, seed=seed)), self._placed(sampler, kwargs)
+        cut = self.max_tokens if self.long_samples == "truncate" else None
+        return SeededBatches(SeededSamples(dataset, seed=seed), truncate_to=cut), self._placed(
+            sampler, kwargs
+        )
 
     def _placed(self, sampler: ResumableSampler, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The training loader's sampler at the epoch (and place) the fit loop runs next, and its generator."""

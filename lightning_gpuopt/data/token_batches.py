@@ -33,7 +33,7 @@ from lightning_gpuopt.data.resume import ResumableSampler, SeededSamples
 __all__ = ["SeededBatches", "TokenBatchSampler", "bucket_width", "sample_length"]
 
 #: What happens to a sample longer than ``max_tokens``: refused at setup, or a batch of its own.
-LongSamples = Literal["refuse", "alone"]
+LongSamples = Literal["refuse", "alone", "truncate"]
 
 
 def bucket_width(lengths: Sequence[int]) -> int:
@@ -65,8 +65,9 @@ class TokenBatchSampler(ResumableSampler):
         rank: this rank.
         shuffle: random order of equal-width samples and of the batches, each epoch (``False``: by length).
         seed: the order's seed (the same on every rank).
-        long_samples: a sample longer than ``max_tokens`` is refused (``"refuse"``, at construction), or gets a
-            batch of its own (``"alone"``; that batch exceeds the budget).
+        long_samples: a sample longer than ``max_tokens`` is refused (``"refuse"``, at construction), gets a
+            batch of its own (``"alone"``; that batch exceeds the budget), or is planned at ``max_tokens`` tokens
+            (``"truncate"``: its loader cuts it, see :class:`SeededBatches`).
 
     Raises:
         ValueError: a length below 1, a sample longer than ``max_tokens`` under ``"refuse"``, or batches too
@@ -103,8 +104,11 @@ class TokenBatchSampler(ResumableSampler):
             over = sum(n > max_tokens for n in values)
             raise ValueError(
                 f"sample {values.index(longest)} has {longest} tokens, more than max_tokens={max_tokens} "
-                f"({over} sample(s) do): raise max_tokens, or pass long_samples='alone' to give each its own batch"
+                f"({over} sample(s) do): raise max_tokens, or pass long_samples='alone' (a batch of its own) or "
+                "'truncate' (cut to max_tokens)"
             )
+        if long_samples == "truncate":
+            values = [min(n, max_tokens) for n in values]
         super().__init__(values, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.lengths = torch.tensor(values, dtype=torch.int64)
         self.max_tokens = max_tokens
@@ -230,13 +234,36 @@ def sample_length(sample: Any, index: int) -> int:
 class SeededBatches(Dataset):
     """A dataset view whose item, a list of ``(epoch, index)`` pairs, is those samples loaded as
     :class:`~lightning_gpuopt.data.resume.SeededSamples` loads them (a loader with ``batch_size=None`` collates
-    the list)."""
+    the list). ``truncate_to``: each sample's token sequences cut to that many tokens (see :func:`truncate`)."""
 
-    def __init__(self, samples: SeededSamples) -> None:
-        self.samples = samples
+    def __init__(self, samples: SeededSamples, truncate_to: int | None = None) -> None:
+        self.samples, self.truncate_to = samples, truncate_to
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        return self.samples.__getitems__(list(keys))
+        loaded = self.samples.__getitems__(list(keys))
+        if self.truncate_to is None:
+            return loaded
+        return [truncate(sample, self.truncate_to) for sample in loaded]
+
+
+def truncate(sample: Any, limit: int) -> Any:
+    """``sample`` with every token sequence longer than ``limit`` cut to its first ``limit`` tokens: tensors by
+    their first dimension and lists of ints, also inside dicts, tuples and lists; anything else unchanged.
+
+    Example:
+        >>> truncate({"input_ids": torch.arange(6), "label": 1}, 4)
+        {'input_ids': tensor([0, 1, 2, 3]), 'label': 1}
+    """
+    if isinstance(sample, torch.Tensor):
+        return sample[:limit] if sample.dim() >= 1 and sample.shape[0] > limit else sample
+    if isinstance(sample, Mapping):
+        return type(sample)({k: truncate(v, limit) for k, v in sample.items()})  # type: ignore[call-arg]
+    if isinstance(sample, (list, tuple)):
+        if sample and all(isinstance(x, int) for x in sample):
+            return sample[:limit]
+        cut = [truncate(x, limit) for x in sample]
+        return type(sample)(cut) if not hasattr(sample, "_fields") else type(sample)(*cut)
+    return sample

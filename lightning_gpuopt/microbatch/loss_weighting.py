@@ -277,13 +277,13 @@ class LossWeighting:
             return [1.0]
         if not self._checked and self.check and run_piece is not None:
             source = 0
-            if self._alike:
+            if self._alike and len(chunks) > 1:
                 # Every rank's split asks (k is agreed): the first rank whose micro-batches the candidates
                 # weight differently checks, on its own batch; while none does, any of them is exact.
                 source = first_rank_where(not _weigh_alike(self._alike, chunks))
                 if source is None:
                     return self._alike[0].weights(chunks)
-            self._decide(site, chunks, run_piece, batch, source)
+            self._decide(site, chunks, run_piece, batch, source, tentative=len(chunks) == 1)
         if len(chunks) == 1:
             return [1.0]
         return (self.decided or (self._alike or [None])[0] or self._fallback(site.trainer)).weights(chunks)
@@ -319,7 +319,11 @@ class LossWeighting:
         run_piece: Callable[[Any], Any],
         batch: Any,
         source_rank: int = 0,
+        tentative: bool = False,
     ) -> None:
+        """Run the check (on ``source_rank``'s batch) and take its result. ``tentative``: asked of a batch that runs
+        whole; a tie (an untrained model's losses often are: every token costs about the same) decides nothing, and
+        the next batch asks again."""
         trainer = site.trainer
         module = trainer.lightning_module
         head = hf_head(module)
@@ -350,8 +354,10 @@ class LossWeighting:
                 self._alike = alike  # exact on this batch whichever it is: decide where samples differ
                 return
             if differs != source_rank:  # another rank's samples can tell them apart: its check decides
-                self._decide(site, chunks, run_piece, batch, differs)
+                self._decide(site, chunks, run_piece, batch, differs, tentative)
                 return
+        if tentative and self.decided is None and (result.tied or not result.checked):
+            return  # nothing told apart (or no room to check) on a batch that runs whole: the next one asks again
         if result.out_of_memory is not None:
             if (
                 self.decided is None

@@ -4,6 +4,8 @@ and a resumed run keeps the budget (the same batches)."""
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -149,3 +151,99 @@ def test_a_budget_that_no_single_long_sample_fits_stops_the_fit_in_one_line(tmp_
         _fit(tmp_path, [MemoryAwareBatchSize()])
     message = str(err.value)
     assert "even one sample of the longest length does not fit" in message and "\n" not in message
+
+
+class IssueSequences(Dataset):
+    """Issue 36's data: 2,000 sequences, lengths log-normal around 80 tokens, clipped to 16..512, vocabulary 256."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(36)
+        self.lengths = (
+            (torch.randn(2000, generator=generator) * 0.6 + math.log(80))
+            .exp()
+            .round()
+            .clamp(16, 512)
+            .long()
+            .tolist()
+        )
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return torch.randint(1, 256, (self.lengths[i],), generator=torch.Generator().manual_seed(i))
+
+
+def pad_tuple(samples):
+    """``(ids, labels)`` padded to the batch's longest sample, labels -100 on the padding (no setting tells the
+    pack where the tokens are)."""
+    batch = pad(samples)
+    return batch["input_ids"], batch["labels"]
+
+
+class IssueText(GPUOptDataModule):
+    def __init__(self, **kwargs):
+        super().__init__(num_workers=0, max_tokens="auto", **kwargs)
+
+    def train_dataset(self):
+        return IssueSequences()
+
+    def collate_fn(self):
+        return pad_tuple
+
+
+class TupleLM(LM):
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return super().training_step({"input_ids": ids, "labels": labels}, batch_idx)
+
+
+class Tokens(pl.Callback):
+    """Each step's peak, its padded and real tokens."""
+
+    def __init__(self, memory: SimulatedMemory) -> None:
+        self.memory, self.peaks, self.padded, self.real = memory, [], 0, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.memory.reset_peak()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.peaks.append(self.memory.peak_bytes)
+        self.padded += batch[1].numel()
+        self.real += int((batch[1] != -100).sum())
+
+
+def _peak_of_one_step(rows: int, length: int) -> int:
+    """One training step's peak (AdamW's state created) at ``rows`` x ``length``, as SimulatedMemory counts it."""
+    torch.manual_seed(0)
+    module = TupleLM()
+    ids = torch.randint(1, 256, (rows, length), generator=torch.Generator().manual_seed(1))
+    with SimulatedMemory() as memory:
+        memory.track(module)
+        optimizer = module.configure_optimizers()
+        module.training_step((ids, ids), 0).backward()
+        optimizer.step()
+        return memory.peak_bytes
+
+
+@pytest.mark.slow
+def test_issue_setup_trains_200_steps_by_tokens_with_defaults(tmp_path):
+    """Issue 36's acceptance: its data and model, a limit of one step's peak at 16 x 512, ``max_tokens="auto"``,
+    ``MemoryAwareBatchSize()`` and the default ``OOMRecovery()`` (no weighting given): 200 steps without an error,
+    at most 1 split per 100 steps, padding at most 10 % of the computed tokens, the costliest steps at 85-100 % of
+    the budget."""
+    limit = _peak_of_one_step(16, 512)
+    search, oom = MemoryAwareBatchSize(), OOMRecovery()
+    torch.manual_seed(0)
+    with SimulatedMemory(limit) as memory:
+        tokens = Tokens(memory)
+        trainer = pl.Trainer(
+            max_steps=200, callbacks=[search, oom, tokens], default_root_dir=tmp_path, **TRAINER_QUIET
+        )
+        trainer.fit(TupleLM(), IssueText())
+    assert trainer.global_step == 200
+    assert len(oom.failures) <= 2, oom.failures
+    padding = 1 - tokens.real / tokens.padded
+    assert padding <= 0.10, padding
+    budget = memory_budget(limit, search.target_fraction)
+    assert 0.85 * budget <= max(tokens.peaks) <= budget, (max(tokens.peaks) / budget, search.token_search)

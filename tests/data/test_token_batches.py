@@ -118,8 +118,8 @@ def test_a_sample_over_the_budget_is_refused_in_one_line_or_runs_alone():
         ([3, 4], {"max_tokens": 0}, "max_tokens"),
         (
             [3, 4],
-            {"long_samples": "truncate"},
-            "`long_samples` must be one of ('refuse', 'alone'), got 'truncate'",
+            {"long_samples": "pack"},
+            "`long_samples` must be one of ('refuse', 'alone', 'truncate'), got 'pack'",
         ),
         (
             [9, 9, 9],

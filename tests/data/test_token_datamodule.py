@@ -154,3 +154,25 @@ def test_lengths_read_from_the_samples_are_read_once():
     data, dataset = Text(max_tokens=96), Counted()
     assert data.sample_lengths(dataset) == LENGTHS and data.sample_lengths(dataset) == LENGTHS
     assert Counted.reads == len(LENGTHS)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_long_samples_truncate_cuts_them_to_the_budget_and_keeps_every_sample(workers):
+    """``long_samples="truncate"``: samples longer than ``max_tokens`` (LENGTHS reach 31) train as their first
+    ``max_tokens`` tokens; every batch stays within the budget and every sample is seen once per epoch."""
+    model, data = Embeds(), Text(max_tokens=20, long_samples="truncate")
+    data.num_workers = workers
+    trainer = pl.Trainer(max_epochs=2, **TRAINER_QUIET)
+    trainer.fit(model, data)
+    assert all(rows * longest <= 20 for rows, longest in model.shapes)
+    assert max(longest for _, longest in model.shapes) == 20  # the long ones, cut
+    assert {epoch: sorted(ids) for epoch, ids in model.seen.items()} == {e: list(range(60)) for e in range(2)}
+
+
+def test_truncate_cuts_every_token_sequence_of_a_sample_and_leaves_the_rest():
+    from lightning_gpuopt.data.token_batches import truncate
+
+    sample = ({"input_ids": torch.arange(9), "mask": [1] * 9, "label": 3}, torch.zeros(2))
+    cut = truncate(sample, 4)
+    assert torch.equal(cut[0]["input_ids"], torch.arange(4)) and cut[0]["mask"] == [1] * 4
+    assert cut[0]["label"] == 3 and torch.equal(cut[1], torch.zeros(2))

@@ -40,36 +40,31 @@ BATCH = 8
 FLOOR = 1e-9
 
 
-def union_reference(
-    model: HandWrittenLM, steps: list[list[dict]], lr: float = 0.5
-) -> dict[str, torch.Tensor]:
-    """One process on the union of each step's batches: the mean over all the step's real tokens."""
-    model = model.double()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for batches in steps:
-        optimizer.zero_grad()
-        total = sum(int((b["labels"] != -100).sum()) for b in batches)
-        loss = 0.0
-        for b in batches:
-            logits = model.head(model.features(b["input_ids"]))
-            loss = loss + F.cross_entropy(
-                logits.transpose(1, 2), b["labels"], ignore_index=-100, reduction="sum"
-            )
-        (loss / total).backward()
-        optimizer.step()
-    return parameters_of(model)
+def _token_sum(model: HandWrittenLM, batch: dict) -> torch.Tensor:
+    logits = model.head(model.features(batch["input_ids"]))
+    return F.cross_entropy(logits.transpose(1, 2), batch["labels"], ignore_index=-100, reduction="sum")
 
 
-def averaged_reference(
-    model: HandWrittenLM, steps: list[list[dict]], lr: float = 0.5
-) -> dict[str, torch.Tensor]:
+def union_loss(model: HandWrittenLM, batches: list[dict]) -> torch.Tensor:
+    """One process on the union of a step's batches: the mean over all the step's real tokens."""
+    total = sum(int((b["labels"] != -100).sum()) for b in batches)
+    return sum(_token_sum(model, b) for b in batches) / total
+
+
+def averaged_loss(model: HandWrittenLM, batches: list[dict]) -> torch.Tensor:
     """Lightning's own averaging: the mean of each batch's token mean."""
+    return sum(model.training_step(b, 0) for b in batches) / len(batches)
+
+
+def reference(
+    model: HandWrittenLM, steps: list[list[dict]], step_loss=union_loss, lr: float = 0.5
+) -> dict[str, torch.Tensor]:
+    """SGD in float64 with ``step_loss(model, batches)`` over each optimizer step's batches."""
     model = model.double()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for batches in steps:
         optimizer.zero_grad()
-        loss = sum(model.training_step(b, 0) for b in batches) / len(batches)
-        loss.backward()
+        step_loss(model, batches).backward()
         optimizer.step()
     return parameters_of(model)
 
@@ -106,7 +101,7 @@ def test_accumulated_batches_share_the_step_by_their_tokens(accumulate, k):
     (weighting,) = [d for d in decisions(trainer) if d.kind == "loss weighting"]
     assert weighting.data["weighting"] == "tokens" and weighting.data["checked"], weighting.message
     batches = _batches(steps * accumulate)
-    ref = union_reference(
+    ref = reference(
         HandWrittenLM("token-mean"), [batches[s * accumulate : (s + 1) * accumulate] for s in range(steps)]
     )
     assert_same_training(theta0, theta, ref, floor=FLOOR, factor=1.0, elementwise=True)
@@ -172,8 +167,7 @@ def test_ddp_ranks_with_different_token_counts_train_like_one_process_on_their_u
     for result in results:
         assert result["error"] is None, result["error"]
         assert result["weighting"] == "tokens"
-    zero, one = results
-    steps = zero["steps"]
+    steps = results[0]["steps"]
     rank_batches = [r["batches"] for r in results]
     union = [
         [rank_batches[r][s * accumulate + a] for a in range(accumulate) for r in range(2)]
@@ -181,11 +175,11 @@ def test_ddp_ranks_with_different_token_counts_train_like_one_process_on_their_u
     ]
     counts = {r: [int((b["labels"] != -100).sum()) for b in rank_batches[r]] for r in range(2)}
     assert counts[0] != counts[1]  # the ranks' batches hold different token counts
-    ref = union_reference(HandWrittenLM("token-mean"), union)
+    ref = reference(HandWrittenLM("token-mean"), union)
     theta0 = parameters_of(HandWrittenLM("token-mean").double())
     for result in results:
         assert_same_training(theta0, result["params"], ref, floor=FLOOR, factor=1.0, elementwise=True)
-    averaged = averaged_reference(HandWrittenLM("token-mean"), union)
+    averaged = reference(HandWrittenLM("token-mean"), union, averaged_loss)
     assert training_distance(theta0, averaged, ref) > 1e-4  # the ranks' plain average is another training
 
 
