@@ -237,7 +237,10 @@ class AttemptLoop:
 
     def _eval_step_for(self, stage: str) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
-            counting = self.users.weighting.counting if stage in _TOKEN_MEAN_STAGES else None
+            # Only where the first training batch asked for the decision: a decision taken at a later split
+            # would change how the run's evaluation losses are averaged half-way through.
+            wanted = stage in _TOKEN_MEAN_STAGES and self.shares.wanted
+            counting = self.users.weighting.counting if wanted else None
             batch = args[0] if args else kwargs.get("batch")
             self._eval_tokens = _tokens_of(counting, batch)
             try:

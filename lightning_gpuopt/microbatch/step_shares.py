@@ -56,6 +56,12 @@ class StepShares:
             self._wanted = first_rank_where(mine) is not None
         return self._wanted
 
+    @property
+    def wanted(self) -> bool:
+        """The first training batch asked for the weighting's decision (so a token-mean loss is shared by tokens
+        across the run's steps, and its evaluation losses averaged by tokens from the first decision on)."""
+        return bool(self._wanted)
+
     def factor(
         self, counting: Candidate, batch: Any, exchange: _Totals, first_in_window: bool, accumulate: int
     ) -> float:
