@@ -204,6 +204,11 @@ def continue_csv_metrics(logger: Any) -> None:
     logger._experiment = writer
 
 
+def reload_val_loader(trainer: Any) -> None:
+    """Build the fit's validation loader again at its next run (its datamodule's settings changed)."""
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+
+
 def drop_train_loader(fit_loop: Any) -> None:
     """Make the fit loop rebuild the training DataLoader at the next epoch's start (new ``num_workers``)."""
     if hasattr(fit_loop, "_combined_loader"):

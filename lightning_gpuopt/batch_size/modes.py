@@ -25,7 +25,15 @@ from lightning_gpuopt.batch_split import SPLIT_HOOK, first_samples
 from lightning_gpuopt.memory import get_probe
 from lightning_gpuopt.memory.walk import batch_nbytes
 
-__all__ = ["SearchSpace", "batches_ahead", "max_mode_space", "micro_mode_space", "scale_learning_rate"]
+__all__ = [
+    "SearchSpace",
+    "batches_ahead",
+    "first_items",
+    "host_batch",
+    "max_mode_space",
+    "micro_mode_space",
+    "scale_learning_rate",
+]
 
 
 @dataclass(frozen=True)
@@ -100,18 +108,12 @@ def max_mode_space(
     smallest = min(min_batch_size, largest)
     ahead = batches_ahead(trainer)
 
-    # As the DataLoader's fetcher reads a batch: one `__getitems__` call where the dataset has it (a wrapper that
-    # keeps the random streams around each read then does so once per batch, not once per sample).
-    fetch_many = getattr(dataset, "__getitems__", None) if sized else None
-
     def whole_batch(size: int) -> TrialBatch:
         if sized:
-            indices = [i % len(dataset) for i in range(size)]
-            samples = fetch_many(indices) if fetch_many else [dataset[i] for i in indices]
+            samples = first_items(dataset, size)
         else:
             samples = [sample for _, sample in zip(range(size), iter(dataset))]
-        host = collate(samples) if collate is not None else samples
-        batch = trainer.precision_plugin.convert_input(module.on_before_batch_transfer(host, 0))
+        batch = host_batch(trainer, module, samples, collate)
         before = get_probe(trainer.strategy.root_device).allocated
         batch = trainer.strategy.batch_to_device(batch)
         nbytes = max(batch_nbytes(batch), get_probe(trainer.strategy.root_device).allocated - before)
@@ -120,6 +122,24 @@ def max_mode_space(
     batch, n, nbytes, _ = whole_batch(smallest)
     del batch
     return SearchSpace(whole_batch, smallest, largest, held_bytes_per_sample=(1 + ahead) * (nbytes / n))
+
+
+def first_items(dataset: Any, size: int) -> list[Any]:
+    """The dataset's first ``size`` samples (cycling), read as the DataLoader's fetcher reads a batch: one
+    ``__getitems__`` call where the dataset has it (a wrapper that keeps the random streams around each read then
+    does so once per batch, not once per sample)."""
+    indices = [i % len(dataset) for i in range(size)]
+    fetch_many = getattr(dataset, "__getitems__", None)
+    return fetch_many(indices) if fetch_many else [dataset[i] for i in indices]
+
+
+def host_batch(
+    trainer: pl.Trainer, module: pl.LightningModule, samples: list[Any], collate: Callable[[list], Any] | None
+) -> Any:
+    """``samples`` collated as the loader does and put through the module's pre-transfer hook and the precision's
+    input conversion: what the strategy then moves to the device."""
+    host = collate(samples) if collate is not None else samples
+    return trainer.precision_plugin.convert_input(module.on_before_batch_transfer(host, 0))
 
 
 def scale_learning_rate(trainer: pl.Trainer, rule: str | None, ratio: float) -> float:

@@ -15,11 +15,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from torch.utils.data import default_collate
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt._metrics import log_metrics
 from lightning_gpuopt._warnings import warn
+from lightning_gpuopt.batch_size.eval_size import evaluation_runner, find_eval_batch_size
 from lightning_gpuopt.batch_size.find import SearchRun, find_largest_size, no_fit_message
 from lightning_gpuopt.batch_size.modes import (
     SearchSpace,
@@ -30,7 +33,7 @@ from lightning_gpuopt.batch_size.modes import (
 )
 from lightning_gpuopt.batch_size.search import SearchResult
 from lightning_gpuopt.batch_size.token_search import TokenSearchRun, search_max_tokens
-from lightning_gpuopt.batch_size.trial import NoLossInTrial
+from lightning_gpuopt.batch_size.trial import NoLossInTrial, local_bytes
 from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of
 from lightning_gpuopt.data import TokenBatchSampler
 from lightning_gpuopt.decisions import record_decision
@@ -67,6 +70,10 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
     samples fits them all: there is no micro-batch search. ``max_tokens="auto"`` is chosen at fit start instead,
     from a few measured shapes (:mod:`~lightning_gpuopt.batch_size.token_search`), so that the costliest batch
     fits; ``state_dict`` keeps it (a resumed run runs the same batches).
+
+    With a ``GPUOptDataModule`` whose ``eval_batch_size`` is not given (and that does not batch by tokens), the
+    evaluation batch is sized after the first search from measured validation steps
+    (:mod:`~lightning_gpuopt.batch_size.eval_size`); give ``eval_batch_size`` to choose it yourself.
 
     Args:
         mode: ``"micro"`` (the micro-batch size) or ``"max"`` (``batch_size`` itself).
@@ -162,6 +169,8 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         self.max_tokens: int | None = None
         #: The last token-budget search on this process (not saved).
         self.token_search: TokenSearchRun | None = None
+        #: The evaluation batch size chosen for a ``GPUOptDataModule`` (``None``: none chosen in this fit).
+        self.eval_batch_size: int | None = None
         self._k = 1
         self._precision: str | None = None
         self._lr_factor = 1.0
@@ -252,6 +261,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._engine = self._cap = None
+        self.eval_batch_size = None
         if trainer.world_size > 1 and any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()):
             # Checked here: Lightning converts BatchNorm layers (sync_batchnorm=True) after `setup`.
             raise RuntimeError(
@@ -383,6 +393,73 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             f"optimizer batch {n * trainer.accumulate_grad_batches * trainer.world_size} kept",
             why,
         )
+        if self.eval_batch_size is None:
+            self._size_evaluation(trainer, module)
+
+    def _size_evaluation(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """A ``GPUOptDataModule`` without an explicit ``eval_batch_size``: its evaluation batch sized from measured
+        validation steps (they keep no gradients or optimizer state of their own), after the training's search. The
+        validation loader is built again at the next validation. Every rank takes the smallest answer."""
+        from lightning_gpuopt.data import GPUOptDataModule
+
+        datamodule, run = trainer.datamodule, self._run
+        if (
+            not isinstance(datamodule, GPUOptDataModule)
+            or datamodule.eval_batch_size is not None
+            or datamodule.max_tokens is not None
+            or not is_overridden("val_dataset", datamodule, GPUOptDataModule)
+            or not is_overridden("validation_step", module, pl.LightningModule)
+            or trainer.limit_val_batches == 0
+            or run is None
+        ):
+            return
+        probe = get_probe(trainer.strategy.root_device)
+        loader = datamodule.val_dataloader()
+        optimizer = trainer.optimizers[0]
+        missing_grads = sum(
+            local_bytes(p) for g in optimizer.param_groups for p in g["params"] if p.grad is None
+        )
+        held = missing_grads + ((run.state_bytes or 0) if not optimizer.state else 0)
+        start = self.micro_batch_size or 1
+        largest = max(start, len(loader.dataset) // trainer.world_size)  # type: ignore[arg-type]
+        failure: BaseException | None = None
+        try:
+            # torchmetrics and BatchNorm states put back, logged values dropped
+            with self._engine.leave_no_trace():
+                sizing = find_eval_batch_size(
+                    module,
+                    probe,
+                    evaluation_runner(trainer, module, loader),
+                    start=start,
+                    largest=largest,
+                    budget_bytes=run.budget_bytes,
+                    held_bytes=held,
+                )
+            local = sizing.size
+        except Exception as err:  # raised below, once every rank knows (none waits for this one)
+            failure, local = err, -1
+        strategy = trainer.strategy
+        size = int(strategy.reduce(torch.tensor(local, device=strategy.root_device), reduce_op="min"))
+        if failure is not None:
+            raise failure
+        if size < 1:
+            raise RuntimeError(
+                "MemoryAwareBatchSize: another rank could not measure its validation steps (its error says why); "
+                "this rank stops with it. Give the GPUOptDataModule an eval_batch_size to skip the measurement."
+            )
+        if size >= self._resolved_multiple:
+            size -= size % self._resolved_multiple
+        self.eval_batch_size = size
+        datamodule.eval_batch_size = size
+        _compat.reload_val_loader(trainer)
+        message = (
+            f"MemoryAwareBatchSize: eval_batch_size None -> {size} ({sizing.line()}, beside "
+            f"{format_bytes(held)} of gradients and optimizer state; training runs micro-batches of {start}); pass "
+            "eval_batch_size to the GPUOptDataModule to choose it"
+        )
+        record_decision(trainer, "eval batch size", "MemoryAwareBatchSize", message, eval_batch_size=size)
+        if self.verbose:
+            rank_zero_info(message)
 
     def _search_batch_size(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """``mode="max"``: choose ``batch_size`` itself at fit start, on whole batches from the training dataset."""
