@@ -98,6 +98,10 @@ class AdaptiveBatchSize(Callback):
         self.changes: list[list[Any]] = []
         self.last_change_step = 0
         self._unit: int | None = None
+        #: Where the optimizer step is shared by tokens (GradientNoiseScale then counts tokens): the mean real
+        #: tokens of one batch on every rank, over the steps so far.
+        self._tokens_per_batch = 0.0
+        self._token_steps = 0
         self._noise: GradientNoiseScale | None = None
         self._last_step: int | None = None
         self._measured = 0
@@ -156,6 +160,10 @@ class AdaptiveBatchSize(Callback):
             return  # inside an accumulation window
         self._last_step = trainer.global_step
         self.samples += self._unit * self.accumulate
+        tokens = MicroBatchEngine.get(trainer).step_tokens
+        if tokens:  # the step is shared by tokens: batches in tokens, the mean of the steps so far
+            self._token_steps += 1
+            self._tokens_per_batch += (tokens / self.accumulate - self._tokens_per_batch) / self._token_steps
         # The batch this step used, in the row Lightning writes for it.
         log_metrics(trainer, {METRIC: float(self._unit * self.accumulate)}, every_n_steps=True)
         self._advance_schedulers(trainer)
@@ -174,17 +182,18 @@ class AdaptiveBatchSize(Callback):
 
     def summary(self) -> str:
         """The line a fit ends with: how the optimizer batch moved, and why it did not grow (further)."""
-        now = self.optimizer_batch
-        if now is None:
+        if self.optimizer_batch is None:
             return "no batch was trained"
+        per, unit = self._per_batch(), self._unit_name()
+        now = self.accumulate * per
         if self.pending is not None:
-            held = f"a change to {self.pending * self._unit:,} waits for its window boundary"
+            held = f"a change to {self.pending * per:,}{unit} waits for its window boundary"
         else:
             held = self._held
         if not self.changes:
-            return f"the optimizer batch stayed {now:,}: {held}"
+            return f"the optimizer batch stayed {now:,}{unit}: {held}"
         first = self.changes[0][1]
-        return f"optimizer batch {first:,} -> {now:,} in {len(self.changes)} change(s); not grown further: {held}"
+        return f"optimizer batch {first:,} -> {now:,}{unit} in {len(self.changes)} change(s); not grown further: {held}"
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.base_accumulate is not None:
@@ -209,9 +218,10 @@ class AdaptiveBatchSize(Callback):
                 else f"the noise scale has {noise.ema.count} of min_measurements={noise.ema.min_count} measurements"
             )
         else:
+            unit = self._per_batch()
             grown = next_accumulation(
                 self.accumulate,
-                self._unit,
+                unit,
                 estimate,
                 target_fraction=self.target_fraction,
                 factor=self.factor,
@@ -224,7 +234,7 @@ class AdaptiveBatchSize(Callback):
             if grown <= self.accumulate:
                 self._held = held_because(
                     self.accumulate,
-                    self._unit,
+                    unit,
                     estimate,
                     target_fraction=self.target_fraction,
                     factor=self.factor,
@@ -242,13 +252,27 @@ class AdaptiveBatchSize(Callback):
         if proposal != self.accumulate:
             self.pending = proposal
 
+    def _unit_name(self) -> str:
+        """``" tokens"`` where the batches are counted in tokens (a mean), else ``""`` (samples, said as ever)."""
+        return " tokens" if self._in_tokens() else ""
+
+    def _in_tokens(self) -> bool:
+        return self._noise is not None and self._noise.unit == "tokens" and self._token_steps > 0
+
+    def _per_batch(self) -> int:
+        """One batch on every rank in the noise scale's unit: samples, or (GradientNoiseScale counting tokens) the
+        mean real tokens of a batch so far."""
+        return max(1, round(self._tokens_per_batch)) if self._in_tokens() else self._unit
+
     def _min_accumulate(self) -> int:
-        floor = self.min_batch if self.min_batch is not None else self._unit * self.base_accumulate
-        return max(1, math.ceil(floor / self._unit))
+        unit = self._per_batch()
+        floor = self.min_batch if self.min_batch is not None else unit * self.base_accumulate
+        return max(1, math.ceil(floor / unit))
 
     def _max_accumulate(self) -> int:
-        ceiling = self.max_batch if self.max_batch is not None else 64 * self._unit * self.base_accumulate
-        return max(self._min_accumulate(), ceiling // self._unit)
+        unit = self._per_batch()
+        ceiling = self.max_batch if self.max_batch is not None else 64 * unit * self.base_accumulate
+        return max(self._min_accumulate(), ceiling // unit)
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         new, old = self.pending, self.accumulate
@@ -261,11 +285,13 @@ class AdaptiveBatchSize(Callback):
         trainer.accumulate_grad_batches = new
         self.last_change_step = trainer.global_step
         estimate = self._noise.ema.value if self._noise is not None else None
-        before, after = old * self._unit, new * self._unit
+        per, unit = self._per_batch(), self._unit_name()
+        before, after = old * per, new * per
         self.changes.append([trainer.global_step, before, after, new, estimate, scale])
         message = (
-            f"optimizer batch {before} -> {after} (accumulation {old} -> {new}) at step {trainer.global_step}: "
-            f"noise scale {estimate:.0f} samples, target {self.target_fraction:g} of it; learning rate x{scale:.3g}"
+            f"optimizer batch {before:,} -> {after:,}{unit} (accumulation {old} -> {new}) at step "
+            f"{trainer.global_step}: noise scale {estimate:.0f} {unit.strip() or 'samples'}, target "
+            f"{self.target_fraction:g} of it; learning rate x{scale:.3g}"
         )
         record_decision(
             trainer,
@@ -306,6 +332,8 @@ class AdaptiveBatchSize(Callback):
             "changes": [list(c) for c in self.changes],
             "last_change_step": self.last_change_step,
             "unit": self._unit,
+            "tokens_per_batch": self._tokens_per_batch,
+            "token_steps": self._token_steps,
             "held": self._held,
         }
 
@@ -317,6 +345,8 @@ class AdaptiveBatchSize(Callback):
         self.changes = [list(c) for c in state_dict.get("changes", [])]
         self.last_change_step = int(state_dict.get("last_change_step", 0))
         self._unit = state_dict.get("unit")
+        self._tokens_per_batch = float(state_dict.get("tokens_per_batch", 0.0))
+        self._token_steps = int(state_dict.get("token_steps", 0))
         self._held = str(state_dict.get("held", _NOT_MEASURED))
 
     def __getstate__(self) -> dict[str, Any]:

@@ -124,15 +124,19 @@ class GradientNoiseScale(MicroBatchUser, Callback):
         #: Why a step at k = 1 is not split (``None``: it is, or was not asked).
         self._no_split_why: str | None = None
         self._sharded = False
-        #: The last measured optimizer batch (in samples, as the loss weighting counts them).
+        #: The last measured optimizer batch (in samples, as the loss weighting counts them; or in tokens).
         self._batch = 0.0
+        #: What the noise scale and the batches are counted in: ``"samples"``, or ``"tokens"`` where the optimizer
+        #: step's loss is shared by tokens (a token-mean loss over several ranks, accumulation or token batches).
+        self.unit = "samples"
         self._fit_start_step = 0
 
     # ------------------------------------------------------------------ reads
 
     @property
     def estimate(self) -> float | None:
-        """``B_simple`` in samples (loss-weighting units of a sample), ``None`` until trusted."""
+        """``B_simple`` in samples (loss-weighting units of a sample), or in tokens (:attr:`unit`); ``None`` until
+        trusted."""
         return self.ema.estimate
 
     def lower_bound(self, sigmas: float = 2.0) -> float | None:
@@ -266,15 +270,20 @@ class GradientNoiseScale(MicroBatchUser, Callback):
             return
         if self._sharded and told.count == 1:
             return  # FSDP2: a rank's gradient is never whole; measure inside a window of k >= 2 only
-        share = told.weight / told.accumulate * told.scale
+        share = told.weight * told.share / told.accumulate * told.scale
         sq = _grad_sq(told.params)
         if self._sharded:
             sq = float(engine.trainer.strategy.reduce(torch.tensor(sq, dtype=torch.float64), reduce_op="sum"))
-        self._small = (
-            sq / (share * share),
-            told.weight * told.samples,
-            float(told.samples * told.accumulate),
-        )
+        # Batch sizes in what the loss averages over: tokens where the step is shared by tokens, else samples.
+        unit = "tokens" if told.tokens is not None and not self._sharded else "samples"
+        if (
+            unit != self.unit and self.ema.count
+        ):  # decided after the first measurements: start again in tokens
+            self.ema.load_state_dict({})
+            self.history.clear()
+        self.unit = unit
+        size = told.tokens if self.unit == "tokens" else told.samples
+        self._small = (sq / (share * share), told.weight * size, float(size * told.accumulate))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -298,6 +307,8 @@ class GradientNoiseScale(MicroBatchUser, Callback):
             )
             world = engine.world_size
             small_sq, b_small, b_big = float(total[0]) / world, float(total[1]) / world, float(total[2])
+        if self.unit == "tokens":  # the step's own count: its batches' tokens differ
+            b_big = engine.step_tokens or b_big
         if not (math.isfinite(small_sq) and math.isfinite(big_sq)) or not 0 < b_small < b_big:
             return
         g2, trace = noise_scale_terms(small_sq, b_small, big_sq, b_big)
@@ -332,12 +343,12 @@ class GradientNoiseScale(MicroBatchUser, Callback):
         """
         ema = self.ema
         count, error, trust = ema.count, ema.relative_error, ema.trust
-        batch = f"the optimizer batch is {self._batch:,.0f}"
+        batch = f"the optimizer batch is {self._batch:,.0f}{' tokens' if self.unit == 'tokens' else ''}"
         if count == 0:
             return self._nothing_measured(steps)
         if ema.trusted:
             return (
-                f"noise scale {ema.value:,.0f} samples after {count} measurements (relative error {error:.3g} <= "
+                f"noise scale {ema.value:,.0f} {self.unit} after {count} measurements (relative error {error:.3g} <= "
                 f"trust {trust:g}); {batch}"
             )
         why = f"relative error {error:.3g} {'>' if error > trust else '<='} trust {trust:g}"
@@ -349,7 +360,7 @@ class GradientNoiseScale(MicroBatchUser, Callback):
             why += f"; fewer than min_measurements={ema.min_count}"
         bound = self.lower_bound()
         line = f"not trusted yet after {count} measurements ({why}); " + (
-            f"lower bound {bound:,.0f} samples" if bound is not None else "no lower bound yet"
+            f"lower bound {bound:,.0f} {self.unit}" if bound is not None else "no lower bound yet"
         )
         return f"{line}; {batch}{self._what_to_do()}"
 
@@ -400,12 +411,14 @@ class GradientNoiseScale(MicroBatchUser, Callback):
             **self.ema.state_dict(),
             "history": [list(h) for h in self.history],
             "batch": self._batch,
+            "unit": self.unit,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.ema.load_state_dict(state_dict)
         self.history = [list(h) for h in state_dict.get("history", [])]
         self._batch = float(state_dict.get("batch", 0.0))
+        self.unit = str(state_dict.get("unit", "samples"))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_engine": None, "_draws": None, "_recording": None}

@@ -62,7 +62,9 @@ class MicroBatchBackward:
 
     The parameters' ``.grad`` then hold this batch's micro-batches ``0..index`` only (earlier batches of the
     accumulation window are kept apart), each micro-batch's loss multiplied by its ``weight`` (its share of the
-    batch's loss), divided by ``accumulate`` and multiplied by ``scale`` (the AMP loss scale, 1.0 without one).
+    batch's loss) and by ``share`` (the batch's share of the optimizer step's tokens, ``step_shares.py``; 1.0 where
+    the step's batches are not shared by tokens), divided by ``accumulate`` and multiplied by ``scale`` (the AMP
+    loss scale, 1.0 without one).
     Under DDP the gradients are this rank's own (the engine reduces them at the optimizer step). A failed attempt
     is run again from ``index`` 0.
     """
@@ -77,6 +79,10 @@ class MicroBatchBackward:
     params: tuple
     #: The batch runs as 2 micro-batches only because a listener asked for a measurement (``measure_split``).
     measuring: bool = False
+    #: The batch's share of the optimizer step's tokens (1.0: Lightning's own averaging).
+    share: float = 1.0
+    #: The batch's tokens on this rank where the step is shared by tokens (``None``: it is not).
+    tokens: float | None = None
 
 
 class OutcomeKind(enum.Enum):
@@ -312,13 +318,15 @@ class TrainingBatch:
                 told = MicroBatchBackward(
                     len(extras) - 1,
                     len(chunks),
-                    weight * share,
+                    weight,
                     self.n,
                     self.first_in_window,
                     self.accumulate,
                     float(scaler.get_scale()) if scaler is not None else 1.0,
                     tuple(self.params),
                     self.measuring and k == 2,
+                    share,
+                    shares.mine if self.counted else None,
                 )
                 for listener in listeners:
                     listener(told)

@@ -269,6 +269,12 @@ class MicroBatchEngine:
         return self._loop.exchange
 
     @property
+    def step_tokens(self) -> float | None:
+        """The last optimizer step's tokens on all ranks, where its batches are shared by tokens (``None``: they are
+        not, or no step finished yet)."""
+        return self._loop.shares.last_total
+
+    @property
     def step_hook(self) -> OptimizerStepHook | None:
         """The Trainer's optimizer-step hook (``step.py``), attached with the training step."""
         return self._step_hook

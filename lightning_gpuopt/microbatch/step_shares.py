@@ -45,6 +45,10 @@ class StepShares:
         self.kept = 0.0
         self._pending = 0.0
         self._wanted: bool | None = None
+        #: The last finished step's tokens on all ranks (``None``: no step shared by tokens finished yet).
+        self.last_total: float | None = None
+        #: This rank's tokens in the batch counted last.
+        self.mine = 0.0
 
     def wants_decision(self, trainer: Any, batch: Any, several: bool, weighting: Any) -> bool:
         """Whether the loss weighting must be decided on this batch although it runs whole: a first batch holds
@@ -68,7 +72,7 @@ class StepShares:
         """The factor of this rank's loss for ``batch`` (one all-reduce under several ranks; every rank calls it)."""
         if exchange.world_size == 1 and accumulate == 1:
             return 1.0
-        mine = counting.count(batch)
+        mine = self.mine = counting.count(batch)
         total = exchange.total(mine)
         if first_in_window or self.reference is None:
             self.reference, self.kept = total, 0.0
@@ -91,6 +95,7 @@ class StepShares:
         if self.reference is None:
             return
         ratio = accumulate * self.reference / self.kept if self.kept > 0 else 1.0
+        self.last_total = self.kept or None
         self.reference, self.kept = None, 0.0
         if ratio == 1.0:
             return

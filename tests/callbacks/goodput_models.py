@@ -47,6 +47,28 @@ def quadratic_loader(b_simple: float, *, d: int = 64, batch_size: int = 64, step
     return DataLoader(TensorDataset(x), batch_size=batch_size)
 
 
+class TokenQuadratic(Quadratic):
+    """The quadratic per token: a sample is a padded sequence of ``x`` vectors, the loss the mean over the batch's
+    real tokens (labels -100 on the padding), so ``B_simple`` is ``b_simple`` tokens."""
+
+    def training_step(self, batch, batch_idx):
+        real = batch["labels"] != -100
+        per_token = 0.5 * (self.theta - batch["x"]).square().sum(dim=2)
+        return per_token[real].sum() / real.sum()
+
+
+def token_quadratic_loader(
+    b_simple: float, *, d: int = 64, batch_size: int = 16, steps: int = 600, length: int = 16
+):
+    generator = torch.Generator().manual_seed(0)
+    n = steps * batch_size
+    x = torch.randn(n, length, d, generator=generator, dtype=torch.float64) * (b_simple / d) ** 0.5
+    lengths = torch.randint(1, length + 1, (n,), generator=generator)
+    labels = torch.where(torch.arange(length)[None, :] < lengths[:, None], 1, -100)
+    samples = [{"x": x[i], "labels": labels[i]} for i in range(n)]
+    return DataLoader(samples, batch_size=batch_size)
+
+
 def synthetic_measurements(
     b_simple: float, count: int, *, batch: int = 64, d: int = 64, seed: int = 0
 ) -> list[tuple[float, float]]:

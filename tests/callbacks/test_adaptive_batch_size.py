@@ -200,3 +200,31 @@ def test_says_why_the_batch_did_not_grow(caplog, case, b_simple, steps, noise_kw
         "nothing_measured": r"no noise scale was measured \(GradientNoiseScale's line says why\)$",
     }[case]
     assert re.search(expected, line), line
+
+
+def test_on_token_batches_the_batch_grows_in_tokens_towards_the_noise_scale():
+    """A token-mean loss over batches of about 136 real tokens (16 samples of 1 to 16), accumulation 2: the noise
+    scale is counted in tokens (4,096), so the batch grows towards a quarter of its lower bound in tokens, not in
+    samples (counted in samples, 16 a batch, it would grow to 64 batches a step)."""
+    from lightning_gpuopt import OOMRecovery
+    from tests.callbacks.goodput_models import TokenQuadratic, token_quadratic_loader
+
+    grow = AdaptiveBatchSize(interval=10)
+    noise = GradientNoiseScale(every=1, split_every=1, min_measurements=5, trust=0.5)
+    trainer = pl.Trainer(
+        max_steps=200,
+        precision="64-true",
+        accumulate_grad_batches=2,
+        callbacks=[OOMRecovery(loss_reduction="tokens", verbose=False), noise, grow],
+        **TRAINER_QUIET,
+    )
+    trainer.fit(TokenQuadratic(lr=1e-3), token_quadratic_loader(4096, steps=1200))
+    assert noise.unit == "tokens" and grow.changes
+    per_batch = grow.changes[-1][2] / grow.changes[-1][3]
+    assert 120 <= per_batch <= 150  # about 136 real tokens a batch
+    bound = noise.lower_bound()
+    assert grow.accumulate * per_batch <= 0.25 * bound * 2  # within a factor of the target, in tokens
+    assert grow.accumulate <= 16
+    (first, *_) = [d.message for d in decisions(trainer) if d.kind == "batch size"]
+    assert " tokens (accumulation 2 -> 4)" in first and "noise scale" in first and " tokens, target" in first
+    assert " tokens in " in grow.summary() or " tokens: " in grow.summary()

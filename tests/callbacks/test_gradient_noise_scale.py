@@ -19,8 +19,10 @@ from lightning_gpuopt.microbatch import MicroBatchEngine
 from tests.callbacks.goodput_models import (
     DroppedQuadratic,
     Quadratic,
+    TokenQuadratic,
     quadratic_loader,
     synthetic_measurements,
+    token_quadratic_loader,
 )
 from tests.helpers import TRAINER_QUIET, run_ranks
 
@@ -363,3 +365,19 @@ def test_no_spread_needs_one_measurement():
     for _ in range(3):
         ema.update(1.0, 100.0)
     assert ema.relative_error == 0.0 and ema.needed == 1.0
+
+
+def test_on_a_token_mean_loss_shared_by_tokens_the_noise_scale_is_in_tokens(caplog):
+    """Accumulation 2 over batches of different token counts, a token-mean loss: the step is shared by tokens, and
+    the noise scale is measured and said in tokens (64 tokens here; counted in samples it would be about 8 times
+    smaller), the optimizer batch being the step's real tokens."""
+    noise = GradientNoiseScale(split=False)
+    oom = OOMRecovery(loss_reduction="tokens", verbose=False)
+    loader = token_quadratic_loader(64)
+    trainer = _fit(TokenQuadratic(), loader, [oom, noise], steps=300, accumulate_grad_batches=2)
+    assert noise.unit == "tokens"
+    assert noise.estimate is not None and abs(noise.estimate / 64 - 1) <= 0.25, noise.estimate
+    tokens = [int((b["labels"] != -100).sum()) for b in loader]
+    steps = {tokens[2 * s] + tokens[2 * s + 1] for s in range(trainer.global_step)}
+    assert noise.state_dict()["batch"] in steps  # a measured step's real tokens (its two batches')
+    assert " tokens after " in noise.summary() and "tokens" in noise.summary().split("optimizer batch is")[1]
