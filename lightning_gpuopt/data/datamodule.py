@@ -240,6 +240,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         self.long_samples = long_samples
         self._train_sampler: ResumableSampler | None = None
         self._resume_from: dict[str, Any] | None = None
+        #: A training IterableDataset with no state of its own: its batch size and world size (else ``None``).
+        self._stream: dict[str, Any] | None = None
+        #: Such a stream's place in the checkpoint a resume loaded.
+        self._stream_resumed: dict[str, Any] | None = None
         self._loader_batch_size = batch_size
         self._datasets: dict[str, Dataset] = {}
         self._announced: set[str] = set()
@@ -424,6 +428,12 @@ class GPUOptDataModule(pl.LightningDataModule):
             pin_memory=self.resolved_pin_memory(),
             collate_fn=self.collate_fn(),
         )
+        if (
+            train
+            and isinstance(dataset, IterableDataset)
+            and not callable(getattr(dataset, "state_dict", None))
+        ):
+            self._say_stream_restarts(dataset, kwargs["batch_size"])
         if train and self.max_tokens is not None:
             dataset, kwargs = self._token_train(dataset, kwargs)
         elif train and self.resumable and not isinstance(dataset, IterableDataset):
@@ -452,6 +462,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         loader has read: workers, Lightning and device prefetch read ahead of the step.
         """
         sampler = self._train_sampler
+        if self._stream is not None:  # a stream with no state: where it was, to say what a resume repeats
+            loop = getattr(self.trainer, "fit_loop", None)
+            ended = loop is not None and bool(loop.epoch_loop.batch_progress.is_last_batch)
+            return {"stream": {**self._stream, "batches": 0 if ended else self._consumed()[1]}}
         if sampler is None or not self.resumable:
             return {}
         trainer = self.trainer
@@ -480,8 +494,44 @@ class GPUOptDataModule(pl.LightningDataModule):
         """Resume the training loader where :meth:`state_dict` says (applied when the training loader is built)."""
         state = state_dict.get("train_loader")
         self._resume_from = dict(state) if state else None
+        self._stream_resumed = dict(state_dict.get("stream") or {}) or None
         if self._resume_from and self._train_sampler is not None:
             self._apply_resume(self._train_sampler)
+
+    def _consumed(self) -> tuple[int, int]:
+        """(epoch, training batches whose step ran in it) as the fit loop counts them."""
+        loop = getattr(self.trainer, "fit_loop", None)
+        if loop is None:
+            return 0, 0
+        return int(loop.epoch_progress.current.processed), int(
+            loop.epoch_loop.batch_progress.current.processed
+        )
+
+    def _say_stream_restarts(self, dataset: IterableDataset, batch_size: int) -> None:
+        """A training stream the pack cannot resume: say once what a mid-epoch resume does, and on such a resume,
+        how many samples it repeats."""
+        world = int(getattr(self.trainer, "world_size", 1) or 1)
+        self._stream = {"batch_size": int(batch_size), "world_size": world}
+        name = type(dataset).__name__
+        resumed, self._stream_resumed = self._stream_resumed, None
+        if resumed and int(resumed.get("batches", 0)) > 0:
+            batches = int(resumed["batches"])
+            samples = (
+                batches * int(resumed.get("batch_size", batch_size)) * int(resumed.get("world_size", world))
+            )
+            rank_zero_info(
+                f"GPUOptDataModule: resuming after {batches} training batch(es) of an epoch of {name}, an "
+                f"IterableDataset with no state of its own: the epoch starts again from its beginning, and the "
+                f"{samples} sample(s) of those batches are trained on twice."
+            )
+            return
+        self._announce(
+            "stream",
+            f"GPUOptDataModule: the training dataset {name} is an IterableDataset with no state of its own: a resume "
+            "from a checkpoint taken mid-epoch starts that epoch again from its beginning (the samples read before it "
+            "are trained on twice). Give it state_dict()/load_state_dict(), or use a map-style dataset (resumed "
+            "exactly).",
+        )
 
     def _resumable_train(self, dataset: Dataset, kwargs: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
         trainer = self.trainer
