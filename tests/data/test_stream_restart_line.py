@@ -62,7 +62,9 @@ def test_a_stream_without_state_says_what_a_resume_repeats_and_the_figure_is_rig
     trainer = pl.Trainer(max_steps=20, callbacks=[saves], **{**TRAINER_QUIET, "enable_checkpointing": True})
     trainer.fit(first, Stream(workers))
     (setup,) = _lines(caplog)
-    assert setup.startswith("GPUOptDataModule: the training dataset Shards is an IterableDataset with no state")
+    assert setup.startswith(
+        "GPUOptDataModule: the training dataset Shards is an IterableDataset with no state"
+    )
     assert "starts that epoch again from its beginning" in setup and "\n" not in setup
     caplog.clear()
     resumed = Ids()
