@@ -53,6 +53,9 @@ from lightning_gpuopt.microbatch.replay import HostRandom, PartRun, RandomDraws
 
 __all__ = ["CheckSite", "LossReduction", "LossWeighting", "OnMismatch", "quiet_forward"]
 
+#: Batches that run whole on which an undecided check runs at most (see ``LossWeighting.weights``).
+_WHOLE_CHECKS = 16
+
 #: What ``OOMRecovery(loss_reduction=...)`` accepts.
 LossReduction = Literal["auto", "mean", "tokens", "sum"]
 #: What ``OOMRecovery(on_mismatch=...)`` accepts.
@@ -237,6 +240,9 @@ class LossWeighting:
         #: The candidates the check's samples could not tell apart (equal lengths): used while later batches
         #: weight their micro-batches alike too; the check runs again at the first split of one that does not.
         self._alike: list[Candidate] = []
+        #: Batches that run whole still checked while undecided (a tie or equal counts decide nothing there): a
+        #: model whose tokens cost alike, or data whose samples hold as many tokens, is not checked at every step.
+        self._whole_checks_left = _WHOLE_CHECKS
 
     def _given(self) -> Candidate | None:
         if self.weight_fn is not None:
@@ -273,8 +279,10 @@ class LossWeighting:
         decision made so far, or the fallback (HF head, else samples). ``decide_whole``: a batch that runs whole
         is checked too (the optimizer step's shares of ranks and accumulated batches need the decision).
         """
-        if len(chunks) == 1 and not decide_whole:
+        if len(chunks) == 1 and (not decide_whole or self._whole_checks_left <= 0):
             return [1.0]
+        if len(chunks) == 1:
+            self._whole_checks_left -= 1  # the same count on every rank: every rank asks at every batch
         if not self._checked and self.check and run_piece is not None:
             source = 0
             if self._alike and len(chunks) > 1:

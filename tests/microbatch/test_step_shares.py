@@ -211,3 +211,26 @@ def test_the_validation_loss_is_the_mean_over_the_epochs_tokens():
     assert logged == pytest.approx(expected, rel=1e-12)
     logged, expected = validate([])
     assert abs(logged - expected) > 1e-6
+
+
+class CountingLM(HandWrittenLM):
+    def __init__(self) -> None:
+        super().__init__("token-mean")
+        self.small_calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.small_calls += len(batch["labels"]) < BATCH  # the check's pieces of 2 and 1 samples
+        return super().training_step(batch, batch_idx)
+
+
+def test_data_whose_samples_hold_as_many_tokens_is_not_checked_at_every_step():
+    """Full-length samples (no padding): tokens and samples weigh every batch alike, so the check can never decide
+    on a whole batch; it stops asking after 16 batches instead of running at every step."""
+    data = PaddedTokens(n=80 * BATCH)
+    data.labels = data.ids.clone()  # every token real
+    model = CountingLM()
+    trainer = pl.Trainer(
+        max_steps=40, accumulate_grad_batches=2, callbacks=[OOMRecovery(verbose=False)], **TRAINER_QUIET
+    )
+    trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False))
+    assert 0 < model.small_calls <= 16 * 3
