@@ -240,8 +240,6 @@ class GPUOptDataModule(pl.LightningDataModule):
         self.long_samples = long_samples
         self._train_sampler: ResumableSampler | None = None
         self._resume_from: dict[str, Any] | None = None
-        #: The resumed epoch, its samples consumed before this run, and the fit loop's batch count then.
-        self._consumed_from = (-1, 0, 0)
         #: A training IterableDataset with no state of its own: its batch size and world size (else ``None``).
         self._stream: dict[str, Any] | None = None
         #: Such a stream's place in the checkpoint a resume loaded.
@@ -477,17 +475,11 @@ class GPUOptDataModule(pl.LightningDataModule):
             consumed = int(loop.epoch_loop.batch_progress.current.processed)
             if consumed >= trainer.num_training_batches:  # the epoch is over: a resume starts the next one
                 epoch, consumed = epoch + 1, 0
-        if isinstance(sampler, TokenBatchSampler):
-            size: dict[str, int] = {"max_tokens": sampler.max_tokens}
-        else:
-            # Samples of the epoch's order consumed on all ranks: those before a resume, and this run's batches since.
-            resumed_epoch, base, base_batches = self._consumed_from
-            if resumed_epoch != epoch:
-                base, base_batches = 0, 0
-            samples = base + (consumed - base_batches) * int(self._loader_batch_size) * int(
-                sampler.num_replicas
-            )
-            size = {"batch_size": int(self._loader_batch_size), "samples": samples if consumed else 0}
+        size = (
+            {"max_tokens": sampler.max_tokens}
+            if isinstance(sampler, TokenBatchSampler)
+            else {"batch_size": int(self._loader_batch_size)}
+        )
         return {
             "train_loader": {
                 "epoch": epoch,
@@ -624,16 +616,15 @@ class GPUOptDataModule(pl.LightningDataModule):
     def _apply_resume(self, sampler: ResumableSampler) -> None:
         resume = self._resume_from or {}
         world = int(resume.get("world_size", sampler.num_replicas))
-        tokens = sampler.max_tokens if isinstance(sampler, TokenBatchSampler) else None
-        if world != sampler.num_replicas and tokens is not None:
+        if world != sampler.num_replicas:
             rank_zero_info(
                 f"GPUOptDataModule: the checkpoint was written by {world} rank(s), this run has {sampler.num_replicas}; "
-                "the interrupted epoch of token batches restarts from its beginning on every rank (the ranks' batches "
-                "are formed for their number)."
+                "the interrupted epoch restarts from its beginning on every rank (shards differ)."
             )
             sampler.set_epoch(int(resume.get("epoch", 0)))
             return
         epoch = int(resume.get("epoch", 0))
+        tokens = sampler.max_tokens if isinstance(sampler, TokenBatchSampler) else None
         if resume.get("max_tokens") != tokens:
             rank_zero_info(
                 f"GPUOptDataModule: the checkpoint's batches held max_tokens={resume.get('max_tokens')}, this run's "
@@ -641,33 +632,12 @@ class GPUOptDataModule(pl.LightningDataModule):
             )
             sampler.set_epoch(epoch)
             return
-        batches = int(resume.get("batches", 0))
-        if tokens is not None:  # batches of a token sampler
-            if batches >= len(sampler):  # an epoch-end checkpoint whose state does not say the epoch is over
-                epoch, batches = epoch + 1, 0
-            sampler.set_epoch(epoch)
-            sampler.skip(epoch, batches)
-            return
-        # Samples of the epoch's order consumed on all the checkpoint's ranks (one window of it, whatever the ranks).
-        consumed = int(
-            resume.get("samples", batches * int(resume.get("batch_size", self.batch_size)) * world)
+        # Items consumed: batches of a token sampler, samples of a plain one.
+        consumed = int(resume.get("batches", 0)) * (
+            1 if tokens else int(resume.get("batch_size", self.batch_size))
         )
-        if consumed >= len(sampler.dataset):  # type: ignore[arg-type]  # an epoch-end checkpoint
+        if consumed >= len(sampler):  # an epoch-end checkpoint whose state does not say the epoch is over
             epoch, consumed = epoch + 1, 0
-        self._consumed_from = (epoch, consumed, batches)
-        if world != sampler.num_replicas:
-            now = sampler.num_replicas
-            where = (
-                f"the interrupted epoch goes on past the {consumed} sample(s) it consumed"
-                if consumed
-                else f"epoch {epoch} starts"
-            )
-            rank_zero_info(
-                f"GPUOptDataModule: the checkpoint was written by {world} rank(s), this run has {now}; {where}, dealt "
-                f"over {now} rank(s). The optimizer batch is {self._loader_batch_size * now} sample(s) x "
-                f"accumulate_grad_batches (was {int(resume.get('batch_size', self.batch_size)) * world} x it): set "
-                "batch_size to keep it."
-            )
         sampler.set_epoch(epoch)
         sampler.skip(epoch, consumed)
 

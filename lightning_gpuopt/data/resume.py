@@ -19,7 +19,6 @@ The pieces:
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterator, Sized
 from typing import Any
@@ -82,11 +81,6 @@ class ResumableSampler(DistributedSampler):
     index order without ``shuffle``), padded to a multiple of ``num_replicas`` and dealt round-robin to
     the ranks. Items are ``(epoch, index)`` pairs for :class:`SeededSamples`.
 
-    Dealt round-robin, the ranks' ``b``-th batches together are one window of that order, whatever the number of
-    ranks: a resumed epoch starts past the first ``samples`` of the order (:meth:`skip`, counted on all the ranks
-    that consumed them) and deals the rest over this run's ranks, so a run resumed on another number of ranks sees
-    every sample of the epoch once (the rest padded to a multiple of the ranks, as ``DistributedSampler`` pads).
-
     Args:
         dataset: the map-style dataset.
         num_replicas: ranks sharing the dataset (1 in a single process).
@@ -123,36 +117,17 @@ class ResumableSampler(DistributedSampler):
         self._skip_samples = 0
 
     def skip(self, epoch: int, samples: int) -> None:
-        """Start ``epoch`` past the first ``samples`` samples of its order: those a resumed run consumed, on all its
-        ranks."""
+        """Start ``epoch`` past its first ``samples`` samples of this rank (those a resumed run consumed)."""
         if samples < 0:
             raise ValueError(f"`samples` must be >= 0, got {samples}")
         self._skip_epoch, self._skip_samples = epoch, samples
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         epoch = self.epoch
-        if self._skip_epoch != epoch or not self._skip_samples:
-            return iter([(epoch, int(i)) for i in super().__iter__()])
-        order = self._order()
-        rest = order[self._skip_samples :]
-        world = self.num_replicas
-        if len(rest) % world:  # consumed on another number of ranks: pad as DistributedSampler does
-            rest += (order * math.ceil(world / max(1, len(order))))[: world - len(rest) % world]
-        return iter([(epoch, int(i)) for i in rest[self.rank :: world]])
-
-    def _order(self) -> list[int]:
-        """The epoch's order before it is dealt: the permutation (or index order), padded or cut to
-        ``total_size`` (``DistributedSampler``'s)."""
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=generator).tolist()
-        else:
-            order = list(range(n))
-        if self.drop_last:
-            return order[: self.total_size]
-        return (order * math.ceil(self.total_size / max(1, n)))[: self.total_size]
+        indices = list(super().__iter__())
+        if self._skip_epoch == epoch:
+            indices = indices[self._skip_samples :]
+        return iter([(epoch, int(i)) for i in indices])
 
     def set_epoch(self, epoch: int) -> None:
         if self._skip_epoch is not None and epoch != self._skip_epoch:
