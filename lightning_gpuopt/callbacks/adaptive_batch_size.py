@@ -46,7 +46,8 @@ class AdaptiveBatchSize(Callback):
     why not further. Long form: docs/batch-size.md.
 
     Args:
-        max_batch: the largest optimizer batch in samples (``None``: 64 times the user's).
+        max_batch: the largest optimizer batch in samples (``None``: 64 times the user's); in tokens where
+            GradientNoiseScale counts tokens (a token-mean loss shared by tokens), as ``min_batch``.
         min_batch: the smallest optimizer batch (``None``: the user's, batch_size x accumulate_grad_batches x
             world size).
         target_fraction: the target batch as a fraction of B_simple (default 0.25; B_simple overestimates the

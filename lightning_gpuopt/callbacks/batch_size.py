@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-from torch.utils.data import default_collate
+from torch.utils.data import IterableDataset, default_collate
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt._metrics import log_metrics
@@ -413,8 +413,10 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             or run is None
         ):
             return
-        probe = get_probe(trainer.strategy.root_device)
         loader = datamodule.val_dataloader()
+        if isinstance(loader.dataset, IterableDataset) or not hasattr(loader.dataset, "__len__"):
+            return  # a stream: no first n samples to measure on (its batches run at the loader's batch size)
+        probe = get_probe(trainer.strategy.root_device)
         optimizer = trainer.optimizers[0]
         missing_grads = sum(
             local_bytes(p) for g in optimizer.param_groups for p in g["params"] if p.grad is None

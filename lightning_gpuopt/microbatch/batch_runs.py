@@ -275,17 +275,23 @@ class TrainingBatch:
         steps.phase = "forward"
         shares = self.shares
         several = self.exchange.world_size > 1 or self.accumulate > 1
+        # Asked of the first batch on every rank (one collective), whatever is decided already (a resumed run too).
+        wanted = shares is not None and shares.wants_decision(
+            steps.trainer, self.batch, several, self.weighting
+        )
         weights = self.weighting.weights(
             chunks,
             steps.site(self.exchange),
             lambda piece: step(piece, *self.rest, **self.kwargs),
             self.batch,
-            decide_whole=shares is not None
-            and self.weighting.undecided
-            and shares.wants_decision(steps.trainer, self.batch, several, self.weighting),
+            # Only while every rank runs its batch whole (the engine's k is 1): the ranks then take one branch.
+            decide_whole=wanted and self.start_k == 1 and self.weighting.undecided,
         )
         counting = self.weighting.counting if shares is not None else None
-        self.counted = counting is not None and several
+        # From a window's first batch on: a decision in the middle of a window shares from the next window.
+        self.counted = (
+            counting is not None and several and (self.first_in_window or shares.reference is not None)
+        )
         share = (
             shares.factor(counting, self.batch, self.exchange, self.first_in_window, self.accumulate)
             if self.counted

@@ -117,3 +117,20 @@ def test_an_explicit_eval_batch_size_is_kept(eval_batch_size):
     assert data.eval_batch_size == eval_batch_size and search.eval_batch_size is None
     assert set(model.val_sizes) == {eval_batch_size}
     assert not [d for d in decisions(trainer) if d.kind == "eval batch size"]
+
+
+class StreamedValidation(Data):
+    def val_dataset(self):
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return (Sequences(96)[i] for i in range(96))
+
+        return Stream()
+
+
+def test_a_streamed_validation_set_is_not_sized_and_runs_at_the_loaders_batch_size():
+    search, data = MemoryAwareBatchSize(verbose=False), StreamedValidation()
+    model, _, trainer = _fit(search, data)
+    assert data.eval_batch_size is None and search.eval_batch_size is None
+    assert set(model.val_sizes) == {32}
+    assert not [d for d in decisions(trainer) if d.kind == "eval batch size"]
