@@ -461,20 +461,18 @@ class GPUOptDataModule(pl.LightningDataModule):
         Batches consumed are the Trainer's count of batches whose training step ran, not the batches the
         loader has read: workers, Lightning and device prefetch read ahead of the step.
         """
-        sampler = self._train_sampler
+        sampler, trainer = self._train_sampler, self.trainer
+        loop = getattr(trainer, "fit_loop", None)
+        progress = loop.epoch_loop.batch_progress if loop is not None else None
+        consumed = int(progress.current.processed) if progress is not None else 0
         if self._stream is not None:  # a stream with no state: where it was, to say what a resume repeats
-            loop = getattr(self.trainer, "fit_loop", None)
-            ended = loop is not None and bool(loop.epoch_loop.batch_progress.is_last_batch)
-            return {"stream": {**self._stream, "batches": 0 if ended else self._consumed()[1]}}
+            ended = progress is not None and bool(progress.is_last_batch)
+            return {"stream": {**self._stream, "batches": 0 if ended else consumed}}
         if sampler is None or not self.resumable:
             return {}
-        trainer = self.trainer
-        loop = getattr(trainer, "fit_loop", None)
-        epoch, consumed = int(sampler.epoch), 0
-        if loop is not None:
-            consumed = int(loop.epoch_loop.batch_progress.current.processed)
-            if consumed >= trainer.num_training_batches:  # the epoch is over: a resume starts the next one
-                epoch, consumed = epoch + 1, 0
+        epoch = int(sampler.epoch)
+        if loop is not None and consumed >= trainer.num_training_batches:  # the epoch is over: the next one
+            epoch, consumed = epoch + 1, 0
         size = (
             {"max_tokens": sampler.max_tokens}
             if isinstance(sampler, TokenBatchSampler)
@@ -497,15 +495,6 @@ class GPUOptDataModule(pl.LightningDataModule):
         self._stream_resumed = dict(state_dict.get("stream") or {}) or None
         if self._resume_from and self._train_sampler is not None:
             self._apply_resume(self._train_sampler)
-
-    def _consumed(self) -> tuple[int, int]:
-        """(epoch, training batches whose step ran in it) as the fit loop counts them."""
-        loop = getattr(self.trainer, "fit_loop", None)
-        if loop is None:
-            return 0, 0
-        return int(loop.epoch_progress.current.processed), int(
-            loop.epoch_loop.batch_progress.current.processed
-        )
 
     def _say_stream_restarts(self, dataset: IterableDataset, batch_size: int) -> None:
         """A training stream the pack cannot resume: say once what a mid-epoch resume does, and on such a resume,

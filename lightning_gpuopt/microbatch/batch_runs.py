@@ -293,9 +293,7 @@ class TrainingBatch:
             counting is not None and several and (self.first_in_window or shares.reference is not None)
         )
         share = (
-            shares.factor(counting, self.batch, self.exchange, self.first_in_window, self.accumulate)
-            if self.counted
-            else 1.0
+            shares.factor(counting, self.batch, self.exchange, self.first_in_window) if self.counted else 1.0
         )
         scaler = getattr(steps.trainer.precision_plugin, "scaler", None)
         listeners = self.listeners

@@ -66,12 +66,8 @@ class StepShares:
         across the run's steps, and its evaluation losses averaged by tokens from the first decision on)."""
         return bool(self._wanted)
 
-    def factor(
-        self, counting: Candidate, batch: Any, exchange: _Totals, first_in_window: bool, accumulate: int
-    ) -> float:
+    def factor(self, counting: Candidate, batch: Any, exchange: _Totals, first_in_window: bool) -> float:
         """The factor of this rank's loss for ``batch`` (one all-reduce under several ranks; every rank calls it)."""
-        if exchange.world_size == 1 and accumulate == 1:
-            return 1.0
         mine = self.mine = counting.count(batch)
         total = exchange.total(mine)
         if first_in_window or self.reference is None:

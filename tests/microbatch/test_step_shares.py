@@ -142,7 +142,7 @@ def test_the_shares_sum_to_the_union_mean(counts, world):
         row = row[:world]
         for r in range(world):
             batch = {"labels": torch.ones(1, row[r], dtype=torch.long)}
-            factor = per_rank[r].factor(tokens, batch, _Ranks(world, row), b == 0, accumulate)
+            factor = per_rank[r].factor(tokens, batch, _Ranks(world, row), b == 0)
             per_rank[r].keep()
             effective[b][r] = (
                 factor / accumulate / world
