@@ -411,7 +411,7 @@ def _seen(checkpoint: dict[str, Any], datamodule: Any) -> str:
             batches = int(loader["batches"]) * int(loader.get("world_size", 1))
             if "max_tokens" in loader:  # batches by tokens: their sizes vary
                 return f"{batches if same_epoch else 0} batches of the epoch already seen"
-            samples = batches * int(loader.get("batch_size", 1))
+            samples = int(loader.get("samples", batches * int(loader.get("batch_size", 1))))
             return f"{samples if same_epoch else 0} samples of the epoch already seen"
     batches = (
         checkpoint.get("loops", {})

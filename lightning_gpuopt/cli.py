@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -282,6 +282,14 @@ class GPUOptCLI(LightningCLI):
             "--ckpt_path auto (the default) resume this run's last checkpoint.",
         )
         parser.add_argument(
+            "--gpuopt.elastic",
+            type=Literal["keep_optimizer_batch", "keep_per_rank"],
+            default="keep_optimizer_batch",
+            help="With --gpuopt.resume, resuming on another number of GPUs: keep the optimizer batch (the data's "
+            "batch_size per rank becomes the checkpoint's ranks x batch_size over this run's ranks) or keep batch_size "
+            "per rank (the optimizer batch changes).",
+        )
+        parser.add_argument(
             "--gpuopt.checkpoint_minutes",
             type=float,
             default=15.0,
@@ -378,7 +386,9 @@ class GPUOptCLI(LightningCLI):
 
     def _add_resume(self, trainer: Trainer) -> None:
         if not any(isinstance(cb, ExactResume) for cb in trainer.callbacks):
-            trainer.callbacks.append(ExactResume())
+            trainer.callbacks.append(
+                ExactResume(elastic=self._gpuopt_option("elastic") or "keep_optimizer_batch")
+            )
         if trainer.checkpoint_callback is None or any(
             isinstance(cb, StepBoundaryCheckpoint) for cb in trainer.callbacks
         ):

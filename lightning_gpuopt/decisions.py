@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Decision", "decisions", "record_decision"]
+__all__ = ["Decision", "decisions", "note_resume_policy", "record_decision", "resume_policies"]
 
 _LOG_ATTR = "_gpuopt_decisions"
+_POLICIES_ATTR = "_gpuopt_resume_policies"
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,26 @@ def record_decision(trainer: Any, kind: str, source: str, message: str, **data: 
 def decisions(trainer: Any) -> list[Decision]:
     """Every decision recorded on this Trainer, in order."""
     return list(getattr(trainer, _LOG_ATTR, []))
+
+
+def note_resume_policy(trainer: Any, state: str, policy: str) -> None:
+    """Say what a resume of this Trainer's run did with one piece of state (``"rng"``, ``"data"``, ...): the
+    report's entry for the resume lists them.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> trainer = SimpleNamespace()
+        >>> note_resume_policy(trainer, "rng", "restored, each rank's")
+        >>> resume_policies(trainer)
+        {'rng': "restored, each rank's"}
+    """
+    policies = getattr(trainer, _POLICIES_ATTR, None)
+    if policies is None:
+        policies = {}
+        setattr(trainer, _POLICIES_ATTR, policies)
+    policies[state] = policy
+
+
+def resume_policies(trainer: Any) -> dict[str, str]:
+    """What the resume of this Trainer's run did with each piece of state, as :func:`note_resume_policy` said."""
+    return dict(getattr(trainer, _POLICIES_ATTR, {}))

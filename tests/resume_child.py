@@ -6,7 +6,7 @@ GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt``
     python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--persistent] [--kill-batch N]
         [--crash-batch N] [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H]
         [--batch-size B] [--length L] [--epochs E] [--val] [--val-every N] [--onecycle] [--epoch-schedule] [--adaptive]
-        [--record-epochs] [--resume]
+        [--record-epochs] [--no-dropout] [--elastic keep_optimizer_batch|keep_per_rank] [--report] [--resume]
 
 ``--kill-batch N`` SIGKILLs the process at the end of training batch N (counted over the whole run, before
 that batch's checkpoint); ``--crash-batch N`` raises :class:`Crash` there instead, which an in-process caller
@@ -32,7 +32,14 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from lightning_gpuopt import AdaptiveBatchSize, ExactResume, GPUOptDataModule, GradientNoiseScale, OOMRecovery
+from lightning_gpuopt import (
+    AdaptiveBatchSize,
+    ExactResume,
+    GPUOptDataModule,
+    GPUOptReport,
+    GradientNoiseScale,
+    OOMRecovery,
+)
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
 from lightning_gpuopt.decisions import decisions
 
@@ -78,13 +85,15 @@ class DataWithValidation(Data):
 
 
 class DropoutRegressor(pl.LightningModule):
-    def __init__(self, hidden: int = 32, onecycle: bool = False, epoch_schedule: bool = False) -> None:
+    def __init__(
+        self, hidden: int = 32, onecycle: bool = False, epoch_schedule: bool = False, dropout: float = 0.3
+    ) -> None:
         super().__init__()
         self.onecycle, self.epoch_schedule = onecycle, epoch_schedule
         # float64 from the start: Lightning loads a checkpoint's weights before 64-true converts the module,
         # so a float32 module would round the float64 weights it resumes from.
         self.net = nn.Sequential(
-            nn.Linear(DIM, hidden), nn.Tanh(), nn.Dropout(0.3), nn.Linear(hidden, 1)
+            nn.Linear(DIM, hidden), nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, 1)
         ).double()
 
     def training_step(self, batch, batch_idx):
@@ -210,12 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epoch-schedule", action="store_true")
     parser.add_argument("--record-epochs", action="store_true")
     parser.add_argument("--adaptive", action="store_true")
+    parser.add_argument("--no-dropout", action="store_true")
+    parser.add_argument("--elastic", default="keep_optimizer_batch")
+    parser.add_argument("--report", action="store_true")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
     os.makedirs(args.root, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     callbacks = [
-        ExactResume(),
+        ExactResume(elastic=args.elastic),
         Recorder(args.root, args.record_epochs),
         Fault(args.kill_batch, args.term_batch, args.term_ranks, args.crash_batch),
         StepBoundaryCheckpoint(
@@ -227,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
             GradientNoiseScale(every=1, min_measurements=2),
             AdaptiveBatchSize(interval=1, min_batch=32, max_batch=32),
         ]
+    if args.report:
+        callbacks.append(GPUOptReport(dirpath=args.root, plot=False, table=False))
     if args.oom_limit is not None:
         callbacks += [OOMRecovery(), MemoryLimit(args.root, args.oom_limit, args.oom_from)]
     trainer = pl.Trainer(
@@ -245,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     validation = args.val or args.val_every is not None
     model = (ValidatedRegressor if validation else DropoutRegressor)(
-        args.hidden, args.onecycle, args.epoch_schedule
+        args.hidden, args.onecycle, args.epoch_schedule, 0.0 if args.no_dropout else 0.3
     )
     data = (DataWithValidation if validation else Data)(
         length=args.length,

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -18,12 +18,15 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt import _compat
-from lightning_gpuopt.data.resume import capture_rng, restore_rng
-from lightning_gpuopt.decisions import record_decision
+from lightning_gpuopt._validate import choice
+from lightning_gpuopt.data import GPUOptDataModule
+from lightning_gpuopt.data.resume import capture_rng, derive_rng, restore_rng
+from lightning_gpuopt.decisions import note_resume_policy, record_decision
 
 __all__ = ["ExactResume", "StepBoundaryCheckpoint", "at_optimizer_step_boundary", "slurm_requeue_command"]
 
 _SIGNALS = ("SIGTERM", "SIGUSR1")
+Elastic = Literal["keep_optimizer_batch", "keep_per_rank"]
 
 
 def at_optimizer_step_boundary(batch_idx: int, accumulate_grad_batches: int, is_last_batch: bool) -> bool:
@@ -111,21 +114,34 @@ class ExactResume(Callback):
     first training batch. ``signals`` (default ``SIGTERM`` and ``SIGUSR1``, also SLURM's requeue signal) stop
     every rank together at the next optimizer-step boundary with ``last.ckpt`` written (exit status 0).
     Resuming from a checkpoint not written at such a boundary of a run without an exception raises a clear
-    error. The long form: docs/resume.md.
+    error.
+
+    A checkpoint resumes on another number of ranks too: the epoch goes on past the samples it consumed, dealt
+    over the new ranks, and each rank's RNG streams are derived from (seed, step, rank), so that such a resume is
+    reproducible. The long form: docs/resume.md.
 
     Args:
         signals: names of the signals that ask for a stop (``"SIGTERM"``, ``"SIGUSR1"``, ...); ``()``: none.
         restore_rng: restore the RNG states on resume.
+        elastic: on a resume on another number of ranks, keep the optimizer batch (``"keep_optimizer_batch"``:
+            a :class:`~lightning_gpuopt.GPUOptDataModule`'s per-rank ``batch_size`` becomes the checkpoint's
+            ``ranks x batch_size`` over this run's ranks) or the per-rank ``batch_size`` (``"keep_per_rank"``: the
+            optimizer batch changes with the ranks).
 
     Raises:
-        ValueError: a signal name is not a signal of this platform.
+        ValueError: a signal name is not a signal of this platform, or ``elastic`` is not one of its choices.
 
     Example:
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(callbacks=[ExactResume()], logger=False, enable_progress_bar=False)
     """
 
-    def __init__(self, signals: tuple[str, ...] | list[str] = _SIGNALS, restore_rng: bool = True) -> None:
+    def __init__(
+        self,
+        signals: tuple[str, ...] | list[str] = _SIGNALS,
+        restore_rng: bool = True,
+        elastic: Elastic = "keep_optimizer_batch",
+    ) -> None:
         names = tuple(signals)
         for name in names:
             if not isinstance(name, str) or not isinstance(getattr(signal, name, None), signal.Signals):
@@ -136,6 +152,7 @@ class ExactResume(Callback):
             raise ValueError(f"`restore_rng` must be True or False, got {restore_rng!r}")
         self.signals = names
         self.restore_rng = restore_rng
+        self.elastic = choice("elastic", elastic, Elastic)
         #: The signal that asked this run to stop, if any (its name).
         self.stop_signal: str | None = None
         #: Where the last signal-triggered stop wrote its checkpoint (``None`` before any).
@@ -180,11 +197,23 @@ class ExactResume(Callback):
             )
         wanted = state_dict.get("rng") or state_dict.get("validation_due")
         self._pending = dict(state_dict) if wanted else None
+        trainer = self._trainer
+        if trainer is not None and state_dict.get("rng"):
+            before = len(state_dict["rng"])
+            if not self.restore_rng:
+                policy = "not restored (restore_rng=False)"
+            elif before == trainer.world_size:
+                policy = "restored, each rank's"
+            else:
+                policy = f"re-derived from (seed, step, rank): the checkpoint holds {before} rank(s)' states"
+            note_resume_policy(trainer, "rng", policy)
 
     # ------------------------------------------------------------------ hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if isinstance(trainer.datamodule, GPUOptDataModule):  # it applies the policy when its state is loaded
+            trainer.datamodule.elastic = self.elastic
         self._failed = False
         self._validation_due = False
         self.stop_signal = None
@@ -238,9 +267,11 @@ class ExactResume(Callback):
         states = pending.get("rng") or []
         rank = trainer.global_rank
         if len(states) != trainer.world_size or rank >= len(states):
+            derive_rng(trainer.global_step, rank)
             rank_zero_info(
                 f"ExactResume: the checkpoint holds RNG states of {len(states)} rank(s), this run has "
-                f"{trainer.world_size}; RNG streams are not restored."
+                f"{trainer.world_size}; each rank's RNG streams are derived from (seed, step {trainer.global_step}, "
+                "rank) instead."
             )
             return
         restore_rng(states[rank])

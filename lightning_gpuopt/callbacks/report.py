@@ -22,7 +22,7 @@ from lightning_gpuopt.callbacks.data_stall import DataStallMonitor
 from lightning_gpuopt.callbacks.exact_resume import ExactResume
 from lightning_gpuopt.callbacks.gradient_noise_scale import GradientNoiseScale
 from lightning_gpuopt.callbacks.oom_log import OOMLog, memory_limit, state_tensors
-from lightning_gpuopt.decisions import decisions, record_decision
+from lightning_gpuopt.decisions import decisions, record_decision, resume_policies
 from lightning_gpuopt.memory import forensics, get_probe, is_oom_error
 from lightning_gpuopt.memory.forensics import MemoryHistory
 from lightning_gpuopt.microbatch import MicroBatchEngine
@@ -194,6 +194,7 @@ class GPUOptReport(Callback):
             "decisions": self._earlier_decisions + current,
             "resumes": list(self._resumes),
             "ooms": self._earlier_ooms + ooms,
+            "world_size": int(trainer.world_size) if trainer is not None else 1,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -207,7 +208,21 @@ class GPUOptReport(Callback):
         self._earlier_decisions = list(loaded.get("decisions", []))
         self._earlier_ooms = list(loaded.get("ooms", []))
         self._resumes = list(loaded.get("resumes", []))
-        self._resumes.append({"step": trainer.global_step, "steps_before": len(loaded.get("steps", []))})
+        engine = MicroBatchEngine.get(trainer)
+        self._resumes.append(
+            {
+                "step": trainer.global_step,
+                "steps_before": len(loaded.get("steps", [])),
+                "world_size_before": int(loaded.get("world_size", trainer.world_size)),
+                "world_size": int(trainer.world_size),
+                "k": engine.k if engine is not None else 1,
+                "policies": {
+                    **_standing_policies(trainer),
+                    **resume_policies(trainer),
+                    **getattr(trainer.datamodule, "resume_notes", {}),
+                },
+            }
+        )
         record_decision(
             trainer,
             "resume",
@@ -604,3 +619,21 @@ def _noise_scale(trainer: pl.Trainer) -> float | None:
     """GradientNoiseScale's trusted estimate now (``None`` without one, or until it is trusted)."""
     noise = next((c for c in trainer.callbacks if isinstance(c, GradientNoiseScale)), None)
     return noise.estimate if noise is not None else None
+
+
+def _standing_policies(trainer: pl.Trainer) -> dict[str, str]:
+    """What a resume does with the state whose policy does not depend on the checkpoint (the rest is noted by the
+    callbacks and the datamodule that apply it)."""
+    sharded = "FSDP" in type(trainer.strategy).__name__ or "ModelParallel" in type(trainer.strategy).__name__
+    policies = {
+        "model and optimizer": (
+            f"resharded over {trainer.world_size} rank(s) by torch.distributed.checkpoint"
+            if sharded
+            else "the checkpoint's (every rank held the same)"
+        ),
+    }
+    if MicroBatchEngine.get(trainer) is not None:
+        policies["k"] = "the checkpoint's (agreed across ranks, saved once), then follows this run's memory"
+    if any(isinstance(cb, GradientNoiseScale) for cb in trainer.callbacks):
+        policies["gradient noise scale"] = "the checkpoint's averages (agreed across ranks, saved once)"
+    return policies

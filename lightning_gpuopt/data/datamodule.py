@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from lightning_gpuopt import _compat
 from lightning_gpuopt._validate import choice, positive_int
 from lightning_gpuopt.data.prefetch import (
     BatchTransfer,
@@ -240,6 +241,18 @@ class GPUOptDataModule(pl.LightningDataModule):
         self.long_samples = long_samples
         self._train_sampler: ResumableSampler | None = None
         self._resume_from: dict[str, Any] | None = None
+        #: The seed of the checkpoint a resume loaded (the run's global seed otherwise).
+        self._resume_seed: int | None = None
+        #: The resumed epoch, its samples consumed before this run, and the fit loop's batch count then.
+        self._consumed_from = (-1, 0, 0)
+        #: The resumed epoch's length is not a whole epoch's: the loader is built again for the next one.
+        self._rebuild_after_resume = False
+        #: On a resume on another number of ranks: keep the optimizer batch (``"keep_optimizer_batch"``) or the
+        #: per-rank batch size (``"keep_per_rank"``). ``ExactResume(elastic=...)`` sets it at setup.
+        self.elastic = "keep_optimizer_batch"
+        #: What the last resume did with the data's state (``"data"``, ``"batch_size"``): the report lists it.
+        self.resume_notes: dict[str, str] = {}
+        self._configured_batch_size = batch_size
         #: A training IterableDataset with no state of its own: its batch size and world size (else ``None``).
         self._stream: dict[str, Any] | None = None
         #: Such a stream's place in the checkpoint a resume loaded.
@@ -473,11 +486,21 @@ class GPUOptDataModule(pl.LightningDataModule):
         epoch = int(sampler.epoch)
         if loop is not None and consumed >= trainer.num_training_batches:  # the epoch is over: the next one
             epoch, consumed = epoch + 1, 0
-        size = (
-            {"max_tokens": sampler.max_tokens}
-            if isinstance(sampler, TokenBatchSampler)
-            else {"batch_size": int(self._loader_batch_size)}
-        )
+        if isinstance(sampler, TokenBatchSampler):
+            size: dict[str, int] = {"max_tokens": sampler.max_tokens}
+        else:
+            # Samples of the epoch's order consumed on all ranks: those before a resume, and this run's batches since.
+            resumed_epoch, base, base_batches = self._consumed_from
+            if resumed_epoch != epoch:
+                base, base_batches = 0, 0
+            samples = base + (consumed - base_batches) * int(self._loader_batch_size) * int(
+                sampler.num_replicas
+            )
+            size = {
+                "batch_size": int(self._loader_batch_size),
+                "samples": samples if consumed else 0,
+                "configured_batch_size": int(self._configured_batch_size),
+            }
         return {
             "train_loader": {
                 "epoch": epoch,
@@ -492,9 +515,58 @@ class GPUOptDataModule(pl.LightningDataModule):
         """Resume the training loader where :meth:`state_dict` says (applied when the training loader is built)."""
         state = state_dict.get("train_loader")
         self._resume_from = dict(state) if state else None
+        self._resume_seed = int(state["seed"]) if state and "seed" in state else None
         self._stream_resumed = dict(state_dict.get("stream") or {}) or None
+        if self._resume_from and "batch_size" in self._resume_from:
+            self._keep_optimizer_batch(self._resume_from)
         if self._resume_from and self._train_sampler is not None:
             self._apply_resume(self._train_sampler)
+
+    def _note(self, state: str, policy: str) -> None:
+        self.resume_notes[state] = policy
+
+    def _keep_optimizer_batch(self, resume: dict[str, Any]) -> None:
+        """On a resume on another number of ranks, the per-rank batch size that keeps the checkpoint's optimizer
+        batch (``ranks x batch_size x accumulate_grad_batches``), unless the policy or the user says otherwise."""
+        world = int(getattr(self.trainer, "world_size", 1) or 1)
+        before_world = int(resume.get("world_size", world))
+        if before_world == world:
+            return
+        before = int(resume["batch_size"])
+        was = f"{before_world} rank(s) x batch_size {before}"
+        configured = resume.get("configured_batch_size")
+        if configured is not None and int(configured) != self._configured_batch_size:
+            self._note("batch_size", f"{before} -> {self.batch_size} per rank, given for this run")
+            rank_zero_info(
+                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; batch_size={self.batch_size} "
+                f"given for this run is kept: the optimizer batch is {world * self.batch_size} sample(s) x "
+                f"accumulate_grad_batches (was {before_world * before} x it)."
+            )
+            return
+        if self.elastic == "keep_per_rank":
+            self.batch_size = before
+            self._note("batch_size", f"{before} per rank kept (elastic='keep_per_rank')")
+            rank_zero_info(
+                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; batch_size {before} is kept "
+                f"per rank (elastic='keep_per_rank'): the optimizer batch is {world * before} sample(s) x "
+                f"accumulate_grad_batches (was {before_world * before} x it), so an epoch has other steps than a "
+                "restored schedule counted."
+            )
+            return
+        total = before_world * before
+        if total % world:
+            fits = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
+            raise ValueError(
+                f"GPUOptDataModule: the checkpoint's optimizer batch, {was} = {total} sample(s) x "
+                f"accumulate_grad_batches, does not divide by this run's {world} rank(s): resume on {fits} rank(s), "
+                "or pass ExactResume(elastic='keep_per_rank') to keep batch_size per rank."
+            )
+        self.batch_size = total // world
+        self._note("batch_size", f"{before} -> {self.batch_size} per rank: the optimizer batch kept")
+        rank_zero_info(
+            f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}: batch_size {before} -> "
+            f"{self.batch_size} per rank, keeping the optimizer batch of {total} sample(s) x accumulate_grad_batches."
+        )
 
     def _say_stream_restarts(self, dataset: IterableDataset, batch_size: int) -> None:
         """A training stream the pack cannot resume: say once what a mid-epoch resume does, and on such a resume,
@@ -526,8 +598,7 @@ class GPUOptDataModule(pl.LightningDataModule):
         trainer = self.trainer
         world = int(getattr(trainer, "world_size", 1) or 1)
         rank = int(getattr(trainer, "global_rank", 0) or 0)
-        resume = self._resume_from or {}
-        seed = int(resume.get("seed", _run_seed()))
+        seed = self._seed()
         sampler = ResumableSampler(
             dataset, num_replicas=world, rank=rank, shuffle=bool(kwargs.pop("shuffle")), seed=seed
         )
@@ -553,7 +624,7 @@ class GPUOptDataModule(pl.LightningDataModule):
                 "(one int per sample expected)"
             )
         trainer = self.trainer
-        seed = int((self._resume_from or {}).get("seed", _run_seed()))
+        seed = self._seed()
         sampler = TokenBatchSampler(
             lengths,
             self.max_tokens,  # type: ignore[arg-type]
@@ -569,6 +640,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         return SeededBatches(SeededSamples(dataset, seed=seed), truncate_to=cut), self._placed(
             sampler, kwargs
         )
+
+    def _seed(self) -> int:
+        """The training order's seed: the checkpoint's on a resume, the run's global seed otherwise."""
+        return self._resume_seed if self._resume_seed is not None else _run_seed()
 
     def _placed(self, sampler: ResumableSampler, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The training loader's sampler at the epoch (and place) the fit loop runs next, and its generator."""
@@ -603,32 +678,66 @@ class GPUOptDataModule(pl.LightningDataModule):
         return SeededSamples(dataset, seed=seed, epoch=EVALUATION_EPOCH), {**kwargs, "generator": generator}
 
     def _apply_resume(self, sampler: ResumableSampler) -> None:
+        """Start the resumed epoch where the checkpoint stopped: past the samples it consumed, on any number of ranks
+        (token batches: past this rank's batches on the same number, from its beginning otherwise). The loader's
+        length in that epoch is the fit loop's restored batch count plus the batches left, as Lightning counts."""
         resume = self._resume_from or {}
         world = int(resume.get("world_size", sampler.num_replicas))
-        if world != sampler.num_replicas:
-            rank_zero_info(
-                f"GPUOptDataModule: the checkpoint was written by {world} rank(s), this run has {sampler.num_replicas}; "
-                "the interrupted epoch restarts from its beginning on every rank (shards differ)."
-            )
-            sampler.set_epoch(int(resume.get("epoch", 0)))
-            return
         epoch = int(resume.get("epoch", 0))
+        batches = int(resume.get("batches", 0))
         tokens = sampler.max_tokens if isinstance(sampler, TokenBatchSampler) else None
-        if resume.get("max_tokens") != tokens:
-            rank_zero_info(
-                f"GPUOptDataModule: the checkpoint's batches held max_tokens={resume.get('max_tokens')}, this run's "
-                f"max_tokens={tokens}; the interrupted epoch restarts from its beginning (the batches differ)."
-            )
-            sampler.set_epoch(epoch)
-            return
-        # Items consumed: batches of a token sampler, samples of a plain one.
-        consumed = int(resume.get("batches", 0)) * (
-            1 if tokens else int(resume.get("batch_size", self.batch_size))
-        )
-        if consumed >= len(sampler):  # an epoch-end checkpoint whose state does not say the epoch is over
-            epoch, consumed = epoch + 1, 0
         sampler.set_epoch(epoch)
-        sampler.skip(epoch, consumed)
+        sampler.skip(epoch, 0)  # a whole epoch (and no skip an earlier call left)
+        whole = len(sampler)
+        if resume.get("max_tokens") != tokens or (tokens is not None and world != sampler.num_replicas):
+            why = (
+                f"the checkpoint's batches held max_tokens={resume.get('max_tokens')}, this run's max_tokens={tokens}"
+                if resume.get("max_tokens") != tokens
+                else f"the checkpoint was written by {world} rank(s), this run has {sampler.num_replicas}"
+            )
+            rank_zero_info(
+                f"GPUOptDataModule: {why}; the interrupted epoch restarts from its beginning (the batches differ), and "
+                f"the samples of its first {batches} batch(es) are trained on twice."
+            )
+            sampler.skip(epoch, 0, counted=batches * (1 if tokens else int(self._loader_batch_size)))
+            self._note("data", f"epoch {epoch} restarted: {why}")
+        elif tokens is not None:  # this rank's batches of a token sampler, on the same number of ranks
+            if batches >= whole:  # an epoch-end checkpoint whose state does not say the epoch is over
+                epoch, batches = epoch + 1, 0
+                sampler.set_epoch(epoch)
+            sampler.skip(epoch, batches)
+            self._note("data", f"exact: epoch {epoch} past this rank's {batches} batch(es)")
+        else:
+            # Samples of the epoch's order consumed on all the checkpoint's ranks: one window of it, whatever the ranks.
+            consumed = int(
+                resume.get("samples", batches * int(resume.get("batch_size", self.batch_size)) * world)
+            )
+            if consumed >= len(sampler.dataset):  # type: ignore[arg-type]  # an epoch-end checkpoint
+                epoch, consumed, batches = epoch + 1, 0, 0
+                sampler.set_epoch(epoch)
+            self._consumed_from = (epoch, consumed, batches)
+            if world != sampler.num_replicas:
+                where = f"goes on past the {consumed} sample(s) it consumed" if consumed else "starts"
+                rank_zero_info(
+                    f"GPUOptDataModule: the checkpoint was written by {world} rank(s), this run has "
+                    f"{sampler.num_replicas}; the epoch {where}, dealt over {sampler.num_replicas} rank(s)."
+                )
+            sampler.skip(epoch, consumed, counted=batches * int(self._loader_batch_size))
+            self._note(
+                "data",
+                f"exact: epoch {epoch} past the {consumed} sample(s) of its order consumed on {world} rank(s), dealt "
+                f"over {sampler.num_replicas}",
+            )
+        self._rebuild_after_resume = len(sampler) != whole
+        sampler.after_resumed_epoch = self._after_resumed_epoch
+
+    def _after_resumed_epoch(self) -> None:
+        """The resumed epoch's loader has handed out its last batch: later loaders start epochs whole, and one
+        whose length was not a whole epoch's is built again for the next epoch (Lightning counts its batches once)."""
+        self._resume_from = None
+        if self._rebuild_after_resume and self.trainer is not None:
+            self._rebuild_after_resume = False
+            _compat.drop_train_loader(self.trainer.fit_loop)
 
     def _batch_transfer(self, stage: str) -> BatchTransfer | None:
         """How batches of ``stage`` reach the device ahead of use; ``None``: Lightning moves each when used."""

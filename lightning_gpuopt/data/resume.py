@@ -19,8 +19,10 @@ The pieces:
 
 from __future__ import annotations
 
+import math
+import os
 import random
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "SeededSamples",
     "capture_rng",
     "declare_resumable",
+    "derive_rng",
     "restore_rng",
     "sample_seed",
 ]
@@ -81,6 +84,11 @@ class ResumableSampler(DistributedSampler):
     index order without ``shuffle``), padded to a multiple of ``num_replicas`` and dealt round-robin to
     the ranks. Items are ``(epoch, index)`` pairs for :class:`SeededSamples`.
 
+    Dealt round-robin, the ranks' ``b``-th batches together are one window of that order, whatever the number of
+    ranks: a resumed epoch starts past the first ``samples`` of the order (:meth:`skip`, counted on all the ranks
+    that consumed them) and deals the rest over this run's ranks, so a run resumed on another number of ranks sees
+    every sample of the epoch once (the rest padded to a multiple of the ranks, as ``DistributedSampler`` pads).
+
     Args:
         dataset: the map-style dataset.
         num_replicas: ranks sharing the dataset (1 in a single process).
@@ -95,6 +103,10 @@ class ResumableSampler(DistributedSampler):
         >>> [i for _, i in sampler]
         [7, 8, 9]
     """
+
+    #: Called when the iterator of a resumed epoch hands out its last item (the datamodule rebuilds the loader for
+    #: the next epoch when the resumed epoch's length was not a whole epoch's).
+    after_resumed_epoch: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -115,23 +127,79 @@ class ResumableSampler(DistributedSampler):
         )
         self._skip_epoch: int | None = None
         self._skip_samples = 0
+        self._skip_counted: int | None = None
 
-    def skip(self, epoch: int, samples: int) -> None:
-        """Start ``epoch`` past its first ``samples`` samples of this rank (those a resumed run consumed)."""
+    def skip(self, epoch: int, samples: int, counted: int | None = None) -> None:
+        """Start ``epoch`` past the first ``samples`` samples of its order: those a resumed run consumed, on all its
+        ranks (any number of them).
+
+        ``counted``: the items this rank's loader is taken to have handed out already in that epoch (Lightning's
+        restored batch count times this run's batch size); the sampler's length in the resumed epoch is that plus
+        what remains, so the loader's length is the fit loop's batches so far plus the batches left. Default:
+        this rank's share of ``samples``.
+        """
         if samples < 0:
             raise ValueError(f"`samples` must be >= 0, got {samples}")
-        self._skip_epoch, self._skip_samples = epoch, samples
+        self._skip_epoch, self._skip_samples, self._skip_counted = epoch, samples, counted
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         epoch = self.epoch
-        indices = list(super().__iter__())
-        if self._skip_epoch == epoch:
-            indices = indices[self._skip_samples :]
-        return iter([(epoch, int(i)) for i in indices])
+        if self._skip_epoch != epoch:
+            return iter([(epoch, int(i)) for i in super().__iter__()])
+        return self._resumed(epoch, self._rest())
+
+    def _resumed(self, epoch: int, rest: list[int]) -> Iterator[tuple[int, int]]:
+        for j, i in enumerate(rest):
+            if j == len(rest) - 1:
+                self._resumed_epoch_dealt()
+            yield epoch, int(i)
+        if not rest:
+            self._resumed_epoch_dealt()
+
+    def _resumed_epoch_dealt(self) -> None:
+        # At the last item, not after it: Lightning stops at the loader's length and never asks past the end.
+        if self.after_resumed_epoch is not None:
+            self.after_resumed_epoch()
+
+    def __len__(self) -> int:
+        if self._skip_epoch != self.epoch:
+            return super().__len__()
+        counted = self._skip_counted
+        if counted is None:
+            counted = self._skip_samples // self.num_replicas
+        return counted + len(self._rest())
+
+    def _rest(self) -> list[int]:
+        """This rank's items of the resumed epoch: the order past the skipped samples, padded to a multiple of the
+        ranks and dealt round-robin."""
+        order = self._order()
+        rest = order[self._skip_samples :]
+        world = self.num_replicas
+        if len(rest) % world:  # consumed on another number of ranks: pad as DistributedSampler does
+            rest += (order * math.ceil(world / max(1, len(order))))[: world - len(rest) % world]
+        return rest[self.rank :: world]
+
+    def _order(self) -> list[int]:
+        """The epoch's order before it is dealt: the permutation (or index order), padded or cut to
+        ``total_size`` (``DistributedSampler``'s)."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        if self.drop_last:
+            return order[: self.total_size]
+        return (order * math.ceil(self.total_size / max(1, n)))[: self.total_size]
 
     def set_epoch(self, epoch: int) -> None:
         if self._skip_epoch is not None and epoch != self._skip_epoch:
-            self._skip_epoch, self._skip_samples = None, 0  # the resumed epoch is over
+            self._skip_epoch, self._skip_samples, self._skip_counted = (
+                None,
+                0,
+                None,
+            )  # the resumed epoch is over
         super().set_epoch(epoch)
 
 
@@ -276,3 +344,24 @@ def restore_rng(state: dict[str, Any]) -> None:
         states = state["cuda"]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in states])
+
+
+def derive_rng(step: int, rank: int, seed: int | None = None) -> None:
+    """Seed this process's torch (every device), Python and NumPy RNGs from ``(seed, step, rank)``: where a resume
+    cannot restore a rank's streams (another number of ranks), it starts them from values it can repeat.
+
+    ``seed``: the run's global seed (``seed_everything``'s) when ``None``.
+
+    Example:
+        >>> derive_rng(step=5, rank=1, seed=0); a = torch.rand(1)
+        >>> derive_rng(step=5, rank=1, seed=0); bool(torch.rand(1) == a)
+        True
+    """
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    value = sample_seed(seed, step, rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(value & 0xFFFFFFFF)

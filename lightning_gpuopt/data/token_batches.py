@@ -187,18 +187,32 @@ class TokenBatchSampler(ResumableSampler):
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:  # type: ignore[override]
         epoch = self.epoch
         mine = self.epoch_batches(epoch)[self.rank :: self.num_replicas]
-        if self._skip_epoch == epoch:
-            mine = mine[self._skip_samples :]  # batches here: see skip()
-        return iter([[(epoch, i) for i in batch] for batch in mine])
+        if self._skip_epoch != epoch:
+            return iter([[(epoch, i) for i in batch] for batch in mine])
+        return self._resumed_batches(epoch, mine[self._skip_samples :])  # batches here: see skip()
+
+    def _resumed_batches(self, epoch: int, mine: list[list[int]]) -> Iterator[list[tuple[int, int]]]:
+        for j, batch in enumerate(mine):
+            if j == len(mine) - 1:
+                self._resumed_epoch_dealt()
+            yield [(epoch, i) for i in batch]
+        if not mine:
+            self._resumed_epoch_dealt()
 
     def __len__(self) -> int:
-        return len(self._bounds) // self.num_replicas
+        whole = len(self._bounds) // self.num_replicas
+        if self._skip_epoch != self.epoch:
+            return whole
+        counted = self._skip_samples if self._skip_counted is None else self._skip_counted
+        return counted + max(0, whole - self._skip_samples)
 
-    def skip(self, epoch: int, batches: int) -> None:  # type: ignore[override]
-        """Start ``epoch`` past this rank's first ``batches`` batches (those a resumed run consumed)."""
+    def skip(self, epoch: int, batches: int, counted: int | None = None) -> None:  # type: ignore[override]
+        """Start ``epoch`` past this rank's first ``batches`` batches (those a resumed run consumed); ``counted``:
+        the batches the loader is taken to have handed out already (default ``batches``; see
+        :meth:`ResumableSampler.skip`)."""
         if batches < 0:
             raise ValueError(f"`batches` must be >= 0, got {batches}")
-        super().skip(epoch, batches)
+        super().skip(epoch, batches, counted)
 
 
 def sample_length(sample: Any, index: int) -> int:

@@ -244,7 +244,20 @@ def test_the_report_of_a_resumed_run_covers_the_whole_run_and_marks_the_resume(t
     report = GPUOptReport(dirpath=str(tmp_path), plot=False, table=False)
     _small_fit(tmp_path, [ExactResume(), report], ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert [s["step"] for s in report.report["steps"]] == list(range(10))
-    assert report.report["resumes"] == [{"step": 5, "steps_before": 5}]
+    assert report.report["resumes"] == [
+        {
+            "step": 5,
+            "steps_before": 5,
+            "world_size_before": 1,
+            "world_size": 1,
+            "k": 1,
+            "policies": {
+                "model and optimizer": "the checkpoint's (every rank held the same)",
+                "rng": "restored, each rank's",
+                "data": "exact: epoch 0 past the 20 sample(s) of its order consumed on 1 rank(s), dealt over 1",
+            },
+        }
+    ]
     assert [(d["step"], d["kind"]) for d in report.report["decisions"]] == [(5, "resume")]
 
 

@@ -94,11 +94,11 @@ def test_killed_after_step_6_and_resumed_from_step_4_sees_every_sample_once(dm_c
     assert seen != sorted(seen)
 
 
-def test_sampler_skips_consumed_samples_of_its_rank_only():
+def test_sampler_skips_the_samples_every_rank_consumed():
     shards = [ResumableSampler(range(10), num_replicas=2, rank=r, shuffle=True, seed=3) for r in (0, 1)]
     full = [[i for _, i in s] for s in shards]
     assert sorted(full[0] + full[1]) == list(range(10))
-    shards[1].skip(epoch=0, samples=2)
+    shards[1].skip(epoch=0, samples=4)  # 2 on each of the 2 ranks: the first 4 of the epoch's order
     assert [i for _, i in shards[1]] == full[1][2:]
     shards[1].set_epoch(1)  # the resumed epoch is over: the next one starts at its beginning
     assert len(list(shards[1])) == 5

@@ -1,0 +1,219 @@
+"""Elastic resume of map-style data (issue 37): a run resumed on another number of ranks goes on past the samples
+the interrupted epoch consumed, instead of starting the epoch again, and keeps the optimizer batch.
+
+ResumableSampler deals one order per epoch round-robin, so the ranks' b-th batches together are one window of it
+on any number of ranks: the checkpoint's consumed samples are the first C of the order, and the resumed epoch deals
+the rest over the new ranks. Swept with Hypothesis (dataset sizes, ranks before and after, batch sizes, the batch
+of the interruption, shuffle). Real runs (tests/resume_child.py, DDP over gloo): stopped by SIGTERM on 2 ranks,
+resumed on 1, stopped again and resumed on 3, against the uninterrupted 2-rank run; and a resume that keeps the
+per-rank batch size, whose resumed epoch is shorter than a whole one.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_gpuopt.data.resume import ResumableSampler
+from tests import resume_child
+from tests.helpers import assert_same_training, parameters_of, run_ranks
+
+
+def _dealt(n: int, world: int, shuffle: bool, skip: int = 0) -> list[list[int]]:
+    samplers = [
+        ResumableSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=7) for r in range(world)
+    ]
+    for s in samplers:
+        s.set_epoch(3)
+        s.skip(3, skip)
+    return [[i for _, i in s] for s in samplers]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    before=st.integers(1, 4),
+    after=st.integers(1, 4),
+    batch=st.integers(1, 5),
+    shuffle=st.booleans(),
+    data=st.data(),
+)
+def test_a_resume_on_another_number_of_ranks_sees_every_sample_of_the_epoch(
+    n, before, after, batch, shuffle, data
+):
+    old = _dealt(n, before, shuffle)
+    per_rank_batches = -(-len(old[0]) // batch)
+    done = data.draw(st.integers(0, per_rank_batches - 1), label="batches consumed")
+    consumed = [i for rank in old for i in rank[: done * batch]]
+    skip = done * batch * before  # what the checkpoint counts: batches x batch_size x ranks
+    new = _dealt(n, after, shuffle, skip)
+    assert len({len(rank) for rank in new}) == 1  # every new rank as many samples: as many batches
+    seen = collections.Counter(consumed + [i for rank in new for i in rank])
+    assert set(seen) == set(range(n))  # nothing lost
+    # Repeats: only the padding to a multiple of the ranks (DistributedSampler's), before and after.
+    padding = (-n) % before + (-n) % after + after - 1
+    assert sum(seen.values()) - n <= padding
+    if n % before == 0 and n % after == 0 and (n - skip) % after == 0:
+        assert all(c == 1 for c in seen.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    world=st.integers(1, 4),
+    batch=st.integers(1, 5),
+    shuffle=st.booleans(),
+    data=st.data(),
+)
+def test_on_the_same_number_of_ranks_a_resume_deals_what_the_uninterrupted_epoch_dealt(
+    n, world, batch, shuffle, data
+):
+    full = _dealt(n, world, shuffle)
+    done = data.draw(st.integers(0, -(-len(full[0]) // batch) - 1))
+    resumed = _dealt(n, world, shuffle, done * batch * world)
+    assert resumed == [rank[done * batch :] for rank in full]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    before=st.integers(1, 4),
+    after=st.integers(1, 4),
+    batch=st.integers(1, 5),
+    data=st.data(),
+)
+def test_the_resumed_epoch_is_as_long_as_the_fit_loop_counts_it(n, before, after, batch, data):
+    """Lightning restores its batch count b and ends the epoch at len(loader): the resumed loader's length is b
+    plus the batches left, on any number of ranks, so no batch is cut and the epoch-end check falls on the last."""
+    old = _dealt(n, before, True)
+    done = data.draw(st.integers(0, -(-len(old[0]) // batch) - 1), label="batches consumed")
+    new_batch = data.draw(st.integers(1, 6), label="batch size after")
+    for rank in range(after):
+        sampler = ResumableSampler(range(n), num_replicas=after, rank=rank, shuffle=True, seed=7)
+        sampler.set_epoch(3)
+        sampler.skip(3, done * batch * before, counted=done * new_batch)
+        left = len(list(sampler))
+        loader = torch.utils.data.DataLoader(
+            sampler, batch_size=new_batch
+        )  # a loader's length over the sampler
+        assert len(loader) == done + -(-left // new_batch)
+
+
+def _ids(root: Path) -> list[int]:
+    """Every sample id any rank of any leg trained on (tests/resume_child.py's ``ids_rank*.txt``)."""
+    seen = []
+    for path in sorted(root.glob("ids_rank*.txt")):
+        for line in path.read_text().splitlines():
+            epoch, _, ids = line.split()
+            if ids != "-":
+                seen += [(int(epoch), int(i)) for i in ids.split(",")]
+    return seen
+
+
+def _params(root: Path) -> dict[str, torch.Tensor]:
+    return {n: p.to(torch.float64) for n, p in torch.load(root / "params.pt").items()}
+
+
+ELASTIC = ("--no-dropout", "--report", "--hidden", "16")
+
+
+def _leg(root: Path, ranks: int, *args: object) -> None:
+    run_ranks(
+        Path(resume_child.__file__), root, *ELASTIC, "--devices", ranks, *args, ranks=1, result="params.pt"
+    )
+
+
+def test_stopped_on_2_ranks_resumed_on_1_then_on_3_trains_like_the_uninterrupted_2_rank_run(tmp_path):
+    """Optimizer batch 24 (2 ranks x 12), 24 x 40 samples, a per-sample-mean loss, no dropout, 64-true: SIGTERM at
+    step 15, resumed on 1 rank (batch 24), SIGTERM at step 30, resumed on 3 ranks (batch 8). Every sample once, the
+    optimizer batch constant, the parameters those of the uninterrupted run (the suite's measure, floor 1e-9), and
+    the report lists both resumes."""
+    common = ("--batch-size", 12, "--length", 24 * 40)
+    _leg(tmp_path / "straight", 2, *common)
+    legs = tmp_path / "legs"
+    _leg(legs, 2, *common, "--term-batch", 15)
+    _leg(legs, 1, *common, "--term-batch", 30, "--resume")
+    _leg(legs, 3, *common, "--resume")
+    seen = collections.Counter(i for _, i in _ids(legs))
+    assert sorted(seen) == list(range(24 * 40)) and set(seen.values()) == {1}, seen.most_common(3)
+    pl.seed_everything(0, verbose=False)
+    theta0 = parameters_of(resume_child.DropoutRegressor(16, dropout=0.0))
+    assert_same_training(theta0, _params(legs), _params(tmp_path / "straight"), floor=1e-9, elementwise=True)
+    resumes = json.loads((legs / "gpuopt_report.json").read_text())["resumes"]
+    assert [(r["world_size_before"], r["world_size"], r["step"]) for r in resumes] == [(2, 1, 16), (1, 3, 31)]
+    assert resumes[0]["policies"]["batch_size"] == "12 -> 24 per rank: the optimizer batch kept"
+    assert resumes[1]["policies"]["batch_size"] == "24 -> 8 per rank: the optimizer batch kept"
+    assert resumes[1]["policies"]["rng"].startswith("re-derived from (seed, step, rank)")
+    assert resumes[1]["policies"]["data"].startswith("exact: epoch 0 past the 744 sample(s)")
+
+
+def test_keeping_the_per_rank_batch_the_resumed_epoch_is_shorter_and_the_next_one_whole(tmp_path):
+    """2 ranks x batch 4 stopped after 3 batches (24 of 64 samples), resumed on 1 rank keeping batch 4: the resumed
+    epoch runs 10 more batches (13 counted), the next epoch all 16, every sample once in each."""
+    _leg(tmp_path, 2, "--epochs", 2, "--term-batch", 2, "--elastic", "keep_per_rank")
+    _leg(tmp_path, 1, "--epochs", 2, "--elastic", "keep_per_rank", "--resume")
+    seen = collections.Counter(_ids(tmp_path))
+    for epoch in (0, 1):
+        assert sorted(i for e, i in seen if e == epoch) == list(range(resume_child.LENGTH))
+    assert set(seen.values()) == {1}
+    rank0 = (tmp_path / "ids_rank0.txt").read_text().splitlines()
+    assert [line.split()[1] for line in rank0 if line.startswith("1 ")] == [str(b) for b in range(16)]
+    assert [line.split()[1] for line in rank0 if line.startswith("0 ")][-1] == "12"
+
+
+def test_token_batches_on_another_number_of_ranks_restart_the_epoch_whole(tmp_path):
+    """Token batches are formed for a number of ranks: resumed on 1 rank after 3 batches on 2, the epoch starts
+    again, and the loader runs all of its batches (Lightning counts the 3 restored ones too): no sample is cut."""
+    _leg(tmp_path, 2, "--max-tokens", 24, "--term-batch", 2)
+    first = _ids(tmp_path)
+    for path in tmp_path.glob("ids_rank*.txt"):
+        path.unlink()
+    _leg(tmp_path, 1, "--max-tokens", 24, "--resume")
+    again = _ids(tmp_path)
+    assert first and sorted(i for _, i in again) == list(range(resume_child.LENGTH))
+
+
+def _resumed(
+    batch_size: int, world: int, checkpoint_world: int = 2, elastic: str | None = None
+) -> resume_child.Data:
+    """A datamodule of ``batch_size`` loading the state a 2-rank run of batch_size 12 saved, on ``world`` ranks."""
+    data = resume_child.Data(batch_size=batch_size, num_workers=0)
+    if elastic is not None:
+        data.elastic = elastic
+    data.trainer = SimpleNamespace(world_size=world, global_rank=0)
+    state = {"epoch": 0, "batches": 3, "batch_size": 12, "samples": 72, "configured_batch_size": 12}
+    data.load_state_dict({"train_loader": {**state, "seed": 0, "world_size": checkpoint_world}})
+    return data
+
+
+def test_an_optimizer_batch_that_does_not_divide_by_the_new_ranks_is_refused_in_one_line():
+    with pytest.raises(ValueError) as refused:
+        _resumed(12, world=5)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "2 rank(s) x batch_size 12 = 24 sample(s)" in message
+    assert "resume on 1, 2, 3, 4, 6, 8, 12, 24 rank(s)" in message and "keep_per_rank" in message
+
+
+def test_the_policy_and_an_explicit_batch_size_decide_the_per_rank_batch(caplog):
+    with caplog.at_level(logging.INFO):
+        assert _resumed(12, world=3).batch_size == 8  # the optimizer batch 24 kept
+        assert _resumed(12, world=3, elastic="keep_per_rank").batch_size == 12
+        given = _resumed(6, world=3)  # the resumed leg's own batch_size wins
+    assert (
+        given.batch_size == 6 and given.resume_notes["batch_size"] == "12 -> 6 per rank, given for this run"
+    )
+    said = caplog.text
+    assert "batch_size 12 -> 8 per rank, keeping the optimizer batch of 24 sample(s)" in said
+    assert "optimizer batch is 36 sample(s) x accumulate_grad_batches (was 24 x it)" in said
+    assert "batch_size=6 given for this run is kept: the optimizer batch is 18 sample(s)" in said
+    assert _resumed(12, world=2).batch_size == 12  # the same number of ranks: nothing changes
