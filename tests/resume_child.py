@@ -6,7 +6,7 @@ GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt``
     python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--persistent] [--kill-batch N]
         [--crash-batch N] [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H]
         [--batch-size B] [--length L] [--epochs E] [--val] [--val-every N] [--onecycle] [--epoch-schedule] [--adaptive]
-        [--record-epochs] [--no-dropout] [--elastic keep_optimizer_batch|keep_per_rank] [--report] [--resume]
+        [--record-epochs] [--no-dropout] [--stream SHARDS --shuffle-buffer N] [--elastic keep_optimizer_batch|keep_per_rank] [--report] [--resume]
 
 ``--kill-batch N`` SIGKILLs the process at the end of training batch N (counted over the whole run, before
 that batch's checkpoint); ``--crash-batch N`` raises :class:`Crash` there instead, which an in-process caller
@@ -41,6 +41,7 @@ from lightning_gpuopt import (
     OOMRecovery,
 )
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
+from lightning_gpuopt.data.stream import ShardedStream
 from lightning_gpuopt.decisions import decisions
 
 LENGTH, DIM, BATCH = 64, 8, 4
@@ -70,13 +71,27 @@ class Augmented(Dataset):
         return i, self.x[i] + noise, self.y[i]
 
 
+class ReadShard:
+    """Shard ``s`` of a stream over :class:`Augmented`: its samples ``s*size .. (s+1)*size-1``, one at a time."""
+
+    def __init__(self, samples: Augmented, size: int) -> None:
+        self.samples, self.size = samples, size
+
+    def __call__(self, shard: int):
+        for i in range(shard * self.size, (shard + 1) * self.size):
+            yield self.samples[i]
+
+
 class Data(GPUOptDataModule):
-    def __init__(self, length: int = LENGTH, **kwargs) -> None:
+    def __init__(self, length: int = LENGTH, shards: int = 0, shuffle_buffer: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.length = length
+        self.length, self.shards, self.shuffle_buffer = length, shards, shuffle_buffer
 
     def train_dataset(self):
-        return Augmented(self.length)
+        if not self.shards:
+            return Augmented(self.length)
+        read = ReadShard(Augmented(self.length), self.length // self.shards)
+        return ShardedStream(list(range(self.shards)), read, shuffle_buffer=self.shuffle_buffer)
 
 
 class DataWithValidation(Data):
@@ -220,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--record-epochs", action="store_true")
     parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--no-dropout", action="store_true")
+    parser.add_argument("--stream", type=int, default=0, help="shards of a ShardedStream over the samples")
+    parser.add_argument("--shuffle-buffer", type=int, default=0)
     parser.add_argument("--elastic", default="keep_optimizer_batch")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--resume", action="store_true")
@@ -267,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         num_workers=args.workers,
         persistent_workers=args.persistent,
         max_tokens=args.max_tokens,
+        shards=args.stream,
+        shuffle_buffer=args.shuffle_buffer,
     )
     trainer.fit(model, data, ckpt_path="last" if args.resume else None)
     rank = trainer.global_rank

@@ -1,4 +1,5 @@
-"""Data loading: the DataModule base, its loader tuning, device prefetch, stall rules and memory-mapped data."""
+"""Data loading: the DataModule base, its loader tuning, device prefetch, stall rules, memory-mapped data and
+sharded streams."""
 
 from lightning_gpuopt.data.datamodule import GPUOptDataModule, auto_num_workers, available_cpus
 from lightning_gpuopt.data.memmap import MemmapDataset
@@ -24,6 +25,7 @@ from lightning_gpuopt.data.stall import (
     stall_advice,
     stall_message,
 )
+from lightning_gpuopt.data.stream import ShardedStream
 from lightning_gpuopt.data.token_batches import TokenBatchSampler
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "PrefetchStats",
     "ResumableSampler",
     "SeededSamples",
+    "ShardedStream",
     "StallMeasurement",
     "TokenBatchSampler",
     "auto_num_workers",

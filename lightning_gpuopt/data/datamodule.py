@@ -27,6 +27,7 @@ from lightning_gpuopt.data.resume import (
     SeededSamples,
     declare_resumable,
 )
+from lightning_gpuopt.data.stream import ShardedStream, StreamPositions
 from lightning_gpuopt.data.token_batches import LongSamples, SeededBatches, TokenBatchSampler, sample_length
 
 __all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
@@ -444,12 +445,19 @@ class GPUOptDataModule(pl.LightningDataModule):
         if (
             train
             and isinstance(dataset, IterableDataset)
+            and not isinstance(dataset, ShardedStream)
             and not callable(getattr(dataset, "state_dict", None))
         ):
             self._say_stream_restarts(dataset, kwargs["batch_size"])
+        if train and isinstance(dataset, ShardedStream) and self.max_tokens is None:
+            dataset = self._stream_positions(dataset)  # read by position: resumed like a map-style dataset
         if train and self.max_tokens is not None:
             dataset, kwargs = self._token_train(dataset, kwargs)
-        elif train and self.resumable and not isinstance(dataset, IterableDataset):
+        elif (
+            train
+            and (self.resumable or isinstance(dataset, StreamPositions))
+            and not isinstance(dataset, IterableDataset)
+        ):
             dataset, kwargs = self._resumable_train(dataset, kwargs)
         elif not train and self.resumable and not isinstance(dataset, IterableDataset):
             dataset, kwargs = self._seeded_evaluation(dataset, kwargs)
@@ -501,6 +509,9 @@ class GPUOptDataModule(pl.LightningDataModule):
                 "samples": samples if consumed else 0,
                 "configured_batch_size": int(self._configured_batch_size),
             }
+            stream = self._datasets.get("train")
+            if isinstance(stream, ShardedStream):
+                size["shard_sizes"] = stream.sizes()  # type: ignore[assignment]
         return {
             "train_loader": {
                 "epoch": epoch,
@@ -590,9 +601,18 @@ class GPUOptDataModule(pl.LightningDataModule):
             "stream",
             f"GPUOptDataModule: the training dataset {name} is an IterableDataset with no state of its own: a resume "
             "from a checkpoint taken mid-epoch starts that epoch again from its beginning (the samples read before it "
-            "are trained on twice). Give it state_dict()/load_state_dict(), or use a map-style dataset (resumed "
-            "exactly).",
+            "are trained on twice). Read its shards through lightning_gpuopt.data.ShardedStream, or use a map-style "
+            "dataset (both resumed exactly), or give it state_dict()/load_state_dict().",
         )
+
+    def _stream_positions(self, stream: ShardedStream) -> StreamPositions:
+        """The training stream addressed by position, its shards' sizes from the checkpoint a resume loaded (else
+        counted now, once)."""
+        sizes = (self._resume_from or {}).get("shard_sizes")
+        if sizes is not None:
+            stream.set_sizes(sizes)
+        seed = stream.seed if stream.seed is not None else self._seed()
+        return StreamPositions(stream, seed=seed, shuffle=self.shuffle)
 
     def _resumable_train(self, dataset: Dataset, kwargs: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
         trainer = self.trainer

@@ -259,6 +259,8 @@ class SeededSamples(Dataset):
         self.dataset = dataset
         self.seed = seed
         self.epoch = epoch
+        #: The dataset's items are addressed by ``(epoch, index)`` (a stream's positions), not by index alone.
+        self.keyed = bool(getattr(dataset, "keyed_by_epoch", False))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -275,7 +277,7 @@ class SeededSamples(Dataset):
                 epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
                 if epoch is not None:
                     _seed_all(sample_seed(self.seed, epoch, index))
-                items.append(self.dataset[index])
+                items.append(self.dataset[(epoch, index)] if self.keyed else self.dataset[index])
             return items
         finally:
             if saved is not None:
@@ -283,7 +285,7 @@ class SeededSamples(Dataset):
 
     def __getattr__(self, name: str) -> Any:
         # Attributes of the user's dataset stay reachable through the loader's `dataset`.
-        if name in ("dataset", "seed", "epoch"):
+        if name in ("dataset", "seed", "epoch", "keyed"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

@@ -1,0 +1,226 @@
+"""ShardedStream: a training set read shard by shard, in one canonical order per (seed, epoch), resumable anywhere.
+
+The order of an epoch is the shards in an order drawn from ``(seed, epoch)``, their samples one after another,
+shuffled within consecutive windows of ``shuffle_buffer`` samples (each window's permutation drawn from
+``(seed, epoch, window)``). Sample ``p`` of that order is thus known without reading anything before its window:
+:class:`GPUOptDataModule` addresses the stream by position, as it addresses a map-style dataset by index, with the
+same :class:`~lightning_gpuopt.data.resume.ResumableSampler`. The ranks' ``b``-th batches together are one window
+of the order whatever the number of ranks and workers, a checkpoint holds the samples its optimizer steps
+consumed, and a resume on any number of ranks and workers deals the rest.
+
+A process (a loader worker, or the main process without workers) reads a shard from its start and keeps one
+window of decoded samples. Reaching a window, it skips the shards before it without opening them (their sizes
+are known) and decodes from the start of the window's first shard: at most one shard before the window, plus the
+window itself. A shard that ``read_shard`` returns as a sequence (``__len__`` and ``__getitem__``: a list, a Hugging
+Face ``Dataset``) is read by index instead, only the samples asked for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+from lightning_gpuopt.data.resume import sample_seed
+
+__all__ = ["ShardedStream", "StreamPositions"]
+
+
+class ShardedStream(IterableDataset):
+    """A training stream of shards: ``read_shard(shard)`` gives one shard's samples, in order.
+
+    Return it from :meth:`GPUOptDataModule.train_dataset`: the datamodule reads it by position, resumes it exactly
+    mid-epoch, on any number of ranks and workers (docs/resume.md, "Streams"). Iterated directly, it yields epoch
+    0's order.
+
+    Args:
+        shards: the shards (paths, URLs, ids: anything ``read_shard`` takes).
+        read_shard: a function from one shard to an iterable of its samples (decoded lazily: a generator), or to a
+            sequence of them.
+        shuffle_buffer: samples are shuffled within consecutive windows of this many (0 or 1: in shard order).
+            Each window's order comes from (seed, epoch, window), so a resume rebuilds it exactly.
+        seed: the order's seed; ``None``: the run's global seed (``seed_everything``'s), as the datamodule's samplers.
+        shard_sizes: each shard's number of samples, when known (an index file); else counted once at setup (by
+            ``len`` of what ``read_shard`` returns where it has one, by reading the shard otherwise) and kept in the
+            checkpoint.
+        shuffle_shards: draw the shards' order from (seed, epoch); ``False``: the order given.
+
+    Example:
+        >>> stream = ShardedStream(["a", "b"], lambda s: (f"{s}{i}" for i in range(3)), shuffle_shards=False)
+        >>> list(stream)
+        ['a0', 'a1', 'a2', 'b0', 'b1', 'b2']
+        >>> stream.sizes()
+        [3, 3]
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[Any],
+        read_shard: Callable[[Any], Iterable[Any]],
+        shuffle_buffer: int = 0,
+        seed: int | None = None,
+        shard_sizes: Sequence[int] | None = None,
+        shuffle_shards: bool = True,
+    ) -> None:
+        shards = list(shards)
+        if not shards:
+            raise ValueError("ShardedStream needs at least one shard, got an empty list")
+        if not callable(read_shard):
+            raise TypeError(f"`read_shard` must be a function of one shard, got {type(read_shard).__name__}")
+        if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+            raise ValueError(f"`shuffle_buffer` must be an int >= 0 (samples), got {shuffle_buffer!r}")
+        if shard_sizes is not None and (
+            len(shard_sizes) != len(shards) or any(int(n) < 0 for n in shard_sizes)
+        ):
+            raise ValueError(
+                f"`shard_sizes` must give one count >= 0 for each of the {len(shards)} shards, got {list(shard_sizes)}"
+            )
+        self.shards = shards
+        self.read_shard = read_shard
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.shuffle_shards = shuffle_shards
+        self._sizes = [int(n) for n in shard_sizes] if shard_sizes is not None else None
+
+    def sizes(self) -> list[int]:
+        """Each shard's number of samples (counted once, the first time it is asked)."""
+        if self._sizes is None:
+            self._sizes = [_count(self.read_shard(shard)) for shard in self.shards]
+        return list(self._sizes)
+
+    def set_sizes(self, sizes: Sequence[int]) -> None:
+        """Take the shards' sizes as known (a checkpoint's), instead of counting them."""
+        if len(sizes) != len(self.shards):
+            raise ValueError(
+                f"the checkpoint gives sizes of {len(sizes)} shards, this stream has {len(self.shards)}: the shard "
+                "list changed since it was written"
+            )
+        self._sizes = [int(n) for n in sizes]
+
+    def __len__(self) -> int:
+        return sum(self.sizes())
+
+    def __iter__(self) -> Iterator[Any]:
+        positions = StreamPositions(self, seed=self.seed or 0)
+        info = torch.utils.data.get_worker_info()
+        indices = range(len(self)) if info is None else range(info.id, len(self), info.num_workers)
+        return (positions[(0, p)] for p in indices)
+
+
+def _count(samples: Iterable[Any]) -> int:
+    if hasattr(samples, "__len__"):
+        return len(samples)  # type: ignore[arg-type]
+    return sum(1 for _ in samples)
+
+
+class _Reader:
+    """One process's place in one shard: the shard, its iterator, and the samples decoded from it so far."""
+
+    def __init__(self, epoch: int, ordinal: int, samples: Iterable[Any]) -> None:
+        self.epoch, self.ordinal = epoch, ordinal
+        self.sequence = samples if hasattr(samples, "__len__") and hasattr(samples, "__getitem__") else None
+        self.iterator = iter(samples) if self.sequence is None else None
+        self.offset = 0  # the next sample the iterator gives
+
+
+class StreamPositions:
+    """A :class:`ShardedStream` addressed by position: item ``(epoch, p)`` is sample ``p`` of that epoch's order.
+
+    What the datamodule's training loader reads (through
+    :class:`~lightning_gpuopt.data.resume.SeededSamples`). Each process keeps one window of decoded samples;
+    :attr:`decoded` counts the samples this process took from ``read_shard``'s iterables.
+
+    Example:
+        >>> stream = ShardedStream(["a", "b"], lambda s: [f"{s}{i}" for i in range(3)], shuffle_shards=False)
+        >>> view = StreamPositions(stream, seed=0)
+        >>> len(view), view[(0, 4)], view.decoded
+        (6, 'b1', 1)
+    """
+
+    keyed_by_epoch = True
+
+    def __init__(self, stream: ShardedStream, seed: int, shuffle: bool = True) -> None:
+        self.stream = stream
+        self.seed = seed
+        self.shuffle = shuffle
+        self.decoded = 0
+        self._orders: dict[int, tuple[list[int], list[int]]] = {}
+        self._window: tuple[int, int, list[Any]] | None = None  # (epoch, window, its samples in input order)
+        self._reader: _Reader | None = None
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, p = key
+        size = max(1, self.stream.shuffle_buffer)
+        window, at = divmod(int(p), size)
+        if self._window is None or self._window[:2] != (epoch, window):
+            self._window = (epoch, window, self._read_window(epoch, window * size, size))
+        samples = self._window[2]
+        return samples[self._permutation(epoch, window, len(samples))[at]]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_reader": None}  # a worker opens its own shards
+
+    def _permutation(self, epoch: int, window: int, n: int) -> list[int]:
+        if not self.shuffle or self.stream.shuffle_buffer <= 1:
+            return list(range(n))
+        generator = torch.Generator().manual_seed(sample_seed(self.seed, epoch, window))
+        return torch.randperm(n, generator=generator).tolist()
+
+    def _order(self, epoch: int) -> tuple[list[int], list[int]]:
+        """The epoch's shard order (indices into the stream's shards) and the positions where each shard starts."""
+        if epoch not in self._orders:
+            shards = len(self.stream.shards)
+            if self.shuffle and self.stream.shuffle_shards:
+                generator = torch.Generator().manual_seed(sample_seed(self.seed, epoch, -1))
+                order = torch.randperm(shards, generator=generator).tolist()
+            else:
+                order = list(range(shards))
+            sizes = self.stream.sizes()
+            starts = [0, *itertools.accumulate(sizes[i] for i in order)]
+            self._orders = {epoch: (order, starts)}  # one epoch at a time
+        return self._orders[epoch]
+
+    def _read_window(self, epoch: int, start: int, size: int) -> list[Any]:
+        order, starts = self._order(epoch)
+        end = min(start + size, starts[-1])
+        samples = []
+        position = start
+        while position < end:
+            ordinal = bisect.bisect_right(starts, position) - 1
+            offset = position - starts[ordinal]
+            take = min(end, starts[ordinal + 1]) - position
+            samples += self._read(epoch, ordinal, order[ordinal], offset, take)
+            position += take
+        return samples
+
+    def _read(self, epoch: int, ordinal: int, shard: int, offset: int, take: int) -> list[Any]:
+        """``take`` samples of the epoch's ``ordinal``-th shard from ``offset``: by index from a sequence, else from
+        the shard's iterator (opened again when it is past ``offset``), decoding what lies before."""
+        reader = self._reader
+        if reader is None or (reader.epoch, reader.ordinal) != (epoch, ordinal) or reader.offset > offset:
+            reader = self._reader = _Reader(epoch, ordinal, self.stream.read_shard(self.stream.shards[shard]))
+        if reader.sequence is not None:
+            self.decoded += take
+            return [reader.sequence[i] for i in range(offset, offset + take)]
+        assert reader.iterator is not None
+        out = []
+        while reader.offset < offset + take:
+            try:
+                sample = next(reader.iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"shard {self.stream.shards[shard]!r} gave {reader.offset} samples, its size says "
+                    f"{self.stream.sizes()[shard]}: pass shard_sizes that match what read_shard gives"
+                ) from None
+            self.decoded += 1
+            if reader.offset >= offset:
+                out.append(sample)
+            reader.offset += 1
+        return out
