@@ -1,18 +1,28 @@
-"""What exact resume costs: checkpoint and resume time as multiples of one training step, and step overhead.
+"""What exact resume costs: checkpoint and resume time as multiples of one training step, and step overhead;
+then streams and resumes on another number of ranks.
 
     python benchmarks/resume.py [--hidden 1024] [--steps 30] [--out benchmarks/results]
 
 An MLP (4 layers of ``--hidden``, AdamW) over a GPUOptDataModule with ExactResume: one step's time,
 ``save_checkpoint`` (median of 5), the extra time of ``fit(ckpt_path=...)`` to its first batch, and the step
-overheads of the resumable loader and of ExactResume. Details in docs/benchmarks.md.
+overheads of the resumable loader and of ExactResume. Then a second table: a ShardedStream of 16 JSON-lines
+shards of 1,250 samples, a shuffle buffer of 512, batch 100: the time to the first batch of a resume at 10, 50 and
+90 % of the epoch and the samples decoded to reach it, on the same number of ranks and on half of them (a
+checkpoint of 2 ranks read by 1); and, where ``datasets`` and ``torchdata`` are installed, the baseline: the same
+shards through Hugging Face ``datasets`` streaming (``shuffle(buffer_size=512)``) and torchdata's
+``StatefulDataLoader``, stopped at 25, 50 and 75 % and resumed: the samples it repeats and loses, or the error it
+raises. Details in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import common
 import lightning.pytorch as pl
@@ -22,7 +32,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_gpuopt import ExactResume
+from lightning_gpuopt import ExactResume, GPUOptDataModule
+from lightning_gpuopt.data import ShardedStream
+
+SHARDS, SHARD, WINDOW, BATCH = 16, 1250, 512, 100
 
 
 class MLP(pl.LightningModule):
@@ -80,7 +93,115 @@ def main() -> None:
     markdown_row("resume (extra time to the first step)", f"{resume * 1e3:.1f} ms = {steps:.1f} steps")
     markdown_row("step time, resumable loader vs plain", f"{result['resumable_loader_overhead']:+.1%}")
     markdown_row("step time, + ExactResume", f"{result['exact_resume_overhead']:+.1%}")
+    result["stream"] = _stream_rows(root)
     write_json(args.out, "resume.json", result)
+
+
+def _read_jsonl(path: str):
+    with open(path) as f:
+        for line in f:
+            yield json.loads(line)["id"]
+
+
+def _shards(root: Path) -> list[str]:
+    paths = []
+    for s in range(SHARDS):
+        path = root / f"part-{s:02d}.jsonl"
+        path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(s * SHARD, (s + 1) * SHARD)))
+        paths.append(str(path))
+    return paths
+
+
+def _stream_resume(paths: list[str] | None, fraction: float, world_before: int) -> dict:
+    """Time to the first batch of a resume at ``fraction`` of the epoch, one rank reading a checkpoint of
+    ``world_before``, and the samples decoded to reach it (``paths`` ``None``: the same samples as a map-style
+    dataset, shuffled)."""
+
+    class Stream(GPUOptDataModule):
+        def train_dataset(self):
+            if paths is None:
+                return list(range(SHARDS * SHARD))
+            return ShardedStream(paths, _read_jsonl, shuffle_buffer=WINDOW)
+
+    consumed = int(fraction * SHARDS * SHARD) // (BATCH * world_before) * BATCH * world_before
+    state = {
+        "epoch": 0,
+        "batches": consumed // (BATCH * world_before),
+        "batch_size": BATCH,
+        "samples": consumed,
+    }
+    state.update(seed=0, world_size=world_before, shard_sizes=[SHARD] * SHARDS, configured_batch_size=BATCH)
+    t0 = time.perf_counter()
+    data = Stream(batch_size=BATCH, num_workers=0, pin_memory=False, device_prefetch=False)
+    data.trainer = SimpleNamespace(
+        world_size=1, global_rank=0, strategy=SimpleNamespace(root_device=torch.device("cpu"))
+    )
+    data.load_state_dict({"train_loader": state})
+    loader = data.train_dataloader()
+    next(iter(loader))
+    seconds = time.perf_counter() - t0
+    return {
+        "data": "map-style" if paths is None else "stream",
+        "fraction": fraction,
+        "world_before": world_before,
+        "first_batch_s": seconds,
+        "decoded": loader.dataset.dataset.decoded if paths is not None else None,
+    }
+
+
+def _baseline(paths: list[str]) -> dict:
+    """HF datasets streaming + StatefulDataLoader over the same shards, stopped at 25, 50, 75 % and resumed."""
+    try:
+        import datasets
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as err:
+        return {"skipped": f"{err.name} is not installed"}
+
+    def leg(seen, workers, batches, state):
+        stream = datasets.load_dataset("json", data_files=paths, streaming=True, split="train")
+        loader = StatefulDataLoader(
+            stream.shuffle(seed=0, buffer_size=WINDOW), batch_size=BATCH, num_workers=workers
+        )
+        if state is not None:
+            loader.load_state_dict(state)
+        for n, batch in enumerate(loader, 1):
+            seen.update(int(i) for i in batch["id"])
+            if n == batches:
+                break
+        return loader.state_dict()
+
+    out: dict = {}
+    quarter = SHARDS * SHARD // BATCH // 4
+    for name, workers in (("2 -> 1 workers", (2, 1, 1, 1)), ("0 workers kept", (0, 0, 0, 0))):
+        seen: collections.Counter = collections.Counter()
+        state = None
+        try:
+            for k, w in enumerate(workers):
+                state = leg(seen, w, quarter if k < 3 else None, state)
+        except Exception as err:  # what a user meets: recorded, not raised
+            out[name] = f"leg {k + 1}: {type(err).__name__} {str(err)[:80]!r}"
+            continue
+        lost = SHARDS * SHARD - len(seen)
+        out[name] = f"{sum(c - 1 for c in seen.values())} repeated, {lost} lost"
+    return out
+
+
+def _stream_rows(root: Path) -> dict:
+    paths = _shards(root)
+    rows = [_stream_resume(paths, f, w) for w in (1, 2) for f in (0.1, 0.5, 0.9)]
+    rows += [_stream_resume(None, 0.5, w) for w in (1, 2)]
+    print()
+    markdown_header(
+        f"{SHARDS} x {SHARD} samples, window {WINDOW}, batch {BATCH}|first batch|decoded to reach it"
+    )
+    for row in rows:
+        where = f"{row['data']}, resume at {row['fraction']:.0%}, {row['world_before']} -> 1 rank(s)"
+        decoded = "" if row["decoded"] is None else f"{row['decoded']} (≤ {SHARD + WINDOW})"
+        markdown_row(where, f"{row['first_batch_s'] * 1e3:.0f} ms", decoded)
+    baseline = _baseline(paths)
+    for name, said in baseline.items():
+        markdown_row(f"baseline, HF datasets + StatefulDataLoader, {name}", said, "")
+    return {"resumes": rows, "baseline": baseline}
 
 
 if __name__ == "__main__":

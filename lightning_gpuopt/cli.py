@@ -287,7 +287,8 @@ class GPUOptCLI(LightningCLI):
             default="keep_optimizer_batch",
             help="With --gpuopt.resume, resuming on another number of GPUs: keep the optimizer batch (the data's "
             "batch_size per rank becomes the checkpoint's ranks x batch_size over this run's ranks) or keep batch_size "
-            "per rank (the optimizer batch changes).",
+            "per rank (the optimizer batch changes). Sets the ExactResume that --gpuopt.resume adds; an ExactResume in "
+            "trainer.callbacks keeps its own.",
         )
         parser.add_argument(
             "--gpuopt.checkpoint_minutes",

@@ -6,7 +6,7 @@ GPUOptDataModule, ExactResume and a StepBoundaryCheckpoint writing ``last.ckpt``
     python tests/resume_child.py ROOT [--devices 2] [--accumulate 2] [--workers 2] [--persistent] [--kill-batch N]
         [--crash-batch N] [--term-batch N --term-ranks all|1] [--oom-limit BYTES --oom-from N] [--hidden H]
         [--batch-size B] [--length L] [--epochs E] [--val] [--val-every N] [--onecycle] [--epoch-schedule] [--adaptive]
-        [--record-epochs] [--no-dropout] [--stream SHARDS --shuffle-buffer N] [--elastic keep_optimizer_batch|keep_per_rank] [--report] [--resume]
+        [--record-epochs] [--no-dropout] [--stream SHARDS | --stored GLOB] [--shuffle-buffer N] [--elastic keep_optimizer_batch|keep_per_rank] [--report] [--resume]
 
 ``--kill-batch N`` SIGKILLs the process at the end of training batch N (counted over the whole run, before
 that batch's checkpoint); ``--crash-batch N`` raises :class:`Crash` there instead, which an in-process caller
@@ -82,15 +82,56 @@ class ReadShard:
             yield self.samples[i]
 
 
+class FromId:
+    """A sample ``(i, x_i, y_i)`` of :class:`Augmented` (without its noise) from a stored record of its id: a Hugging
+    Face row ``{"id": i}`` or a tar sample whose ``json`` is ``{"id": i}``."""
+
+    def __init__(self, samples: Augmented) -> None:
+        self.samples = samples
+
+    def __call__(self, record: dict) -> tuple:
+        i = int(record["id"]) if "id" in record else int(json.loads(record["json"])["id"])
+        return i, self.samples.x[i], self.samples.y[i]
+
+
+class Mapped:
+    """``read_shard`` of another stream, each sample through ``fn``."""
+
+    def __init__(self, read_shard, fn) -> None:
+        self.read_shard, self.fn = read_shard, fn
+
+    def __call__(self, shard):
+        return (self.fn(sample) for sample in self.read_shard(shard))
+
+
 class Data(GPUOptDataModule):
-    def __init__(self, length: int = LENGTH, shards: int = 0, shuffle_buffer: int = 0, **kwargs) -> None:
+    def __init__(
+        self, length: int = LENGTH, shards: int = 0, shuffle_buffer: int = 0, stored: str = "", **kwargs
+    ) -> None:
         super().__init__(**kwargs)
-        self.length, self.shards, self.shuffle_buffer = length, shards, shuffle_buffer
+        self.length, self.shards, self.shuffle_buffer, self.stored = length, shards, shuffle_buffer, stored
 
     def train_dataset(self):
+        samples = Augmented(self.length)
+        if self.stored.endswith(".jsonl"):  # a glob of JSON-lines shards, through Hugging Face datasets
+            import glob
+
+            import datasets
+
+            files = sorted(glob.glob(self.stored))
+            hf = datasets.load_dataset("json", data_files=files, streaming=True, split="train")
+            stream = ShardedStream.from_hf(hf, shuffle_buffer=self.shuffle_buffer)
+            stream.read_shard = Mapped(stream.read_shard, FromId(samples))
+            return stream
+        if self.stored.endswith(".tar"):  # a glob of WebDataset-style tar shards
+            import glob
+
+            return ShardedStream.from_tars(
+                sorted(glob.glob(self.stored)), FromId(samples), shuffle_buffer=self.shuffle_buffer
+            )
         if not self.shards:
-            return Augmented(self.length)
-        read = ReadShard(Augmented(self.length), self.length // self.shards)
+            return samples
+        read = ReadShard(samples, self.length // self.shards)
         return ShardedStream(list(range(self.shards)), read, shuffle_buffer=self.shuffle_buffer)
 
 
@@ -237,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-dropout", action="store_true")
     parser.add_argument("--stream", type=int, default=0, help="shards of a ShardedStream over the samples")
     parser.add_argument("--shuffle-buffer", type=int, default=0)
+    parser.add_argument("--stored", default="", help="a glob of *.jsonl (Hugging Face) or *.tar shards")
     parser.add_argument("--elastic", default="keep_optimizer_batch")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--resume", action="store_true")
@@ -286,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens=args.max_tokens,
         shards=args.stream,
         shuffle_buffer=args.shuffle_buffer,
+        stored=args.stored,
     )
     trainer.fit(model, data, ckpt_path="last" if args.resume else None)
     rank = trainer.global_rank

@@ -174,6 +174,8 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         self._k = 1
         self._precision: str | None = None
         self._lr_factor = 1.0
+        self._world_size = 1  # this fit's ranks, saved: a resume on another number does not apply batch_size
+        self._saved_world_size: int | None = None
         self._requested = False
         self._engine: MicroBatchEngine | None = None
         self._cap: int | None = None  # the largest micro-batch the engine may run, in this fit
@@ -215,6 +217,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             "precision": self._precision,
             "lr_factor": self._lr_factor,
             "max_tokens": self.max_tokens,
+            "world_size": self._world_size,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,6 +231,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         self._lr_factor = float(state_dict.get("lr_factor", 1.0))
         self._apply_pending = self.micro_batch_size is not None
         self.max_tokens = state_dict.get("max_tokens")
+        self._saved_world_size = state_dict.get("world_size")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -258,6 +262,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
             )
         device = strategy.root_device
         self._resolved_multiple = self.multiple_of or (8 if device.type == "cuda" else 1)
+        self._world_size = int(trainer.world_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._engine = self._cap = None
@@ -293,6 +298,16 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         if self.mode != "max":
             return
         if self.batch_size is not None and not self._requested:
+            before = self._saved_world_size
+            if before is not None and int(before) != trainer.world_size:
+                # Resumed on another number of ranks: the datamodule keeps the optimizer batch (or the policy's
+                # per-rank size); a batch that no longer fits is split into micro-batches, as any other.
+                self.batch_size = lightning_getattr(pl_module, "batch_size")
+                rank_zero_info(
+                    f"MemoryAwareBatchSize: resumed on {trainer.world_size} rank(s) from a checkpoint of {before}: "
+                    f"batch_size {self.batch_size} per rank as the data set it, not the searched size."
+                )
+                return
             lightning_setattr(
                 pl_module, "batch_size", self.batch_size
             )  # resumed: the size it had, applied at batch 0

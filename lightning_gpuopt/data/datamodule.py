@@ -254,6 +254,7 @@ class GPUOptDataModule(pl.LightningDataModule):
         #: What the last resume did with the data's state (``"data"``, ``"batch_size"``): the report lists it.
         self.resume_notes: dict[str, str] = {}
         self._configured_batch_size = batch_size
+        self._configured_max_tokens = max_tokens
         #: A training IterableDataset with no state of its own: its batch size and world size (else ``None``).
         self._stream: dict[str, Any] | None = None
         #: Such a stream's place in the checkpoint a resume loaded.
@@ -495,7 +496,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         if loop is not None and consumed >= trainer.num_training_batches:  # the epoch is over: the next one
             epoch, consumed = epoch + 1, 0
         if isinstance(sampler, TokenBatchSampler):
-            size: dict[str, int] = {"max_tokens": sampler.max_tokens}
+            size: dict[str, Any] = {
+                "max_tokens": sampler.max_tokens,
+                "configured_max_tokens": self._configured_max_tokens,
+            }
         else:
             # Samples of the epoch's order consumed on all ranks: those before a resume, and this run's batches since.
             resumed_epoch, base, base_batches = self._consumed_from
@@ -511,7 +515,7 @@ class GPUOptDataModule(pl.LightningDataModule):
             }
             stream = self._datasets.get("train")
             if isinstance(stream, ShardedStream):
-                size["shard_sizes"] = stream.sizes()  # type: ignore[assignment]
+                size["shard_sizes"] = stream.sizes()
         return {
             "train_loader": {
                 "epoch": epoch,
@@ -528,38 +532,48 @@ class GPUOptDataModule(pl.LightningDataModule):
         self._resume_from = dict(state) if state else None
         self._resume_seed = int(state["seed"]) if state and "seed" in state else None
         self._stream_resumed = dict(state_dict.get("stream") or {}) or None
-        if self._resume_from and "batch_size" in self._resume_from:
+        if self._resume_from:
             self._keep_optimizer_batch(self._resume_from)
         if self._resume_from and self._train_sampler is not None:
-            self._apply_resume(self._train_sampler)
+            # The loader was built before the checkpoint was loaded (strategies that restore after setup, with a
+            # schedule reading estimated_stepping_batches): the fit loop builds it again, as resumed.
+            loop = getattr(self.trainer, "fit_loop", None)
+            if loop is not None:
+                _compat.drop_train_loader(loop)
+            else:
+                self._apply_resume(self._train_sampler)
 
     def _note(self, state: str, policy: str) -> None:
         self.resume_notes[state] = policy
 
     def _keep_optimizer_batch(self, resume: dict[str, Any]) -> None:
-        """On a resume on another number of ranks, the per-rank batch size that keeps the checkpoint's optimizer
-        batch (``ranks x batch_size x accumulate_grad_batches``), unless the policy or the user says otherwise."""
+        """On a resume on another number of ranks, the per-rank ``batch_size`` (``max_tokens`` for token batches)
+        that keeps the checkpoint's optimizer batch (``ranks x batch_size x accumulate_grad_batches``), unless the
+        policy or the user says otherwise."""
         world = int(getattr(self.trainer, "world_size", 1) or 1)
         before_world = int(resume.get("world_size", world))
-        if before_world == world:
-            return
-        before = int(resume["batch_size"])
-        was = f"{before_world} rank(s) x batch_size {before}"
-        configured = resume.get("configured_batch_size")
-        if configured is not None and int(configured) != self._configured_batch_size:
-            self._note("batch_size", f"{before} -> {self.batch_size} per rank, given for this run")
+        name = "max_tokens" if "max_tokens" in resume else "batch_size"
+        current = getattr(self, name)
+        if before_world == world or resume.get(name) is None or not isinstance(current, int):
+            return  # the same ranks; or max_tokens chosen from this run's memory ('auto')
+        before, unit = int(resume[name]), "token(s)" if name == "max_tokens" else "sample(s)"
+        was = f"{before_world} rank(s) x {name} {before}"
+        configured = resume.get(f"configured_{name}")
+        mine = self._configured_max_tokens if name == "max_tokens" else self._configured_batch_size
+        if configured is not None and configured != mine:
+            self._note(name, f"{before} -> {current} per rank, given for this run")
             rank_zero_info(
-                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; batch_size={self.batch_size} "
-                f"given for this run is kept: the optimizer batch is {world * self.batch_size} sample(s) x "
-                f"accumulate_grad_batches (was {before_world * before} x it)."
+                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; {name}={current} given for "
+                f"this run is kept: the optimizer batch is {world * current} {unit} x accumulate_grad_batches (was "
+                f"{before_world * before} x it)."
             )
             return
         if self.elastic == "keep_per_rank":
-            self.batch_size = before
-            self._note("batch_size", f"{before} per rank kept (elastic='keep_per_rank')")
+            setattr(self, name, before)
+            self._note(name, f"{before} per rank kept (elastic='keep_per_rank')")
             rank_zero_info(
-                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; batch_size {before} is kept "
-                f"per rank (elastic='keep_per_rank'): the optimizer batch is {world * before} sample(s) x "
+                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; {name} {before} is kept "
+                f"per rank (elastic='keep_per_rank'): the optimizer batch is {world * before} {unit} x "
                 f"accumulate_grad_batches (was {before_world * before} x it), so an epoch has other steps than a "
                 "restored schedule counted."
             )
@@ -568,15 +582,15 @@ class GPUOptDataModule(pl.LightningDataModule):
         if total % world:
             fits = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
             raise ValueError(
-                f"GPUOptDataModule: the checkpoint's optimizer batch, {was} = {total} sample(s) x "
+                f"GPUOptDataModule: the checkpoint's optimizer batch, {was} = {total} {unit} x "
                 f"accumulate_grad_batches, does not divide by this run's {world} rank(s): resume on {fits} rank(s), "
-                "or pass ExactResume(elastic='keep_per_rank') to keep batch_size per rank."
+                f"or pass ExactResume(elastic='keep_per_rank') to keep {name} per rank."
             )
-        self.batch_size = total // world
-        self._note("batch_size", f"{before} -> {self.batch_size} per rank: the optimizer batch kept")
+        setattr(self, name, total // world)
+        self._note(name, f"{before} -> {total // world} per rank: the optimizer batch kept")
         rank_zero_info(
-            f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}: batch_size {before} -> "
-            f"{self.batch_size} per rank, keeping the optimizer batch of {total} sample(s) x accumulate_grad_batches."
+            f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}: {name} {before} -> "
+            f"{total // world} per rank, keeping the optimizer batch of {total} {unit} x accumulate_grad_batches."
         )
 
     def _say_stream_restarts(self, dataset: IterableDataset, batch_size: int) -> None:
@@ -749,15 +763,19 @@ class GPUOptDataModule(pl.LightningDataModule):
                 f"over {sampler.num_replicas}",
             )
         self._rebuild_after_resume = len(sampler) != whole
-        sampler.after_resumed_epoch = self._after_resumed_epoch
+        callbacks = getattr(self.trainer, "callbacks", None)
+        if isinstance(callbacks, list) and not any(isinstance(c, _ResumedEpochEnd) for c in callbacks):
+            callbacks.append(_ResumedEpochEnd(self))
 
-    def _after_resumed_epoch(self) -> None:
-        """The resumed epoch's loader has handed out its last batch: later loaders start epochs whole, and one
-        whose length was not a whole epoch's is built again for the next epoch (Lightning counts its batches once)."""
+    def _end_resumed_epoch(self, trainer: pl.Trainer) -> None:
+        """The resumed epoch is over: later loaders start epochs whole, and one whose length in that epoch was not
+        a whole epoch's is built again for the next (Lightning counts a loader's batches when it builds it)."""
+        if self._resume_from is None:
+            return
         self._resume_from = None
-        if self._rebuild_after_resume and self.trainer is not None:
+        if self._rebuild_after_resume:
             self._rebuild_after_resume = False
-            _compat.drop_train_loader(self.trainer.fit_loop)
+            _compat.drop_train_loader(trainer.fit_loop)
 
     def _batch_transfer(self, stage: str) -> BatchTransfer | None:
         """How batches of ``stage`` reach the device ahead of use; ``None``: Lightning moves each when used."""
@@ -809,3 +827,14 @@ class GPUOptDataModule(pl.LightningDataModule):
         if key not in self._announced:
             self._announced.add(key)
             rank_zero_info(message)
+
+
+class _ResumedEpochEnd(pl.Callback):
+    """Ends a :class:`GPUOptDataModule`'s resumed epoch at its ``on_train_epoch_end`` (added by the datamodule to the
+    Trainer's callbacks on a resume)."""
+
+    def __init__(self, datamodule: GPUOptDataModule) -> None:
+        self.datamodule = datamodule
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.datamodule._end_resumed_epoch(trainer)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
@@ -104,10 +104,6 @@ class ResumableSampler(DistributedSampler):
         [7, 8, 9]
     """
 
-    #: Called when the iterator of a resumed epoch hands out its last item (the datamodule rebuilds the loader for
-    #: the next epoch when the resumed epoch's length was not a whole epoch's).
-    after_resumed_epoch: Callable[[], None] | None = None
-
     def __init__(
         self,
         dataset: Sized,
@@ -144,22 +140,8 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         epoch = self.epoch
-        if self._skip_epoch != epoch:
-            return iter([(epoch, int(i)) for i in super().__iter__()])
-        return self._resumed(epoch, self._rest())
-
-    def _resumed(self, epoch: int, rest: list[int]) -> Iterator[tuple[int, int]]:
-        for j, i in enumerate(rest):
-            if j == len(rest) - 1:
-                self._resumed_epoch_dealt()
-            yield epoch, int(i)
-        if not rest:
-            self._resumed_epoch_dealt()
-
-    def _resumed_epoch_dealt(self) -> None:
-        # At the last item, not after it: Lightning stops at the loader's length and never asks past the end.
-        if self.after_resumed_epoch is not None:
-            self.after_resumed_epoch()
+        indices = super().__iter__() if self._skip_epoch != epoch else self._rest()
+        return iter([(epoch, int(i)) for i in indices])
 
     def __len__(self) -> int:
         if self._skip_epoch != self.epoch:
@@ -170,18 +152,9 @@ class ResumableSampler(DistributedSampler):
         return counted + len(self._rest())
 
     def _rest(self) -> list[int]:
-        """This rank's items of the resumed epoch: the order past the skipped samples, padded to a multiple of the
-        ranks and dealt round-robin."""
-        order = self._order()
-        rest = order[self._skip_samples :]
-        world = self.num_replicas
-        if len(rest) % world:  # consumed on another number of ranks: pad as DistributedSampler does
-            rest += (order * math.ceil(world / max(1, len(order))))[: world - len(rest) % world]
-        return rest[self.rank :: world]
-
-    def _order(self) -> list[int]:
-        """The epoch's order before it is dealt: the permutation (or index order), padded or cut to
-        ``total_size`` (``DistributedSampler``'s)."""
+        """This rank's items of the resumed epoch: the order past the skipped samples, padded (or, with
+        ``drop_last``, cut) to a multiple of the ranks as ``DistributedSampler`` does, and dealt round-robin. On the
+        number of ranks that consumed the skipped samples this is what ``DistributedSampler`` deals past them."""
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             generator = torch.Generator()
@@ -189,9 +162,13 @@ class ResumableSampler(DistributedSampler):
             order = torch.randperm(n, generator=generator).tolist()
         else:
             order = list(range(n))
+        rest = order[self._skip_samples :]
+        world = self.num_replicas
         if self.drop_last:
-            return order[: self.total_size]
-        return (order * math.ceil(self.total_size / max(1, n)))[: self.total_size]
+            rest = rest[: len(rest) - len(rest) % world]
+        elif len(rest) % world:
+            rest += (order * math.ceil(world / max(1, n)))[: world - len(rest) % world]
+        return rest[self.rank :: world]
 
     def set_epoch(self, epoch: int) -> None:
         if self._skip_epoch is not None and epoch != self._skip_epoch:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
+import tarfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -34,8 +36,8 @@ class ShardedStream(IterableDataset):
     """A training stream of shards: ``read_shard(shard)`` gives one shard's samples, in order.
 
     Return it from :meth:`GPUOptDataModule.train_dataset`: the datamodule reads it by position, resumes it exactly
-    mid-epoch, on any number of ranks and workers (docs/resume.md, "Streams"). Iterated directly, it yields epoch
-    0's order.
+    mid-epoch, on any number of ranks and workers (docs/resume.md, "Streams"). Iterated directly (outside the
+    datamodule), it yields epoch 0's order, every n-th sample of it in each of a loader's n workers.
 
     Args:
         shards: the shards (paths, URLs, ids: anything ``read_shard`` takes).
@@ -86,10 +88,48 @@ class ShardedStream(IterableDataset):
         self.shuffle_shards = shuffle_shards
         self._sizes = [int(n) for n in shard_sizes] if shard_sizes is not None else None
 
+    @classmethod
+    def from_hf(cls, dataset: Any, shuffle_buffer: int = 0, seed: int | None = None) -> ShardedStream:
+        """A Hugging Face ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``) read by its shards
+        (``dataset.shard(num_shards, index)``: one data file each for JSON lines, Parquet, CSV...). Its own
+        ``shuffle`` is not applied: the stream's order is (seed, epoch)'s.
+
+        Example:
+            >>> import datasets  # doctest: +SKIP
+            >>> ShardedStream.from_hf(datasets.load_dataset("json", data_files=files, streaming=True, split="train"))  # doctest: +SKIP
+        """
+        shards = int(getattr(dataset, "num_shards", 0) or 0)
+        if shards < 1 or not callable(getattr(dataset, "shard", None)):
+            raise TypeError(
+                f"ShardedStream.from_hf takes a datasets.IterableDataset with shards (num_shards >= 1, shard()), got "
+                f"{type(dataset).__name__}"
+            )
+        return cls(list(range(shards)), _HFShard(dataset, shards), shuffle_buffer=shuffle_buffer, seed=seed)
+
+    @classmethod
+    def from_tars(
+        cls,
+        paths: Sequence[str | os.PathLike],
+        decode: Callable[[dict[str, Any]], Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedStream:
+        """WebDataset-style tar shards: each sample is the files of one key (``0001.jpg``, ``0001.json``), given to
+        ``decode`` as ``{"__key__": "0001", "jpg": bytes, "json": bytes}`` (that dict itself without ``decode``).
+        Counting a shard reads its file names only. Other arguments as :class:`ShardedStream`'s.
+
+        Example:
+            >>> ShardedStream.from_tars(["data/shard-000.tar", "data/shard-001.tar"], decode=my_decode)  # doctest: +SKIP
+        """
+        return cls([os.fspath(p) for p in paths], _TarShard(decode), **kwargs)
+
     def sizes(self) -> list[int]:
         """Each shard's number of samples (counted once, the first time it is asked)."""
         if self._sizes is None:
-            self._sizes = [_count(self.read_shard(shard)) for shard in self.shards]
+            count = getattr(self.read_shard, "count", None)
+            self._sizes = [
+                int(count(shard)) if callable(count) else _count(self.read_shard(shard))
+                for shard in self.shards
+            ]
         return list(self._sizes)
 
     def set_sizes(self, sizes: Sequence[int]) -> None:
@@ -109,6 +149,66 @@ class ShardedStream(IterableDataset):
         info = torch.utils.data.get_worker_info()
         indices = range(len(self)) if info is None else range(info.id, len(self), info.num_workers)
         return (positions[(0, p)] for p in indices)
+
+
+class _HFShard:
+    """Shard ``i`` of a Hugging Face ``IterableDataset``, as ``read_shard``: its rows, in order.
+
+    Read through ``iter(batch_size=...)``: iterated as an iterable, a ``datasets.IterableDataset`` in a loader worker
+    keeps only the shards it assigns to that worker (``_iter_pytorch``), and a one-shard dataset is then empty in
+    every worker but one.
+    """
+
+    def __init__(self, dataset: Any, shards: int, rows: int = 256) -> None:
+        self.dataset, self.shards, self.rows = dataset, shards, rows
+
+    def __call__(self, index: int) -> Iterator[Any]:
+        shard = self.dataset.shard(num_shards=self.shards, index=index, contiguous=True)
+        for batch in shard.iter(batch_size=self.rows):
+            columns = list(batch)
+            for values in zip(*(batch[c] for c in columns)):
+                yield dict(zip(columns, values))
+
+
+class _TarShard:
+    """A WebDataset-style tar file's samples (its members grouped by key, in order), as ``read_shard``."""
+
+    def __init__(self, decode: Callable[[dict[str, Any]], Any] | None) -> None:
+        self.decode = decode
+
+    def __call__(self, path: str) -> Iterator[Any]:
+        sample: dict[str, Any] = {}
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, ext = _key_and_extension(member.name)
+                if sample and sample["__key__"] != key:
+                    yield self._decoded(sample)
+                    sample = {}
+                sample["__key__"] = key
+                handle = tar.extractfile(member)
+                sample[ext] = handle.read() if handle is not None else b""
+        if sample:
+            yield self._decoded(sample)
+
+    def _decoded(self, sample: dict[str, Any]) -> Any:
+        return self.decode(sample) if self.decode is not None else sample
+
+    @staticmethod
+    def count(path: str) -> int:
+        """The samples in one tar file, from its member names (nothing read or decoded)."""
+        with tarfile.open(path) as tar:
+            keys = [_key_and_extension(m.name)[0] for m in tar if m.isfile()]
+        return sum(1 for i, key in enumerate(keys) if i == 0 or key != keys[i - 1])
+
+
+def _key_and_extension(name: str) -> tuple[str, str]:
+    """``"dir/0001.seg.json"`` -> ``("dir/0001", "seg.json")``: WebDataset's key is the name up to the first dot of
+    its last part."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext
 
 
 def _count(samples: Iterable[Any]) -> int:

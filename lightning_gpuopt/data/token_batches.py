@@ -187,17 +187,9 @@ class TokenBatchSampler(ResumableSampler):
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:  # type: ignore[override]
         epoch = self.epoch
         mine = self.epoch_batches(epoch)[self.rank :: self.num_replicas]
-        if self._skip_epoch != epoch:
-            return iter([[(epoch, i) for i in batch] for batch in mine])
-        return self._resumed_batches(epoch, mine[self._skip_samples :])  # batches here: see skip()
-
-    def _resumed_batches(self, epoch: int, mine: list[list[int]]) -> Iterator[list[tuple[int, int]]]:
-        for j, batch in enumerate(mine):
-            if j == len(mine) - 1:
-                self._resumed_epoch_dealt()
-            yield [(epoch, i) for i in batch]
-        if not mine:
-            self._resumed_epoch_dealt()
+        if self._skip_epoch == epoch:
+            mine = mine[self._skip_samples :]  # batches here: see skip()
+        return iter([[(epoch, i) for i in batch] for batch in mine])
 
     def __len__(self) -> int:
         whole = len(self._bounds) // self.num_replicas

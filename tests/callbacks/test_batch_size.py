@@ -335,6 +335,32 @@ class BatchSizeData(GPUOptDataModule):
         return self.data
 
 
+def test_max_mode_resumed_on_other_ranks_keeps_the_datamodules_batch(tmp_path, caplog):
+    """A max-mode search on 2 ranks (its checkpoint says so), resumed on 1: the datamodule keeps the optimizer batch
+    (2 x the searched size) and MemoryAwareBatchSize does not put its per-rank size back."""
+    finder = MemoryAwareBatchSize(mode="max")
+    first = pl.Trainer(
+        max_steps=2,
+        precision="64-true",
+        callbacks=[finder, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        **{**TRAINER_QUIET, "enable_checkpointing": True},
+    )
+    with SimulatedMemory(limit_bytes=_wide_limit(1.0)):
+        first.fit(WideRegressor("sgd"), datamodule=BatchSizeData(batch_size=16))
+    size = finder.batch_size
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    checkpoint["callbacks"][finder.state_key]["world_size"] = 2  # as if written by 2 ranks
+    checkpoint["BatchSizeData"]["train_loader"]["world_size"] = 2
+    torch.save(checkpoint, tmp_path / "two_ranks.ckpt")
+    resumed, data = MemoryAwareBatchSize(mode="max"), BatchSizeData(batch_size=16)
+    trainer = pl.Trainer(max_steps=3, precision="64-true", callbacks=[resumed], **TRAINER_QUIET)
+    with caplog.at_level(logging.INFO), SimulatedMemory(limit_bytes=_wide_limit(1.0)):
+        trainer.fit(WideRegressor("sgd"), datamodule=data, ckpt_path=str(tmp_path / "two_ranks.ckpt"))
+    assert data.batch_size == resumed.batch_size == 2 * size
+    assert f"batch_size {size} -> {2 * size} per rank, keeping the optimizer batch" in caplog.text
+    assert f"batch_size {2 * size} per rank as the data set it, not the searched size" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("rule", "factor"),
     [(None, None), ("linear", lambda r: r), ("sqrt", math.sqrt)],

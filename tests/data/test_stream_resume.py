@@ -11,6 +11,7 @@ shuffle buffer of 512, stopped three times in one epoch and resumed as 2 ranks x
 from __future__ import annotations
 
 import collections
+import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,8 +69,8 @@ class _Stream(GPUOptDataModule):
         return ShardedStream(list(range(16)), _ids([SHARD] * 16), shuffle_buffer=512)
 
 
-def _loader(state: dict | None = None):
-    data = _Stream(batch_size=100, num_workers=0, pin_memory=False, device_prefetch=False)
+def _loader(state: dict | None = None, data_class: type = _Stream, batch_size: int = 100, workers: int = 0):
+    data = data_class(batch_size=batch_size, num_workers=workers, pin_memory=False, device_prefetch=False)
     data.trainer = SimpleNamespace(
         world_size=1, global_rank=0, strategy=SimpleNamespace(root_device=torch.device("cpu"))
     )
@@ -91,11 +92,11 @@ def test_a_resume_at_90_percent_decodes_at_most_one_shard_plus_the_shuffle_buffe
     assert rest == whole[18_000:] and len(loader) == 200  # 180 counted by the fit loop, 20 left
 
 
-def _leg(root: Path, ranks: int, workers: int, *args: object) -> None:
+def _leg(root: Path, ranks: int, workers: int, *args: object, source: tuple = ("--stream", 16)) -> None:
     run_ranks(
         Path(resume_child.__file__),
         root,
-        *("--stream", 16, "--shuffle-buffer", 512, "--length", 16 * SHARD, "--batch-size", 100),
+        *(*source, "--shuffle-buffer", 512, "--length", 16 * SHARD, "--batch-size", 100),
         *("--devices", ranks, "--workers", workers, "--no-dropout", *args),
         ranks=1,
         result="params.pt",
@@ -103,20 +104,138 @@ def _leg(root: Path, ranks: int, workers: int, *args: object) -> None:
     )
 
 
+def _write_shards(folder: Path, form: str) -> tuple:
+    """16 shards of 1,250 records ``{"id": i}``: JSON lines for Hugging Face datasets, or tar files of
+    ``{i}.json`` members (WebDataset's layout); the child's ``--stored`` arguments."""
+    import io
+    import json
+    import tarfile
+
+    folder.mkdir()
+    for shard in range(16):
+        ids = range(shard * SHARD, (shard + 1) * SHARD)
+        if form == "jsonl":
+            (folder / f"part-{shard:02d}.jsonl").write_text(
+                "".join(json.dumps({"id": i}) + "\n" for i in ids)
+            )
+            continue
+        with tarfile.open(folder / f"part-{shard:02d}.tar", "w") as tar:
+            for i in ids:
+                payload = json.dumps({"id": i}).encode()
+                info = tarfile.TarInfo(f"{i:06d}.json")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return ("--stored", str(folder / f"part-*.{form}"))
+
+
 @pytest.mark.slow
 def test_stopped_three_times_in_one_epoch_on_other_ranks_and_workers_every_sample_once(tmp_path):
-    """Optimizer batch 200 (2 ranks x 100, then 1 x 200, ...): SIGTERM at steps 25, 50 and 75 of the 100."""
-    _leg(tmp_path, 2, 2, "--term-batch", 25)
-    _leg(tmp_path, 1, 1, "--term-batch", 50, "--resume")
-    _leg(tmp_path, 2, 0, "--term-batch", 75, "--resume")
-    _leg(tmp_path, 2, 2, "--resume")
+    """Optimizer batch 200 (2 ranks x 100, then 1 x 200, ...): SIGTERM at steps 25, 50 and 75 of the 100. Hugging
+    Face datasets streaming local JSON lines through ``ShardedStream.from_hf`` (a ShardedStream of the child's own
+    shards where datasets is not installed). Tar shards go through the same ShardedStream (their test below, with
+    loader workers; run with ``_write_shards(..., "tar")`` here they pass too, 50 s more)."""
+    if importlib.util.find_spec("datasets") is None:
+        source: tuple = ("--stream", 16)
+    else:
+        source = _write_shards(tmp_path / "shards", "jsonl")
+    run = tmp_path / "run"
+    _leg(run, 2, 2, "--term-batch", 25, source=source)
+    _leg(run, 1, 1, "--term-batch", 50, "--resume", source=source)
+    _leg(run, 2, 0, "--term-batch", 75, "--resume", source=source)
+    _leg(run, 2, 2, "--resume", source=source)
     seen = collections.Counter()
     sizes = {}
     for rank in (0, 1):
-        lines = (tmp_path / f"ids_rank{rank}.txt").read_text().splitlines()
+        lines = (run / f"ids_rank{rank}.txt").read_text().splitlines()
         sizes[rank] = collections.Counter(len(line.split()[2].split(",")) for line in lines)
         for line in lines:
             seen.update(int(i) for i in line.split()[2].split(","))
     assert sorted(seen) == list(range(16 * SHARD)) and set(seen.values()) == {1}, seen.most_common(3)
     # Each leg trained its part: rank 0 ran 25 batches of 200 on its own (the second leg), rank 1 none then.
     assert sizes == {0: {100: 75, 200: 25}, 1: {100: 75}}
+
+
+def _resumes_exactly(data_class: type, total: int, consumed: int, workers: int = 0) -> list:
+    """The epoch through ``data_class``'s loader (batches of 5), and a resume past ``consumed`` samples: the rest
+    of the same order."""
+    whole = [x for batch in _loader(None, data_class, 5, workers) for x in _ids_of(batch)]
+    state = {
+        "epoch": 0,
+        "batches": consumed // 5,
+        "batch_size": 5,
+        "samples": consumed,
+        "seed": 0,
+        "world_size": 1,
+    }
+    resumed = _loader({**state, "configured_batch_size": 5}, data_class, 5, workers)
+    rest = [x for batch in resumed for x in _ids_of(batch)]
+    assert sorted(whole) == list(range(total)) and rest == whole[consumed:]
+    return whole
+
+
+def _ids_of(batch) -> list[int]:
+    return [int(i) for i in (batch["id"] if isinstance(batch, dict) else batch)]
+
+
+@pytest.mark.parametrize("form", ["json", "parquet"])
+def test_a_hugging_face_stream_of_local_shards_resumes_exactly(tmp_path, form):
+    datasets = pytest.importorskip("datasets")
+    files = []
+    for shard in range(4):
+        rows = datasets.Dataset.from_dict({"id": list(range(shard * 25, shard * 25 + 25))})
+        path = tmp_path / f"part-{shard}.{form}"
+        rows.to_json(path) if form == "json" else rows.to_parquet(path)
+        files.append(str(path))
+    streaming = datasets.load_dataset(form, data_files=files, streaming=True, split="train")
+
+    class HF(GPUOptDataModule):
+        def train_dataset(self):
+            return ShardedStream.from_hf(streaming, shuffle_buffer=8)
+
+    # Loader workers: a datasets.IterableDataset iterated in a worker keeps only the shards it gives that worker
+    # (a one-shard read was empty in the second worker), so the adapter reads it otherwise.
+    whole = _resumes_exactly(HF, 100, 45, workers=2)
+    assert whole != sorted(whole)  # shards and windows shuffled
+
+
+def test_webdataset_style_tar_shards_resume_exactly_and_are_counted_from_names_only_with_workers(tmp_path):
+    import io
+    import json
+    import tarfile
+
+    paths = []
+    for shard in range(3):
+        path = tmp_path / f"shard-{shard:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for i in range(shard * 10, shard * 10 + 10):
+                for ext, payload in (("json", json.dumps({"id": i}).encode()), ("txt", b"x" * i)):
+                    info = tarfile.TarInfo(f"{i:05d}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        paths.append(path)
+    decoded = []
+
+    def decode(sample):
+        decoded.append(sample["__key__"])
+        assert len(sample["txt"]) == int(sample["__key__"])
+        return json.loads(sample["json"])["id"]
+
+    stream = ShardedStream.from_tars(paths, decode)
+    assert stream.sizes() == [10, 10, 10] and decoded == []  # counted from the member names
+
+    class Tars(GPUOptDataModule):
+        def train_dataset(self):
+            return ShardedStream.from_tars(paths, decode, shuffle_buffer=4)
+
+    _resumes_exactly(Tars, 30, 15, workers=2)
+
+
+def test_a_tar_shard_written_by_webdataset_reads_as_its_samples(tmp_path):
+    webdataset = pytest.importorskip("webdataset")
+    path = tmp_path / "shard-000.tar"
+    with webdataset.TarWriter(str(path)) as sink:
+        for i in range(7):
+            sink.write({"__key__": f"sample{i:04d}", "cls": str(i).encode(), "txt": b"t" * i})
+    stream = ShardedStream.from_tars([path], lambda s: (s["__key__"], int(s["cls"]), len(s["txt"])))
+    assert stream.sizes() == [7]
+    assert list(stream) == [(f"sample{i:04d}", i, i) for i in range(7)]

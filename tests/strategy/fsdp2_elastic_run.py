@@ -2,12 +2,14 @@
 of ranks through torch.distributed.checkpoint, run as a script: Lightning's launcher starts the other ranks by
 re-running it.
 
-    PYTHONPATH=. python tests/strategy/fsdp2_elastic_run.py OUT_DIR DEVICES STEPS BATCH_SIZE [CHECKPOINT]
+    PYTHONPATH=. python tests/strategy/fsdp2_elastic_run.py OUT_DIR DEVICES STOP BATCH_SIZE [CHECKPOINT]
 
-A 64-true MLP (no dropout, a per-sample-mean loss, AdamW) on 240 samples, ``batch_size`` BATCH_SIZE per rank (a
-resumed leg keeps the checkpoint's optimizer batch), ``FSDP2Strategy``, ``ExactResume``. Trains to ``STEPS`` optimizer steps, resuming from
-CHECKPOINT (a folder Lightning's ``ModelParallelStrategy`` wrote) when given, writing ``OUT_DIR/ckpt/last.ckpt``
-(a folder) at every step; rank 0 writes the whole parameters to ``OUT_DIR/params.pt`` and the initial ones to ``OUT_DIR/params0.pt``.
+A float64 MLP (no dropout, a per-sample-mean loss, AdamW, a OneCycle schedule over 15 steps that reads
+``estimated_stepping_batches``, so the strategy builds the loader before the checkpoint is loaded) on 240 samples,
+``batch_size`` BATCH_SIZE per rank (a resumed leg keeps the checkpoint's optimizer batch), ``FSDP2Strategy``,
+``ExactResume``. Trains until optimizer step STOP (of 15), resuming from CHECKPOINT (a folder Lightning's
+``ModelParallelStrategy`` wrote) when given, writing ``OUT_DIR/ckpt/last.ckpt`` (a folder) at every step; rank 0
+writes the whole parameters to ``OUT_DIR/params.pt`` and the initial ones to ``OUT_DIR/params0.pt``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightning_gpuopt import ExactResume, FSDP2Strategy, GPUOptDataModule
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
 from tests.helpers import TRAINER_QUIET, run_script
 
-SAMPLES, DIM = 240, 8
+SAMPLES, DIM, STEPS = 240, 8, 15
 
 
 class Regressor(pl.LightningModule):
@@ -44,7 +46,10 @@ class Regressor(pl.LightningModule):
         return F.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.02, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class Data(GPUOptDataModule):
@@ -55,8 +60,12 @@ class Data(GPUOptDataModule):
 
 
 class Save(pl.Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
+    def __init__(self, out_dir: str, stop: int) -> None:
+        self.out_dir, self.stop = out_dir, stop
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.stop:
+            trainer.should_stop = True  # after this step's checkpoint
 
     def on_train_start(self, trainer, pl_module):
         self._save(trainer, pl_module, "params0.pt")
@@ -73,17 +82,17 @@ class Save(pl.Callback):
 
 
 def main() -> None:
-    out_dir, devices, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out_dir, devices, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     batch_size = int(sys.argv[4])
     checkpoint = sys.argv[5] if len(sys.argv) > 5 else None
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         strategy=FSDP2Strategy(),
         precision="32-true",  # ModelParallelStrategy refuses 64-true; the model and data are float64 anyway
-        max_steps=steps,
+        max_steps=STEPS,
         callbacks=[
             ExactResume(),
-            Save(out_dir),
+            Save(out_dir, stop),
             StepBoundaryCheckpoint(
                 dirpath=os.path.join(out_dir, "ckpt"), every_n_train_steps=1, save_last=True
             ),
