@@ -100,6 +100,11 @@ def _leg(root: Path, ranks: int, *args: object) -> None:
     )
 
 
+def _leg_here(root: Path, *args: object) -> None:
+    """One rank, in this process (no process to start)."""
+    resume_child.main([str(root), *map(str, ELASTIC), *map(str, args)])
+
+
 def test_stopped_on_2_ranks_resumed_on_1_then_on_3_trains_like_the_uninterrupted_2_rank_run(tmp_path):
     """Optimizer batch 24 (2 ranks x 12), 24 x 40 samples, a per-sample-mean loss, no dropout, 64-true: SIGTERM at
     step 15, resumed on 1 rank (batch 24), SIGTERM at step 30, resumed on 3 ranks (batch 8). Every sample once, the
@@ -109,7 +114,7 @@ def test_stopped_on_2_ranks_resumed_on_1_then_on_3_trains_like_the_uninterrupted
     _leg(tmp_path / "straight", 2, *common)
     legs = tmp_path / "legs"
     _leg(legs, 2, *common, "--term-batch", 15)
-    _leg(legs, 1, *common, "--term-batch", 30, "--resume")
+    _leg_here(legs, *common, "--term-batch", 30, "--resume")
     _leg(legs, 3, *common, "--resume")
     seen = collections.Counter(i for _, i in _ids(legs))
     assert sorted(seen) == list(range(24 * 40)) and set(seen.values()) == {1}, seen.most_common(3)
@@ -130,7 +135,7 @@ def test_keeping_the_per_rank_batch_the_resumed_epoch_is_shorter_and_the_next_on
     each. The workers have drawn every index of the resumed epoch before its first batch is trained (the loader
     was once rebuilt then, and the epoch started over)."""
     _leg(tmp_path, 2, "--epochs", 2, "--term-batch", 5, "--elastic", "keep_per_rank")
-    _leg(tmp_path, 1, "--epochs", 2, "--elastic", "keep_per_rank", "--workers", 2, "--resume")
+    _leg_here(tmp_path, "--epochs", 2, "--elastic", "keep_per_rank", "--workers", 2, "--resume")
     seen = collections.Counter(_ids(tmp_path))
     for epoch in (0, 1):
         assert sorted(i for e, i in seen if e == epoch) == list(range(resume_child.LENGTH))
@@ -147,7 +152,7 @@ def test_token_batches_on_another_number_of_ranks_restart_the_epoch_whole(tmp_pa
     first = _ids(tmp_path)
     for path in tmp_path.glob("ids_rank*.txt"):
         path.unlink()
-    _leg(tmp_path, 1, "--max-tokens", 24, "--resume")
+    _leg_here(tmp_path, "--max-tokens", 24, "--resume")
     again = _ids(tmp_path)
     assert first and sorted(i for _, i in again) == list(range(resume_child.LENGTH))
 

@@ -24,7 +24,7 @@ from lightning_gpuopt import GPUOptDataModule
 from lightning_gpuopt.data import ShardedStream
 from lightning_gpuopt.data.stream import StreamPositions
 from tests import resume_child
-from tests.helpers import run_ranks
+from tests.helpers import assert_same_training, run_ranks
 
 SHARD = 1250
 
@@ -93,10 +93,17 @@ def test_a_resume_at_90_percent_decodes_at_most_one_shard_plus_the_shuffle_buffe
 
 
 def _leg(root: Path, ranks: int, workers: int, *args: object, source: tuple = ("--stream", 16)) -> None:
+    common = (*source, "--shuffle-buffer", 512, "--length", 16 * SHARD, "--batch-size", 100)
+    if ranks == 1:  # in this process: no process to start
+        root.mkdir(parents=True, exist_ok=True)
+        resume_child.main(
+            [str(root), *map(str, common), "--workers", str(workers), "--no-dropout", *map(str, args)]
+        )
+        return
     run_ranks(
         Path(resume_child.__file__),
         root,
-        *(*source, "--shuffle-buffer", 512, "--length", 16 * SHARD, "--batch-size", 100),
+        *common,
         *("--devices", ranks, "--workers", workers, "--no-dropout", *args),
         ranks=1,
         result="params.pt",
@@ -139,6 +146,7 @@ def test_stopped_three_times_in_one_epoch_on_other_ranks_and_workers_every_sampl
     else:
         source = _write_shards(tmp_path / "shards", "jsonl")
     run = tmp_path / "run"
+    _leg(tmp_path / "straight", 2, 0, source=source)  # the workers change nothing but speed
     _leg(run, 2, 2, "--term-batch", 25, source=source)
     _leg(run, 1, 1, "--term-batch", 50, "--resume", source=source)
     _leg(run, 2, 0, "--term-batch", 75, "--resume", source=source)
@@ -153,6 +161,20 @@ def test_stopped_three_times_in_one_epoch_on_other_ranks_and_workers_every_sampl
     assert sorted(seen) == list(range(16 * SHARD)) and set(seen.values()) == {1}, seen.most_common(3)
     # Each leg trained its part: rank 0 ran 25 batches of 200 on its own (the second leg), rank 1 none then.
     assert sizes == {0: {100: 75, 200: 25}, 1: {100: 75}}
+    # The optimizer batch kept at 200 samples, in the order of the uninterrupted 2-rank run: the same training.
+    theta0 = {n: p.detach().to(torch.float64) for n, p in _model().named_parameters()}
+    params = [
+        {n: p.to(torch.float64) for n, p in torch.load(r / "params.pt").items()}
+        for r in (run, tmp_path / "straight")
+    ]
+    assert_same_training(theta0, *params, floor=1e-9, elementwise=True)
+
+
+def _model():
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0, verbose=False)
+    return resume_child.DropoutRegressor(dropout=0.0)
 
 
 def _resumes_exactly(data_class: type, total: int, consumed: int, workers: int = 0) -> list:
