@@ -444,11 +444,8 @@ class GPUOptDataModule(pl.LightningDataModule):
             collate_fn=self.collate_fn(),
         )
         if (
-            train
-            and isinstance(dataset, IterableDataset)
-            and not isinstance(dataset, ShardedStream)
-            and not callable(getattr(dataset, "state_dict", None))
-        ):
+            train and isinstance(dataset, IterableDataset) and not isinstance(dataset, ShardedStream)
+        ):  # its own state_dict, if any, is not kept: the loader's workers hold where it is, not this copy
             self._say_stream_restarts(dataset, kwargs["batch_size"])
         if train and isinstance(dataset, ShardedStream) and self.max_tokens is None:
             dataset = self._stream_positions(dataset)  # read by position: resumed like a map-style dataset
@@ -594,8 +591,8 @@ class GPUOptDataModule(pl.LightningDataModule):
         )
 
     def _say_stream_restarts(self, dataset: IterableDataset, batch_size: int) -> None:
-        """A training stream the pack cannot resume: say once what a mid-epoch resume does, and on such a resume,
-        how many samples it repeats."""
+        """A training stream the pack cannot resume (an IterableDataset other than a ShardedStream): say once what a
+        mid-epoch resume does, and on such a resume, how many samples it repeats."""
         world = int(getattr(self.trainer, "world_size", 1) or 1)
         self._stream = {"batch_size": int(batch_size), "world_size": world}
         name = type(dataset).__name__
@@ -607,16 +604,16 @@ class GPUOptDataModule(pl.LightningDataModule):
             )
             rank_zero_info(
                 f"GPUOptDataModule: resuming after {batches} training batch(es) of an epoch of {name}, an "
-                f"IterableDataset with no state of its own: the epoch starts again from its beginning, and the "
-                f"{samples} sample(s) of those batches are trained on twice."
+                f"IterableDataset: the epoch starts again from its beginning, and the {samples} sample(s) of those "
+                "batches are trained on twice."
             )
             return
         self._announce(
             "stream",
-            f"GPUOptDataModule: the training dataset {name} is an IterableDataset with no state of its own: a resume "
-            "from a checkpoint taken mid-epoch starts that epoch again from its beginning (the samples read before it "
-            "are trained on twice). Read its shards through lightning_gpuopt.data.ShardedStream, or use a map-style "
-            "dataset (both resumed exactly), or give it state_dict()/load_state_dict().",
+            f"GPUOptDataModule: the training dataset {name} is an IterableDataset, whose place the training loader does "
+            "not keep: a resume from a checkpoint taken mid-epoch starts that epoch again from its beginning (the "
+            "samples read before it are trained on twice). Read its shards through lightning_gpuopt.data.ShardedStream "
+            "(ShardedStream.from_hf for Hugging Face datasets), or use a map-style dataset: both resume exactly.",
         )
 
     def _stream_positions(self, stream: ShardedStream) -> StreamPositions:

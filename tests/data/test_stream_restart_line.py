@@ -1,5 +1,6 @@
-"""A training IterableDataset with no state of its own (issue 37): the pack cannot resume it mid-epoch, and says so
-instead of repeating samples silently. At setup, one line says what a mid-epoch resume will do; on such a resume,
+"""A training IterableDataset other than a ShardedStream (issue 37): the pack cannot resume it mid-epoch, and says so
+instead of repeating samples silently, also when it has a state_dict of its own (Hugging Face's: the loader's
+workers hold the place, not the copy the datamodule sees). At setup, one line says what a mid-epoch resume will do; on such a resume,
 one line says how many samples are trained on twice, and that figure is what the resumed epoch repeats (8 shards
 of 25 ids, batches of 4, a checkpoint after 20 steps: 80), with 0 and 2 loader workers."""
 
@@ -28,12 +29,23 @@ class Shards(IterableDataset):
             yield from (torch.tensor(shard * 25 + i) for i in range(25))
 
 
+class StatefulShards(Shards):
+    """The same, with a state of its own that a resume never sees (as a Hugging Face IterableDataset's)."""
+
+    def state_dict(self) -> dict:
+        return {"shard": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class Stream(GPUOptDataModule):
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, stateful: bool = False) -> None:
         super().__init__(batch_size=4, num_workers=workers, persistent_workers=False)
+        self.stateful = stateful
 
     def train_dataset(self):
-        return Shards()
+        return StatefulShards() if self.stateful else Shards()
 
 
 class Ids(pl.LightningModule):
@@ -51,28 +63,27 @@ class Ids(pl.LightningModule):
 
 
 def _lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "IterableDataset with no state" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if "an IterableDataset" in r.getMessage()]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_stream_without_state_says_what_a_resume_repeats_and_the_figure_is_right(tmp_path, caplog, workers):
+@pytest.mark.parametrize(("workers", "stateful"), [(0, False), (2, False), (2, True)])
+def test_a_stream_says_what_a_resume_repeats_and_the_figure_is_right(tmp_path, caplog, workers, stateful):
     caplog.set_level(logging.INFO)
     saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=20, save_top_k=-1)
     first = Ids()
     trainer = pl.Trainer(max_steps=20, callbacks=[saves], **{**TRAINER_QUIET, "enable_checkpointing": True})
-    trainer.fit(first, Stream(workers))
+    trainer.fit(first, Stream(workers, stateful))
     (setup,) = _lines(caplog)
-    assert setup.startswith(
-        "GPUOptDataModule: the training dataset Shards is an IterableDataset with no state"
-    )
+    name = "StatefulShards" if stateful else "Shards"
+    assert setup.startswith(f"GPUOptDataModule: the training dataset {name} is an IterableDataset")
     assert "starts that epoch again from its beginning" in setup and "\n" not in setup
     caplog.clear()
     resumed = Ids()
     trainer = pl.Trainer(max_epochs=1, **TRAINER_QUIET)
-    trainer.fit(resumed, Stream(workers), ckpt_path=str(tmp_path / "epoch=0-step=20.ckpt"))
+    trainer.fit(resumed, Stream(workers, stateful), ckpt_path=str(tmp_path / "epoch=0-step=20.ckpt"))
     (line,) = _lines(caplog)
     counts = collections.Counter(first.seen + resumed.seen)
     repeated = sum(n - 1 for n in counts.values())
     assert sorted(counts) == list(range(200)) and repeated == 80
     assert f"the {repeated} sample(s) of those batches are trained on twice" in line
-    assert line.startswith("GPUOptDataModule: resuming after 20 training batch(es) of an epoch of Shards")
+    assert line.startswith(f"GPUOptDataModule: resuming after 20 training batch(es) of an epoch of {name}")
