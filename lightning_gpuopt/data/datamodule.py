@@ -722,9 +722,9 @@ class GPUOptDataModule(pl.LightningDataModule):
         whole = len(sampler)
         if resume.get("max_tokens") != tokens or (tokens is not None and world != sampler.num_replicas):
             why = (
-                f"the checkpoint's batches held max_tokens={resume.get('max_tokens')}, this run's max_tokens={tokens}"
-                if resume.get("max_tokens") != tokens
-                else f"the checkpoint was written by {world} rank(s), this run has {sampler.num_replicas}"
+                f"the checkpoint was written by {world} rank(s), this run has {sampler.num_replicas}"
+                if world != sampler.num_replicas
+                else f"the checkpoint's batches held max_tokens={resume.get('max_tokens')}, this run's max_tokens={tokens}"
             )
             rank_zero_info(
                 f"GPUOptDataModule: {why}; the interrupted epoch restarts from its beginning (the batches differ), and "
@@ -761,7 +761,9 @@ class GPUOptDataModule(pl.LightningDataModule):
             )
         self._rebuild_after_resume = len(sampler) != whole
         callbacks = getattr(self.trainer, "callbacks", None)
-        if isinstance(callbacks, list) and not any(isinstance(c, _ResumedEpochEnd) for c in callbacks):
+        if isinstance(callbacks, list) and not any(
+            isinstance(c, _ResumedEpochEnd) and c.datamodule is self for c in callbacks
+        ):
             callbacks.append(_ResumedEpochEnd(self))
 
     def _end_resumed_epoch(self, trainer: pl.Trainer) -> None:

@@ -91,8 +91,9 @@ class ShardedStream(IterableDataset):
     @classmethod
     def from_hf(cls, dataset: Any, shuffle_buffer: int = 0, seed: int | None = None) -> ShardedStream:
         """A Hugging Face ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``) read by its shards
-        (``dataset.shard(num_shards, index)``: one data file each for JSON lines, Parquet, CSV...). Its own
-        ``shuffle`` is not applied: the stream's order is (seed, epoch)'s.
+        (``dataset.shard(num_shards, index)``: one data file each for JSON lines, Parquet, CSV...), in the stream's
+        order for (seed, epoch). A ``shuffle`` of the dataset's own still acts within each shard (seeded: the order
+        repeats, and a resume stays exact); leave it out, and set ``shuffle_buffer`` here.
 
         Example:
             >>> import datasets  # doctest: +SKIP
@@ -249,7 +250,8 @@ class StreamPositions:
         self.shuffle = shuffle
         self.decoded = 0
         self._orders: dict[int, tuple[list[int], list[int]]] = {}
-        self._window: tuple[int, int, list[Any]] | None = None  # (epoch, window, its samples in input order)
+        #: (epoch, window, its samples in input order, their order in the epoch)
+        self._window: tuple[int, int, list[Any], list[int]] | None = None
         self._reader: _Reader | None = None
 
     def __len__(self) -> int:
@@ -260,9 +262,10 @@ class StreamPositions:
         size = max(1, self.stream.shuffle_buffer)
         window, at = divmod(int(p), size)
         if self._window is None or self._window[:2] != (epoch, window):
-            self._window = (epoch, window, self._read_window(epoch, window * size, size))
-        samples = self._window[2]
-        return samples[self._permutation(epoch, window, len(samples))[at]]
+            samples = self._read_window(epoch, window * size, size)
+            self._window = (epoch, window, samples, self._permutation(epoch, window, len(samples)))
+        _, _, samples, order = self._window
+        return samples[order[at]]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_reader": None}  # a worker opens its own shards
@@ -307,6 +310,11 @@ class StreamPositions:
         if reader is None or (reader.epoch, reader.ordinal) != (epoch, ordinal) or reader.offset > offset:
             reader = self._reader = _Reader(epoch, ordinal, self.stream.read_shard(self.stream.shards[shard]))
         if reader.sequence is not None:
+            if len(reader.sequence) != self.stream.sizes()[shard]:  # type: ignore[arg-type]
+                raise ValueError(
+                    f"shard {self.stream.shards[shard]!r} has {len(reader.sequence)} samples, its size says "  # type: ignore[arg-type]
+                    f"{self.stream.sizes()[shard]}: pass shard_sizes that match what read_shard gives"
+                )
             self.decoded += take
             return [reader.sequence[i] for i in range(offset, offset + take)]
         assert reader.iterator is not None

@@ -167,7 +167,9 @@ def _report_decided(state, run):
 def _report_kept(run):
     report = run.resumed.report
     assert [s["step"] for s in report["steps"]] == list(range(STEPS))
-    assert report["resumes"] == [{"step": SAVED_AT, "steps_before": SAVED_AT}]
+    (resume,) = report["resumes"]
+    assert (resume["step"], resume["steps_before"]) == (SAVED_AT, SAVED_AT)
+    assert (resume["world_size_before"], resume["world_size"], resume["k"]) == (1, 1, 1)
 
 
 def _batch_size_decided(state, run):

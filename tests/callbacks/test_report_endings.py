@@ -130,5 +130,7 @@ def test_a_signal_stop_writes_the_json_and_the_next_leg_draws_the_whole_run(tmp_
     fit([second, ExactResume()], ckpt_path=exact.stop_checkpoint)
     saved = json.loads((tmp_path / "report" / JSON_NAME).read_text())
     assert [s["step"] for s in saved["steps"]] == list(range(8))  # both legs
-    assert saved["resumes"] == [{"step": 4, "steps_before": 4}] and saved["run"]["ended_by"] == "fit end"
+    (resume,) = saved["resumes"]
+    assert (resume["step"], resume["steps_before"], resume["world_size"]) == (4, 4, 1)
+    assert saved["run"]["ended_by"] == "fit end"
     assert drawn == [PNG_NAME] and (tmp_path / "report" / PNG_NAME).is_file()
