@@ -1,7 +1,8 @@
 """Data loading: the DataModule base, its loader tuning, device prefetch, stall rules, memory-mapped data and
 sharded streams."""
 
-from lightning_gpuopt.data.datamodule import GPUOptDataModule, auto_num_workers, available_cpus
+from lightning_gpuopt.data.cpus import auto_num_workers, available_cpus
+from lightning_gpuopt.data.datamodule import GPUOptDataModule
 from lightning_gpuopt.data.memmap import MemmapDataset
 from lightning_gpuopt.data.prefetch import (
     BatchTransfer,

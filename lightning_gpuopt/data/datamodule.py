@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -15,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt._validate import choice, positive_int
+from lightning_gpuopt.data.cpus import MAX_AUTO_WORKERS, auto_num_workers, available_cpus, cpus_reason
 from lightning_gpuopt.data.prefetch import (
     BatchTransfer,
     CudaStreamTransfer,
@@ -26,110 +26,16 @@ from lightning_gpuopt.data.resume import (
     ResumableSampler,
     SeededSamples,
     declare_resumable,
+    elastic_size,
 )
-from lightning_gpuopt.data.stream import ShardedStream, StreamPositions
+from lightning_gpuopt.data.stream import ShardedStream, StreamPositions, restart_line
 from lightning_gpuopt.data.token_batches import LongSamples, SeededBatches, TokenBatchSampler, sample_length
 
 __all__ = ["GPUOptDataModule", "auto_num_workers", "available_cpus"]
 
 _STAGES = ("train", "val", "test", "predict")
-_MAX_AUTO_WORKERS = 8
 # Hooks that see a batch before Lightning moves it: with device prefetch they would get it on the device.
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device")
-
-
-def _cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
-    """CPUs a cgroup CPU quota allows this process (a container's ``--cpus``), rounded up; None without a quota.
-
-    Reads cgroup v2 ``cpu.max`` and v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` in this process's
-    cgroup folder and each folder above it up to the mount; the tightest quota wins.
-    """
-    mounts: list[tuple[str, str, str]] = []  # (mount folder, cgroup path inside it, version)
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            mounts += [(root, path, "v2"), (os.path.join(root, "unified"), path, "v2")]
-        elif "cpu" in controllers.split(","):
-            mounts += [(os.path.join(root, name), path, "v1") for name in ("cpu", "cpu,cpuacct")]
-    if not mounts:
-        mounts = [(root, "", "v2"), (os.path.join(root, "cpu"), "", "v1")]
-    limits = []
-    for mount, path, version in mounts:
-        names = [name for name in path.split("/") if name]
-        for depth in range(len(names), -1, -1):  # this cgroup, then each parent up to the mount
-            limit = _read_quota(os.path.join(mount, *names[:depth]), version)
-            if limit is not None:
-                limits.append(limit)
-    return min(limits) if limits else None
-
-
-def _read_quota(folder: str, version: str) -> int | None:
-    try:
-        if version == "v2":
-            with open(os.path.join(folder, "cpu.max")) as f:
-                quota, period = f.read().split()[:2]
-            if quota == "max":
-                return None
-        else:
-            with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
-                quota = f.read().strip()
-            with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
-                period = f.read().strip()
-        quota_us, period_us = int(quota), int(period)
-    except (OSError, ValueError):
-        return None
-    if quota_us <= 0 or period_us <= 0:
-        return None
-    return max(1, math.ceil(quota_us / period_us))
-
-
-def _affinity_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # the CPUs this process may run on, not the machine's
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def available_cpus() -> int:
-    """The CPUs this process may use: its affinity, capped by a cgroup CPU quota (containers) when there is one.
-
-    Example:
-        >>> available_cpus() >= 1
-        True
-    """
-    cpus = _affinity_cpus()
-    quota = _cgroup_cpu_limit()
-    return max(1, min(cpus, quota) if quota is not None else cpus)
-
-
-def _cpus_reason() -> str:
-    affinity, quota = _affinity_cpus(), _cgroup_cpu_limit()
-    if quota is not None and quota < affinity:
-        return f"{quota} CPUs (cgroup quota; affinity allows {affinity})"
-    return f"{affinity} CPUs"
-
-
-def auto_num_workers(cpus: int, local_devices: int, cap: int = _MAX_AUTO_WORKERS) -> int:
-    """Loader workers per device: this process's CPUs shared by the local devices, one kept for the main process.
-
-    Example:
-        >>> auto_num_workers(cpus=2, local_devices=1)
-        1
-        >>> auto_num_workers(cpus=64, local_devices=4)
-        8
-        >>> auto_num_workers(cpus=4, local_devices=8)
-        0
-    """
-    per_device = cpus // max(1, local_devices)
-    return max(0, min(cap, per_device - 1))
 
 
 def _run_seed() -> int:
@@ -359,8 +265,8 @@ class GPUOptDataModule(pl.LightningDataModule):
         value = auto_num_workers(available_cpus(), devices)
         self._announce(
             f"num_workers={value}",
-            f"GPUOptDataModule: num_workers='auto' -> {value} ({_cpus_reason()} for {devices} local "
-            f"device(s), one kept for the main process, at most {_MAX_AUTO_WORKERS}); set `num_workers` to override.",
+            f"GPUOptDataModule: num_workers='auto' -> {value} ({cpus_reason()} for {devices} local "
+            f"device(s), one kept for the main process, at most {MAX_AUTO_WORKERS}); set `num_workers` to override.",
         )
         return value
 
@@ -448,7 +354,10 @@ class GPUOptDataModule(pl.LightningDataModule):
         ):  # its own state_dict, if any, is not kept: the loader's workers hold where it is, not this copy
             self._say_stream_restarts(dataset, kwargs["batch_size"])
         if train and isinstance(dataset, ShardedStream) and self.max_tokens is None:
-            dataset = self._stream_positions(dataset)  # read by position: resumed like a map-style dataset
+            sizes = (self._resume_from or {}).get(
+                "shard_sizes"
+            )  # a checkpoint's: the shards are not counted again
+            dataset = StreamPositions.of(dataset, self._seed(), shuffle=self.shuffle, sizes=sizes)
         if train and self.max_tokens is not None:
             dataset, kwargs = self._token_train(dataset, kwargs)
         elif (
@@ -540,90 +449,41 @@ class GPUOptDataModule(pl.LightningDataModule):
             else:
                 self._apply_resume(self._train_sampler)
 
-    def _note(self, state: str, policy: str) -> None:
-        self.resume_notes[state] = policy
-
     def _keep_optimizer_batch(self, resume: dict[str, Any]) -> None:
         """On a resume on another number of ranks, the per-rank ``batch_size`` (``max_tokens`` for token batches)
-        that keeps the checkpoint's optimizer batch (``ranks x batch_size x accumulate_grad_batches``), unless the
-        policy or the user says otherwise."""
+        that :func:`~lightning_gpuopt.data.resume.elastic_size` gives, said in one line."""
         world = int(getattr(self.trainer, "world_size", 1) or 1)
         before_world = int(resume.get("world_size", world))
         name = "max_tokens" if "max_tokens" in resume else "batch_size"
         current = getattr(self, name)
         if before_world == world or resume.get(name) is None or not isinstance(current, int):
             return  # the same ranks; or max_tokens chosen from this run's memory ('auto')
-        before, unit = int(resume[name]), "token(s)" if name == "max_tokens" else "sample(s)"
-        was = f"{before_world} rank(s) x {name} {before}"
         configured = resume.get(f"configured_{name}")
         mine = self._configured_max_tokens if name == "max_tokens" else self._configured_batch_size
-        if configured is not None and configured != mine:
-            self._note(name, f"{before} -> {current} per rank, given for this run")
-            rank_zero_info(
-                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; {name}={current} given for "
-                f"this run is kept: the optimizer batch is {world * current} {unit} x accumulate_grad_batches (was "
-                f"{before_world * before} x it)."
-            )
-            return
-        if self.elastic == "keep_per_rank":
-            setattr(self, name, before)
-            self._note(name, f"{before} per rank kept (elastic='keep_per_rank')")
-            rank_zero_info(
-                f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}; {name} {before} is kept "
-                f"per rank (elastic='keep_per_rank'): the optimizer batch is {world * before} {unit} x "
-                f"accumulate_grad_batches (was {before_world * before} x it), so an epoch has other steps than a "
-                "restored schedule counted."
-            )
-            return
-        total = before_world * before
-        if total % world:
-            fits = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
-            raise ValueError(
-                f"GPUOptDataModule: the checkpoint's optimizer batch, {was} = {total} {unit} x "
-                f"accumulate_grad_batches, does not divide by this run's {world} rank(s): resume on {fits} rank(s), "
-                f"or pass ExactResume(elastic='keep_per_rank') to keep {name} per rank."
-            )
-        setattr(self, name, total // world)
-        self._note(name, f"{before} -> {total // world} per rank: the optimizer batch kept")
-        rank_zero_info(
-            f"GPUOptDataModule: resumed on {world} rank(s) from a checkpoint of {was}: {name} {before} -> "
-            f"{total // world} per rank, keeping the optimizer batch of {total} {unit} x accumulate_grad_batches."
+        size, note, line = elastic_size(
+            name,
+            int(resume[name]),
+            before_world,
+            world,
+            current,
+            given=configured is not None and configured != mine,
+            keep_per_rank=self.elastic == "keep_per_rank",
         )
+        setattr(self, name, size)
+        self.resume_notes[name] = note
+        rank_zero_info(f"GPUOptDataModule: {line}")
 
     def _say_stream_restarts(self, dataset: IterableDataset, batch_size: int) -> None:
         """A training stream the pack cannot resume (an IterableDataset other than a ShardedStream): say once what a
         mid-epoch resume does, and on such a resume, how many samples it repeats."""
         world = int(getattr(self.trainer, "world_size", 1) or 1)
         self._stream = {"batch_size": int(batch_size), "world_size": world}
-        name = type(dataset).__name__
         resumed, self._stream_resumed = self._stream_resumed, None
+        line = restart_line(type(dataset).__name__, resumed, int(batch_size), world)
         if resumed and int(resumed.get("batches", 0)) > 0:
-            batches = int(resumed["batches"])
-            samples = (
-                batches * int(resumed.get("batch_size", batch_size)) * int(resumed.get("world_size", world))
-            )
-            rank_zero_info(
-                f"GPUOptDataModule: resuming after {batches} training batch(es) of an epoch of {name}, an "
-                f"IterableDataset: the epoch starts again from its beginning, and the {samples} sample(s) of those "
-                "batches are trained on twice."
-            )
-            return
-        self._announce(
-            "stream",
-            f"GPUOptDataModule: the training dataset {name} is an IterableDataset, whose place the training loader does "
-            "not keep: a resume from a checkpoint taken mid-epoch starts that epoch again from its beginning (the "
-            "samples read before it are trained on twice). Read its shards through lightning_gpuopt.data.ShardedStream "
-            "(ShardedStream.from_hf for Hugging Face datasets), or use a map-style dataset: both resume exactly.",
-        )
-
-    def _stream_positions(self, stream: ShardedStream) -> StreamPositions:
-        """The training stream addressed by position, its shards' sizes from the checkpoint a resume loaded (else
-        counted now, once)."""
-        sizes = (self._resume_from or {}).get("shard_sizes")
-        if sizes is not None:
-            stream.set_sizes(sizes)
-        seed = stream.seed if stream.seed is not None else self._seed()
-        return StreamPositions(stream, seed=seed, shuffle=self.shuffle)
+            rank_zero_info(line)
+        else:
+            self._announce("stream", line)
 
     def _resumable_train(self, dataset: Dataset, kwargs: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
         trainer = self.trainer
@@ -731,13 +591,13 @@ class GPUOptDataModule(pl.LightningDataModule):
                 f"the samples of its first {batches} batch(es) are trained on twice."
             )
             sampler.skip(epoch, 0, counted=batches * (1 if tokens else int(self._loader_batch_size)))
-            self._note("data", f"epoch {epoch} restarted: {why}")
+            self.resume_notes["data"] = f"epoch {epoch} restarted: {why}"
         elif tokens is not None:  # this rank's batches of a token sampler, on the same number of ranks
             if batches >= whole:  # an epoch-end checkpoint whose state does not say the epoch is over
                 epoch, batches = epoch + 1, 0
                 sampler.set_epoch(epoch)
             sampler.skip(epoch, batches)
-            self._note("data", f"exact: epoch {epoch} past this rank's {batches} batch(es)")
+            self.resume_notes["data"] = f"exact: epoch {epoch} past this rank's {batches} batch(es)"
         else:
             # Samples of the epoch's order consumed on all the checkpoint's ranks: one window of it, whatever the ranks.
             consumed = int(
@@ -754,10 +614,9 @@ class GPUOptDataModule(pl.LightningDataModule):
                     f"{sampler.num_replicas}; the epoch {where}, dealt over {sampler.num_replicas} rank(s)."
                 )
             sampler.skip(epoch, consumed, counted=batches * int(self._loader_batch_size))
-            self._note(
-                "data",
+            self.resume_notes["data"] = (
                 f"exact: epoch {epoch} past the {consumed} sample(s) of its order consumed on {world} rank(s), dealt "
-                f"over {sampler.num_replicas}",
+                f"over {sampler.num_replicas}"
             )
         self._rebuild_after_resume = len(sampler) != whole
         callbacks = getattr(self.trainer, "callbacks", None)

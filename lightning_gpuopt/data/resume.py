@@ -35,6 +35,7 @@ __all__ = [
     "capture_rng",
     "declare_resumable",
     "derive_rng",
+    "elastic_size",
     "restore_rng",
     "sample_seed",
 ]
@@ -178,6 +179,68 @@ class ResumableSampler(DistributedSampler):
                 None,
             )  # the resumed epoch is over
         super().set_epoch(epoch)
+
+
+def elastic_size(
+    name: str,
+    before: int,
+    before_world: int,
+    world: int,
+    current: int,
+    given: bool = False,
+    keep_per_rank: bool = False,
+) -> tuple[int, str, str]:
+    """The per-rank ``name`` (``batch_size``, or ``max_tokens``) of a run resumed on ``world`` ranks from a checkpoint
+    of ``before_world`` ranks x ``before``: the one that keeps the optimizer batch (``ranks x name x
+    accumulate_grad_batches``), ``before`` with ``keep_per_rank``, or ``current`` where it was ``given`` for this run.
+    Returns it, what a report notes, and the line to say.
+
+    Raises:
+        ValueError: the optimizer batch does not divide by ``world`` (one line naming the rank counts that work).
+
+    Example:
+        >>> elastic_size("batch_size", 12, 2, 3, current=12)[:2]
+        (8, '12 -> 8 per rank: the optimizer batch kept')
+    """
+    unit = "token(s)" if name == "max_tokens" else "sample(s)"
+    was = f"{before_world} rank(s) x {name} {before}"
+    resumed = f"resumed on {world} rank(s) from a checkpoint of {was}"
+    total = before_world * before
+    if given:
+        return (
+            current,
+            f"{before} -> {current} per rank, given for this run",
+            (
+                f"{resumed}; {name}={current} given for this run is kept: the optimizer batch is {world * current} {unit} "
+                f"x accumulate_grad_batches (was {total} x it)."
+            ),
+        )
+    if keep_per_rank:
+        return (
+            before,
+            f"{before} per rank kept (elastic='keep_per_rank')",
+            (
+                f"{resumed}; {name} {before} is kept per rank (elastic='keep_per_rank'): the optimizer batch is "
+                f"{world * before} {unit} x accumulate_grad_batches (was {total} x it), so an epoch has other steps than "
+                "a restored schedule counted."
+            ),
+        )
+    if total % world:
+        fits = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
+        raise ValueError(
+            f"GPUOptDataModule: the checkpoint's optimizer batch, {was} = {total} {unit} x accumulate_grad_batches, "
+            f"does not divide by this run's {world} rank(s): resume on {fits} rank(s), or pass "
+            f"ExactResume(elastic='keep_per_rank') to keep {name} per rank."
+        )
+    size = total // world
+    return (
+        size,
+        f"{before} -> {size} per rank: the optimizer batch kept",
+        (
+            f"{resumed}: {name} {before} -> {size} per rank, keeping the optimizer batch of {total} {unit} x "
+            "accumulate_grad_batches."
+        ),
+    )
 
 
 def _no_loader_state() -> dict[str, Any]:

@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 
 from lightning_gpuopt.data.resume import sample_seed
 
-__all__ = ["ShardedStream", "StreamPositions"]
+__all__ = ["ShardedStream", "StreamPositions", "restart_line"]
 
 
 class ShardedStream(IterableDataset):
@@ -254,6 +254,16 @@ class StreamPositions:
         self._window: tuple[int, int, list[Any], list[int]] | None = None
         self._reader: _Reader | None = None
 
+    @classmethod
+    def of(
+        cls, stream: ShardedStream, run_seed: int, shuffle: bool = True, sizes: Sequence[int] | None = None
+    ) -> StreamPositions:
+        """``stream`` read by position under its own seed, else ``run_seed``; ``sizes``: its shards' sizes as known
+        (a checkpoint's), instead of counting them."""
+        if sizes is not None:
+            stream.set_sizes(sizes)
+        return cls(stream, seed=stream.seed if stream.seed is not None else run_seed, shuffle=shuffle)
+
     def __len__(self) -> int:
         return len(self.stream)
 
@@ -332,3 +342,30 @@ class StreamPositions:
                 out.append(sample)
             reader.offset += 1
         return out
+
+
+def restart_line(name: str, resumed: dict[str, Any] | None, batch_size: int, world: int) -> str:
+    """What :class:`GPUOptDataModule` says of a training ``IterableDataset`` it cannot resume (any but a
+    :class:`ShardedStream`): on a resume after some of its batches (``resumed``: the checkpoint's batches, batch size
+    and ranks), how many samples are trained twice; otherwise what a mid-epoch resume would do.
+
+    Example:
+        >>> restart_line("Shards", {"batches": 20, "batch_size": 4, "world_size": 1}, 4, 1).endswith(
+        ...     "the 80 sample(s) of those batches are trained on twice."
+        ... )
+        True
+    """
+    if resumed and int(resumed.get("batches", 0)) > 0:
+        batches = int(resumed["batches"])
+        samples = batches * int(resumed.get("batch_size", batch_size)) * int(resumed.get("world_size", world))
+        return (
+            f"GPUOptDataModule: resuming after {batches} training batch(es) of an epoch of {name}, an "
+            f"IterableDataset: the epoch starts again from its beginning, and the {samples} sample(s) of those "
+            "batches are trained on twice."
+        )
+    return (
+        f"GPUOptDataModule: the training dataset {name} is an IterableDataset, whose place the training loader does "
+        "not keep: a resume from a checkpoint taken mid-epoch starts that epoch again from its beginning (the "
+        "samples read before it are trained on twice). Read its shards through lightning_gpuopt.data.ShardedStream "
+        "(ShardedStream.from_hf for Hugging Face datasets), or use a map-style dataset: both resume exactly."
+    )

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpuopt import GPUOptDataModule
 from lightning_gpuopt.data import CudaStreamTransfer, DevicePrefetchLoader, auto_num_workers, available_cpus
-from lightning_gpuopt.data import datamodule as datamodule_mod
+from lightning_gpuopt.data import cpus as cpus_mod
 from tests.helpers import TRAINER_QUIET, IndexedRegression, RecordingRegressor
 
 
@@ -239,8 +239,8 @@ def test_auto_num_workers_rule(cpus, devices, expected):
 
 
 def test_auto_workers_use_process_affinity_and_are_announced_once(monkeypatch, caplog):
-    monkeypatch.setattr(datamodule_mod.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
-    monkeypatch.setattr(datamodule_mod, "_cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(cpus_mod.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    monkeypatch.setattr(cpus_mod, "_cgroup_cpu_limit", lambda: None)
     dm = TrainVal(batch_size=4)
     with caplog.at_level(logging.INFO):
         assert dm.train_dataloader().num_workers == 4
@@ -301,10 +301,8 @@ def _fake_trainer(device: str = "cpu", num_devices: int = 1, module=None) -> Sim
 def test_auto_workers_from_mocked_cpus_quota_and_trainer_devices(
     monkeypatch, affinity, quota, devices, expected
 ):
-    monkeypatch.setattr(
-        datamodule_mod.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
-    )
-    monkeypatch.setattr(datamodule_mod, "_cgroup_cpu_limit", lambda: quota)
+    monkeypatch.setattr(cpus_mod.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    monkeypatch.setattr(cpus_mod, "_cgroup_cpu_limit", lambda: quota)
     dm = TrainVal(batch_size=4)
     dm.trainer = _fake_trainer(num_devices=devices)
     assert dm.resolved_num_workers() == expected
@@ -312,10 +310,10 @@ def test_auto_workers_from_mocked_cpus_quota_and_trainer_devices(
 
 
 def test_auto_workers_without_a_trainer_count_visible_gpus_and_fall_back_to_cpu_count(monkeypatch, caplog):
-    monkeypatch.setattr(datamodule_mod.torch.cuda, "device_count", lambda: 2)
-    monkeypatch.delattr(datamodule_mod.os, "sched_getaffinity", raising=False)  # not Linux
-    monkeypatch.setattr(datamodule_mod.os, "cpu_count", lambda: 12)
-    monkeypatch.setattr(datamodule_mod, "_cgroup_cpu_limit", lambda: 10)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delattr(cpus_mod.os, "sched_getaffinity", raising=False)  # not Linux
+    monkeypatch.setattr(cpus_mod.os, "cpu_count", lambda: 12)
+    monkeypatch.setattr(cpus_mod, "_cgroup_cpu_limit", lambda: 10)
     dm = TrainVal(batch_size=4)
     with caplog.at_level(logging.INFO):
         assert dm.resolved_num_workers() == 4  # min(12, quota 10) CPUs // 2 devices - 1
@@ -346,11 +344,11 @@ def test_cgroup_cpu_quota(tmp_path, files, expected):
     proc = tmp_path / "proc_self_cgroup"
     proc.write_text("0::/job\n1:cpu,cpuacct:/\n")
     (root / "cpu,cpuacct").mkdir(parents=True, exist_ok=True)
-    assert datamodule_mod._cgroup_cpu_limit(str(root), str(proc)) == expected
+    assert cpus_mod._cgroup_cpu_limit(str(root), str(proc)) == expected
 
 
 def test_available_cpus_is_at_least_one_and_at_most_the_affinity():
-    assert 1 <= available_cpus() <= len(datamodule_mod.os.sched_getaffinity(0))
+    assert 1 <= available_cpus() <= len(cpus_mod.os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize(
