@@ -11,14 +11,18 @@ shards of 1,250 samples, a shuffle buffer of 512, batch 100: the time to the fir
 checkpoint of 2 ranks read by 1); and, where ``datasets`` and ``torchdata`` are installed, the baseline: the same
 shards through Hugging Face ``datasets`` streaming (``shuffle(buffer_size=512)``) and torchdata's
 ``StatefulDataLoader``, stopped at 25, 50 and 75 % and resumed: the samples it repeats and loses, or the error it
-raises. Details in docs/benchmarks.md.
+raises. Last, the samples decoded in a whole epoch over all ranks and loader workers, as a multiple of the
+samples used, for shards read from their start (JSON lines, gzip-compressed tars) and by index (uncompressed tars).
+Details in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import collections
+import io
 import json
 import statistics
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +38,8 @@ from torch.utils.data import TensorDataset
 
 from lightning_gpuopt import ExactResume, GPUOptDataModule
 from lightning_gpuopt.data import ShardedStream
+from lightning_gpuopt.data.resume import ResumableSampler
+from lightning_gpuopt.data.stream import StreamPositions
 
 SHARDS, SHARD, WINDOW, BATCH = 16, 1250, 512, 100
 
@@ -94,6 +100,7 @@ def main() -> None:
     markdown_row("step time, resumable loader vs plain", f"{result['resumable_loader_overhead']:+.1%}")
     markdown_row("step time, + ExactResume", f"{result['exact_resume_overhead']:+.1%}")
     result["stream"] = _stream_rows(root)
+    result["epoch_decoding"] = _decoding_rows(root)
     write_json(args.out, "resume.json", result)
 
 
@@ -202,6 +209,60 @@ def _stream_rows(root: Path) -> dict:
     for name, said in baseline.items():
         markdown_row(f"baseline, HF datasets + StatefulDataLoader, {name}", said, "")
     return {"resumes": rows, "baseline": baseline}
+
+
+def _tars(root: Path, suffix: str) -> list[str]:
+    paths = []
+    for s in range(SHARDS):
+        path = root / f"part-{s:02d}{suffix}"
+        with tarfile.open(path, "w:gz" if suffix.endswith("gz") else "w") as tar:
+            for i in range(s * SHARD, (s + 1) * SHARD):
+                payload = json.dumps({"id": i}).encode()
+                info = tarfile.TarInfo(f"{i:06d}.json")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+        paths.append(str(path))
+    return paths
+
+
+def _epoch_decoded(stream: ShardedStream, ranks: int, workers: int, batch: int) -> float:
+    """The samples decoded in one epoch by every rank's every loader worker (each its own process, with its own
+    place in the stream, given every ``workers``-th batch of its rank), over the samples used."""
+    decoded = 0
+    for rank in range(ranks):
+        sampler = ResumableSampler(range(len(stream)), num_replicas=ranks, rank=rank, shuffle=False)
+        keys = list(sampler)
+        batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+        for worker in range(workers):
+            view = StreamPositions.of(stream, run_seed=0)
+            for keys_of_batch in batches[worker::workers]:
+                for key in keys_of_batch:
+                    view[key]
+            decoded += view.decoded
+    return decoded / len(stream)
+
+
+def _decoding_rows(root: Path) -> list[dict]:
+    decode = lambda sample: json.loads(sample["json"])["id"]  # noqa: E731
+    streams = {
+        "JSON lines (read from the start)": ShardedStream(_shards(root), _read_jsonl, shuffle_buffer=WINDOW),
+        "tar, gzip (read from the start)": ShardedStream.from_tars(
+            _tars(root, ".tar.gz"), decode, shuffle_buffer=WINDOW
+        ),
+        "tar (read by index)": ShardedStream.from_tars(_tars(root, ".tar"), decode, shuffle_buffer=WINDOW),
+    }
+    layouts = ((1, 1, 100), (2, 2, 100), (8, 4, 32))
+    print()
+    markdown_header(
+        f"a whole epoch, {SHARDS} x {SHARD} samples, window {WINDOW}|"
+        + "|".join(f"{r} rank(s) x {w} worker(s), batch {b}" for r, w, b in layouts)
+    )
+    rows = []
+    for name, stream in streams.items():
+        ratios = [_epoch_decoded(stream, r, w, b) for r, w, b in layouts]
+        markdown_row(f"{name}: samples decoded / used", *(f"{x:.1f}x" for x in ratios))
+        rows.append({"shards": name, "layouts": [list(x) for x in layouts], "decoded_per_used": ratios})
+    return rows
 
 
 if __name__ == "__main__":

@@ -172,36 +172,93 @@ class _HFShard:
 
 
 class _TarShard:
-    """A WebDataset-style tar file's samples (its members grouped by key, in order), as ``read_shard``."""
+    """WebDataset-style tar shards, as ``read_shard``: a shard's samples are its members grouped by key, in order.
+
+    An uncompressed tar is read by index (its headers read once, each sample's members when it is asked), so that a
+    process decodes only the samples it is given; a compressed one (``.tar.gz``), which cannot be read from the
+    middle, from its start.
+    """
 
     def __init__(self, decode: Callable[[dict[str, Any]], Any] | None) -> None:
         self.decode = decode
 
-    def __call__(self, path: str) -> Iterator[Any]:
-        sample: dict[str, Any] = {}
+    def __call__(self, path: str) -> _TarSamples | Iterator[Any]:
+        try:
+            return _TarSamples(path, self.decode)
+        except tarfile.ReadError:  # compressed
+            return self._in_order(path)
+
+    def _in_order(self, path: str) -> Iterator[Any]:
+        """Each file read as the tar is read (a compressed file goes back only by reading it again)."""
+        key, files = None, []
         with tarfile.open(path) as tar:
             for member in tar:
                 if not member.isfile():
                     continue
-                key, ext = _key_and_extension(member.name)
-                if sample and sample["__key__"] != key:
-                    yield self._decoded(sample)
-                    sample = {}
-                sample["__key__"] = key
-                handle = tar.extractfile(member)
-                sample[ext] = handle.read() if handle is not None else b""
-        if sample:
-            yield self._decoded(sample)
-
-    def _decoded(self, sample: dict[str, Any]) -> Any:
-        return self.decode(sample) if self.decode is not None else sample
+                name, ext = _key_and_extension(member.name)
+                if files and name != key:
+                    yield _decoded(self.decode, key, files)  # type: ignore[arg-type]
+                    files = []
+                key = name
+                files.append((ext, _bytes(tar, member)))
+        if files:
+            yield _decoded(self.decode, key, files)  # type: ignore[arg-type]
 
     @staticmethod
     def count(path: str) -> int:
         """The samples in one tar file, from its member names (nothing read or decoded)."""
         with tarfile.open(path) as tar:
-            keys = [_key_and_extension(m.name)[0] for m in tar if m.isfile()]
-        return sum(1 for i, key in enumerate(keys) if i == 0 or key != keys[i - 1])
+            return sum(1 for _ in _grouped(tar))
+
+
+class _TarSamples:
+    """The samples of one uncompressed tar file, by index: its member headers are read when it is opened, a
+    sample's files when it is asked."""
+
+    def __init__(self, path: str, decode: Callable[[dict[str, Any]], Any] | None) -> None:
+        self.decode = decode
+        self._tar = tarfile.open(path, mode="r:")
+        try:
+            self._samples = list(_grouped(self._tar))
+        except BaseException:
+            self._tar.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getitem__(self, index: int) -> Any:
+        key, members = self._samples[index]
+        return _decoded(self.decode, key, [(ext, _bytes(self._tar, m)) for ext, m in members])
+
+    def close(self) -> None:
+        self._tar.close()
+
+
+def _grouped(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tuple[str, tarfile.TarInfo]]]]:
+    """A tar file's files grouped by WebDataset key, in order: ``(key, [(extension, member), ...])``."""
+    key, members = None, []
+    for member in tar:
+        if not member.isfile():
+            continue
+        name, ext = _key_and_extension(member.name)
+        if members and name != key:
+            yield key, members  # type: ignore[misc]
+            members = []
+        key = name
+        members.append((ext, member))
+    if members:
+        yield key, members  # type: ignore[misc]
+
+
+def _bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    handle = tar.extractfile(member)
+    return handle.read() if handle is not None else b""
+
+
+def _decoded(decode: Callable[[dict[str, Any]], Any] | None, key: str, files: list[tuple[str, bytes]]) -> Any:
+    sample = {"__key__": key, **dict(files)}
+    return decode(sample) if decode is not None else sample
 
 
 def _key_and_extension(name: str) -> tuple[str, str]:
@@ -219,10 +276,9 @@ def _count(samples: Iterable[Any]) -> int:
 
 
 class _Reader:
-    """One process's place in one shard: the shard, its iterator, and the samples decoded from it so far."""
+    """One process's place in one shard: the shard read by index, or its iterator and the samples it gave so far."""
 
-    def __init__(self, epoch: int, ordinal: int, samples: Iterable[Any]) -> None:
-        self.epoch, self.ordinal = epoch, ordinal
+    def __init__(self, samples: Iterable[Any]) -> None:
         self.sequence = samples if hasattr(samples, "__len__") and hasattr(samples, "__getitem__") else None
         self.iterator = iter(samples) if self.sequence is None else None
         self.offset = 0  # the next sample the iterator gives
@@ -250,9 +306,10 @@ class StreamPositions:
         self.shuffle = shuffle
         self.decoded = 0
         self._orders: dict[int, tuple[list[int], list[int]]] = {}
-        #: (epoch, window, its samples in input order, their order in the epoch)
+        #: (epoch, window, its samples in input order, their order in the epoch): shards read as iterators
         self._window: tuple[int, int, list[Any], list[int]] | None = None
-        self._reader: _Reader | None = None
+        self._drawn: tuple[int, int, list[int]] | None = None  # (epoch, window, its order)
+        self._readers: dict[tuple[int, int], _Reader] = {}  # (epoch, ordinal) -> reader, the last two
 
     @classmethod
     def of(
@@ -271,20 +328,40 @@ class StreamPositions:
         epoch, p = key
         size = max(1, self.stream.shuffle_buffer)
         window, at = divmod(int(p), size)
-        if self._window is None or self._window[:2] != (epoch, window):
-            samples = self._read_window(epoch, window * size, size)
-            self._window = (epoch, window, samples, self._permutation(epoch, window, len(samples)))
-        _, _, samples, order = self._window
+        if self._window is not None and self._window[:2] == (epoch, window):
+            return self._window[2][self._window[3][at]]
+        order = self._permutation(epoch, window)
+        ordinal, offset = self._locate(epoch, window * size + order[at])
+        reader = self._reader_at(epoch, ordinal, offset)
+        if reader.sequence is not None:  # read by index: only this sample
+            self.decoded += 1
+            return reader.sequence[offset]
+        samples = self._read_window(epoch, window * size, size)
+        self._window = (epoch, window, samples, order)
         return samples[order[at]]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_reader": None}  # a worker opens its own shards
+        return {**self.__dict__, "_readers": {}}  # a worker opens its own shards
 
-    def _permutation(self, epoch: int, window: int, n: int) -> list[int]:
-        if not self.shuffle or self.stream.shuffle_buffer <= 1:
-            return list(range(n))
-        generator = torch.Generator().manual_seed(sample_seed(self.seed, epoch, window))
-        return torch.randperm(n, generator=generator).tolist()
+    def _permutation(self, epoch: int, window: int) -> list[int]:
+        """The order of the epoch's ``window``-th window (drawn once, kept until another window is asked)."""
+        if self._drawn is None or self._drawn[:2] != (epoch, window):
+            size = max(1, self.stream.shuffle_buffer)
+            n = min(size, self._order(epoch)[1][-1] - window * size)
+            if not self.shuffle or self.stream.shuffle_buffer <= 1:
+                order = list(range(n))
+            else:
+                generator = torch.Generator().manual_seed(sample_seed(self.seed, epoch, window))
+                order = torch.randperm(n, generator=generator).tolist()
+            self._drawn = (epoch, window, order)
+        return self._drawn[2]
+
+    def _locate(self, epoch: int, position: int) -> tuple[int, int]:
+        """Which of the epoch's shards (its ordinal in the epoch's order) holds input position ``position``, and
+        where in it."""
+        starts = self._order(epoch)[1]
+        ordinal = bisect.bisect_right(starts, position) - 1
+        return ordinal, position - starts[ordinal]
 
     def _order(self, epoch: int) -> tuple[list[int], list[int]]:
         """The epoch's shard order (indices into the stream's shards) and the positions where each shard starts."""
@@ -301,30 +378,40 @@ class StreamPositions:
         return self._orders[epoch]
 
     def _read_window(self, epoch: int, start: int, size: int) -> list[Any]:
-        order, starts = self._order(epoch)
+        starts = self._order(epoch)[1]
         end = min(start + size, starts[-1])
         samples = []
         position = start
         while position < end:
-            ordinal = bisect.bisect_right(starts, position) - 1
-            offset = position - starts[ordinal]
+            ordinal, offset = self._locate(epoch, position)
             take = min(end, starts[ordinal + 1]) - position
-            samples += self._read(epoch, ordinal, order[ordinal], offset, take)
+            samples += self._read(epoch, ordinal, offset, take)
             position += take
         return samples
 
-    def _read(self, epoch: int, ordinal: int, shard: int, offset: int, take: int) -> list[Any]:
-        """``take`` samples of the epoch's ``ordinal``-th shard from ``offset``: by index from a sequence, else from
-        the shard's iterator (opened again when it is past ``offset``), decoding what lies before."""
-        reader = self._reader
-        if reader is None or (reader.epoch, reader.ordinal) != (epoch, ordinal) or reader.offset > offset:
-            reader = self._reader = _Reader(epoch, ordinal, self.stream.read_shard(self.stream.shards[shard]))
-        if reader.sequence is not None:
-            if len(reader.sequence) != self.stream.sizes()[shard]:  # type: ignore[arg-type]
+    def _reader_at(self, epoch: int, ordinal: int, offset: int) -> _Reader:
+        """A reader of the epoch's ``ordinal``-th shard that can give sample ``offset``: an open one (the last two
+        shards' are kept: a window can span two), else the shard opened again."""
+        key = (epoch, ordinal)
+        reader = self._readers.pop(key, None)
+        if reader is None or (reader.sequence is None and reader.offset > offset):
+            shard = self._order(epoch)[0][ordinal]
+            reader = _Reader(self.stream.read_shard(self.stream.shards[shard]))
+            if reader.sequence is not None and len(reader.sequence) != self.stream.sizes()[shard]:  # type: ignore[arg-type]
                 raise ValueError(
                     f"shard {self.stream.shards[shard]!r} has {len(reader.sequence)} samples, its size says "  # type: ignore[arg-type]
                     f"{self.stream.sizes()[shard]}: pass shard_sizes that match what read_shard gives"
                 )
+        self._readers[key] = reader  # the most recent last
+        while len(self._readers) > 2:
+            _close(self._readers.pop(next(iter(self._readers))))
+        return reader
+
+    def _read(self, epoch: int, ordinal: int, offset: int, take: int) -> list[Any]:
+        """``take`` samples of the epoch's ``ordinal``-th shard from ``offset``: by index from a sequence, else from
+        the shard's iterator (opened again when it is past ``offset``), decoding what lies before."""
+        reader = self._reader_at(epoch, ordinal, offset)
+        if reader.sequence is not None:
             self.decoded += take
             return [reader.sequence[i] for i in range(offset, offset + take)]
         assert reader.iterator is not None
@@ -333,6 +420,7 @@ class StreamPositions:
             try:
                 sample = next(reader.iterator)
             except StopIteration:
+                shard = self._order(epoch)[0][ordinal]
                 raise ValueError(
                     f"shard {self.stream.shards[shard]!r} gave {reader.offset} samples, its size says "
                     f"{self.stream.sizes()[shard]}: pass shard_sizes that match what read_shard gives"
@@ -342,6 +430,12 @@ class StreamPositions:
                 out.append(sample)
             reader.offset += 1
         return out
+
+
+def _close(reader: _Reader) -> None:
+    close = getattr(reader.sequence if reader.sequence is not None else reader.iterator, "close", None)
+    if callable(close):
+        close()
 
 
 def restart_line(name: str, resumed: dict[str, Any] | None, batch_size: int, world: int) -> str:

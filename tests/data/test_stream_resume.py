@@ -51,6 +51,10 @@ def test_an_epoch_is_every_sample_once_and_any_position_reads_alone_as_in_order(
         alone = StreamPositions(stream, seed=3)
         assert alone[(epoch, p)] == order[p]
         assert alone.decoded <= max(sizes) + max(1, window)  # one shard before the window, then the window
+        by_index = StreamPositions(
+            ShardedStream(stream.shards, lambda s: list(_ids(sizes)(s)), window, 3), seed=3
+        )
+        assert by_index[(epoch, p)] == order[p] and by_index.decoded == 1  # a sequence: only that sample
 
 
 def test_epochs_and_seeds_draw_other_orders_and_a_window_stays_a_window():
@@ -69,10 +73,17 @@ class _Stream(GPUOptDataModule):
         return ShardedStream(list(range(16)), _ids([SHARD] * 16), shuffle_buffer=512)
 
 
-def _loader(state: dict | None = None, data_class: type = _Stream, batch_size: int = 100, workers: int = 0):
+def _loader(
+    state: dict | None = None,
+    data_class: type = _Stream,
+    batch_size: int = 100,
+    workers: int = 0,
+    ranks: int = 1,
+    rank: int = 0,
+):
     data = data_class(batch_size=batch_size, num_workers=workers, pin_memory=False, device_prefetch=False)
     data.trainer = SimpleNamespace(
-        world_size=1, global_rank=0, strategy=SimpleNamespace(root_device=torch.device("cpu"))
+        world_size=ranks, global_rank=rank, strategy=SimpleNamespace(root_device=torch.device("cpu"))
     )
     if state is not None:
         data.load_state_dict({"train_loader": state})
@@ -220,36 +231,81 @@ def test_a_hugging_face_stream_of_local_shards_resumes_exactly(tmp_path, form):
     assert whole != sorted(whole)  # shards and windows shuffled
 
 
-def test_webdataset_style_tar_shards_resume_exactly_and_are_counted_from_names_only_with_workers(tmp_path):
+def _write_tars(folder: Path, shards: int, size: int, suffix: str = ".tar") -> list[Path]:
+    """WebDataset-style tar shards: sample ``i`` is ``{i:05d}.json`` (``{"id": i}``) and ``{i:05d}.txt`` (``i``
+    bytes)."""
     import io
     import json
     import tarfile
 
     paths = []
-    for shard in range(3):
-        path = tmp_path / f"shard-{shard:03d}.tar"
-        with tarfile.open(path, "w") as tar:
-            for i in range(shard * 10, shard * 10 + 10):
+    for shard in range(shards):
+        path = folder / f"shard-{shard:03d}{suffix}"
+        with tarfile.open(path, "w:gz" if suffix.endswith("gz") else "w") as tar:
+            for i in range(shard * size, shard * size + size):
                 for ext, payload in (("json", json.dumps({"id": i}).encode()), ("txt", b"x" * i)):
                     info = tarfile.TarInfo(f"{i:05d}.{ext}")
                     info.size = len(payload)
                     tar.addfile(info, io.BytesIO(payload))
         paths.append(path)
-    decoded = []
+    return paths
 
-    def decode(sample):
-        decoded.append(sample["__key__"])
+
+class _Decode:
+    """Decodes a tar sample to its id, noting each decode in a file of the process that did it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def __call__(self, sample: dict) -> int:
+        import json
+        import os
+
         assert len(sample["txt"]) == int(sample["__key__"])
+        with open(self.folder / f"decoded-{os.getpid()}", "a") as f:
+            f.write(sample["__key__"] + "\n")
         return json.loads(sample["json"])["id"]
 
+    def keys(self) -> list[str]:
+        return [key for path in self.folder.glob("decoded-*") for key in path.read_text().split()]
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_webdataset_style_tar_shards_resume_exactly_and_are_counted_from_names_only_with_workers(
+    tmp_path, suffix
+):
+    paths = _write_tars(tmp_path, 3, 10, suffix)
+    (tmp_path / "log").mkdir()
+    decode = _Decode(tmp_path / "log")
     stream = ShardedStream.from_tars(paths, decode)
-    assert stream.sizes() == [10, 10, 10] and decoded == []  # counted from the member names
+    assert stream.sizes() == [10, 10, 10] and decode.keys() == []  # counted from the member names
 
     class Tars(GPUOptDataModule):
         def train_dataset(self):
             return ShardedStream.from_tars(paths, decode, shuffle_buffer=4)
 
     _resumes_exactly(Tars, 30, 15, workers=2)
+
+
+def test_uncompressed_tar_shards_are_decoded_once_in_an_epoch_over_all_ranks_and_workers(tmp_path):
+    """Read by index, a tar sample is decoded only by the worker whose batch holds it: over 2 ranks x 2 workers, every
+    sample once (read from their starts, as gzip-compressed tars are, the four workers decode about 4x as many)."""
+    paths = _write_tars(tmp_path, 4, 40)
+    (tmp_path / "log").mkdir()
+    decode = _Decode(tmp_path / "log")
+
+    class Tars(GPUOptDataModule):
+        def train_dataset(self):
+            return ShardedStream.from_tars(paths, decode, shuffle_buffer=16)
+
+    used = [
+        i
+        for rank in (0, 1)
+        for batch in _loader(None, Tars, 5, 2, ranks=2, rank=rank)
+        for i in _ids_of(batch)
+    ]
+    assert sorted(used) == list(range(160))
+    assert sorted(int(key) for key in decode.keys()) == list(range(160))
 
 
 def test_a_tar_shard_written_by_webdataset_reads_as_its_samples(tmp_path):
