@@ -14,13 +14,14 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt import _compat
 from lightning_gpuopt._validate import choice
+from lightning_gpuopt.callbacks.adaptive_batch_size import AdaptiveBatchSize
 from lightning_gpuopt.data import GPUOptDataModule
-from lightning_gpuopt.data.resume import capture_rng, derive_rng, restore_rng
+from lightning_gpuopt.data.resume import capture_rng, derive_rng, elastic_size, restore_rng
 from lightning_gpuopt.decisions import note_resume_policy, record_decision
 
 __all__ = ["ExactResume", "StepBoundaryCheckpoint", "at_optimizer_step_boundary", "slurm_requeue_command"]
@@ -125,8 +126,9 @@ class ExactResume(Callback):
         restore_rng: restore the RNG states on resume.
         elastic: on a resume on another number of ranks, keep the optimizer batch (``"keep_optimizer_batch"``:
             a :class:`~lightning_gpuopt.GPUOptDataModule`'s per-rank ``batch_size`` becomes the checkpoint's
-            ``ranks x batch_size`` over this run's ranks) or the per-rank ``batch_size`` (``"keep_per_rank"``: the
-            optimizer batch changes with the ranks).
+            ``ranks x batch_size`` over this run's ranks; with a loader of your own, ``accumulate_grad_batches``
+            becomes the checkpoint's ``ranks x accumulate_grad_batches`` over them) or the per-rank batch
+            (``"keep_per_rank"``: the optimizer batch changes with the ranks).
 
     Raises:
         ValueError: a signal name is not a signal of this platform, or ``elastic`` is not one of its choices.
@@ -184,6 +186,7 @@ class ExactResume(Callback):
             "rng": rng,
             "clean": not self._failed and self._boundary,
             "world_size": len(rng),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches if trainer is not None else 1,
             "validation_due": self._validation_due,
             "validation_epoch": trainer.current_epoch if trainer is not None else 0,
         }
@@ -207,6 +210,44 @@ class ExactResume(Callback):
             else:
                 policy = f"re-derived from (seed, step, rank): the checkpoint holds {before} rank(s)' states"
             note_resume_policy(trainer, "rng", policy)
+            if before != trainer.world_size and not isinstance(trainer.datamodule, GPUOptDataModule):
+                self._keep_optimizer_batch(trainer, before, state_dict.get("accumulate_grad_batches"))
+
+    def _keep_optimizer_batch(self, trainer: pl.Trainer, before_world: int, before: int | None) -> None:
+        """On another number of ranks with a loader that is not the pack's (whose per-rank batch size it cannot set),
+        the ``accumulate_grad_batches`` that keeps the checkpoint's optimizer batch, said in one line."""
+        setter = next(
+            (
+                c
+                for c in trainer.callbacks
+                if isinstance(c, GradientAccumulationScheduler | AdaptiveBatchSize)
+            ),
+            None,
+        )
+        if before is None:
+            return  # a checkpoint from before the pack saved it
+        if setter is not None:
+            name = type(setter).__name__
+            note_resume_policy(trainer, "accumulate_grad_batches", f"set by {name}")
+            rank_zero_info(
+                f"ExactResume: resumed on {trainer.world_size} rank(s) from a checkpoint of {before_world}; "
+                f"{name} sets accumulate_grad_batches, so the optimizer batch is this run's ranks x batch size x "
+                "what it sets."
+            )
+            return
+        current = int(trainer.accumulate_grad_batches)
+        size, note, line = elastic_size(
+            "accumulate_grad_batches",
+            int(before),
+            before_world,
+            trainer.world_size,
+            current,
+            given=current != int(before),
+            keep_per_rank=self.elastic == "keep_per_rank",
+        )
+        trainer.accumulate_grad_batches = size
+        note_resume_policy(trainer, "accumulate_grad_batches", note)
+        rank_zero_info(f"ExactResume: {line}")
 
     # ------------------------------------------------------------------ hooks
 

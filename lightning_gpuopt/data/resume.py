@@ -181,6 +181,15 @@ class ResumableSampler(DistributedSampler):
         super().set_epoch(epoch)
 
 
+#: What the optimizer batch is, besides ``ranks x name``, for each per-rank quantity :func:`elastic_size` scales; its
+#: unit; and who says the line.
+_ELASTIC = {
+    "batch_size": ("x accumulate_grad_batches", "sample(s)", "GPUOptDataModule"),
+    "max_tokens": ("x accumulate_grad_batches", "token(s)", "GPUOptDataModule"),
+    "accumulate_grad_batches": ("x the loader's batch size", "batch(es)", "ExactResume"),
+}
+
+
 def elastic_size(
     name: str,
     before: int,
@@ -190,10 +199,10 @@ def elastic_size(
     given: bool = False,
     keep_per_rank: bool = False,
 ) -> tuple[int, str, str]:
-    """The per-rank ``name`` (``batch_size``, or ``max_tokens``) of a run resumed on ``world`` ranks from a checkpoint
-    of ``before_world`` ranks x ``before``: the one that keeps the optimizer batch (``ranks x name x
-    accumulate_grad_batches``), ``before`` with ``keep_per_rank``, or ``current`` where it was ``given`` for this run.
-    Returns it, what a report notes, and the line to say.
+    """The per-rank ``name`` (``batch_size``, ``max_tokens``, or ``accumulate_grad_batches`` where the loader is not the
+    pack's) of a run resumed on ``world`` ranks from a checkpoint of ``before_world`` ranks x ``before``: the one that
+    keeps the optimizer batch (``ranks x batch_size x accumulate_grad_batches``), ``before`` with ``keep_per_rank``,
+    or ``current`` where it was ``given`` for this run. Returns it, what a report notes, and the line to say.
 
     Raises:
         ValueError: the optimizer batch does not divide by ``world`` (one line naming the rank counts that work).
@@ -202,7 +211,7 @@ def elastic_size(
         >>> elastic_size("batch_size", 12, 2, 3, current=12)[:2]
         (8, '12 -> 8 per rank: the optimizer batch kept')
     """
-    unit = "token(s)" if name == "max_tokens" else "sample(s)"
+    times, unit, who = _ELASTIC[name]
     was = f"{before_world} rank(s) x {name} {before}"
     resumed = f"resumed on {world} rank(s) from a checkpoint of {was}"
     total = before_world * before
@@ -212,7 +221,7 @@ def elastic_size(
             f"{before} -> {current} per rank, given for this run",
             (
                 f"{resumed}; {name}={current} given for this run is kept: the optimizer batch is {world * current} {unit} "
-                f"x accumulate_grad_batches (was {total} x it)."
+                f"{times} (was {total} x it)."
             ),
         )
     if keep_per_rank:
@@ -221,25 +230,22 @@ def elastic_size(
             f"{before} per rank kept (elastic='keep_per_rank')",
             (
                 f"{resumed}; {name} {before} is kept per rank (elastic='keep_per_rank'): the optimizer batch is "
-                f"{world * before} {unit} x accumulate_grad_batches (was {total} x it), so an epoch has other steps than "
-                "a restored schedule counted."
+                f"{world * before} {unit} {times} (was {total} x it), so an epoch has other steps than a "
+                "restored schedule counted."
             ),
         )
     if total % world:
         fits = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
         raise ValueError(
-            f"GPUOptDataModule: the checkpoint's optimizer batch, {was} = {total} {unit} x accumulate_grad_batches, "
-            f"does not divide by this run's {world} rank(s): resume on {fits} rank(s), or pass "
-            f"ExactResume(elastic='keep_per_rank') to keep {name} per rank."
+            f"{who}: the checkpoint's optimizer batch, {was} = {total} {unit} {times}, does not divide by this run's "
+            f"{world} rank(s): resume on {fits} rank(s), or pass ExactResume(elastic='keep_per_rank') to keep {name} "
+            "per rank."
         )
     size = total // world
     return (
         size,
         f"{before} -> {size} per rank: the optimizer batch kept",
-        (
-            f"{resumed}: {name} {before} -> {size} per rank, keeping the optimizer batch of {total} {unit} x "
-            "accumulate_grad_batches."
-        ),
+        f"{resumed}: {name} {before} -> {size} per rank, keeping the optimizer batch of {total} {unit} {times}.",
     )
 
 

@@ -216,3 +216,82 @@ def test_token_batches_keep_the_optimizer_batch_in_tokens(caplog):
     assert "max_tokens 24 -> 48 per rank, keeping the optimizer batch of 48 token(s)" in caplog.text
     with pytest.raises(ValueError, match=r"2 rank\(s\) x max_tokens 24 = 48 token\(s\)"):
         resumed(24, world=5)
+
+
+class _OwnLoader(pl.LightningModule):
+    """A module with a loader of its own (not a GPUOptDataModule): 12 batches of 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(48, 2), batch_size=4)
+
+
+def _own_loader_resumed(root: Path, ranks_before: int, accumulate_before: int, **kwargs):
+    """A one-rank run resumed from a checkpoint made to say it was written by ``ranks_before`` ranks with
+    ``accumulate_before``; returns the Trainer (it ran one more epoch)."""
+    from lightning_gpuopt import ExactResume
+
+    def trainer(epochs: int, accumulate: int = 1, elastic: str = "keep_optimizer_batch") -> pl.Trainer:
+        return pl.Trainer(
+            max_epochs=epochs,
+            accumulate_grad_batches=accumulate,
+            callbacks=[ExactResume(elastic=elastic)],
+            default_root_dir=root,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    path = root / "epoch1.ckpt"
+    if not path.exists():
+        first = trainer(1)
+        first.fit(_OwnLoader())
+        first.save_checkpoint(path)
+        checkpoint = torch.load(path, weights_only=False)
+        (key,) = [k for k in checkpoint["callbacks"] if k.startswith("ExactResume")]
+        checkpoint["callbacks"][key]["rng"] *= ranks_before
+        checkpoint["callbacks"][key].update(
+            world_size=ranks_before, accumulate_grad_batches=accumulate_before
+        )
+        torch.save(checkpoint, path)
+    resumed = trainer(2, **kwargs)
+    resumed.fit(_OwnLoader(), ckpt_path=path)
+    return resumed
+
+
+def test_with_a_loader_of_its_own_the_optimizer_batch_is_kept_by_accumulation(tmp_path, caplog):
+    """A checkpoint of 2 ranks x 1 batch per step resumed on 1 rank: 2 batches per step (6 steps in the epoch of 12
+    batches, as on 2 ranks); an accumulate_grad_batches given for the leg wins; keep_per_rank keeps 1."""
+    with caplog.at_level(logging.INFO):
+        kept = _own_loader_resumed(tmp_path, 2, 1)
+    assert kept.accumulate_grad_batches == 2 and kept.global_step == 12 + 6
+    assert (
+        "accumulate_grad_batches 1 -> 2 per rank, keeping the optimizer batch of 2 batch(es) x the loader's"
+        in (caplog.text)
+    )
+    given = _own_loader_resumed(tmp_path, 2, 1, accumulate=3)
+    assert given.accumulate_grad_batches == 3 and given.global_step == 12 + 4
+    assert _own_loader_resumed(tmp_path, 2, 1, elastic="keep_per_rank").global_step == 12 + 12
+
+
+def test_with_a_loader_of_its_own_an_optimizer_batch_that_does_not_divide_is_refused():
+    """3 ranks x 1 batch per step on 2 ranks (the rule ExactResume applies; one process cannot have 2 ranks)."""
+    from lightning_gpuopt.data.resume import elastic_size
+
+    with pytest.raises(ValueError) as refused:
+        elastic_size("accumulate_grad_batches", 1, 3, 2, current=1)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(
+        "ExactResume: the checkpoint's optimizer batch, 3 rank(s) x"
+    )
+    assert "resume on 1, 3 rank(s)" in message and "keep_per_rank" in message
