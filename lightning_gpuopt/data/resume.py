@@ -61,7 +61,8 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _mix(_mix(_mix(seed & _MASK) ^ (epoch & _MASK)) ^ (index & _MASK)) >> 1  # 63 bits: numpy's limit
 
 
-def _seed_all(seed: int) -> None:
+def seed_all(seed: int) -> None:
+    """Seed torch's CPU generator, Python's ``random`` and NumPy's global generator (what a sample is loaded under)."""
     # The CPU generator only: `torch.manual_seed` also seeds every accelerator, ~100x slower per sample.
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
@@ -322,7 +323,7 @@ class SeededSamples(Dataset):
             for key in keys:
                 epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
                 if epoch is not None:
-                    _seed_all(sample_seed(self.seed, epoch, index))
+                    seed_all(sample_seed(self.seed, epoch, index))
                 items.append(self.dataset[(epoch, index)] if self.keyed else self.dataset[index])
             return items
         finally:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from lightning_gpuopt.data.resume import sample_seed
+from lightning_gpuopt.data.resume import SeededSamples, sample_seed, seed_all
 
 __all__ = ["ShardedStream", "StreamPositions", "restart_line"]
 
@@ -146,7 +146,8 @@ class ShardedStream(IterableDataset):
         return sum(self.sizes())
 
     def __iter__(self) -> Iterator[Any]:
-        positions = StreamPositions(self, seed=self.seed or 0)
+        # Through SeededSamples: each sample under its own seed, and the caller's RNG streams left as they were.
+        positions = SeededSamples(StreamPositions(self, seed=self.seed or 0), seed=self.seed or 0)
         info = torch.utils.data.get_worker_info()
         indices = range(len(self)) if info is None else range(info.id, len(self), info.num_workers)
         return (positions[(0, p)] for p in indices)
@@ -335,6 +336,7 @@ class StreamPositions:
         reader = self._reader_at(epoch, ordinal, offset)
         if reader.sequence is not None:  # read by index: only this sample
             self.decoded += 1
+            seed_all(sample_seed(self.seed, epoch, window * size + order[at]))
             return reader.sequence[offset]
         samples = self._read_window(epoch, window * size, size)
         self._window = (epoch, window, samples, order)
@@ -396,6 +398,9 @@ class StreamPositions:
         reader = self._readers.pop(key, None)
         if reader is None or (reader.sequence is None and reader.offset > offset):
             shard = self._order(epoch)[0][ordinal]
+            seed_all(
+                sample_seed(self.seed, epoch, -2 - ordinal)
+            )  # what opening it draws: the same at every opening
             reader = _Reader(self.stream.read_shard(self.stream.shards[shard]))
             if reader.sequence is not None and len(reader.sequence) != self.stream.sizes()[shard]:  # type: ignore[arg-type]
                 raise ValueError(
@@ -409,14 +414,21 @@ class StreamPositions:
 
     def _read(self, epoch: int, ordinal: int, offset: int, take: int) -> list[Any]:
         """``take`` samples of the epoch's ``ordinal``-th shard from ``offset``: by index from a sequence, else from
-        the shard's iterator (opened again when it is past ``offset``), decoding what lies before."""
+        the shard's iterator (opened again when it is past ``offset``), decoding what lies before. Each sample is
+        decoded under the RNG seed of its place in the shards' order, so that random augmentation in ``read_shard``
+        draws the same whichever process decodes it, and when."""
         reader = self._reader_at(epoch, ordinal, offset)
-        if reader.sequence is not None:
-            self.decoded += take
-            return [reader.sequence[i] for i in range(offset, offset + take)]
-        assert reader.iterator is not None
+        start = self._order(epoch)[1][ordinal]
         out = []
+        if reader.sequence is not None:
+            for i in range(offset, offset + take):
+                self.decoded += 1
+                seed_all(sample_seed(self.seed, epoch, start + i))
+                out.append(reader.sequence[i])
+            return out
+        assert reader.iterator is not None
         while reader.offset < offset + take:
+            seed_all(sample_seed(self.seed, epoch, start + reader.offset))
             try:
                 sample = next(reader.iterator)
             except StopIteration:

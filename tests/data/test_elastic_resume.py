@@ -4,9 +4,10 @@ the interrupted epoch consumed, instead of starting the epoch again, and keeps t
 ResumableSampler deals one order per epoch round-robin, so the ranks' b-th batches together are one window of it
 on any number of ranks: the checkpoint's consumed samples are the first C of the order, and the resumed epoch deals
 the rest over the new ranks. Swept with Hypothesis (dataset sizes, ranks before and after, batch sizes, the batch
-of the interruption, shuffle). Real runs (tests/resume_child.py, DDP over gloo): stopped by SIGTERM on 2 ranks,
-resumed on 1, stopped again and resumed on 3, against the uninterrupted 2-rank run; and a resume that keeps the
-per-rank batch size, whose resumed epoch is shorter than a whole one.
+of the interruption, shuffle). Real runs (tests/resume_child.py, DDP over gloo), map-style and stream: stopped by
+SIGTERM on 2 ranks, resumed on 1, stopped again and resumed on 3, against the uninterrupted 2-rank run; and a
+resume that keeps the per-rank batch size, whose resumed epoch is shorter than a whole one. A module's own loader
+keeps the optimizer batch through accumulate_grad_batches.
 """
 
 from __future__ import annotations
@@ -105,28 +106,32 @@ def _leg_here(root: Path, *args: object) -> None:
     resume_child.main([str(root), *map(str, ELASTIC), *map(str, args)])
 
 
-def test_stopped_on_2_ranks_resumed_on_1_then_on_3_trains_like_the_uninterrupted_2_rank_run(tmp_path):
-    """Optimizer batch 24 (2 ranks x 12), 24 x 40 samples, a per-sample-mean loss, no dropout, 64-true: SIGTERM at
-    step 15, resumed on 1 rank (batch 24), SIGTERM at step 30, resumed on 3 ranks (batch 8). Every sample once, the
-    optimizer batch constant, the parameters those of the uninterrupted run (the suite's measure, floor 1e-9), and
-    the report lists both resumes."""
-    common = ("--batch-size", 12, "--length", 24 * 40)
+@pytest.mark.parametrize("data", ["map-style", "stream"])
+def test_stopped_on_2_ranks_resumed_on_1_then_on_3_trains_like_the_uninterrupted_2_rank_run(tmp_path, data):
+    """Optimizer batch 24 (2 ranks x 12), 24 x 60 samples (map-style, or a ShardedStream of 6 shards of 240 with a
+    shuffle window of 64), a per-sample-mean loss, no dropout, 64-true: SIGTERM at step 25, resumed on 1 rank (batch
+    24), SIGTERM at step 50, resumed on 3 ranks (batch 8). Every sample once, the optimizer batch constant, the
+    parameters those of the uninterrupted run (the suite's measure, floor 1e-9), and the report lists both
+    resumes."""
+    common = ("--batch-size", 12, "--length", 24 * 60)
+    if data == "stream":
+        common += ("--stream", 6, "--shuffle-buffer", 64)
     _leg(tmp_path / "straight", 2, *common)
     legs = tmp_path / "legs"
-    _leg(legs, 2, *common, "--term-batch", 15)
-    _leg_here(legs, *common, "--term-batch", 30, "--resume")
+    _leg(legs, 2, *common, "--term-batch", 25)
+    _leg_here(legs, *common, "--term-batch", 50, "--resume")
     _leg(legs, 3, *common, "--resume")
     seen = collections.Counter(i for _, i in _ids(legs))
-    assert sorted(seen) == list(range(24 * 40)) and set(seen.values()) == {1}, seen.most_common(3)
+    assert sorted(seen) == list(range(24 * 60)) and set(seen.values()) == {1}, seen.most_common(3)
     pl.seed_everything(0, verbose=False)
     theta0 = parameters_of(resume_child.DropoutRegressor(16, dropout=0.0))
     assert_same_training(theta0, _params(legs), _params(tmp_path / "straight"), floor=1e-9, elementwise=True)
     resumes = json.loads((legs / "gpuopt_report.json").read_text())["resumes"]
-    assert [(r["world_size_before"], r["world_size"], r["step"]) for r in resumes] == [(2, 1, 16), (1, 3, 31)]
+    assert [(r["world_size_before"], r["world_size"], r["step"]) for r in resumes] == [(2, 1, 26), (1, 3, 51)]
     assert resumes[0]["policies"]["batch_size"] == "12 -> 24 per rank: the optimizer batch kept"
     assert resumes[1]["policies"]["batch_size"] == "24 -> 8 per rank: the optimizer batch kept"
     assert resumes[1]["policies"]["rng"].startswith("re-derived from (seed, step, rank)")
-    assert resumes[1]["policies"]["data"].startswith("exact: epoch 0 past the 744 sample(s)")
+    assert resumes[1]["policies"]["data"].startswith("exact: epoch 0 past the 1224 sample(s)")
 
 
 def test_keeping_the_per_rank_batch_the_resumed_epoch_is_shorter_and_the_next_one_whole(tmp_path):

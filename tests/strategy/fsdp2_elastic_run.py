@@ -4,11 +4,11 @@ re-running it.
 
     PYTHONPATH=. python tests/strategy/fsdp2_elastic_run.py OUT_DIR DEVICES STOP BATCH_SIZE [CHECKPOINT]
 
-A float64 MLP (no dropout, a per-sample-mean loss, AdamW, a OneCycle schedule over 15 steps that reads
+A float64 MLP (no dropout, a per-sample-mean loss, AdamW, a OneCycle schedule over 25 steps that reads
 ``estimated_stepping_batches``, so the strategy builds the loader before the checkpoint is loaded) on 240 samples,
 ``batch_size`` BATCH_SIZE per rank (a resumed leg keeps the checkpoint's optimizer batch), ``FSDP2Strategy``,
-``ExactResume``. Trains until optimizer step STOP (of 15), resuming from CHECKPOINT (a folder Lightning's
-``ModelParallelStrategy`` wrote) when given, writing ``OUT_DIR/ckpt/last.ckpt`` (a folder) at every step; rank 0
+``ExactResume``. Trains until optimizer step STOP (of 25), resuming from CHECKPOINT (a folder Lightning's
+``ModelParallelStrategy`` wrote) when given, writing ``OUT_DIR/ckpt/last.ckpt`` (a folder) every 5 steps; rank 0
 writes the whole parameters to ``OUT_DIR/params.pt`` and the initial ones to ``OUT_DIR/params0.pt``.
 """
 
@@ -28,7 +28,7 @@ from lightning_gpuopt import ExactResume, FSDP2Strategy, GPUOptDataModule
 from lightning_gpuopt.callbacks.exact_resume import StepBoundaryCheckpoint
 from tests.helpers import TRAINER_QUIET, run_script
 
-SAMPLES, DIM, STEPS = 240, 8, 15
+SAMPLES, DIM, STEPS = 240, 8, 25
 
 
 class Regressor(pl.LightningModule):
@@ -94,7 +94,7 @@ def main() -> None:
             ExactResume(),
             Save(out_dir, stop),
             StepBoundaryCheckpoint(
-                dirpath=os.path.join(out_dir, "ckpt"), every_n_train_steps=1, save_last=True
+                dirpath=os.path.join(out_dir, "ckpt"), every_n_train_steps=5, save_last=True
             ),
         ],
         limit_val_batches=0,

@@ -20,11 +20,11 @@ def _run(out: Path, devices: int, steps: int, batch_size: int, checkpoint: Path 
 
 
 def test_a_sharded_checkpoint_resumed_on_1_rank_then_on_2_trains_like_the_uninterrupted_run(tmp_path):
-    """The uninterrupted run: 2 ranks x 12 for 15 steps. The other: 2 ranks to step 5, resumed on 1 rank (batch 24)
-    to step 10, resumed on 2 ranks (batch 12) to step 15; both reshardings through DCP."""
-    reference = _run(tmp_path / "straight", 2, 15, 12)
+    """The uninterrupted run: 2 ranks x 12 for 25 steps. The other: 2 ranks to step 5, resumed on 1 rank (batch 24)
+    for 10 more steps, resumed on 2 ranks (batch 12) for 10 more; both reshardings through DCP."""
+    reference = _run(tmp_path / "straight", 2, 25, 12)
     theta0 = torch.load(tmp_path / "straight" / "params0.pt")
     _run(tmp_path / "first", 2, 5, 12)
-    _run(tmp_path / "second", 1, 10, 12, tmp_path / "first" / "ckpt" / "last.ckpt")
-    resumed = _run(tmp_path / "third", 2, 15, 12, tmp_path / "second" / "ckpt" / "last.ckpt")
+    _run(tmp_path / "second", 1, 15, 12, tmp_path / "first" / "ckpt" / "last.ckpt")
+    resumed = _run(tmp_path / "third", 2, 25, 12, tmp_path / "second" / "ckpt" / "last.ckpt")
     assert_same_training(theta0, resumed, reference, floor=1e-9, elementwise=True)
