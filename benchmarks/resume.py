@@ -21,6 +21,8 @@ from __future__ import annotations
 import collections
 import io
 import json
+import os
+import signal
 import statistics
 import tarfile
 import tempfile
@@ -193,6 +195,71 @@ def _baseline(paths: list[str]) -> dict:
     return out
 
 
+class _LitDataModule(pl.LightningModule):
+    """Trains on nothing: notes each batch's ids, and sends itself SIGTERM after batch ``stop`` (ExactResume stops)."""
+
+    def __init__(
+        self, folder: Path, workers: int, batch: int, seen: collections.Counter, stop: int | None
+    ) -> None:
+        super().__init__()
+        self.folder, self.workers, self.batch, self.seen, self.stop = folder, workers, batch, seen, stop
+        self.layer = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.update(int(i) for i in batch["id"])
+        if batch_idx == self.stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.layer(batch["id"][:, None].float()).sum() * 0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        import litdata
+
+        dataset = litdata.StreamingDataset(str(self.folder), shuffle=True, seed=0)
+        return litdata.StreamingDataLoader(dataset, batch_size=self.batch, num_workers=self.workers)
+
+
+def _litdata_baseline(root: Path) -> dict:
+    """LitData's own StreamingDataLoader under Lightning (its state in the fit loop's): stopped at 25 % of the epoch
+    by SIGTERM (ExactResume), resumed with the same loader, and with 1 worker and batch 200 (a resume on half the
+    ranks keeping the optimizer batch)."""
+    try:
+        from litdata.streaming.writer import BinaryWriter
+    except ImportError as err:
+        return {"skipped": f"{err.name} is not installed"}
+    folder = root / "litdata"
+    writer = BinaryWriter(str(folder), chunk_size=SHARD)
+    for i in range(SHARDS * SHARD):
+        writer[i] = {"id": i}
+    writer.done()
+    writer.merge(1)
+    out = {}
+    quarter = SHARDS * SHARD // BATCH // 4
+    for name, second in (
+        ("2 workers x 100 kept", (2, BATCH)),
+        ("2 workers x 100 -> 1 x 200", (1, 2 * BATCH)),
+    ):
+        seen: collections.Counter = collections.Counter()
+        run = root / f"litdata-{second[0]}"
+        for (workers, batch), stop, resume in (((2, BATCH), quarter - 1, None), (second, None, "last")):
+            trainer = pl.Trainer(
+                max_epochs=1,
+                callbacks=[ExactResume()],
+                default_root_dir=run,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+            )
+            module = _LitDataModule(folder, workers, batch, seen, stop)
+            trainer.fit(module, ckpt_path=None if resume is None else run / "checkpoints" / "last.ckpt")
+        lost = SHARDS * SHARD - len(seen)
+        out[name] = f"{sum(c - 1 for c in seen.values())} repeated, {lost} lost"
+    return out
+
+
 def _stream_rows(root: Path) -> dict:
     paths = _shards(root)
     rows = [_stream_resume(paths, f, w) for w in (1, 2) for f in (0.1, 0.5, 0.9)]
@@ -208,6 +275,10 @@ def _stream_rows(root: Path) -> dict:
     baseline = _baseline(paths)
     for name, said in baseline.items():
         markdown_row(f"baseline, HF datasets + StatefulDataLoader, {name}", said, "")
+    litdata = _litdata_baseline(root)
+    for name, said in litdata.items():
+        markdown_row(f"baseline, LitData StreamingDataLoader under Lightning, {name}", said, "")
+    baseline = {**baseline, **{f"litdata, {k}": v for k, v in litdata.items()}}
     return {"resumes": rows, "baseline": baseline}
 
 

@@ -123,6 +123,34 @@ class ShardedStream(IterableDataset):
         """
         return cls([os.fspath(p) for p in paths], _TarShard(decode), **kwargs)
 
+    @classmethod
+    def from_litdata(cls, dataset: Any, shuffle_buffer: int = 0, seed: int | None = None) -> ShardedStream:
+        """A LitData ``StreamingDataset`` (``litdata.optimize``'s chunks) read by its chunks, each by index through the
+        dataset itself (its download, cache and decoding): a process reads only the samples of its own batches, and
+        a window spans at most two chunks. Its own ``shuffle`` is not used: set ``shuffle_buffer`` here.
+
+        LitData's own ``StreamingDataLoader`` state resumes exactly at the same ranks, workers and batch size; under
+        Lightning on another topology its resumed epoch lost and repeated samples (docs/resume.md, "Streams").
+
+        Example:
+            >>> import litdata  # doctest: +SKIP
+            >>> ShardedStream.from_litdata(litdata.StreamingDataset("data/optimized"), shuffle_buffer=512)  # doctest: +SKIP
+        """
+        if not callable(getattr(dataset, "__getitem__", None)) or not hasattr(dataset, "cache"):
+            raise TypeError(
+                f"ShardedStream.from_litdata takes a litdata.StreamingDataset, got {type(dataset).__name__}"
+            )
+        if dataset.cache is None:
+            dataset[0]  # opens its index
+        intervals = [(int(i[1]), int(i[2])) for i in dataset.cache.get_chunk_intervals()]
+        return cls(
+            intervals,
+            _LitDataChunk(dataset),
+            shuffle_buffer=shuffle_buffer,
+            seed=seed,
+            shard_sizes=[end - start for start, end in intervals],
+        )
+
     def sizes(self) -> list[int]:
         """Each shard's number of samples (counted once, the first time it is asked)."""
         if self._sizes is None:
@@ -170,6 +198,32 @@ class _HFShard:
             columns = list(batch)
             for values in zip(*(batch[c] for c in columns)):
                 yield dict(zip(columns, values))
+
+
+class _LitDataChunk:
+    """One chunk of a LitData ``StreamingDataset`` (its global indices ``[start, end)``), as ``read_shard``: a sequence
+    read through the dataset."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __call__(self, interval: tuple[int, int]) -> _Indexed:
+        return _Indexed(self.dataset, *interval)
+
+
+class _Indexed:
+    """``dataset[start:end]`` as a sequence read item by item."""
+
+    def __init__(self, dataset: Any, start: int, end: int) -> None:
+        self.dataset, self.start, self.end = dataset, start, end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self.end - self.start:
+            raise IndexError(index)
+        return self.dataset[self.start + index]
 
 
 class _TarShard:
@@ -473,5 +527,5 @@ def restart_line(name: str, resumed: dict[str, Any] | None, batch_size: int, wor
         f"GPUOptDataModule: the training dataset {name} is an IterableDataset, whose place the training loader does "
         "not keep: a resume from a checkpoint taken mid-epoch starts that epoch again from its beginning (the "
         "samples read before it are trained on twice). Read its shards through lightning_gpuopt.data.ShardedStream "
-        "(ShardedStream.from_hf for Hugging Face datasets), or use a map-style dataset: both resume exactly."
+        "(from_hf for Hugging Face datasets, from_litdata for LitData), or use a map-style dataset: both resume exactly."
     )

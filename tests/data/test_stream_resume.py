@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -333,6 +334,47 @@ def test_uncompressed_tar_shards_are_decoded_once_in_an_epoch_over_all_ranks_and
     ]
     assert sorted(used) == list(range(160))
     assert sorted(int(key) for key in decode.keys()) == list(range(160))
+
+
+def _write_litdata(folder: Path, samples: int, chunk: int) -> Path:
+    """A LitData dataset of records ``{"id": i}`` in chunks of ``chunk`` (what ``litdata.optimize`` writes, written in
+    this process)."""
+    from litdata.streaming.writer import BinaryWriter
+
+    writer = BinaryWriter(str(folder), chunk_size=chunk)
+    for i in range(samples):
+        writer[i] = {"id": i}
+    writer.done()
+    writer.merge(1)
+    return folder
+
+
+def test_a_litdata_dataset_read_by_its_chunks_resumes_exactly_and_decodes_each_sample_once(tmp_path):
+    """Chunks read by index through the StreamingDataset: a resume past 95 samples with 2 loader workers goes on in
+    the same order, and over 2 ranks x 2 workers each sample is read once."""
+    litdata = pytest.importorskip("litdata")
+    folder = _write_litdata(tmp_path / "optimized", 200, 25)
+
+    class Counted(litdata.StreamingDataset):
+        def __getitem__(self, index):
+            with open(tmp_path / f"read-{os.getpid()}", "a") as f:
+                f.write(f"{index}\n")
+            return super().__getitem__(index)
+
+    class Lit(GPUOptDataModule):
+        def train_dataset(self):
+            return ShardedStream.from_litdata(Counted(str(folder)), shuffle_buffer=16)
+
+    whole = _resumes_exactly(Lit, 200, 95, workers=2)
+    assert whole != sorted(whole)
+    for path in tmp_path.glob("read-*"):
+        path.unlink()
+    used = [
+        i for rank in (0, 1) for batch in _loader(None, Lit, 5, 2, ranks=2, rank=rank) for i in _ids_of(batch)
+    ]
+    main = tmp_path / f"read-{os.getpid()}"  # this process opened the index, reading sample 0
+    read = [int(i) for path in tmp_path.glob("read-*") if path != main for i in path.read_text().split()]
+    assert sorted(used) == list(range(200)) and sorted(read) == list(range(200))
 
 
 def test_a_tar_shard_written_by_webdataset_reads_as_its_samples(tmp_path):
