@@ -298,7 +298,7 @@ class MemoryAwareBatchSize(MicroBatchUser, Callback):
         if self.mode != "max":
             return
         if self.batch_size is not None and not self._requested:
-            before = self._saved_world_size
+            before, self._saved_world_size = self._saved_world_size, None  # a checkpoint's, read once
             if before is not None and int(before) != trainer.world_size:
                 # Resumed on another number of ranks: the datamodule keeps the optimizer batch (or the policy's
                 # per-rank size); a batch that no longer fits is split into micro-batches, as any other.

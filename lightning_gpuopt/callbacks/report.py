@@ -12,6 +12,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gpuopt import _validate
@@ -624,14 +625,21 @@ def _noise_scale(trainer: pl.Trainer) -> float | None:
 def _standing_policies(trainer: pl.Trainer) -> dict[str, str]:
     """What a resume does with the state whose policy does not depend on the checkpoint (the rest is noted by the
     callbacks and the datamodule that apply it)."""
-    sharded = "FSDP" in type(trainer.strategy).__name__ or "ModelParallel" in type(trainer.strategy).__name__
-    policies = {
-        "model and optimizer": (
-            f"resharded over {trainer.world_size} rank(s) by torch.distributed.checkpoint"
-            if sharded
-            else "the checkpoint's (every rank held the same)"
-        ),
-    }
+    strategy, world = trainer.strategy, trainer.world_size
+    if isinstance(strategy, ModelParallelStrategy | FSDPStrategy):  # the model is sharded
+        distributed = (
+            getattr(strategy, "_save_distributed_checkpoint", True)
+            if isinstance(strategy, ModelParallelStrategy)
+            else getattr(strategy, "_state_dict_type", "full") == "sharded"
+        )
+        model = (
+            f"resharded over {world} rank(s) by torch.distributed.checkpoint"
+            if distributed
+            else f"the checkpoint's whole state, sharded over {world} rank(s) as it loads"
+        )
+    else:
+        model = "the checkpoint's (every rank held the same)"
+    policies = {"model and optimizer": model}
     if MicroBatchEngine.get(trainer) is not None:
         policies["k"] = "the checkpoint's (agreed across ranks, saved once), then follows this run's memory"
     if any(isinstance(cb, GradientNoiseScale) for cb in trainer.callbacks):

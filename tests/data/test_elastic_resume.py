@@ -300,3 +300,24 @@ def test_with_a_loader_of_its_own_an_optimizer_batch_that_does_not_divide_is_ref
         "ExactResume: the checkpoint's optimizer batch, 3 rank(s) x"
     )
     assert "resume on 1, 3 rank(s)" in message and "keep_per_rank" in message
+
+
+@pytest.mark.parametrize(
+    ("strategy", "said"),
+    [
+        ("ddp", "the checkpoint's (every rank held the same)"),
+        ("fsdp2", "resharded over 1 rank(s) by torch.distributed.checkpoint"),
+        ("fsdp2-full", "the checkpoint's whole state, sharded over 1 rank(s) as it loads"),
+    ],
+)
+def test_the_report_says_how_the_model_state_is_resumed_by_the_strategy_and_its_checkpoint(strategy, said):
+    from lightning_gpuopt import FSDP2Strategy
+    from lightning_gpuopt.callbacks.report import _standing_policies
+
+    chosen = {
+        "ddp": "ddp",
+        "fsdp2": FSDP2Strategy(),
+        "fsdp2-full": FSDP2Strategy(save_distributed_checkpoint=False),
+    }
+    trainer = pl.Trainer(strategy=chosen[strategy], accelerator="cpu", devices=1, logger=False)
+    assert _standing_policies(trainer)["model and optimizer"] == said
