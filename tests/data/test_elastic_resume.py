@@ -106,6 +106,7 @@ def _leg_here(root: Path, *args: object) -> None:
     resume_child.main([str(root), *map(str, ELASTIC), *map(str, args)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["map-style", "stream"])
 def test_stopped_on_2_ranks_resumed_on_1_then_on_3_trains_like_the_uninterrupted_2_rank_run(tmp_path, data):
     """Optimizer batch 24 (2 ranks x 12), 24 x 60 samples (map-style, or a ShardedStream of 6 shards of 240 with a
@@ -134,6 +135,7 @@ def test_stopped_on_2_ranks_resumed_on_1_then_on_3_trains_like_the_uninterrupted
     assert resumes[1]["policies"]["data"].startswith("exact: epoch 0 past the 1224 sample(s)")
 
 
+@pytest.mark.slow
 def test_keeping_the_per_rank_batch_the_resumed_epoch_is_shorter_and_the_next_one_whole(tmp_path):
     """2 ranks x batch 4 stopped after 6 batches (48 of 64 samples), resumed on 1 rank keeping batch 4, with 2
     loader workers: the resumed epoch runs 4 more batches (10 counted), the next epoch all 16, every sample once in
@@ -150,6 +152,7 @@ def test_keeping_the_per_rank_batch_the_resumed_epoch_is_shorter_and_the_next_on
     assert [line.split()[1] for line in rank0 if line.startswith("0 ")][-5:] == ["5", "6", "7", "8", "9"]
 
 
+@pytest.mark.slow
 def test_token_batches_on_another_number_of_ranks_restart_the_epoch_whole(tmp_path):
     """Token batches are formed for a number of ranks: resumed on 1 rank after 3 batches on 2, the epoch starts
     again, and the loader runs all of its batches (Lightning counts the 3 restored ones too): no sample is cut."""

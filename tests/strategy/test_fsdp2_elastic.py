@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import assert_same_training, run_ranks
@@ -19,6 +20,7 @@ def _run(out: Path, devices: int, steps: int, batch_size: int, checkpoint: Path 
     return run_ranks(SCRIPT, out, *args, ranks=1, result="params.pt")[0]
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumed_on_1_rank_then_on_2_trains_like_the_uninterrupted_run(tmp_path):
     """The uninterrupted run: 2 ranks x 12 for 25 steps. The other: 2 ranks to step 5, resumed on 1 rank (batch 24)
     for 10 more steps, resumed on 2 ranks (batch 12) for 10 more; both reshardings through DCP."""
