@@ -345,7 +345,7 @@ class AdaptiveBatchSize(Callback):
         self.samples = int(state_dict.get("samples", 0))
         self.changes = [list(c) for c in state_dict.get("changes", [])]
         self.last_change_step = int(state_dict.get("last_change_step", 0))
-        self._unit = state_dict.get("unit")
+        self._unit = None  # measured again at the first batch: resumed on another number of ranks, it changes
         self._tokens_per_batch = float(state_dict.get("tokens_per_batch", 0.0))
         self._token_steps = int(state_dict.get("token_steps", 0))
         self._held = str(state_dict.get("held", _NOT_MEASURED))

@@ -142,6 +142,25 @@ def test_resume_continues_the_schedule_exactly(tmp_path):
     torch.testing.assert_close(resumed.theta, straight.theta, rtol=1e-12, atol=1e-14)  # splits round alike
 
 
+def test_resumed_on_another_number_of_ranks_the_optimizer_batch_is_counted_from_this_runs_batches(tmp_path):
+    """A checkpoint whose per-step batch was 2 ranks x 16 = 32, resumed on one rank of 16 (keep_per_rank): the
+    optimizer batch is counted from this run's batches (16 x accumulate_grad_batches), not the checkpoint's 32."""
+    trainer = _fit(
+        Scheduled(lr=1e-2), [AdaptiveBatchSize(interval=10, max_batch=128)], max_steps=-1, max_epochs=1
+    )
+    path = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    (key,) = [k for k in checkpoint["callbacks"] if k.startswith("AdaptiveBatchSize")]
+    assert checkpoint["callbacks"][key]["unit"] == 16
+    checkpoint["callbacks"][key]["unit"] = 32
+    torch.save(checkpoint, path)
+    adaptive = AdaptiveBatchSize(interval=10, max_batch=128)
+    trainer = pl.Trainer(precision="64-true", callbacks=[adaptive], max_epochs=2, **TRAINER_QUIET)
+    trainer.fit(Scheduled(lr=1e-2), quadratic_loader(4096, batch_size=16, steps=400, seed=1), ckpt_path=path)
+    assert adaptive.optimizer_batch == 16 * adaptive.accumulate  # (teardown gives the Trainer its own back)
+
+
 @pytest.mark.parametrize(
     ("callback", "who"),
     [(AdaptiveBatchSize, "AdaptiveBatchSize"), (GradientNoiseScale, "GradientNoiseScale")],
