@@ -171,16 +171,16 @@ def _write_shards(folder: Path, form: str) -> tuple:
 
 
 @pytest.mark.slow
-def test_stopped_three_times_in_one_epoch_on_other_ranks_and_workers_every_sample_once(tmp_path):
+@pytest.mark.parametrize("form", ["jsonl", "tar"])
+def test_stopped_three_times_in_one_epoch_on_other_ranks_and_workers_every_sample_once(tmp_path, form):
     """Optimizer batch 200 (2 ranks x 100, then 1 x 200, ...): SIGTERM at steps 25, 50 and 75 of the 100, resumed as
-    2 ranks x 2 workers -> 1 x 1 -> 2 x 0 -> 1 x 2. Hugging
-    Face datasets streaming local JSON lines through ``ShardedStream.from_hf`` (a ShardedStream of the child's own
-    shards where datasets is not installed). Tar shards go through the same ShardedStream (their test below, with
-    loader workers; run with ``_write_shards(..., "tar")`` here they pass too, 50 s more)."""
-    if importlib.util.find_spec("datasets") is None:
+    2 ranks x 2 workers -> 1 x 1 -> 2 x 0 -> 1 x 2. Hugging Face datasets streaming local JSON lines through
+    ``ShardedStream.from_hf`` (a ShardedStream of the child's own shards where datasets is not installed), and
+    WebDataset-style tar shards through ``ShardedStream.from_tars``."""
+    if form == "jsonl" and importlib.util.find_spec("datasets") is None:
         source: tuple = ("--stream", 16)
     else:
-        source = _write_shards(tmp_path / "shards", "jsonl")
+        source = _write_shards(tmp_path / "shards", form)
     run = tmp_path / "run"
     # The uninterrupted run: the optimizer batch of 200 on one rank (the same order and steps as on 2 ranks x 100,
     # whose equality the elastic tests hold), in this process.
