@@ -169,6 +169,8 @@ class ExactResume(Callback):
         self._boundary = True
         self._validation_due = False
         self._log_filter: _SignalStopFilter | None = None
+        self._configured_accumulate = 1
+        self._elastic_accumulate: int | None = None  # set by a resume on another number of ranks, said once
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -187,6 +189,7 @@ class ExactResume(Callback):
             "clean": not self._failed and self._boundary,
             "world_size": len(rng),
             "accumulate_grad_batches": trainer.accumulate_grad_batches if trainer is not None else 1,
+            "configured_accumulate_grad_batches": self._configured_accumulate,
             "validation_due": self._validation_due,
             "validation_epoch": trainer.current_epoch if trainer is not None else 0,
         }
@@ -211,11 +214,16 @@ class ExactResume(Callback):
                 policy = f"re-derived from (seed, step, rank): the checkpoint holds {before} rank(s)' states"
             note_resume_policy(trainer, "rng", policy)
             if before != trainer.world_size and not isinstance(trainer.datamodule, GPUOptDataModule):
-                self._keep_optimizer_batch(trainer, before, state_dict.get("accumulate_grad_batches"))
+                self._keep_optimizer_batch(trainer, before, state_dict)
 
-    def _keep_optimizer_batch(self, trainer: pl.Trainer, before_world: int, before: int | None) -> None:
+    def _keep_optimizer_batch(self, trainer: pl.Trainer, before_world: int, state: dict[str, Any]) -> None:
         """On another number of ranks with a loader that is not the pack's (whose per-rank batch size it cannot set),
         the ``accumulate_grad_batches`` that keeps the checkpoint's optimizer batch, said in one line."""
+        before = state.get("accumulate_grad_batches")
+        if before is None:
+            return  # a checkpoint from before the pack saved it
+        world = trainer.world_size
+        resumed = f"ExactResume: resumed on {world} rank(s) from a checkpoint of {before_world} rank(s)"
         setter = next(
             (
                 c
@@ -224,15 +232,25 @@ class ExactResume(Callback):
             ),
             None,
         )
-        if before is None:
-            return  # a checkpoint from before the pack saved it
-        if setter is not None:
-            name = type(setter).__name__
-            note_resume_policy(trainer, "accumulate_grad_batches", f"set by {name}")
+        if trainer.strategy.handles_gradient_accumulation or setter is not None:
+            if setter is None:
+                who, how = (
+                    type(trainer.strategy).__name__,
+                    "its own configuration's accumulation is used as it is",
+                )
+            elif isinstance(setter, AdaptiveBatchSize):
+                who, how = (
+                    "AdaptiveBatchSize",
+                    f"it goes on from the checkpoint's {before} and its own measurements",
+                )
+            else:
+                who, how = (
+                    "GradientAccumulationScheduler",
+                    f"scale its scheduling by {before_world}/{world} to keep it",
+                )
+            note_resume_policy(trainer, "accumulate_grad_batches", f"set by {who}")
             rank_zero_info(
-                f"ExactResume: resumed on {trainer.world_size} rank(s) from a checkpoint of {before_world}; "
-                f"{name} sets accumulate_grad_batches, so the optimizer batch is this run's ranks x batch size x "
-                "what it sets."
+                f"{resumed}; {who} sets the accumulation, so the optimizer batch is not kept by ExactResume: {how}."
             )
             return
         current = int(trainer.accumulate_grad_batches)
@@ -240,19 +258,36 @@ class ExactResume(Callback):
             "accumulate_grad_batches",
             int(before),
             before_world,
-            trainer.world_size,
+            world,
             current,
-            given=current != int(before),
+            given=current != int(state.get("configured_accumulate_grad_batches", before)),
             keep_per_rank=self.elastic == "keep_per_rank",
         )
         trainer.accumulate_grad_batches = size
+        self._elastic_accumulate = size
         note_resume_policy(trainer, "accumulate_grad_batches", note)
         rank_zero_info(f"ExactResume: {line}")
+
+    def _say_partial_first_step(self, trainer: pl.Trainer) -> None:
+        """Lightning steps the optimizer where the epoch's batch count divides by ``accumulate_grad_batches``: after a
+        resume mid-epoch with another one, the first step may accumulate fewer batches. Said in one line."""
+        accumulate, self._elastic_accumulate = self._elastic_accumulate, None
+        done = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        if accumulate is None or done % accumulate == 0:
+            return
+        rank_zero_info(
+            f"ExactResume: the first optimizer step after this resume accumulates {accumulate - done % accumulate} "
+            f"batch(es), not {accumulate}: Lightning counts accumulation from the epoch's first batch, and the epoch "
+            f"resumed after {done}; from the next step on, each has {accumulate}."
+        )
 
     # ------------------------------------------------------------------ hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._configured_accumulate = int(
+            trainer.accumulate_grad_batches
+        )  # this run's own, before any resume
         if isinstance(trainer.datamodule, GPUOptDataModule):  # it applies the policy when its state is loaded
             trainer.datamodule.elastic = self.elastic
         self._failed = False
@@ -262,6 +297,7 @@ class ExactResume(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Resumed from an epoch's last batch: the next epoch starts as an epoch (counted, its hooks called).
         _compat.end_restart_at_epoch_end(trainer)
+        self._say_partial_first_step(trainer)
         if self._pending is not None and self._pending.get("validation_due"):
             self._run_skipped_validation(trainer)
         # Lightning registered its handlers just before training; ours replace them until training ends.

@@ -239,8 +239,8 @@ def elastic_size(
         fits = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
         raise ValueError(
             f"{who}: the checkpoint's optimizer batch, {was} = {total} {unit} {times}, does not divide by this run's "
-            f"{world} rank(s): resume on {fits} rank(s), or pass ExactResume(elastic='keep_per_rank') to keep {name} "
-            "per rank."
+            f"{world} rank(s): resume on {fits} rank(s), set {name} for this run, or pass "
+            f"ExactResume(elastic='keep_per_rank') to keep {name} per rank."
         )
     size = total // world
     return (

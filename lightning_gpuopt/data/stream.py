@@ -31,6 +31,9 @@ from lightning_gpuopt.data.resume import SeededSamples, sample_seed, seed_all
 
 __all__ = ["ShardedStream", "StreamPositions", "restart_line"]
 
+#: The most shards a process keeps open (those of the window it reads, when a window spans many small shards).
+_OPEN_SHARDS = 64
+
 
 class ShardedStream(IterableDataset):
     """A training stream of shards: ``read_shard(shard)`` gives one shard's samples, in order.
@@ -127,7 +130,7 @@ class ShardedStream(IterableDataset):
     def from_litdata(cls, dataset: Any, shuffle_buffer: int = 0, seed: int | None = None) -> ShardedStream:
         """A LitData ``StreamingDataset`` (``litdata.optimize``'s chunks) read by its chunks, each by index through the
         dataset itself (its download, cache and decoding): a process reads only the samples of its own batches, and
-        a window spans at most two chunks. Its own ``shuffle`` is not used: set ``shuffle_buffer`` here.
+        the chunks a window spans are kept open. Its own ``shuffle`` is not used: set ``shuffle_buffer`` here.
 
         LitData's own ``StreamingDataLoader`` state resumes exactly at the same ranks, workers and batch size; under
         Lightning on another topology its resumed epoch lost and repeated samples (docs/resume.md, "Streams").
@@ -142,7 +145,10 @@ class ShardedStream(IterableDataset):
             )
         if dataset.cache is None:
             dataset[0]  # opens its index
-        intervals = [(int(i[1]), int(i[2])) for i in dataset.cache.get_chunk_intervals()]
+        intervals = [  # LitData's Interval(chunk_start, roi_start_idx, roi_end_idx, chunk_end)
+            (int(getattr(i, "roi_start_idx", i[1])), int(getattr(i, "roi_end_idx", i[2])))
+            for i in dataset.cache.get_chunk_intervals()
+        ]
         return cls(
             intervals,
             _LitDataChunk(dataset),
@@ -238,10 +244,9 @@ class _TarShard:
         self.decode = decode
 
     def __call__(self, path: str) -> _TarSamples | Iterator[Any]:
-        try:
-            return _TarSamples(path, self.decode)
-        except tarfile.ReadError:  # compressed
+        if _compressed(path):
             return self._in_order(path)
+        return _TarSamples(path, self.decode)
 
     def _in_order(self, path: str) -> Iterator[Any]:
         """Each file read as the tar is read (a compressed file goes back only by reading it again)."""
@@ -266,6 +271,15 @@ class _TarShard:
             return sum(1 for _ in _grouped(tar))
 
 
+#: The first bytes of the compressed files ``tarfile`` opens: gzip, bzip2, xz, zstandard.
+_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+
+
+def _compressed(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(6).startswith(_COMPRESSED)
+
+
 class _TarSamples:
     """The samples of one uncompressed tar file, by index: its member headers are read when it is opened, a
     sample's files when it is asked."""
@@ -288,6 +302,11 @@ class _TarSamples:
 
     def close(self) -> None:
         self._tar.close()
+
+    def __del__(self) -> None:
+        tar = getattr(self, "_tar", None)
+        if tar is not None:
+            tar.close()
 
 
 def _grouped(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tuple[str, tarfile.TarInfo]]]]:
@@ -343,8 +362,9 @@ class StreamPositions:
     """A :class:`ShardedStream` addressed by position: item ``(epoch, p)`` is sample ``p`` of that epoch's order.
 
     What the datamodule's training loader reads (through
-    :class:`~lightning_gpuopt.data.resume.SeededSamples`). Each process keeps one window of decoded samples;
-    :attr:`decoded` counts the samples this process took from ``read_shard``'s iterables.
+    :class:`~lightning_gpuopt.data.resume.SeededSamples`). A shard that ``read_shard`` returns as a sequence is read
+    by index, the sample asked for only; from one returned as an iterator, each process keeps one window of decoded
+    samples. :attr:`decoded` counts the samples this process took from what ``read_shard`` returned.
 
     Example:
         >>> stream = ShardedStream(["a", "b"], lambda s: [f"{s}{i}" for i in range(3)], shuffle_shards=False)
@@ -364,7 +384,8 @@ class StreamPositions:
         #: (epoch, window, its samples in input order, their order in the epoch): shards read as iterators
         self._window: tuple[int, int, list[Any], list[int]] | None = None
         self._drawn: tuple[int, int, list[int]] | None = None  # (epoch, window, its order)
-        self._readers: dict[tuple[int, int], _Reader] = {}  # (epoch, ordinal) -> reader, the last two
+        self._readers: dict[tuple[int, int], _Reader] = {}  # (epoch, ordinal) -> reader, the most recent last
+        self._window_shards = (-1, 0, -1)  # (epoch, first, last): the shards of the window read last
 
     @classmethod
     def of(
@@ -387,7 +408,7 @@ class StreamPositions:
             return self._window[2][self._window[3][at]]
         order = self._permutation(epoch, window)
         ordinal, offset = self._locate(epoch, window * size + order[at])
-        reader = self._reader_at(epoch, ordinal, offset)
+        reader = self._reader_at(epoch, ordinal, offset, window)
         if reader.sequence is not None:  # read by index: only this sample
             self.decoded += 1
             seed_all(sample_seed(self.seed, epoch, window * size + order[at]))
@@ -445,9 +466,14 @@ class StreamPositions:
             position += take
         return samples
 
-    def _reader_at(self, epoch: int, ordinal: int, offset: int) -> _Reader:
-        """A reader of the epoch's ``ordinal``-th shard that can give sample ``offset``: an open one (the last two
-        shards' are kept: a window can span two), else the shard opened again."""
+    def _reader_at(self, epoch: int, ordinal: int, offset: int, window: int | None = None) -> _Reader:
+        """A reader of the epoch's ``ordinal``-th shard that can give sample ``offset``: an open one, else the shard
+        opened again. The readers of every shard that ``window`` touches stay open (at most :data:`_OPEN_SHARDS`)."""
+        if window is not None:
+            size = max(1, self.stream.shuffle_buffer)
+            first = self._locate(epoch, window * size)[0]
+            last = self._locate(epoch, min(window * size + size, self._order(epoch)[1][-1]) - 1)[0]
+            self._window_shards = (epoch, first, last)
         key = (epoch, ordinal)
         reader = self._readers.pop(key, None)
         if reader is None or (reader.sequence is None and reader.offset > offset):
@@ -462,8 +488,12 @@ class StreamPositions:
                     f"{self.stream.sizes()[shard]}: pass shard_sizes that match what read_shard gives"
                 )
         self._readers[key] = reader  # the most recent last
-        while len(self._readers) > 2:
-            _close(self._readers.pop(next(iter(self._readers))))
+        epoch_now, first, last = self._window_shards
+        in_window = last - first + 1 if epoch_now == epoch else 0
+        while len(self._readers) > min(_OPEN_SHARDS, max(2, in_window)):
+            # The least recently used of the shards outside the window, else of all.
+            outside = (k for k in self._readers if k[0] != epoch_now or not first <= k[1] <= last)
+            _close(self._readers.pop(next(outside, next(iter(self._readers)))))
         return reader
 
     def _read(self, epoch: int, ordinal: int, offset: int, take: int) -> list[Any]:
@@ -485,7 +515,12 @@ class StreamPositions:
             seed_all(sample_seed(self.seed, epoch, start + reader.offset))
             try:
                 sample = next(reader.iterator)
-            except StopIteration:
+            except BaseException as err:
+                _close(
+                    self._readers.pop((epoch, ordinal))
+                )  # a generator that raised is over: open it again next
+                if not isinstance(err, StopIteration):
+                    raise
                 shard = self._order(epoch)[0][ordinal]
                 raise ValueError(
                     f"shard {self.stream.shards[shard]!r} gave {reader.offset} samples, its size says "

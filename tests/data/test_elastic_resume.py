@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -243,12 +245,24 @@ class _OwnLoader(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.randn(48, 2), batch_size=4)
 
 
-def _own_loader_resumed(root: Path, ranks_before: int, accumulate_before: int, **kwargs):
-    """A one-rank run resumed from a checkpoint made to say it was written by ``ranks_before`` ranks with
-    ``accumulate_before``; returns the Trainer (it ran one more epoch)."""
+class _TermAt(pl.Callback):
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _own_loader_resumed(root: Path, saved: dict, first_steps: int = -1, **kwargs) -> pl.Trainer:
+    """A one-rank run (12 batches an epoch) stopped after an epoch (or ``first_steps``), its checkpoint made to say
+    what ``saved`` says (``world_size``, ``accumulate_grad_batches``, ...), resumed for a second epoch; returns the
+    resumed Trainer."""
     from lightning_gpuopt import ExactResume
 
-    def trainer(epochs: int, accumulate: int = 1, elastic: str = "keep_optimizer_batch") -> pl.Trainer:
+    def trainer(
+        epochs: int, accumulate: int = 1, elastic: str = "keep_optimizer_batch", **more
+    ) -> pl.Trainer:
         return pl.Trainer(
             max_epochs=epochs,
             accumulate_grad_batches=accumulate,
@@ -258,20 +272,23 @@ def _own_loader_resumed(root: Path, ranks_before: int, accumulate_before: int, *
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            **more,
         )
 
-    path = root / "epoch1.ckpt"
-    if not path.exists():
-        first = trainer(1)
+    first = trainer(1)
+    path = root / "first.ckpt"
+    if first_steps > 0:  # stopped as a preemption stops it: SIGTERM, ExactResume writes checkpoints/last.ckpt
+        first.callbacks.append(_TermAt(first_steps - 1))
+        first.fit(_OwnLoader())
+        os.replace(root / "checkpoints" / "last.ckpt", path)
+    else:
         first.fit(_OwnLoader())
         first.save_checkpoint(path)
-        checkpoint = torch.load(path, weights_only=False)
-        (key,) = [k for k in checkpoint["callbacks"] if k.startswith("ExactResume")]
-        checkpoint["callbacks"][key]["rng"] *= ranks_before
-        checkpoint["callbacks"][key].update(
-            world_size=ranks_before, accumulate_grad_batches=accumulate_before
-        )
-        torch.save(checkpoint, path)
+    checkpoint = torch.load(path, weights_only=False)
+    (key,) = [k for k in checkpoint["callbacks"] if k.startswith("ExactResume")]
+    checkpoint["callbacks"][key]["rng"] *= saved["world_size"]
+    checkpoint["callbacks"][key].update(saved)
+    torch.save(checkpoint, path)
     resumed = trainer(2, **kwargs)
     resumed.fit(_OwnLoader(), ckpt_path=path)
     return resumed
@@ -279,30 +296,62 @@ def _own_loader_resumed(root: Path, ranks_before: int, accumulate_before: int, *
 
 def test_with_a_loader_of_its_own_the_optimizer_batch_is_kept_by_accumulation(tmp_path, caplog):
     """A checkpoint of 2 ranks x 1 batch per step resumed on 1 rank: 2 batches per step (6 steps in the epoch of 12
-    batches, as on 2 ranks); an accumulate_grad_batches given for the leg wins; keep_per_rank keeps 1."""
+    batches, as on 2 ranks); an accumulate_grad_batches given for the leg wins; keep_per_rank keeps 1. A checkpoint
+    of a leg whose accumulation a resume had changed (2 ranks x 2, configured 1: first written by 4 ranks) resumed
+    with the configuration's 1: 4 batches per step, not "given". Resumed after 5 of the epoch's 12 batches, the
+    first step's partial accumulation is said."""
+    two = {"world_size": 2, "accumulate_grad_batches": 1, "configured_accumulate_grad_batches": 1}
     with caplog.at_level(logging.INFO):
-        kept = _own_loader_resumed(tmp_path, 2, 1)
+        kept = _own_loader_resumed(tmp_path, two)
     assert kept.accumulate_grad_batches == 2 and kept.global_step == 12 + 6
     assert (
         "accumulate_grad_batches 1 -> 2 per rank, keeping the optimizer batch of 2 batch(es) x the loader's"
-        in (caplog.text)
+        in caplog.text
     )
-    given = _own_loader_resumed(tmp_path, 2, 1, accumulate=3)
+    given = _own_loader_resumed(tmp_path, two, accumulate=3)
     assert given.accumulate_grad_batches == 3 and given.global_step == 12 + 4
-    assert _own_loader_resumed(tmp_path, 2, 1, elastic="keep_per_rank").global_step == 12 + 12
+    assert _own_loader_resumed(tmp_path, two, elastic="keep_per_rank").global_step == 12 + 12
+    third_leg = {**two, "accumulate_grad_batches": 2}
+    assert _own_loader_resumed(tmp_path, third_leg).accumulate_grad_batches == 4
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        mid_epoch = _own_loader_resumed(tmp_path, two, first_steps=5)
+    assert mid_epoch.global_step == 5 + 4 + 6  # steps at batches 6, 8, 10, 12: the first of one batch; then 6
+    assert "the first optimizer step after this resume accumulates 1 batch(es), not 2" in caplog.text
 
 
-def test_with_a_loader_of_its_own_an_optimizer_batch_that_does_not_divide_is_refused():
-    """3 ranks x 1 batch per step on 2 ranks (the rule ExactResume applies; one process cannot have 2 ranks)."""
-    from lightning_gpuopt.data.resume import elastic_size
+def test_with_a_loader_of_its_own_an_optimizer_batch_that_does_not_divide_is_refused_and_a_scheduler_keeps_its_own(
+    caplog,
+):
+    """3 ranks x 1 batch per step resumed on 2 (one process cannot have 2 ranks: ExactResume's rule, called with
+    them): refused in one line. With GradientAccumulationScheduler, which sets the accumulation, one line says so."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
+    from lightning_gpuopt import ExactResume
+
+    def trainer(*callbacks):
+        strategy = SimpleNamespace(handles_gradient_accumulation=False)
+        return SimpleNamespace(
+            world_size=2, accumulate_grad_batches=1, callbacks=list(callbacks), strategy=strategy
+        )
+
+    saved = {"accumulate_grad_batches": 1, "configured_accumulate_grad_batches": 1}
     with pytest.raises(ValueError) as refused:
-        elastic_size("accumulate_grad_batches", 1, 3, 2, current=1)
+        ExactResume()._keep_optimizer_batch(trainer(), 3, saved)
     message = str(refused.value)
     assert "\n" not in message and message.startswith(
         "ExactResume: the checkpoint's optimizer batch, 3 rank(s) x"
     )
-    assert "resume on 1, 3 rank(s)" in message and "keep_per_rank" in message
+    assert "resume on 1, 3 rank(s), set accumulate_grad_batches for this run, or pass" in message
+    scheduled = trainer(GradientAccumulationScheduler({0: 2}))
+    with caplog.at_level(logging.INFO):
+        ExactResume()._keep_optimizer_batch(scheduled, 4, saved)
+    assert scheduled.accumulate_grad_batches == 1
+    assert (
+        "GradientAccumulationScheduler sets the accumulation, so the optimizer batch is not kept"
+        in caplog.text
+    )
+    assert "scale its scheduling by 4/2 to keep it" in caplog.text
 
 
 @pytest.mark.parametrize(

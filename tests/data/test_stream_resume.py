@@ -92,6 +92,40 @@ def test_random_augmentation_in_read_shard_draws_the_same_whoever_decodes_a_samp
     assert torch.rand(()) == expected
 
 
+@pytest.mark.parametrize("as_list", [False, True])
+def test_a_window_wider_than_its_shards_opens_each_shard_once(as_list):
+    """A window of 64 over shards of 10: read in the epoch's order, each shard is opened once (the readers of every
+    shard a window touches stay open; a tar reopened reads its headers again)."""
+    opened = collections.Counter()
+
+    def read(shard: int):
+        opened[shard] += 1
+        samples = (shard * 10 + i for i in range(10))
+        return list(samples) if as_list else samples
+
+    stream = ShardedStream(list(range(16)), read, shuffle_buffer=64, seed=0, shard_sizes=[10] * 16)
+    view = StreamPositions(stream, seed=0)
+    assert sorted(view[(0, p)] for p in range(160)) == list(range(160))
+    assert opened == {shard: 1 for shard in range(16)}
+
+
+def test_an_error_while_decoding_a_shard_is_raised_as_it_is_and_the_shard_read_again():
+    failing = {"left": 1}
+
+    def read(shard: int):
+        for i in range(10):
+            if shard == 1 and i == 3 and failing["left"]:
+                failing["left"] -= 1
+                raise OSError("disk hiccup")
+            yield shard * 10 + i
+
+    view = StreamPositions(ShardedStream([0, 1], read, shuffle_shards=False), seed=0)
+    with pytest.raises(OSError, match="disk hiccup"):
+        view[(0, 13)]
+    assert view[(0, 13)] == 13  # not "shard 1 gave 3 samples, its size says 10"
+    assert [view[(0, p)] for p in range(20)] == list(range(20))
+
+
 class _Stream(GPUOptDataModule):
     def train_dataset(self):
         return ShardedStream(list(range(16)), _ids([SHARD] * 16), shuffle_buffer=512)
