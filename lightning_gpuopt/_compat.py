@@ -45,6 +45,7 @@ __all__ = [
     "reset_grad_scaler",
     "run_validation",
     "saved_tensors",
+    "saves_distributed_checkpoint",
     "scalar_read_op",
     "set_fsdp_collectives",
     "set_logger_version",
@@ -84,6 +85,15 @@ def tensor_parallel_size(strategy: Any) -> int:
     """``ModelParallelStrategy``'s tensor-parallel size (1 when not set or ``"auto"``)."""
     size = getattr(strategy, "_tensor_parallel_size", 1)
     return size if isinstance(size, int) else 1
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether an ``FSDPStrategy`` or ``ModelParallelStrategy`` writes its checkpoint sharded (through
+    ``torch.distributed.checkpoint``) rather than whole: ``_state_dict_type == "sharded"``, or
+    ``_save_distributed_checkpoint``."""
+    if hasattr(strategy, "_save_distributed_checkpoint"):
+        return bool(strategy._save_distributed_checkpoint)
+    return getattr(strategy, "_state_dict_type", "full") == "sharded"
 
 
 def metric_state_names(metric: Any) -> list[str]:

@@ -80,6 +80,17 @@ def test_logger_step_is_the_step_lightning_logs_the_batch_under():
     )
 
 
+def test_saves_distributed_checkpoint():
+    assert "_save_distributed_checkpoint" in vars(ModelParallelStrategy()), "ModelParallelStrategy moved it"
+    assert _compat.saves_distributed_checkpoint(ModelParallelStrategy())
+    assert not _compat.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False))
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    assert "_state_dict_type" in vars(FSDPStrategy()), "FSDPStrategy._state_dict_type moved"
+    assert _compat.saves_distributed_checkpoint(FSDPStrategy(state_dict_type="sharded"))
+    assert not _compat.saves_distributed_checkpoint(FSDPStrategy())
+
+
 def test_ddp_kwargs_and_tensor_parallel_size():
     assert "_ddp_kwargs" in vars(DDPStrategy(bucket_cap_mb=5)), "DDPStrategy._ddp_kwargs moved"
     assert _compat.ddp_kwargs(DDPStrategy(bucket_cap_mb=5))["bucket_cap_mb"] == 5

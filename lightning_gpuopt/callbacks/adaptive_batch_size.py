@@ -99,6 +99,7 @@ class AdaptiveBatchSize(Callback):
         self.changes: list[list[Any]] = []
         self.last_change_step = 0
         self._unit: int | None = None
+        self._measure_unit = False
         #: Where the optimizer step is shared by tokens (GradientNoiseScale then counts tokens): the mean real
         #: tokens of one batch on every rank, over the steps so far.
         self._tokens_per_batch = 0.0
@@ -151,8 +152,9 @@ class AdaptiveBatchSize(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._unit is None:
+        if self._unit is None or self._measure_unit:
             self._unit = MicroBatchEngine.get(trainer).batch_size(batch) * trainer.world_size
+            self._measure_unit = False
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -345,7 +347,8 @@ class AdaptiveBatchSize(Callback):
         self.samples = int(state_dict.get("samples", 0))
         self.changes = [list(c) for c in state_dict.get("changes", [])]
         self.last_change_step = int(state_dict.get("last_change_step", 0))
-        self._unit = None  # measured again at the first batch: resumed on another number of ranks, it changes
+        self._unit = state_dict.get("unit")
+        self._measure_unit = True  # again at the first batch: resumed on another number of ranks, it changes
         self._tokens_per_batch = float(state_dict.get("tokens_per_batch", 0.0))
         self._token_steps = int(state_dict.get("token_steps", 0))
         self._held = str(state_dict.get("held", _NOT_MEASURED))

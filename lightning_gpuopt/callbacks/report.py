@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_gpuopt import _validate
+from lightning_gpuopt import _compat, _validate
 from lightning_gpuopt._metrics import is_logging_step, log_metrics
 from lightning_gpuopt._warnings import warn
 from lightning_gpuopt.batch_split import UnsplittableBatchError, batch_size_of
@@ -627,14 +627,9 @@ def _standing_policies(trainer: pl.Trainer) -> dict[str, str]:
     callbacks and the datamodule that apply it)."""
     strategy, world = trainer.strategy, trainer.world_size
     if isinstance(strategy, ModelParallelStrategy | FSDPStrategy):  # the model is sharded
-        distributed = (
-            getattr(strategy, "_save_distributed_checkpoint", True)
-            if isinstance(strategy, ModelParallelStrategy)
-            else getattr(strategy, "_state_dict_type", "full") == "sharded"
-        )
         model = (
             f"resharded over {world} rank(s) by torch.distributed.checkpoint"
-            if distributed
+            if _compat.saves_distributed_checkpoint(strategy)
             else f"the checkpoint's whole state, sharded over {world} rank(s) as it loads"
         )
     else:
