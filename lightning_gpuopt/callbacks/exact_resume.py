@@ -241,7 +241,7 @@ class ExactResume(Callback):
             elif isinstance(setter, AdaptiveBatchSize):
                 who, how = (
                     "AdaptiveBatchSize",
-                    f"it goes on from the checkpoint's {before} and its own measurements",
+                    f"it goes on from the checkpoint's accumulate_grad_batches={before}, then its own measurements",
                 )
             else:
                 who, how = (
@@ -285,9 +285,8 @@ class ExactResume(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
-        self._configured_accumulate = int(
-            trainer.accumulate_grad_batches
-        )  # this run's own, before any resume
+        # This run's own, before a resume on another number of ranks changes it: what its checkpoints hold.
+        self._configured_accumulate = int(trainer.accumulate_grad_batches)
         if isinstance(trainer.datamodule, GPUOptDataModule):  # it applies the policy when its state is loaded
             trainer.datamodule.elastic = self.elastic
         self._failed = False
