@@ -250,19 +250,9 @@ class _TarShard:
 
     def _in_order(self, path: str) -> Iterator[Any]:
         """Each file read as the tar is read (a compressed file goes back only by reading it again)."""
-        key, files = None, []
         with tarfile.open(path) as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                name, ext = _key_and_extension(member.name)
-                if files and name != key:
-                    yield _decoded(self.decode, key, files)  # type: ignore[arg-type]
-                    files = []
-                key = name
-                files.append((ext, _bytes(tar, member)))
-        if files:
-            yield _decoded(self.decode, key, files)  # type: ignore[arg-type]
+            for key, files in _grouped(tar, read=lambda member: _bytes(tar, member)):
+                yield _decoded(self.decode, key, files)
 
     @staticmethod
     def count(path: str) -> int:
@@ -309,8 +299,11 @@ class _TarSamples:
             tar.close()
 
 
-def _grouped(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tuple[str, tarfile.TarInfo]]]]:
-    """A tar file's files grouped by WebDataset key, in order: ``(key, [(extension, member), ...])``."""
+def _grouped(
+    tar: tarfile.TarFile, read: Callable[[tarfile.TarInfo], Any] = lambda member: member
+) -> Iterator[tuple[str, list[tuple[str, Any]]]]:
+    """A tar file's files grouped by WebDataset key, in order: ``(key, [(extension, read(member)), ...])``, each
+    member read as the tar reaches it."""
     key, members = None, []
     for member in tar:
         if not member.isfile():
@@ -320,7 +313,7 @@ def _grouped(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tuple[str, tarfil
             yield key, members  # type: ignore[misc]
             members = []
         key = name
-        members.append((ext, member))
+        members.append((ext, read(member)))
     if members:
         yield key, members  # type: ignore[misc]
 
@@ -407,11 +400,12 @@ class StreamPositions:
         if self._window is not None and self._window[:2] == (epoch, window):
             return self._window[2][self._window[3][at]]
         order = self._permutation(epoch, window)
-        ordinal, offset = self._locate(epoch, window * size + order[at])
-        reader = self._reader_at(epoch, ordinal, offset, window)
+        raw = window * size + order[at]  # the sample's place in the shards' order
+        ordinal, offset = self._locate(epoch, raw)
+        reader = self._reader_at(epoch, ordinal, offset)
         if reader.sequence is not None:  # read by index: only this sample
             self.decoded += 1
-            seed_all(sample_seed(self.seed, epoch, window * size + order[at]))
+            seed_all(sample_seed(self.seed, epoch, raw))
             return reader.sequence[offset]
         samples = self._read_window(epoch, window * size, size)
         self._window = (epoch, window, samples, order)
@@ -421,10 +415,13 @@ class StreamPositions:
         return {**self.__dict__, "_readers": {}}  # a worker opens its own shards
 
     def _permutation(self, epoch: int, window: int) -> list[int]:
-        """The order of the epoch's ``window``-th window (drawn once, kept until another window is asked)."""
+        """The order of the epoch's ``window``-th window (drawn once, kept until another window is asked); the
+        shards it spans are noted, to keep them open."""
         if self._drawn is None or self._drawn[:2] != (epoch, window):
             size = max(1, self.stream.shuffle_buffer)
             n = min(size, self._order(epoch)[1][-1] - window * size)
+            first, last = self._locate(epoch, window * size)[0], self._locate(epoch, window * size + n - 1)[0]
+            self._window_shards = (epoch, first, last)
             if not self.shuffle or self.stream.shuffle_buffer <= 1:
                 order = list(range(n))
             else:
@@ -466,21 +463,15 @@ class StreamPositions:
             position += take
         return samples
 
-    def _reader_at(self, epoch: int, ordinal: int, offset: int, window: int | None = None) -> _Reader:
+    def _reader_at(self, epoch: int, ordinal: int, offset: int) -> _Reader:
         """A reader of the epoch's ``ordinal``-th shard that can give sample ``offset``: an open one, else the shard
-        opened again. The readers of every shard that ``window`` touches stay open (at most :data:`_OPEN_SHARDS`)."""
-        if window is not None:
-            size = max(1, self.stream.shuffle_buffer)
-            first = self._locate(epoch, window * size)[0]
-            last = self._locate(epoch, min(window * size + size, self._order(epoch)[1][-1]) - 1)[0]
-            self._window_shards = (epoch, first, last)
+        opened again. The readers of every shard the current window spans stay open (at most :data:`_OPEN_SHARDS`)."""
         key = (epoch, ordinal)
         reader = self._readers.pop(key, None)
         if reader is None or (reader.sequence is None and reader.offset > offset):
             shard = self._order(epoch)[0][ordinal]
-            seed_all(
-                sample_seed(self.seed, epoch, -2 - ordinal)
-            )  # what opening it draws: the same at every opening
+            # What opening it draws (a list built at once): the same at every opening.
+            seed_all(sample_seed(self.seed, epoch, -2 - ordinal))
             reader = _Reader(self.stream.read_shard(self.stream.shards[shard]))
             if reader.sequence is not None and len(reader.sequence) != self.stream.sizes()[shard]:  # type: ignore[arg-type]
                 raise ValueError(
@@ -516,9 +507,8 @@ class StreamPositions:
             try:
                 sample = next(reader.iterator)
             except BaseException as err:
-                _close(
-                    self._readers.pop((epoch, ordinal))
-                )  # a generator that raised is over: open it again next
+                # A generator that raised is over: the shard is opened again for its next sample.
+                _close(self._readers.pop((epoch, ordinal)))
                 if not isinstance(err, StopIteration):
                     raise
                 shard = self._order(epoch)[0][ordinal]
